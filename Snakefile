@@ -1,0 +1,18 @@
+# ortflow: train ONNX models with ONNX Runtime, data-parallel over MPI ranks.
+# The stages live in workflow/rules/; their logic lives in src/ortflow/.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config/config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/data.smk"
+
+
+rule all:
+    input:
+        rules.prepare_data.output,
+    default_target: True

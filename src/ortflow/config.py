@@ -1,0 +1,174 @@
+"""The run configuration: load, validate against the JSON schema, fill defaults,
+and derive the hashes that decide what a checkpoint or an artifact belongs to."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA_PATH = REPO / "workflow" / "schemas" / "config.schema.yaml"
+DEFAULT_CONFIG = REPO / "config" / "config.yaml"
+
+
+class ConfigError(ValueError):
+    """A configuration value that the schema or a cross-key rule refuses."""
+
+
+def _schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def _with_defaults(validator_class):
+    """A validator that fills in each property's `default` before checking it,
+    so that nested sections get their defaults too."""
+    validate_properties = validator_class.VALIDATORS["properties"]
+
+    def set_defaults(validator, properties, instance, schema):
+        if isinstance(instance, dict):
+            for name, sub in properties.items():
+                if "default" in sub and name not in instance:
+                    instance[name] = copy.deepcopy(sub["default"])
+        yield from validate_properties(validator, properties, instance, schema)
+
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+
+
+def expand_dotted(config: dict) -> dict:
+    """`--config train.world_size=1` arrives as the key "train.world_size";
+    nest such keys so that they override the section they name."""
+    out: dict = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and key in out and isinstance(out[key], dict):
+            out[key] = _merge(out[key], value)
+            continue
+        parts = key.split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key '{key}': '{part}' is not a section")
+        node[parts[-1]] = _merge(node.get(parts[-1]), value) if isinstance(value, dict) else value
+    return out
+
+
+def _merge(base: Any, override: dict) -> dict:
+    merged = dict(base) if isinstance(base, dict) else {}
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    key = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+    schema = error.schema if isinstance(error.schema, dict) else {}
+    if error.validator == "additionalProperties":
+        allowed = ", ".join(sorted(schema.get("properties", {})))
+        unknown = ", ".join(
+            sorted(set(error.instance) - set(schema.get("properties", {})))
+        )
+        return f"config section '{key}': unknown key(s) {unknown}; allowed keys: {allowed}"
+    if error.validator == "enum":
+        allowed = ", ".join(repr(v) for v in error.validator_value)
+        return f"config key '{key}': {error.instance!r} is not one of {allowed}"
+    return f"config key '{key}': {error.message}"
+
+
+def _coerce(value: Any, schema: dict) -> Any:
+    """Snakemake's `--config 'train={world_size: 1}'` delivers nested values as
+    strings; read them as YAML scalars wherever the schema wants no string."""
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        return {k: _coerce(v, properties.get(k, {})) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_coerce(v, schema.get("items", {})) for v in value]
+    types = schema.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if isinstance(value, str) and types and "string" not in types:
+        try:
+            return yaml.safe_load(value)
+        except yaml.YAMLError:
+            return value
+    return value
+
+
+def validate(config: dict) -> dict:
+    """Return a validated copy of `config` with every default filled in.
+    Raises ConfigError naming the key and what is allowed."""
+    schema = _schema()
+    config = _coerce(expand_dotted(copy.deepcopy(config)), schema)
+    validator_class = _with_defaults(jsonschema.Draft202012Validator)
+    errors = sorted(
+        validator_class(schema).iter_errors(config), key=lambda e: list(e.path)
+    )
+    if errors:
+        raise ConfigError("\n".join(_describe(e) for e in errors))
+    _check_cross_keys(config)
+    return config
+
+
+def _check_cross_keys(config: dict) -> None:
+    model, train, data = config["model"], config["train"], config["data"]
+    if model["kind"] in ("onnx", "torch") and not model["path"]:
+        raise ConfigError(
+            f"config key 'model.path': required when model.kind is '{model['kind']}' "
+            "(an .onnx file, or `package.module:Class` for torch)"
+        )
+    if model["kind"] == "gpt" and data["source"] != "text" and not data["source"].endswith(".txt"):
+        raise ConfigError(
+            f"config key 'model.kind': 'gpt' needs text data (data.source: text or a .txt file), "
+            f"got data.source={data['source']!r}"
+        )
+    if model["kind"] == "gpt" and model["width"] % model["heads"]:
+        raise ConfigError(
+            f"config key 'model.heads': {model['heads']} does not divide model.width={model['width']}"
+        )
+    if train["backend"] == "nccl" and train["device"] != "cuda":
+        raise ConfigError("config key 'train.backend': 'nccl' needs train.device: cuda")
+    profile = train["profile_steps"]
+    if profile and profile[0] > profile[1]:
+        raise ConfigError(f"config key 'train.profile_steps': first {profile[0]} is after last {profile[1]}")
+
+
+def load(path: str | Path = DEFAULT_CONFIG, overrides: dict | None = None) -> dict:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(raw).__name__}")
+    return validate(_merge(expand_dotted(raw), expand_dotted(overrides or {})))
+
+
+def global_batch_size(config: dict) -> int:
+    train = config["train"]
+    return train["micro_batch_size"] * train["grad_accum_steps"] * train["world_size"]
+
+
+def digest(obj: Any) -> str:
+    """A stable sha256 of a JSON-able value (key order does not matter)."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def training_identity(config: dict) -> dict:
+    """What a checkpoint belongs to: resuming is only meaningful if all of
+    this is unchanged. World size, periods and the step count may change."""
+    train = config["train"]
+    return {
+        "seed": config["run"]["seed"],
+        "data": config["data"],
+        "model": config["model"],
+        "optimizer": train["optimizer"],
+        "lr_schedule": train["lr_schedule"],
+        "clip_grad_norm": train["clip_grad_norm"],
+        "global_batch_size": global_batch_size(config),
+    }

@@ -1,0 +1,1 @@
+"""The data stage: raw sources in, checksummed binary shards out, and the reader that training uses."""

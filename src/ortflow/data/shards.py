@@ -1,0 +1,177 @@
+"""Binary shards of fixed-size records, a JSON manifest per split, and the reader.
+
+A shard is the raw bytes of a numpy structured array: record i starts at byte
+i * record_bytes, so the reader memory-maps it and gathers a batch with one
+fancy index, without parsing. The manifest holds the schema, the record count
+and a sha256 per shard, which the reader checks on open.
+
+Batch order depends only on (seed, epoch, global batch size): global batch g of
+an epoch is a slice of a seeded permutation, cut into micro-batches, and rank r
+takes micro-batches r*A .. r*A+A-1 (A = accumulation steps). So two ranks with
+one micro-batch each see exactly the samples one rank sees in two accumulated
+micro-batches, and every rank gets the same number of batches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from .sources import DataError, Dataset
+
+FORMAT = "ortflow-shards/1"
+MANIFEST = "manifest.json"
+
+
+def record_dtype(dataset: Dataset) -> np.dtype:
+    fields = [(name, array.dtype, array.shape[1:]) for name, array in dataset.features.items()]
+    fields.append((dataset.label_name, dataset.label.dtype, dataset.label.shape[1:]))
+    return np.dtype(fields)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, num_shards: int, source: dict) -> dict:
+    """Write `rows` of `dataset` as `num_shards` shards plus a manifest into
+    `out_dir`, atomically: everything goes to a temporary folder that is
+    renamed into place only when complete."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dtype = record_dtype(dataset)
+    records = np.empty(len(rows), dtype=dtype)
+    for name, array in dataset.features.items():
+        records[name] = array[rows]
+    records[dataset.label_name] = dataset.label[rows]
+    shards = []
+    for i, part in enumerate(np.array_split(np.arange(len(rows)), min(num_shards, max(len(rows), 1)))):
+        path = tmp / f"shard-{i:05d}.bin"
+        with open(path, "wb") as f:
+            f.write(records[part].tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        shards.append({"file": path.name, "records": len(part), "sha256": sha256_file(path)})
+    manifest = {
+        "format": FORMAT,
+        "split": split,
+        "records": len(rows),
+        "record_bytes": dtype.itemsize,
+        "features": [
+            {"name": n, "dtype": a.dtype.name, "shape": list(a.shape[1:])} for n, a in dataset.features.items()
+        ],
+        "label": {
+            "name": dataset.label_name,
+            "dtype": dataset.label.dtype.name,
+            "shape": list(dataset.label.shape[1:]),
+        },
+        "task": dataset.task,
+        "num_classes": dataset.num_classes,
+        "source": source,
+        "shards": shards,
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    return manifest
+
+
+class ShardReader:
+    """Memory-maps the shards of one split after checking their checksums."""
+
+    def __init__(self, split_dir: str | Path, verify: bool = True):
+        self.dir = Path(split_dir)
+        manifest_path = self.dir / MANIFEST
+        if not manifest_path.is_file():
+            raise DataError(f"{manifest_path}: no shard manifest (run the prepare_data rule first)")
+        self.manifest = json.loads(manifest_path.read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise DataError(f"{manifest_path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
+        fields = [(f["name"], f["dtype"], tuple(f["shape"])) for f in self.manifest["features"]]
+        label = self.manifest["label"]
+        fields.append((label["name"], label["dtype"], tuple(label["shape"])))
+        self.dtype = np.dtype(fields)
+        self.feature_names = [f["name"] for f in self.manifest["features"]]
+        self.label_name = label["name"]
+        self.shards = []
+        for shard in self.manifest["shards"]:
+            path = self.dir / shard["file"]
+            if not path.is_file():
+                raise DataError(f"shard {path} is missing (listed in {manifest_path})")
+            expected = shard["records"] * self.dtype.itemsize
+            if path.stat().st_size != expected:
+                raise DataError(
+                    f"shard {path}: {path.stat().st_size} bytes, the manifest says {expected}; the data changed after it was written"
+                )
+            if verify and (actual := sha256_file(path)) != shard["sha256"]:
+                raise DataError(
+                    f"shard {path}: checksum mismatch (sha256 {actual}, manifest {shard['sha256']}); "
+                    "the data changed after it was written: rerun prepare_data"
+                )
+            if shard["records"]:
+                self.shards.append(np.memmap(path, dtype=self.dtype, mode="r"))
+        self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
+        self.num_records = int(self.offsets[-1])
+
+    def __len__(self) -> int:
+        return self.num_records
+
+    def gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        """Records at global `indices`, in that order, as {name: array}."""
+        indices = np.asarray(indices)
+        out = np.empty(len(indices), dtype=self.dtype)
+        shard_of = np.searchsorted(self.offsets, indices, side="right") - 1
+        for s in np.unique(shard_of):
+            where = np.nonzero(shard_of == s)[0]
+            local = indices[where] - self.offsets[s]
+            # Sorted reads walk the file forward; page cache and readahead do the rest.
+            order = np.argsort(local, kind="stable")
+            out[where[order]] = self.shards[s][local[order]]
+        return {name: np.ascontiguousarray(out[name]) for name in self.dtype.names}
+
+    def steps_per_epoch(self, global_batch_size: int) -> int:
+        return self.num_records // global_batch_size
+
+    def check_batch(self, global_batch_size: int) -> None:
+        if self.num_records < global_batch_size:
+            raise DataError(
+                f"{self.dir}: {self.num_records} records, fewer than one global batch of {global_batch_size} "
+                "(train.micro_batch_size x train.grad_accum_steps x train.world_size); "
+                "use more data or a smaller batch"
+            )
+
+    def global_batch(self, step: int, seed: int, global_batch_size: int) -> np.ndarray:
+        """The record indices of optimizer step `step` (0-based), for every rank together."""
+        per_epoch = self.steps_per_epoch(global_batch_size)
+        epoch, position = divmod(step, per_epoch)
+        order = np.random.default_rng([seed, epoch]).permutation(self.num_records)
+        return order[position * global_batch_size : (position + 1) * global_batch_size]
+
+    def micro_batches(
+        self, step: int, seed: int, rank: int, world_size: int, micro_batch_size: int, grad_accum_steps: int
+    ) -> list[dict[str, np.ndarray]]:
+        """This rank's `grad_accum_steps` micro-batches of optimizer step `step`."""
+        global_batch_size = micro_batch_size * grad_accum_steps * world_size
+        indices = self.global_batch(step, seed, global_batch_size)
+        first = rank * grad_accum_steps
+        return [
+            self.gather(indices[m * micro_batch_size : (m + 1) * micro_batch_size])
+            for m in range(first, first + grad_accum_steps)
+        ]
+
+    def eval_batches(self, rank: int, world_size: int, batch_size: int):
+        """This rank's contiguous part of the split, in batches; parts differ by at most one record."""
+        part = np.array_split(np.arange(self.num_records), world_size)[rank]
+        for start in range(0, len(part), batch_size):
+            yield self.gather(part[start : start + batch_size])

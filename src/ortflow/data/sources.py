@@ -1,0 +1,206 @@
+"""Raw data sources, each turned into named numeric arrays with one row per sample.
+
+Built in: `digits` (scikit-learn's 8x8 handwritten digits, shipped inside its
+package) and `text` (a byte-level corpus; by default Python's own documentation
+from `pydoc_data`). Bring your own: .csv, .parquet, .npz, .h5/.hdf5, .txt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+TABULAR_SUFFIXES = (".csv", ".parquet", ".npz", ".h5", ".hdf5")
+TEXT_SUFFIXES = (".txt",)
+BYTE_VOCAB = 256
+
+
+class DataError(ValueError):
+    """Input data that cannot be turned into shards; the message names the file and the problem."""
+
+
+@dataclass
+class Dataset:
+    features: dict[str, np.ndarray]  # name -> [N, ...]
+    label: np.ndarray  # [N, ...]
+    label_name: str
+    task: str  # classification | regression | language_model
+    num_classes: int | None = None  # classification: classes; language_model: vocabulary size
+
+    def __len__(self) -> int:
+        return len(self.label)
+
+
+def load(data: dict) -> Dataset:
+    """Read `data.source` into a Dataset, checking it on the way."""
+    source = data["source"]
+    if source == "digits":
+        dataset = _digits(data)
+    elif source == "text":
+        dataset = _text(_pydoc_text() if not data["text_path"] else _read_text(Path(data["text_path"])), data)
+    else:
+        path = Path(source)
+        suffix = path.suffix.lower()
+        if suffix not in TABULAR_SUFFIXES + TEXT_SUFFIXES:
+            raise DataError(
+                f"data.source: {source!r} is neither 'digits', 'text' nor a file ending in "
+                f"{', '.join(TABULAR_SUFFIXES + TEXT_SUFFIXES)}"
+            )
+        if not path.is_file():
+            raise DataError(f"data.source: file {path} does not exist")
+        if suffix in TEXT_SUFFIXES:
+            dataset = _text(_read_text(path), data)
+        else:
+            reader = {".csv": _csv, ".parquet": _parquet, ".npz": _npz}.get(suffix, _hdf5)
+            features, label = reader(path, data["features"], data["label"])
+            dataset = _tabular(features, label, data, str(path))
+    if len(dataset) == 0:
+        raise DataError(f"data.source {source!r}: the data set has no samples")
+    return dataset
+
+
+def _digits(data: dict) -> Dataset:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    # Pixel values are 0..16; scaling to 0..1 keeps the first steps well conditioned.
+    x = (digits.data / 16.0).astype(np.float32)
+    name = data["features"][0]
+    if data["task"] == "regression":
+        raise DataError("data.task: the digits data set is classification (labels 0..9)")
+    return Dataset({name: x}, digits.target.astype(np.int64), data["label"], "classification", 10)
+
+
+def _pydoc_text() -> str:
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise DataError(f"data.text_path: file {path} does not exist")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def _text(text: str, data: dict) -> Dataset:
+    """Byte-level language modelling: windows of `context + 1` bytes, the input
+    is the first `context`, the label the same window shifted by one."""
+    tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    context = data["context"]
+    windows = (len(tokens) - 1) // context
+    if windows < 2:
+        raise DataError(
+            f"data.source: the text has {len(tokens)} bytes, fewer than two windows of "
+            f"data.context={context} + 1"
+        )
+    starts = np.arange(windows) * context
+    index = starts[:, None] + np.arange(context + 1)[None, :]
+    sequences = tokens[index]
+    return Dataset(
+        {data["features"][0]: sequences[:, :-1]},
+        sequences[:, 1:].copy(),
+        data["label"],
+        "language_model",
+        BYTE_VOCAB,
+    )
+
+
+def _frame_columns(frame, path: str, features: list[str], label: str):
+    missing = [c for c in features + [label] if c not in frame.columns]
+    if missing:
+        raise DataError(
+            f"{path}: column(s) {', '.join(missing)} not found; the file has columns "
+            f"{', '.join(map(str, frame.columns))} (set data.features and data.label)"
+        )
+    for column in features + [label]:
+        if not np.issubdtype(frame[column].dtype, np.number) and frame[column].dtype != bool:
+            bad = frame[column][~frame[column].astype(str).str.match(r"^-?[0-9.eE+-]+$")]
+            example = bad.iloc[0] if len(bad) else frame[column].iloc[0]
+            raise DataError(
+                f"{path}: column {column!r} is not numeric (dtype {frame[column].dtype}, "
+                f"e.g. {example!r}); ortflow trains on numbers only"
+            )
+    x = frame[features].to_numpy(dtype=np.float32)
+    return {"x": x}, frame[label].to_numpy()
+
+
+def _csv(path: Path, features: list[str], label: str):
+    import pandas as pd
+
+    try:
+        frame = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        raise DataError(f"{path}: the file is empty") from None
+    return _frame_columns(frame, str(path), features, label)
+
+
+def _parquet(path: Path, features: list[str], label: str):
+    import pandas as pd
+
+    return _frame_columns(pd.read_parquet(path), str(path), features, label)
+
+
+def _arrays(path: Path, names: list[str], available: list[str], get):
+    missing = [n for n in names if n not in available]
+    if missing:
+        raise DataError(
+            f"{path}: array(s) {', '.join(missing)} not found; the file has "
+            f"{', '.join(available) or 'no arrays'} (set data.features and data.label)"
+        )
+    arrays = {n: np.asarray(get(n)) for n in names}
+    for name, array in arrays.items():
+        if not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+            raise DataError(f"{path}: array {name!r} has dtype {array.dtype}; expected numbers")
+    return arrays
+
+
+def _npz(path: Path, features: list[str], label: str):
+    with np.load(path, allow_pickle=False) as npz:
+        arrays = _arrays(path, features + [label], list(npz.files), npz.__getitem__)
+    return {n: arrays[n] for n in features}, arrays[label]
+
+
+def _hdf5(path: Path, features: list[str], label: str):
+    import h5py
+
+    with h5py.File(path, "r") as h5:
+        available = []
+        h5.visititems(lambda name, obj: available.append(name) if isinstance(obj, h5py.Dataset) else None)
+        arrays = _arrays(path, features + [label], available, lambda n: h5[n][()])
+    return {n: arrays[n] for n in features}, arrays[label]
+
+
+def _tabular(features: dict[str, np.ndarray], label: np.ndarray, data: dict, path: str) -> Dataset:
+    n = len(label)
+    for name, array in features.items():
+        if len(array) != n:
+            raise DataError(f"{path}: feature {name!r} has {len(array)} rows but label {data['label']!r} has {n}")
+        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
+            row = int(np.argwhere(~np.isfinite(array.reshape(n, -1)).all(axis=1))[0][0])
+            raise DataError(f"{path}: feature {name!r} has NaN or infinite values (first at row {row})")
+    if np.issubdtype(label.dtype, np.floating) and not np.isfinite(label).all():
+        bad = ~np.isfinite(label.reshape(n, -1)).all(axis=1)
+        raise DataError(
+            f"{path}: label {data['label']!r} has {int(bad.sum())} NaN or infinite value(s) "
+            f"(first at row {int(np.argmax(bad))}); drop or fill those rows"
+        )
+    task = data["task"]
+    integral = np.issubdtype(label.dtype, np.integer) or label.dtype == bool
+    if task == "auto":
+        task = "classification" if integral else "regression"
+    features = {k: v.astype(np.float32) for k, v in features.items()}
+    if task == "regression":
+        return Dataset(features, label.astype(np.float32), data["label"], "regression")
+    if not integral and not np.array_equal(label, np.round(label)):
+        raise DataError(f"{path}: data.task is classification but label {data['label']!r} has fractional values")
+    label = label.astype(np.int64)
+    if n and label.min() < 0:
+        raise DataError(f"{path}: label {data['label']!r} has negative class {int(label.min())}; classes are 0..K-1")
+    num_classes = int(label.max()) + 1 if n else 0
+    if n and num_classes < 2:
+        raise DataError(f"{path}: label {data['label']!r} has a single class; classification needs two or more")
+    return Dataset(features, label, data["label"], "classification", num_classes)
