@@ -1,0 +1,42 @@
+"""Shared test helpers: run the real workflow with Snakemake in a scratch folder."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, timeout: int = 900):
+    """Run the repository's Snakefile in `workdir` with `config` layered over
+    config/config.yaml. Returns the CompletedProcess; its output is kept for
+    assertions and shown when `check` fails."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    configfile = workdir / "test-config.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    command = [
+        str(BIN / "snakemake"),
+        "--snakefile", str(REPO / "Snakefile"),
+        "--directory", str(workdir),
+        "--configfile", str(configfile),
+        "--cores", "2",
+        *args,
+    ]
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    if check and result.returncode != 0:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-4000:]}" for p in sorted(workdir.glob("logs/**/*.log")))
+        pytest.fail(f"snakemake failed ({result.returncode}):\n{result.stderr[-6000:]}\n{logs}")
+    return result
+
+
+@pytest.fixture
+def workdir(tmp_path: Path) -> Path:
+    return tmp_path / "work"
