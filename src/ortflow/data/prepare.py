@@ -42,3 +42,20 @@ def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
         )
     log.info("task %s, classes/vocabulary %s", dataset.task, dataset.num_classes)
     return manifests
+
+
+HELP = "read data.source, split it by run.seed, write checksummed shards"
+
+
+def add_arguments(parser) -> None:
+    from ..cli import add_config_arguments
+
+    add_config_arguments(parser)
+    parser.add_argument("--train", required=True, help="output folder of the train split")
+    parser.add_argument("--eval", required=True, help="output folder of the eval split")
+
+
+def run(args) -> None:
+    from ..cli import load_config
+
+    prepare(load_config(args), Path(args.train), Path(args.eval))
