@@ -20,6 +20,7 @@ from . import config as config_mod
 
 COMMANDS = {
     "prepare-data": "ortflow.data.prepare",
+    "train": "ortflow.train.launch",
 }
 
 

@@ -1,0 +1,1 @@
+"""The training stage: launcher, the per-rank loop, communication, schedules, metrics."""

@@ -1,0 +1,243 @@
+"""The training loop that every rank runs, started by `ortflow train` under mpirun or srun.
+
+One optimizer step, on each rank:
+  1. set the learning rate of the schedule for this step;
+  2. forward and backward over `grad_accum_steps` micro-batches of this rank's
+     part of the global batch (ORT sums the gradients across the calls);
+  3. sum the gradients across ranks in place, scale the sum to the mean over
+     every micro-batch of every rank, and clip it to the global norm;
+  4. the optimizer step.
+Every rank then holds the same parameters, so evaluation is split across ranks
+and checkpoints can be written by all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .. import checkpoint, config as config_mod
+from ..data.shards import ShardReader
+from . import comm as comm_mod
+from .metrics import Metrics, peak_rss_mb
+from .schedule import learning_rate
+
+log = logging.getLogger("ortflow.train")
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a non-finite loss, an injected fault); the message says where."""
+
+
+def session_options(local_size: int):
+    """Each rank gets its share of the node's cores, and its threads sleep when
+    idle: ORT's default (all cores each, spinning) makes two ranks slower than one."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    cores = len(os.sched_getaffinity(0))
+    options.intra_op_num_threads = max(1, cores // local_size)
+    options.inter_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return options
+
+
+def gradients(state, names: list[str]) -> list:
+    """The live gradient buffers: writable numpy views on the CPU (DESIGN.md), OrtValues on the GPU."""
+    grads = [state._state.get_parameter(name).grad for name in names]
+    if grads and grads[0].device_name().lower() == "cpu":
+        return [g.numpy() for g in grads]
+    return grads
+
+
+def feeds(batch: dict, input_names: list[str], label_input: str, data_label: str) -> list[np.ndarray]:
+    return [batch[data_label] if name == label_input else batch[name] for name in input_names]
+
+
+def outputs_of(result) -> tuple[float, np.ndarray | None]:
+    """(loss, logits) from a Module call: the graphs return both when built with logits."""
+    if isinstance(result, (list, tuple)):
+        return float(result[0]), (result[1] if len(result) > 1 else None)
+    return float(result), None
+
+
+def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, data_label: str) -> dict:
+    """Mean loss over the whole eval split, and accuracy (classification) or
+    perplexity (language model); each rank evaluates its part."""
+    module.eval()
+    names = module.input_names()
+    loss_sum = correct = count = 0.0
+    for batch in reader.eval_batches(comm.rank, comm.world_size, batch_size):
+        loss, logits = outputs_of(module(*feeds(batch, names, info["label"]["name"], data_label)))
+        labels = batch[data_label]
+        # The loss is a mean over the batch's elements (samples, or tokens for a language model).
+        n = labels.size if info["task"] != "regression" else len(labels)
+        loss_sum += loss * n
+        count += n
+        if logits is not None and info["task"] != "regression":
+            correct += float((np.argmax(logits, axis=1) == labels).sum())
+    module.train()
+    loss_sum, correct, count = comm.allreduce_sum([loss_sum, correct, count])
+    results = {"loss": loss_sum / count}
+    if info["task"] == "classification":
+        results["accuracy"] = correct / count
+    elif info["task"] == "language_model":
+        results["perplexity"] = math.exp(min(results["loss"], 50.0))
+        results["accuracy"] = correct / count
+    return results
+
+
+def inject_fault(fault: dict | None, step: int, rank: int, batches: list[dict]) -> None:
+    """`train.fail_at_step` lets tests break one rank on purpose."""
+    if not fault or fault["step"] != step or fault["rank"] != rank:
+        return
+    if fault["mode"] == "raise":
+        raise TrainingError(f"injected failure on rank {rank} at step {step} (train.fail_at_step)")
+    if fault["mode"] == "stall":
+        log.warning("rank %d stalls at step %d (train.fail_at_step)", rank, step)
+        time.sleep(3600)
+    if fault["mode"] == "nan":
+        for batch in batches:
+            for value in batch.values():
+                if value.dtype.kind == "f":
+                    value[...] = np.nan
+
+
+def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    run, train_cfg, data_cfg = config["run"], config["train"], config["data"]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    comm = comm_mod.create(train_cfg, out_dir / "heartbeat")
+    rank, world_size = comm.rank, comm.world_size
+    if world_size != train_cfg["world_size"]:
+        raise TrainingError(f"started with {world_size} ranks but train.world_size is {train_cfg['world_size']}")
+    micro, accum = train_cfg["micro_batch_size"], train_cfg["grad_accum_steps"]
+    global_batch = config_mod.global_batch_size(config)
+
+    # Checked before the first step: checksums, batch size against the data.
+    train_reader = ShardReader(data_dir / "train")
+    eval_reader = ShardReader(data_dir / "eval")
+    train_reader.check_batch(global_batch)
+    info = json.loads((artifacts / "model.json").read_text())
+    data_label = train_reader.label_name
+
+    identity = config_mod.training_identity(config)
+    identity_digest = config_mod.digest(identity)
+    resume = checkpoint.find_resume(out_dir / "checkpoints", identity, identity_digest, train_cfg["resume_from"])
+    start_step = resume.step if resume else 0
+    state = CheckpointState.load_checkpoint(str(resume.ort_checkpoint if resume else artifacts / "checkpoint"))
+    device = "cuda" if train_cfg["device"] == "cuda" else "cpu"
+    if device == "cuda":
+        device = f"cuda:{comm.local_rank}"
+    module = Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"),
+                    device=device, session_options=session_options(comm.local_size))
+    optimizer = Optimizer(str(artifacts / "optimizer_model.onnx"), module)
+    trainable = [name for name, p in state.parameters if p.requires_grad]
+    input_names = module.input_names()
+    if rank == 0:
+        log.info("%d ranks, global batch %d (%d x %d accumulated x %d ranks), %s, %s",
+                 world_size, global_batch, micro, accum, world_size,
+                 f"resuming at step {start_step} from {resume.path}" if resume else "starting at step 0",
+                 f"{session_options(comm.local_size).intra_op_num_threads} threads per rank")
+
+    metrics = Metrics(out_dir, rank == 0, start_step, train_cfg["steps"])
+    flops_per_sample = sum(info["flops_per_sample"].values())
+    last_eval: dict = {}
+    scale_to_mean = 1.0 / (accum * world_size)
+    for step in range(start_step, train_cfg["steps"]):
+        started = time.perf_counter()
+        comm.watchdog.beat(step, "forward")
+        lr = learning_rate(step, train_cfg["steps"], train_cfg["optimizer"]["lr"], train_cfg["lr_schedule"])
+        optimizer.set_learning_rate(lr)
+        batches = train_reader.micro_batches(step, run["seed"], rank, world_size, micro, accum)
+        inject_fault(train_cfg["fail_at_step"], step, rank, batches)
+        loss_sum = 0.0
+        for batch in batches:
+            loss, _ = outputs_of(module(*feeds(batch, input_names, info["label"]["name"], data_label)))
+            loss_sum += loss
+
+        comm.watchdog.beat(step, "allreduce")
+        grads = gradients(state, trainable)
+        comm.allreduce_gradients(grads)
+        # After the sum every rank holds the same gradients, so every rank
+        # computes the same norm and takes the same clipping decision.
+        norm = math.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)) * scale_to_mean
+        factor = scale_to_mean
+        clip = train_cfg["clip_grad_norm"]
+        if clip is not None and norm > clip:
+            factor *= clip / (norm + 1e-6)
+        for g in grads:
+            g *= factor
+        (global_loss,) = comm.allreduce_sum([loss_sum]) * scale_to_mean
+        if not (math.isfinite(global_loss) and math.isfinite(norm)):
+            raise TrainingError(
+                f"non-finite loss {global_loss} (gradient norm {norm}) at step {step + 1}; "
+                f"the last good checkpoint is kept in {out_dir / 'checkpoints'}"
+            )
+        optimizer.step()
+        module.lazy_reset_grad()
+        metrics.step_time(time.perf_counter() - started)
+
+        done = step + 1
+        if done % train_cfg["log_every"] == 0 or done == train_cfg["steps"]:
+            metrics.train(step, global_loss, lr, norm, global_batch / metrics.step_times[-1])
+        if done % train_cfg["histogram_every"] == 0 and rank == 0:
+            metrics.histograms(done, {n: state._state.get_parameter(n).data.numpy() for n in trainable})
+        if done % train_cfg["eval_every"] == 0 or done == train_cfg["steps"]:
+            comm.watchdog.beat(step, "eval")
+            last_eval = evaluate(module, eval_reader, comm, info, train_cfg["eval_batch_size"], data_label)
+            metrics.eval(done, last_eval)
+        if done % train_cfg["checkpoint_every"] == 0 or done == train_cfg["steps"]:
+            comm.watchdog.beat(step, "checkpoint")
+            checkpoint.save(out_dir / "checkpoints", done, state, comm, identity, identity_digest,
+                            {"step": done, "lr": lr}, train_cfg["keep_checkpoints"])
+
+    if not last_eval:  # resumed at the end: nothing trained, still report the model's quality
+        last_eval = evaluate(module, eval_reader, comm, info, train_cfg["eval_batch_size"], data_label)
+        metrics.eval(train_cfg["steps"], last_eval)
+    summary = metrics.summary(train_cfg["steps"], global_batch, flops_per_sample, last_eval,
+                              comm.allgather(peak_rss_mb()))
+    metrics.write(out_dir / "metrics.json", summary)
+    metrics.close()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="one rank of `ortflow train` (start it with mpirun or srun)")
+    parser.add_argument("--config-json", required=True)
+    parser.add_argument("--data", required=True, type=Path, help="folder with the train/ and eval/ shards")
+    parser.add_argument("--artifacts", required=True, type=Path)
+    parser.add_argument("--out", required=True, type=Path, help="the run's train/ folder")
+    args = parser.parse_args(argv)
+
+    from mpi4py import MPI
+
+    rank = MPI.COMM_WORLD.Get_rank()
+    logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
+                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
+    import onnxruntime
+
+    onnxruntime.set_default_logger_severity(3)
+    try:
+        train(config_mod.validate(json.loads(args.config_json)), args.data, args.artifacts, args.out)
+    except BaseException as error:  # noqa: BLE001 - any failure on one rank must end all ranks
+        known = isinstance(error, (TrainingError, ValueError, comm_mod.DeviceError))
+        log.error("rank %d failed: %s", rank, error, exc_info=not known)
+        logging.shutdown()
+        sys.stderr.flush()
+        # Without Abort, the other ranks would wait forever in their next collective.
+        MPI.COMM_WORLD.Abort(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""What a run reports: log lines with ETA, TensorBoard scalars and histograms,
+and the summary in metrics.json. Only rank 0 writes; every rank measures."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import resource
+import time
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+log = logging.getLogger("ortflow.train")
+
+# Steps left out of the steady-state throughput: the first ones pay for
+# session warm-up and memory allocation.
+WARMUP_STEPS = 5
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+class Metrics:
+    def __init__(self, out_dir: Path, enabled: bool, start_step: int, total_steps: int):
+        self.enabled, self.start_step, self.total_steps = enabled, start_step, total_steps
+        self.step_times: list[float] = []
+        self.history: dict[str, list] = {"train": [], "eval": []}
+        self.started = time.perf_counter()
+        self.writer = None
+        if enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events a crashed run wrote past the step we resume from.
+            self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step or None)
+
+    def step_time(self, seconds: float) -> None:
+        self.step_times.append(seconds)
+
+    def train(self, step: int, loss: float, lr: float, grad_norm: float, samples_per_s: float) -> None:
+        if not self.enabled:
+            return
+        done = step + 1 - self.start_step
+        remaining = (self.total_steps - step - 1) * (time.perf_counter() - self.started) / max(done, 1)
+        log.info(
+            "step %d/%d loss %.4f lr %.3g grad_norm %.3f %.0f samples/s eta %s",
+            step + 1, self.total_steps, loss, lr, grad_norm, samples_per_s, tqdm.format_interval(remaining),
+        )
+        self.history["train"].append({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                                      "samples_per_s": samples_per_s})
+        for name, value in (("loss", loss), ("lr", lr), ("grad_norm", grad_norm), ("samples_per_s", samples_per_s)):
+            self.writer.add_scalar(f"train/{name}", value, step + 1)
+
+    def eval(self, step: int, results: dict) -> None:
+        if not self.enabled:
+            return
+        log.info("eval at step %d: %s", step, " ".join(f"{k} {v:.4f}" for k, v in results.items()))
+        self.history["eval"].append({"step": step, **results})
+        for name, value in results.items():
+            self.writer.add_scalar(f"eval/{name}", value, step)
+
+    def histograms(self, step: int, parameters: dict[str, np.ndarray]) -> None:
+        if self.enabled:
+            for name, value in parameters.items():
+                self.writer.add_histogram(f"parameters/{name}", value, step)
+
+    def summary(self, steps: int, global_batch_size: int, flops_per_sample: float, eval_results: dict,
+                peak_rss_per_rank: list[float]) -> dict:
+        steady = self.step_times[WARMUP_STEPS:] or self.step_times
+        p50, p95 = (float(np.percentile(steady, q)) for q in (50, 95)) if steady else (math.nan, math.nan)
+        samples_per_s = global_batch_size / float(np.mean(steady)) if steady else math.nan
+        train_loss = self.history["train"][-1]["loss"] if self.history["train"] else math.nan
+        return {
+            "steps": steps,
+            "train_loss": train_loss,
+            "eval": eval_results,
+            "samples_per_s": samples_per_s,
+            "step_time_p50_s": p50,
+            "step_time_p95_s": p95,
+            "flops_per_s": samples_per_s * flops_per_sample,
+            "peak_rss_mb": peak_rss_per_rank,
+            "global_batch_size": global_batch_size,
+            "wall_time_s": time.perf_counter() - self.started,
+            "history": self.history,
+        }
+
+    def write(self, path: Path, summary: dict) -> None:
+        if not self.enabled:
+            return
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        os.replace(tmp, path)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

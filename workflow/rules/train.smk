@@ -1,0 +1,23 @@
+rule train:
+    input:
+        train=rules.prepare_data.output.train,
+        eval=rules.prepare_data.output.eval,
+        artifacts=rules.build_artifacts.output[0],
+    output:
+        # Checkpoints and TensorBoard events live beside metrics.json but are not
+        # outputs: Snakemake deletes a failed job's outputs, and a rerun resumes from them.
+        metrics=f"{RESULTS}/train/metrics.json",
+    log:
+        f"{LOGS}/train.log",
+    params:
+        config=config_json("run", "data", "model", "train"),
+        data=f"{RESULTS}/data",
+        out=f"{RESULTS}/train",
+    resources:
+        tasks=config["train"]["world_size"],
+        mpi="mpirun",
+    threads: min(config["train"]["world_size"], workflow.cores)
+    shell:
+        "ortflow train --mpi {resources.mpi} -n {resources.tasks} --config-json {params.config:q}"
+        " --data {params.data} --artifacts {input.artifacts} --out {params.out}"
+        " --metrics {output.metrics} > {log} 2>&1"
