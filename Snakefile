@@ -10,9 +10,11 @@ configfile: "config/config.yaml"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
+include: "workflow/rules/artifacts.smk"
 
 
 rule all:
     input:
         rules.prepare_data.output,
+        rules.build_artifacts.output,
     default_target: True

@@ -20,6 +20,7 @@ from . import config as config_mod
 
 COMMANDS = {
     "prepare-data": "ortflow.data.prepare",
+    "build-artifacts": "ortflow.models.graphs",
     "train": "ortflow.train.launch",
 }
 

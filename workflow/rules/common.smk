@@ -22,13 +22,13 @@ LOGS = f"logs/{RUN}"
 
 
 def config_json(*keys):
-    """The parts of the config a rule depends on, as JSON for `--config-json`.
+    """The parts of the config a rule depends on (dotted keys, any depth), as JSON for `--config-json`.
     A rule reruns when these change, and only these."""
     picked = {}
     for key in keys:
-        section, _, name = key.partition(".")
-        if name:
-            picked.setdefault(section, {})[name] = config[section][name]
-        else:
-            picked[section] = config[section]
+        *sections, name = key.split(".")
+        source, target = config, picked
+        for section in sections:
+            source, target = source[section], target.setdefault(section, {})
+        target[name] = source[name]
     return json.dumps(picked, sort_keys=True)

@@ -1,0 +1,395 @@
+"""The build_artifacts stage: a model and the train split's manifest in, the
+graphs and initial checkpoint that ONNX Runtime's training engine runs out.
+
+1. The forward model as ONNX (`inference_base.onnx`): a built-in or user torch
+   module exported at opset 16 (ORT 1.19's gradient builder fails on opset 17's
+   LayerNormalization), or the user's ONNX file. Its inputs are named like the
+   data's features; its one output holds the logits.
+2. `generate_artifacts` adds the loss (with a label input named like the data's
+   label) and the gradient graph (`training_model.onnx`), the same without
+   gradients (`eval_model.onnx`), the optimizer (`optimizer_model.onnx`, no
+   gradient clipping: training clips globally after the all-reduce) and the
+   initial weights (`checkpoint`). Both training and eval graphs return
+   (loss, logits).
+3. One training step on a few train records proves that the graphs fit the data.
+4. `model.json` describes the inputs, label, outputs, parameters and FLOPs.
+
+Everything is written to `<out>.tmp` and renamed to `<out>` when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from . import CLASS_LOSSES, LOGITS, TARGET_LOSSES
+
+log = logging.getLogger("ortflow.build_artifacts")
+
+OPSET = 16
+MODEL_JSON = "model.json"
+BASE_MODEL = "inference_base.onnx"
+SMOKE_RECORDS = 4
+# ORT's loss blocks by config name.
+LOSS_BLOCKS = {"cross_entropy": "CrossEntropyLoss", "mse": "MSELoss", "bce_with_logits": "BCEWithLogitsLoss", "l1": "L1Loss"}
+
+
+def resolve_loss(loss: str, manifest: dict) -> str:
+    """`model.loss`, with `auto` chosen by the task, checked against the label."""
+    task, label = manifest["task"], manifest["label"]
+    if loss == "auto":
+        loss = "mse" if task == "regression" else "cross_entropy"
+    integral = np.issubdtype(np.dtype(label["dtype"]), np.integer) or label["dtype"] == "bool"
+    described = f"the data's label {label['name']!r} is {label['dtype']} (task {task})"
+    if loss in CLASS_LOSSES and not integral:
+        raise ValueError(
+            f"model.loss: {loss!r} needs integer class labels but {described}; "
+            "use mse, l1 or bce_with_logits for float targets, or set data.task: classification"
+        )
+    if loss in ("mse", "l1") and integral:
+        raise ValueError(
+            f"model.loss: {loss!r} compares outputs with float targets but {described}; use cross_entropy for classes"
+        )
+    if loss == "bce_with_logits" and integral and manifest["num_classes"] != 2:
+        raise ValueError(
+            f"model.loss: 'bce_with_logits' needs float targets in [0, 1] or two classes but {described} "
+            f"with {manifest['num_classes']} classes; use cross_entropy"
+        )
+    return loss
+
+
+def export_torch(module, manifest: dict, path: Path) -> None:
+    """torch -> ONNX with the batch dimension dynamic, in training mode and
+    without constant folding, so that every parameter stays an initializer."""
+    import torch
+
+    features = manifest["features"]
+    example = tuple(torch.zeros([2, *f["shape"]], dtype=getattr(torch, f["dtype"])) for f in features)
+    names = [f["name"] for f in features]
+    torch.onnx.export(
+        module,
+        example,
+        str(path),
+        input_names=names,
+        output_names=[LOGITS],
+        dynamic_axes={name: {0: "batch"} for name in [*names, LOGITS]},
+        opset_version=OPSET,
+        training=torch.onnx.TrainingMode.TRAINING,
+        do_constant_folding=False,
+        dynamo=False,
+    )
+
+
+def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
+    """Write the forward ONNX model to `path`; return it and the names of the
+    torch parameters that train (None for an ONNX file: every float initializer)."""
+    import onnx
+    import torch
+
+    from . import built_in, user
+
+    if model["kind"] == "onnx":
+        base = user.load_onnx(model["path"])
+        onnx.save(base, str(path))
+        return base, None
+    torch.manual_seed(seed)
+    module = user.import_torch(model["path"], model["kwargs"]) if model["kind"] == "torch" else built_in(
+        model, manifest, loss
+    )
+    export_torch(module.eval(), manifest, path)
+    return onnx.load(str(path)), [n for n, p in module.named_parameters() if p.requires_grad]
+
+
+def float_initializers(base) -> dict[str, int]:
+    """Name -> element count of the float initializers (the candidate parameters)."""
+    import onnx
+
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    return {t.name: math.prod(t.dims) for t in base.graph.initializer if t.data_type in floats}
+
+
+def split_parameters(base, model: dict, torch_trainable: list[str] | None) -> tuple[list[str], list[str]]:
+    """(trainable, frozen) parameter names: `model.trainable` if given, else the
+    torch module's parameters or the ONNX file's float initializers, minus `model.frozen`."""
+    parameters = float_initializers(base)
+    for key in ("trainable", "frozen"):
+        unknown = [n for n in model[key] or [] if n not in parameters]
+        if unknown:
+            raise ValueError(
+                f"model.{key}: {unknown} not among the model's parameters; it has: {sorted(parameters)}"
+            )
+    if model["trainable"] is not None:
+        trainable = list(model["trainable"])
+    else:
+        trainable = [n for n in (torch_trainable if torch_trainable is not None else parameters) if n in parameters]
+    both = sorted(set(trainable) & set(model["frozen"]))
+    if both:
+        raise ValueError(f"model.trainable and model.frozen both name {both}")
+    trainable = [n for n in trainable if n not in model["frozen"]]
+    if not trainable:
+        raise ValueError("model: no parameter is left to train (check model.trainable and model.frozen)")
+    return trainable, [n for n in parameters if n not in trainable]
+
+
+def check_interface(base, manifest: dict) -> None:
+    """The model's inputs are the data's features (names and element types),
+    and it has one output, the logits."""
+    import onnx
+
+    initializers = {t.name for t in base.graph.initializer}
+    inputs = [i for i in base.graph.input if i.name not in initializers]
+    model_names = [i.name for i in inputs]
+    data_names = [f["name"] for f in manifest["features"]]
+    if sorted(model_names) != sorted(data_names):
+        raise ValueError(
+            f"model inputs {model_names} do not match the data's feature names {data_names}; "
+            "name the model's inputs like data.features (or set data.features to the model's input names)"
+        )
+    dtypes = {f["name"]: f["dtype"] for f in manifest["features"]}
+    for i in inputs:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name
+        if dtype != dtypes[i.name]:
+            raise ValueError(f"model input {i.name!r} is {dtype} but the data's feature {i.name!r} is {dtypes[i.name]}")
+    if len(base.graph.output) != 1:
+        raise ValueError(
+            f"the model has outputs {[o.name for o in base.graph.output]}; ortflow trains a model with one output (the logits)"
+        )
+    if manifest["label"]["name"] in {n for node in base.graph.node for n in [*node.input, *node.output]} | set(
+        model_names
+    ):
+        raise ValueError(
+            f"the data's label name {manifest['label']['name']!r} is already a tensor name in the model; "
+            "rename data.label"
+        )
+
+
+def loss_block(loss: str, label: dict):
+    """ORT's loss block behind a label input that has the data's name, dtype
+    and shape ([batch, *label shape]); ORT's own blocks would derive the label's
+    shape from the logits, which is wrong for [batch, classes, time] logits.
+    The label is cast to the type the loss wants (integer 0/1 labels to float
+    for bce_with_logits; a no-op otherwise)."""
+    import onnx
+    from onnxruntime.training import onnxblock
+
+    class LabelledLoss(onnxblock.Block):
+        def __init__(self):
+            super().__init__()
+            self.inner = getattr(onnxblock.loss, LOSS_BLOCKS[loss])()
+
+        def build(self, logits_name: str):
+            elem_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(label["dtype"]))
+            shape = ["batch", *label["shape"]]
+            self.base.graph.input.append(onnx.helper.make_tensor_value_info(label["name"], elem_type, shape))
+            # A node's output, not the graph input itself: ORT's loss blocks
+            # look for their target among node arguments and add another input otherwise.
+            wanted = onnx.TensorProto.INT64 if loss in CLASS_LOSSES else onnx.TensorProto.FLOAT
+            target = f"{label['name']}.{onnx.TensorProto.DataType.Name(wanted).lower()}"
+            self.base.graph.node.append(onnx.helper.make_node("Cast", [label["name"]], [target], to=wanted))
+            return self.inner(logits_name, target)
+
+    return LabelledLoss()
+
+
+def optimizer_block(optimizer: dict):
+    """AdamW as torch.optim.AdamW computes it (ORT's block defaults to the
+    Hugging Face variant, adam_mode 1, which puts epsilon and the weight decay
+    differently), or plain SGD. No clip_grad: training clips after the all-reduce."""
+    from onnxruntime.training.onnxblock import optim
+
+    if optimizer["name"] == "sgd":
+        return optim.SGD()
+
+    class TorchAdamW(optim.optim.AdamWOptimizer):
+        def _build_optimizer_node(self, input_names, output_name, node_name, node_attributes):
+            return super()._build_optimizer_node(input_names, output_name, node_name, {**node_attributes, "adam_mode": 0})
+
+    block = optim.AdamW(betas=tuple(optimizer["betas"]), eps=optimizer["eps"], weight_decay=optimizer["weight_decay"])
+    block._adamw = TorchAdamW(betas=tuple(optimizer["betas"]), eps=optimizer["eps"], weight_decay=optimizer["weight_decay"])
+    return block
+
+
+def generate(base, trainable, frozen, loss, label, optimizer, out: Path) -> None:
+    import onnx
+    import onnxruntime
+    from onnxruntime.training import artifacts, onnxblock
+
+    onnxruntime.set_default_logger_severity(3)
+    # ORT names the nodes it adds from a process-wide counter; restarting it
+    # makes the graphs depend on the model alone, byte for byte.
+    onnxblock._graph_utils._GRAPH_TOKEN = 0
+    try:
+        artifacts.generate_artifacts(
+            base,
+            requires_grad=trainable,
+            frozen_params=frozen,
+            loss=loss_block(loss, label),
+            optimizer=optimizer_block(optimizer),
+            artifact_directory=out,
+            additional_output_names=[base.graph.output[0].name],
+        )
+    except Exception as error:
+        raise explain_generation_error(error, base) from error
+    for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
+        path = out / name
+        if onnx.load(str(path), load_external_data=False).ir_version > 10:
+            raise ValueError(f"{path}: written with IR version > 10, which ORT 1.19 refuses; is onnx==1.17 installed?")
+
+
+def explain_generation_error(error: Exception, base) -> Exception:
+    """Name the operator that has no gradient, if that is what failed."""
+    import re
+
+    text = str(error)
+    match = re.search(r"gradient[^\n]*?for (?:op(?:erator)?|node)[^\n]*?['\"]?(\w+)['\"]?", text, re.I) or re.search(
+        r"No gradient builder[^\n]*?(\w+)", text
+    )
+    if match or "gradient" in text.lower():
+        op = match.group(1) if match else "?"
+        nodes = [n.name or n.output[0] for n in base.graph.node if n.op_type == op]
+        return ValueError(
+            f"ONNX Runtime cannot build the gradient graph: operator {op} ({', '.join(nodes) or 'see below'}) has no "
+            f"gradient, and it lies between a trainable parameter and the loss. Freeze the parameters before it "
+            f"(model.frozen) or replace the operator. ONNX Runtime said: {text.strip()[:600]}"
+        )
+    return error
+
+
+def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
+    """One forward and backward on the first train records, so that a model
+    whose output does not fit the loss fails here, not on the training ranks."""
+    import onnxruntime
+    from onnxruntime.training import api
+
+    from ..data.shards import ShardReader
+
+    onnxruntime.set_default_logger_severity(3)
+    reader = ShardReader(train_dir, verify=False)
+    batch = reader.gather(np.arange(min(SMOKE_RECORDS, len(reader))))
+    state = api.CheckpointState.load_checkpoint(str(out / "checkpoint"))
+    module = api.Module(str(out / "training_model.onnx"), state, str(out / "eval_model.onnx"))
+    module.train()
+    try:
+        loss, logits = module(*[batch[name] for name in module.input_names()])
+    except Exception as error:
+        raise ValueError(
+            f"the model's output does not fit model.loss with the data's label {manifest['label']} "
+            f"on a batch of {len(batch[manifest['label']['name']])} records: {str(error).strip()[:600]}"
+        ) from None
+    log.info("one training step on %d train records: loss %.6g, logits %s", SMOKE_RECORDS, float(loss), list(logits.shape))
+    return float(loss)
+
+
+def forward_flops(base, manifest: dict) -> int:
+    """Multiply-adds x 2 of MatMul, Gemm and Conv for one sample, from inferred shapes."""
+    import onnx
+
+    model = onnx.ModelProto()
+    model.CopyFrom(base)
+    del model.graph.value_info[:]
+    initializers = {t.name for t in model.graph.initializer}
+    for value in [*model.graph.input, *model.graph.output]:
+        if value.name not in initializers and value.type.tensor_type.shape.dim:
+            value.type.tensor_type.shape.dim[0].ClearField("dim_param")
+            value.type.tensor_type.shape.dim[0].dim_value = 1
+    model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
+    for value in [*model.graph.input, *model.graph.value_info, *model.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if all(d.HasField("dim_value") for d in dims):
+            shapes[value.name] = [d.dim_value for d in dims]
+    total, unknown = 0, []
+    for node in model.graph.node:
+        if node.op_type not in ("MatMul", "Gemm", "Conv"):
+            continue
+        a, b, y = (shapes.get(name) for name in (node.input[0], node.input[1], node.output[0]))
+        if a is None or b is None or y is None:
+            unknown.append(node.name or node.op_type)
+        elif node.op_type == "Conv":
+            total += 2 * math.prod(y) * math.prod(b[1:])
+        elif node.op_type == "Gemm":
+            trans_a = next((attr.i for attr in node.attribute if attr.name == "transA"), 0)
+            total += 2 * math.prod(y) * (a[0] if trans_a else a[-1])
+        else:
+            total += 2 * math.prod(y) * a[-1]
+    if unknown:
+        log.warning("FLOPs leave out %d node(s) whose shapes are not static: %s", len(unknown), unknown[:5])
+    return total
+
+
+def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str) -> dict:
+    import onnx
+
+    training = onnx.load(str(out / "training_model.onnx"), load_external_data=False)
+    sizes = float_initializers(base)
+    forward = forward_flops(base, manifest)
+    label = manifest["label"]
+    return {
+        "kind": kind,
+        "task": manifest["task"],
+        "loss": loss,
+        "num_classes": manifest["num_classes"],
+        "inputs": [{"name": f["name"], "dtype": f["dtype"], "shape": ["batch", *f["shape"]]} for f in manifest["features"]],
+        "label": {"name": label["name"], "dtype": label["dtype"], "shape": ["batch", *label["shape"]]},
+        "outputs": {"loss": training.graph.output[0].name, "logits": base.graph.output[0].name},
+        "parameters": sum(sizes.values()),
+        "trainable_parameters": sum(sizes[n] for n in trainable),
+        "trainable": trainable,
+        "frozen": frozen,
+        # Backward is counted as twice the forward (a gradient for the input and
+        # one for the weights per multiply-add), the usual estimate.
+        "flops_per_sample": {"forward": forward, "backward": 2 * forward},
+    }
+
+
+def build(config: dict, train_dir: Path, out: Path) -> dict:
+    train_dir, out = Path(train_dir), Path(out)
+    manifest_path = train_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"{manifest_path}: no train manifest (run the prepare_data rule first)")
+    manifest = json.loads(manifest_path.read_text())
+    model = config["model"]
+    loss = resolve_loss(model["loss"], manifest)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], tmp / BASE_MODEL)
+    check_interface(base, manifest)
+    trainable, frozen = split_parameters(base, model, torch_trainable)
+    log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable), len(frozen))
+    generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp)
+    smoke_step(tmp, train_dir, manifest)
+    description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"])
+    (tmp / MODEL_JSON).write_text(json.dumps(description, indent=2) + "\n")
+    log.info(
+        "%d parameters (%d trainable), %d forward FLOPs per sample -> %s",
+        description["parameters"],
+        description["trainable_parameters"],
+        description["flops_per_sample"]["forward"],
+        out,
+    )
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return description
+
+
+HELP = "export or load the model and build its training, eval and optimizer graphs and initial checkpoint"
+
+
+def add_arguments(parser) -> None:
+    from ..cli import add_config_arguments
+
+    add_config_arguments(parser)
+    parser.add_argument("--train", required=True, help="the prepared train split (its manifest names the features)")
+    parser.add_argument("--out", required=True, help="output folder of the artifacts")
+
+
+def run(args) -> None:
+    from ..cli import load_config
+
+    build(load_config(args), Path(args.train), Path(args.out))

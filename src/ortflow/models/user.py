@@ -1,0 +1,88 @@
+"""Bring your own model: `model.kind: onnx` (a file) or `torch` (an import path)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from pathlib import Path
+
+log = logging.getLogger("ortflow.build_artifacts")
+
+# onnxruntime-training 1.19 loads models up to IR version 10, which goes with
+# ONNX opsets up to 22 and tensor types up to INT4 (22).
+MAX_IR_VERSION = 10
+MAX_OPSET_FOR_IR = 22
+MAX_ELEM_TYPE_FOR_IR = 22
+
+
+def load_onnx(path: str):
+    """The user's ONNX model, at an IR version ONNX Runtime loads."""
+    import onnx
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"model.path: ONNX file {file} does not exist")
+    try:
+        model = onnx.load(str(file))
+    except Exception as error:  # protobuf raises its own DecodeError
+        raise ValueError(f"model.path: {file} is not a readable ONNX model ({error})") from None
+    if model.ir_version > MAX_IR_VERSION:
+        downgrade_ir(model, str(file))
+    return model
+
+
+def downgrade_ir(model, where: str) -> None:
+    """Rewrite the IR version to 10 when nothing in the model needs a newer one
+    (newer writers stamp IR 11 on models that only use older features); else
+    say what needs it."""
+    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    elem_types = {t.data_type for t in model.graph.initializer} | {
+        v.type.tensor_type.elem_type
+        for v in [*model.graph.input, *model.graph.output, *model.graph.value_info]
+        if v.type.HasField("tensor_type")
+    }
+    newer_types = sorted(t for t in elem_types if t > MAX_ELEM_TYPE_FOR_IR)
+    if opset > MAX_OPSET_FOR_IR or newer_types:
+        needs = f"ONNX opset {opset}" if opset > MAX_OPSET_FOR_IR else f"tensor element type(s) {newer_types}"
+        raise ValueError(
+            f"model.path: {where} has IR version {model.ir_version} and uses {needs}, which IR version "
+            f"{MAX_IR_VERSION} (the newest that onnxruntime-training 1.19 loads) cannot express; re-export it "
+            f"with opset <= {MAX_OPSET_FOR_IR} and IR version {MAX_IR_VERSION} (e.g. with onnx==1.17, "
+            f"torch.onnx.export(..., opset_version=16))"
+        )
+    log.warning(
+        "%s: IR version %d lowered to %d (opset %d needs nothing newer); onnxruntime-training 1.19 loads IR <= %d",
+        where,
+        model.ir_version,
+        MAX_IR_VERSION,
+        opset,
+        MAX_IR_VERSION,
+    )
+    model.ir_version = MAX_IR_VERSION
+
+
+def import_torch(path: str, kwargs: dict):
+    """Construct `package.module:Class(**kwargs)`. The working directory is
+    importable, so a module next to the workflow's config works."""
+    import torch
+
+    module_name, _, class_name = path.partition(":")
+    if not module_name or not class_name:
+        raise ValueError(f"model.path: {path!r} is not an import path of the form `package.module:Class`")
+    if str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"model.path: cannot import module {module_name!r} ({error})") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        raise ValueError(f"model.path: module {module_name!r} ({module.__file__}) has no attribute {class_name!r}")
+    try:
+        instance = cls(**kwargs)
+    except TypeError as error:
+        raise ValueError(f"model.kwargs: {path}(**{kwargs!r}) failed: {error}") from None
+    if not isinstance(instance, torch.nn.Module):
+        raise ValueError(f"model.path: {path} made a {type(instance).__name__}, not a torch.nn.Module")
+    return instance

@@ -1,0 +1,22 @@
+# The optimizer graph bakes in the optimizer's name, betas, eps and weight
+# decay; the learning rate is set by training at run time, so it and the other
+# train.* keys are left out of params and do not rebuild the artifacts.
+rule build_artifacts:
+    input:
+        train=rules.prepare_data.output.train,
+    output:
+        directory(f"{RESULTS}/artifacts"),
+    log:
+        f"{LOGS}/build_artifacts.log",
+    params:
+        config=config_json(
+            "run.seed",
+            "model",
+            "train.optimizer.name",
+            "train.optimizer.betas",
+            "train.optimizer.eps",
+            "train.optimizer.weight_decay",
+        ),
+    shell:
+        "ortflow build-artifacts --config-json {params.config:q}"
+        " --train {input.train} --out {output} > {log} 2>&1"
