@@ -19,16 +19,18 @@ from torch import nn
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, context: int):
         super().__init__()
-        self.heads = heads
+        self.heads, self.width, self.context = heads, width, context
         self.qkv = nn.Linear(width, 3 * width)
         self.proj = nn.Linear(width, width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        _, time, width = x.shape
+        # Sizes from the config, not from x.shape, and -1 for the batch: the
+        # exported Reshapes then have constant shapes, which shape inference
+        # (and so the FLOP count) can follow.
+        time, width = self.context, self.width
         head_width = width // self.heads
-        # -1 for the batch keeps the exported Reshape free of shape arithmetic.
         q, k, v = (
             t.reshape(-1, time, self.heads, head_width).transpose(1, 2) for t in self.qkv(x).split(width, dim=2)
         )
@@ -39,10 +41,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, heads: int):
+    def __init__(self, width: int, heads: int, context: int):
         super().__init__()
         self.ln1 = nn.LayerNorm(width)
-        self.attn = CausalSelfAttention(width, heads)
+        self.attn = CausalSelfAttention(width, heads, context)
         self.ln2 = nn.LayerNorm(width)
         self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
 
@@ -56,7 +58,8 @@ class GPT(nn.Module):
         super().__init__()
         self.tokens = nn.Embedding(vocab, width)
         self.positions = nn.Embedding(context, width)
-        self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(layers)))
+        self.context = context
+        self.blocks = nn.Sequential(*(Block(width, heads, context) for _ in range(layers)))
         self.ln_f = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         if tied:
@@ -67,6 +70,5 @@ class GPT(nn.Module):
                 nn.init.normal_(parameter, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        time = tokens.shape[1]
-        x = self.tokens(tokens) + self.positions(torch.arange(time))
+        x = self.tokens(tokens) + self.positions(torch.arange(self.context))
         return self.head(self.ln_f(self.blocks(x))).transpose(1, 2)

@@ -125,12 +125,12 @@ def split_parameters(base, model: dict, torch_trainable: list[str] | None) -> tu
             )
     if model["trainable"] is not None:
         trainable = list(model["trainable"])
+        both = sorted(set(trainable) & set(model["frozen"]))
+        if both:
+            raise ValueError(f"model.trainable and model.frozen both name {both}")
     else:
-        trainable = [n for n in (torch_trainable if torch_trainable is not None else parameters) if n in parameters]
-    both = sorted(set(trainable) & set(model["frozen"]))
-    if both:
-        raise ValueError(f"model.trainable and model.frozen both name {both}")
-    trainable = [n for n in trainable if n not in model["frozen"]]
+        candidates = torch_trainable if torch_trainable is not None else parameters
+        trainable = [n for n in candidates if n in parameters and n not in model["frozen"]]
     if not trainable:
         raise ValueError("model: no parameter is left to train (check model.trainable and model.frozen)")
     return trainable, [n for n in parameters if n not in trainable]
@@ -245,19 +245,15 @@ def explain_generation_error(error: Exception, base) -> Exception:
     """Name the operator that has no gradient, if that is what failed."""
     import re
 
-    text = str(error)
-    match = re.search(r"gradient[^\n]*?for (?:op(?:erator)?|node)[^\n]*?['\"]?(\w+)['\"]?", text, re.I) or re.search(
-        r"No gradient builder[^\n]*?(\w+)", text
+    match = re.search(r"gradient builder has not been registered: (\w+) for node (\S*)", str(error))
+    if not match:
+        return error
+    op, node = match.groups()
+    nodes = node or ", ".join(n.name or n.output[0] for n in base.graph.node if n.op_type == op)
+    return ValueError(
+        f"ONNX Runtime has no gradient for operator {op} (node {nodes}), which lies between a trainable "
+        "parameter and the loss; freeze the parameters before it (model.frozen) or replace the operator"
     )
-    if match or "gradient" in text.lower():
-        op = match.group(1) if match else "?"
-        nodes = [n.name or n.output[0] for n in base.graph.node if n.op_type == op]
-        return ValueError(
-            f"ONNX Runtime cannot build the gradient graph: operator {op} ({', '.join(nodes) or 'see below'}) has no "
-            f"gradient, and it lies between a trainable parameter and the loss. Freeze the parameters before it "
-            f"(model.frozen) or replace the operator. ONNX Runtime said: {text.strip()[:600]}"
-        )
-    return error
 
 
 def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:

@@ -1,0 +1,252 @@
+"""The build_artifacts stage: graphs that compute what PyTorch computes, user
+models through config alone, rebuilds only on model changes, clear errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from conftest import run_snakemake
+from ortflow import config as config_mod
+from ortflow.data.prepare import prepare
+from ortflow.data.shards import ShardReader
+from ortflow.models import built_in, graphs
+
+TESTS = Path(__file__).resolve().parent
+OPTIMIZER = {"name": "adamw", "lr": 0.01, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}
+SMALL = {
+    "mlp": {"kind": "mlp", "hidden": [16, 8]},
+    "cnn": {"kind": "cnn", "width": 32},
+    "gpt": {"kind": "gpt", "layers": 2, "heads": 2, "width": 16, "tied": True},
+}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    """Train splits of digits, a small text and a float-target regression set."""
+    root = tmp_path_factory.mktemp("data")
+    text = root / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    rng = np.random.default_rng(0)
+    regression = root / "regression.npz"
+    np.savez(regression, x=rng.normal(size=(200, 5)).astype(np.float32), y=rng.normal(size=200).astype(np.float32))
+    sources = {"digits": {}, "text": {"source": str(text), "context": 8}, "regression": {"source": str(regression)}}
+    for name, data in sources.items():
+        prepare(config(data=data), root / name / "train", root / name / "eval")
+    return {name: root / name / "train" for name in sources}
+
+
+def config(model: dict | None = None, data: dict | None = None) -> dict:
+    return config_mod.validate(
+        {"run": {"seed": 7}, "data": data or {}, "model": model or {}, "train": {"optimizer": OPTIMIZER}}
+    )
+
+
+def build(train_dir: Path, out: Path, model: dict) -> dict:
+    # The config's data section only has to pass validation (gpt wants text);
+    # the data itself comes from train_dir.
+    return graphs.build(config(model, {"source": "text"} if model["kind"] == "gpt" else None), train_dir, out)
+
+
+def batch_of(train_dir: Path, n: int = 8) -> dict[str, np.ndarray]:
+    return ShardReader(train_dir).gather(np.arange(n))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "cnn", "gpt"])
+def test_graphs_match_pytorch(kind, data, tmp_path):
+    """Training-graph gradients equal autograd's, the eval loss equals the
+    training loss, and one AdamW step equals torch.optim.AdamW's."""
+    from onnxruntime.training import api
+
+    train_dir = data["text" if kind == "gpt" else "digits"]
+    out = tmp_path / "artifacts"
+    description = build(train_dir, out, SMALL[kind])
+    manifest = json.loads((train_dir / "manifest.json").read_text())
+    batch = batch_of(train_dir)
+    x, y = batch[description["inputs"][0]["name"]], batch[description["label"]["name"]]
+
+    state = api.CheckpointState.load_checkpoint(str(out / "checkpoint"))
+    module = api.Module(str(out / "training_model.onnx"), state, str(out / "eval_model.onnx"))
+    assert module.input_names() == ["x", "y"]
+    module.train()
+    loss, logits = module(x, y)
+
+    # The same weights in a fresh torch module (built from another seed, so the
+    # comparison does not rest on the seeding being the same).
+    torch.manual_seed(999)
+    reference = built_in({**config()["model"], **SMALL[kind]}, manifest, "cross_entropy")
+    parameters = dict(reference.named_parameters())
+    assert sorted(parameters) == sorted(description["trainable"])
+    with torch.no_grad():
+        for name, parameter in parameters.items():
+            parameter.copy_(torch.from_numpy(state.parameters[name].data))
+    torch_logits = reference(torch.from_numpy(x))
+    torch_loss = torch.nn.functional.cross_entropy(torch_logits, torch.from_numpy(y))
+    torch_loss.backward()
+
+    np.testing.assert_allclose(logits, torch_logits.detach().numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(float(loss), torch_loss.item(), rtol=1e-5)
+    for name, parameter in parameters.items():
+        grad = parameter.grad.numpy()
+        np.testing.assert_allclose(
+            state.parameters[name].grad, grad, rtol=1e-4, atol=1e-6 * np.abs(grad).max(), err_msg=name
+        )
+
+    module.eval()
+    eval_loss, eval_logits = module(x, y)
+    np.testing.assert_allclose(float(eval_loss), float(loss), rtol=1e-6)
+    np.testing.assert_allclose(eval_logits, logits, rtol=1e-6)
+
+    optimizer = api.Optimizer(str(out / "optimizer_model.onnx"), module)
+    optimizer.set_learning_rate(OPTIMIZER["lr"])
+    optimizer.step()
+    torch_optimizer = torch.optim.AdamW(
+        parameters.values(),
+        lr=OPTIMIZER["lr"],
+        betas=OPTIMIZER["betas"],
+        eps=OPTIMIZER["eps"],
+        weight_decay=OPTIMIZER["weight_decay"],
+    )
+    torch_optimizer.step()
+    for name, parameter in parameters.items():
+        np.testing.assert_allclose(
+            state.parameters[name].data, parameter.detach().numpy(), rtol=1e-4, atol=1e-6, err_msg=name
+        )
+
+
+def test_same_config_same_bytes_and_model_json(data, tmp_path):
+    first = build(data["digits"], tmp_path / "a", SMALL["mlp"])
+    build(data["digits"], tmp_path / "b", SMALL["mlp"])
+    files = sorted(p.name for p in (tmp_path / "a").iterdir())
+    assert files == sorted(
+        ["training_model.onnx", "eval_model.onnx", "optimizer_model.onnx", "checkpoint", "inference_base.onnx", "model.json"]
+    )
+    for name in files:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert not (tmp_path / "a.tmp").exists()
+    # 64 -> 16 -> 8 -> 10: multiply-adds counted by hand.
+    assert first["flops_per_sample"] == {"forward": 2 * (64 * 16 + 16 * 8 + 8 * 10), "backward": 4 * (64 * 16 + 16 * 8 + 8 * 10)}
+    assert first["parameters"] == first["trainable_parameters"] == 64 * 16 + 16 + 16 * 8 + 8 + 8 * 10 + 10
+    assert first["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 64]}]
+    assert first["label"] == {"name": "y", "dtype": "int64", "shape": ["batch"]}
+    training = onnx.load(str(tmp_path / "a" / "training_model.onnx"))
+    assert [o.name for o in training.graph.output][:2] == [first["outputs"]["loss"], "logits"]
+    assert other_seed_differs(data, tmp_path)
+
+
+def other_seed_differs(data, tmp_path) -> bool:
+    other = config(SMALL["mlp"])
+    other["run"]["seed"] = 8
+    graphs.build(other, data["digits"], tmp_path / "c")
+    return (tmp_path / "c" / "checkpoint").read_bytes() != (tmp_path / "a" / "checkpoint").read_bytes()
+
+
+def onnx_model(path: Path, input_name: str = "x", op: str | None = None, ir_version: int = 8, opset: int = 16) -> Path:
+    """A 64 -> 10 linear model as an ONNX file, optionally with `op` after the MatMul."""
+    rng = np.random.default_rng(0)
+    nodes = [helper.make_node("MatMul", [input_name, "weight"], ["scores" if op else "out"], name="matmul")]
+    if op:
+        nodes.append(helper.make_node(op, ["scores"], ["out"], name=f"my_{op.lower()}"))
+    graph = helper.make_graph(
+        nodes,
+        "user",
+        [helper.make_tensor_value_info(input_name, TensorProto.FLOAT, ["n", 64])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n", 10])],
+        [
+            numpy_helper.from_array(rng.normal(0, 0.1, (64, 10)).astype(np.float32), "weight"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = ir_version
+    onnx.save(model, str(path))
+    return path
+
+
+def test_user_onnx_model_through_the_rule(tmp_path):
+    """model.kind onnx via config alone; then train.* changes leave the
+    artifacts alone and a model.* change rebuilds them."""
+    workdir = tmp_path / "work"
+    path = onnx_model(tmp_path / "user.onnx")
+    settings = {"model": {"kind": "onnx", "path": str(path), "loss": "auto"}, "train": {"steps": 10}}
+    run_snakemake(workdir, settings, "build_artifacts")
+    description = json.loads((workdir / "results/digits/artifacts/model.json").read_text())
+    assert description["kind"] == "onnx"
+    assert description["outputs"]["logits"] == "out"
+    assert description["trainable"] == ["weight"] and description["parameters"] == 640
+    assert description["flops_per_sample"]["forward"] == 2 * 640
+
+    train_only = {**settings, "train": {"steps": 99, "micro_batch_size": 7, "optimizer": {"lr": 0.5}}}
+    dry = run_snakemake(workdir, train_only, "build_artifacts", "-n")
+    assert "Nothing to be done" in dry.stdout + dry.stderr
+    optimizer_change = {**settings, "train": {"optimizer": {"weight_decay": 0.5}}}
+    dry = run_snakemake(workdir, optimizer_change, "build_artifacts", "-n")
+    assert "build_artifacts" in dry.stdout
+    model_change = {**settings, "model": {**settings["model"], "loss": "cross_entropy"}}
+    dry = run_snakemake(workdir, model_change, "build_artifacts", "-n")
+    assert "build_artifacts" in dry.stdout and "params" in dry.stdout
+
+
+def test_user_torch_module_through_the_rule(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    workdir = tmp_path / "work"
+    settings = {
+        "model": {"kind": "torch", "path": "artifacts_user_model:TinyNet", "kwargs": {"hidden": 5}, "frozen": ["body.bias"]}
+    }
+    run_snakemake(workdir, settings, "build_artifacts")
+    description = json.loads((workdir / "results/digits/artifacts/model.json").read_text())
+    assert description["trainable"] == ["body.weight", "head.weight", "head.bias"]
+    assert description["frozen"] == ["body.bias"]
+    assert description["parameters"] == 64 * 5 + 5 + 5 * 10 + 10
+    assert description["trainable_parameters"] == description["parameters"] - 5
+
+
+def test_ir_version_above_10_is_lowered_when_lossless(data, tmp_path, caplog):
+    path = onnx_model(tmp_path / "ir11.onnx", ir_version=11)
+    with caplog.at_level(logging.WARNING):
+        description = build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path)})
+    assert description["trainable"] == ["weight"]
+    assert "IR version 11 lowered to 10" in caplog.text
+    assert onnx.load(str(tmp_path / "out" / "inference_base.onnx")).ir_version == 10
+
+
+def test_ir_version_above_10_that_needs_it_is_explained(data, tmp_path):
+    path = onnx_model(tmp_path / "opset23.onnx", ir_version=11, opset=23)
+    with pytest.raises(ValueError, match=r"IR version 11 and uses ONNX opset 23.*re-export"):
+        build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path)})
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("key", ["frozen", "trainable"])
+def test_unknown_parameter_names(data, tmp_path, key):
+    path = onnx_model(tmp_path / "user.onnx")
+    with pytest.raises(ValueError, match=rf"model.{key}: \['bias'\] not among the model's parameters; it has: \['weight'\]"):
+        build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path), key: ["bias"]})
+
+
+def test_inputs_that_are_not_the_features(data, tmp_path):
+    path = onnx_model(tmp_path / "user.onnx", input_name="pixels")
+    with pytest.raises(ValueError, match=r"model inputs \['pixels'\] do not match the data's feature names \['x'\]"):
+        build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path)})
+
+
+def test_operator_without_gradient_is_named(data, tmp_path):
+    path = onnx_model(tmp_path / "user.onnx", op="Round")
+    with pytest.raises(ValueError, match=r"no gradient for operator Round \(node my_round\)"):
+        build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path)})
+
+
+def test_loss_that_does_not_fit_the_data(data, tmp_path):
+    with pytest.raises(ValueError, match=r"'cross_entropy' needs integer class labels but the data's label 'y' is float32"):
+        build(data["regression"], tmp_path / "out", {"kind": "mlp", "loss": "cross_entropy"})
+    with pytest.raises(ValueError, match=r"'mse' compares outputs with float targets but the data's label 'y' is int64"):
+        build(data["digits"], tmp_path / "out", {"kind": "mlp", "loss": "mse"})
+    # Regression with the default loss builds and takes a step.
+    description = build(data["regression"], tmp_path / "out", {"kind": "mlp", "hidden": [4]})
+    assert description["loss"] == "mse" and description["label"]["shape"] == ["batch"]
