@@ -10,11 +10,14 @@ configfile: "config/config.yaml"
 
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
+include: "workflow/rules/doctor.smk"
 include: "workflow/rules/artifacts.smk"
+include: "workflow/rules/train.smk"
 
 
 rule all:
     input:
         rules.prepare_data.output,
         rules.build_artifacts.output,
+        rules.train.output,
     default_target: True

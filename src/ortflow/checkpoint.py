@@ -109,3 +109,24 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
         elif a != b:
             out.append(f"{prefix}{key}: {a!r} in the checkpoint, {b!r} now")
     return out
+
+
+def latest(root: Path) -> Resume:
+    """The newest complete checkpoint under `root`."""
+    for path in sorted(Path(root).glob("step-*"), reverse=True):
+        if (path / COMPLETE).exists():
+            return _load(path)
+    raise CheckpointError(f"no complete checkpoint under {root}")
+
+
+def load_parameters(path: Path) -> dict:
+    """{name: array} of every parameter of the checkpoint folder `path`."""
+    return load_parameters_file(_load(Path(path)).ort_checkpoint)
+
+
+def load_parameters_file(path: Path) -> dict:
+    """{name: array} of every parameter of an ONNX Runtime checkpoint file."""
+    from onnxruntime.training.api import CheckpointState
+
+    state = CheckpointState.load_checkpoint(str(path))
+    return {name: state._state.get_parameter(name).data.numpy().copy() for name, _ in state.parameters}

@@ -1,0 +1,159 @@
+"""The training stage through the real workflow: mpirun ranks, all-reduce, metrics, failures."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_snakemake
+from ortflow import checkpoint
+
+SHORT = {"train": {"steps": 30, "log_every": 5, "eval_every": 15, "checkpoint_every": 10}}
+
+
+def _metrics(workdir: Path, run: str = "digits") -> dict:
+    return json.loads((workdir / f"results/{run}/train/metrics.json").read_text())
+
+
+def _log(workdir: Path, run: str = "digits") -> str:
+    return (workdir / f"logs/{run}/train.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> Path:
+    """The default config (digits, MLP, 2 ranks, 300 steps), trained once for several tests."""
+    workdir = tmp_path_factory.mktemp("default")
+    run_snakemake(workdir, {}, "train")
+    return workdir
+
+
+def test_default_config_reaches_95_percent(default_run):
+    metrics = _metrics(default_run)
+    assert metrics["steps"] == 300
+    assert metrics["eval"]["accuracy"] >= 0.95, metrics["eval"]
+    for key in ("train_loss", "samples_per_s", "step_time_p50_s", "step_time_p95_s", "flops_per_s"):
+        assert metrics[key] > 0, key
+    assert metrics["step_time_p95_s"] >= metrics["step_time_p50_s"]
+    assert len(metrics["peak_rss_mb"]) == 2 and min(metrics["peak_rss_mb"]) > 10
+    log = _log(default_run)
+    assert "2 ranks, global batch 64 (32 x 1 accumulated x 2 ranks)" in log
+    assert "step 300/300 loss" in log and " eta " in log
+
+
+def test_tensorboard_scalars_read_back(default_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(default_run / "results/digits/train/tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    for tag in ("train/loss", "train/lr", "train/grad_norm", "train/samples_per_s", "eval/loss", "eval/accuracy"):
+        assert tag in tags, tags
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(10, 301, 10))
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [100, 200, 300]
+    final = events.Scalars("eval/accuracy")[-1].value
+    assert final == pytest.approx(_metrics(default_run)["eval"]["accuracy"], abs=1e-6)
+    # The cosine schedule: warmup to the peak at step 20, then down to ~0 at the end.
+    lrs = {e.step: e.value for e in events.Scalars("train/lr")}
+    assert lrs[20] == pytest.approx(0.003, rel=1e-3) and lrs[300] < 1e-5
+    assert events.Tags()["histograms"], "no parameter histograms"
+
+
+def test_keeps_the_last_checkpoints(default_run):
+    root = default_run / "results/digits/train/checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000200", "step-00000300"]
+
+
+def _final_parameters(workdir: Path) -> dict:
+    return checkpoint.load_parameters(checkpoint.latest(workdir / "results/digits/train/checkpoints").path)
+
+
+def test_world_size_and_accumulation_are_equivalent(tmp_path):
+    """Data parallelism's core property: 2 ranks x 1 micro-batch == 1 rank x 2 accumulated micro-batches."""
+    two_ranks = tmp_path / "w2"
+    one_rank = tmp_path / "w1"
+    run_snakemake(two_ranks, {"train": {**SHORT["train"], "world_size": 2, "grad_accum_steps": 1}}, "train")
+    run_snakemake(one_rank, {"train": {**SHORT["train"], "world_size": 1, "grad_accum_steps": 2}}, "train")
+    a, b = _final_parameters(two_ranks), _final_parameters(one_rank)
+    assert a.keys() == b.keys()
+    worst = max(float(np.abs(a[k] - b[k]).max()) for k in a)
+    assert worst <= 1e-5, worst
+    reference = _pytorch_reference(one_rank)
+    worst_torch = max(float(np.abs(a[k] - reference[k]).max()) for k in a)
+    assert worst_torch <= 1e-4, worst_torch
+
+
+def test_failing_rank_ends_the_job(workdir):
+    fault = {"step": 5, "rank": 1, "mode": "raise"}
+    result = run_snakemake(workdir, {"train": {**SHORT["train"], "fail_at_step": fault}}, "train",
+                           check=False, timeout=180)
+    assert result.returncode != 0
+    log = _log(workdir)
+    assert "injected failure on rank 1 at step 5" in log
+    assert "the ranks exited with code" in log
+    assert not (workdir / "results/digits/train/metrics.json").exists()
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir):
+    fault = {"step": 12, "rank": 0, "mode": "nan"}
+    result = run_snakemake(workdir, {"train": {**SHORT["train"], "fail_at_step": fault}}, "train", check=False)
+    assert result.returncode != 0
+    assert "non-finite loss nan" in _log(workdir) and "at step 13" in _log(workdir)
+    assert checkpoint.latest(workdir / "results/digits/train/checkpoints").step == 10
+
+
+def test_corrupt_shard_stops_before_the_first_step(workdir):
+    run_snakemake(workdir, {}, "prepare_data")
+    shard = workdir / "results/digits/data/train/shard-00001.bin"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = run_snakemake(workdir, SHORT, "train", check=False)
+    assert result.returncode != 0
+    log = _log(workdir)
+    assert f"shard {shard.relative_to(workdir)}: checksum mismatch" in log
+    assert "step 1/" not in log and "step 5/" not in log
+
+
+def test_watchdog_names_the_stalled_rank(workdir):
+    fault = {"step": 3, "rank": 1, "mode": "stall"}
+    config = {"train": {**SHORT["train"], "fail_at_step": fault, "collective_timeout_s": 4}}
+    result = run_snakemake(workdir, config, "train", check=False, timeout=180)
+    assert result.returncode != 0
+    log = _log(workdir)
+    assert "did not finish within train.collective_timeout_s=4s" in log
+    assert "rank 1 is behind: last seen at step 3 (forward)" in log
+
+
+def _pytorch_reference(workdir: Path) -> dict:
+    """The same training in plain single-process PyTorch: same initial weights,
+    same global batches, torch.optim.AdamW, global-norm clipping, same schedule."""
+    import torch
+
+    from ortflow import config as config_mod
+    from ortflow.data.shards import ShardReader
+    from ortflow.models.mlp import MLP
+    from ortflow.train.schedule import learning_rate
+
+    cfg = config_mod.load(overrides={"train": {**SHORT["train"], "world_size": 1, "grad_accum_steps": 2}})
+    results = workdir / "results/digits"
+    initial = checkpoint.load_parameters_file(results / "artifacts/checkpoint")
+    model = MLP([64], cfg["model"]["hidden"], [10])
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()}, strict=True)
+    opt_cfg = cfg["train"]["optimizer"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt_cfg["lr"], betas=tuple(opt_cfg["betas"]),
+                                  eps=opt_cfg["eps"], weight_decay=opt_cfg["weight_decay"])
+    reader = ShardReader(results / "data/train")
+    for step in range(cfg["train"]["steps"]):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, cfg["train"]["steps"], opt_cfg["lr"], cfg["train"]["lr_schedule"])
+        batch = reader.gather(reader.global_batch(step, cfg["run"]["seed"], 64))
+        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(batch["x"])), torch.from_numpy(batch["y"]))
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["train"]["clip_grad_norm"])
+        optimizer.step()
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
