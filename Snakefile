@@ -13,6 +13,7 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/doctor.smk"
 include: "workflow/rules/artifacts.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/checkpoint.smk"
 
 
 rule all:
@@ -20,4 +21,5 @@ rule all:
         rules.prepare_data.output,
         rules.build_artifacts.output,
         rules.train.output,
+        rules.merge_checkpoint.output,
     default_target: True

@@ -130,3 +130,42 @@ def load_parameters_file(path: Path) -> dict:
 
     state = CheckpointState.load_checkpoint(str(path))
     return {name: state._state.get_parameter(name).data.numpy().copy() for name, _ in state.parameters}
+
+
+def merge(root: Path, out_dir: Path) -> Path:
+    """Merge the newest complete checkpoint under `root` into `out_dir`:
+    `checkpoint` (ONNX Runtime's format, with optimizer state) and `meta.json`."""
+    source = latest(root)
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copyfile(source.ort_checkpoint, tmp / "checkpoint")
+    (tmp / META).write_text(json.dumps({**source.meta, "merged_from": str(source.path)}, indent=2) + "\n")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.replace(tmp, out_dir)
+    log.info("merged %s -> %s", source.path, out_dir)
+    return out_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m ortflow.checkpoint", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    merge_parser = sub.add_parser("merge", help="merge the newest complete checkpoint into one")
+    merge_parser.add_argument("root", type=Path, help="the run's train/checkpoints folder")
+    merge_parser.add_argument("out", type=Path, help="output folder")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        merge(args.root, args.out)
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
