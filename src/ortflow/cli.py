@@ -21,6 +21,7 @@ from . import config as config_mod
 COMMANDS = {
     "prepare-data": "ortflow.data.prepare",
     "build-artifacts": "ortflow.models.graphs",
+    "doctor": "ortflow.doctor",
     "train": "ortflow.train.launch",
 }
 

