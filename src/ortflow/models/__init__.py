@@ -10,7 +10,6 @@ from __future__ import annotations
 
 LOGITS = "logits"
 CLASS_LOSSES = ("cross_entropy",)
-TARGET_LOSSES = ("mse", "l1", "bce_with_logits")
 
 
 def output_shape(loss: str, manifest: dict) -> list[int]:

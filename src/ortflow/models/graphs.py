@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import CLASS_LOSSES, LOGITS, TARGET_LOSSES
+from . import CLASS_LOSSES, LOGITS
 
 log = logging.getLogger("ortflow.build_artifacts")
 
