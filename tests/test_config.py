@@ -46,3 +46,9 @@ def test_workflow_refuses_bad_config_before_any_job(workdir):
     assert result.returncode != 0
     assert "config key 'train.world_size': -1 is less than the minimum of 1" in result.stderr
     assert not (workdir / "results").exists()
+
+
+def test_default_config_file_equals_schema_defaults():
+    """`--configfile my.yaml` replaces config/config.yaml, so a user's file that
+    changes one key must mean "the default run but this key"."""
+    assert config.load() == config.validate({})

@@ -52,9 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
     )
+    from .doctor import PreflightError
+
     try:
         return importlib.import_module(COMMANDS[args.command]).run(args) or 0
-    except (config_mod.ConfigError, ValueError, FileNotFoundError) as error:
+    except (config_mod.ConfigError, PreflightError, ValueError, FileNotFoundError) as error:
         # Known bad input: one clear line that names the problem, no traceback to dig through.
         print(f"ortflow {args.command}: error: {error}", file=sys.stderr)
         return 1

@@ -51,13 +51,17 @@ def run(args) -> int:
     import json
 
     from ..cli import load_config
+    from ..doctor import host_cores, preflight, raise_if_problems
 
     config = load_config(args)
     if args.world_size:
         config["train"]["world_size"] = args.world_size
     world_size = config["train"]["world_size"]
+    # Cheap checks first: a missing launcher or GPU is reported with its fix
+    # in a second, rather than as a hang or a traceback from inside a rank.
+    raise_if_problems(preflight(config, args.mpi, args.out.parent))
     mpi = shutil.which(args.mpi) or args.mpi
-    command = launcher_command(mpi, world_size, os.cpu_count() or 1) + [
+    command = launcher_command(mpi, world_size, host_cores()) + [
         sys.executable, "-m", "ortflow.train.loop",
         "--config-json", json.dumps(config),
         "--data", str(args.data), "--artifacts", str(args.artifacts), "--out", str(args.out),
