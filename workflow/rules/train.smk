@@ -16,6 +16,8 @@ rule train:
     resources:
         tasks=config["train"]["world_size"],
         mpi="mpirun",
+        # One GPU per rank on CUDA; the Slurm profile sets tasks_per_gpu=1.
+        gpu=config["train"]["world_size"] if config["train"]["device"] == "cuda" else 0,
     threads: min(config["train"]["world_size"], workflow.cores)
     shell:
         "ortflow train --mpi {resources.mpi} -n {resources.tasks} --config-json {params.config:q}"

@@ -1,0 +1,118 @@
+"""The workflow on a real single-node Slurm cluster (tests/slurm/setup.sh brings
+it up on localhost), through the repository's Slurm profile.
+
+Needs root and Debian's packages; when the cluster cannot be started the tests
+fail with the setup script's output, they do not skip."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_snakemake
+
+PROFILE = REPO / "workflow" / "profiles" / "slurm"
+# Small runs; the default world size (2) stays: training must be one 2-task job.
+CONFIG = {"train": {"steps": 30, "log_every": 10, "eval_every": 30, "checkpoint_every": 30}}
+# The first status check after 2 s instead of the profile's 20 s keeps the run short.
+SLURM_ARGS = ("--workflow-profile", str(PROFILE), "--slurm-init-seconds-before-status-checks", "2")
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    setup = subprocess.run(
+        ["bash", str(REPO / "tests" / "slurm" / "setup.sh")],
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=900,
+    )
+    if setup.returncode != 0:
+        pytest.fail(f"could not start the Slurm test cluster:\n{setup.stdout}\n{setup.stderr}")
+
+
+@pytest.fixture(scope="module")
+def slurm_run(slurm_cluster, tmp_path_factory):
+    """The default workflow (`all`), run once through the Slurm profile."""
+    workdir = tmp_path_factory.mktemp("slurm") / "work"
+    result = run_snakemake(workdir, CONFIG, *SLURM_ARGS)
+    return workdir, result
+
+
+def slurm_jobs(workdir: Path) -> dict[str, list[dict]]:
+    """Slurm's accounting records of the jobs run in `workdir`: job id -> the
+    job's row followed by its steps' rows."""
+    fields = "JobID,Comment,State,NTasks,AllocCPUS,WorkDir"
+    out = subprocess.run(
+        ["sacct", "--allusers", "--noheader", "--parsable2", "--starttime", "now-6hours",
+         f"--format={fields}"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    jobs: dict[str, list[dict]] = {}
+    for row in csv.DictReader(out.splitlines(), fieldnames=fields.split(","), delimiter="|"):
+        job_id = row["JobID"].split(".")[0]
+        if "." not in row["JobID"] and row["WorkDir"] == str(workdir.resolve()):
+            jobs[job_id] = [row]
+        elif job_id in jobs:
+            jobs[job_id].append(row)
+    return jobs
+
+
+def snakemake_job_counts(stderr: str) -> dict[str, int]:
+    """The `Job stats` table Snakemake prints before running: rule -> jobs."""
+    table = stderr.split("Job stats:", 1)[1].split("total", 1)[0]
+    return {rule: int(count) for rule, count in re.findall(r"^(\w+)\s+(\d+)$", table, re.M)}
+
+
+def test_default_workflow_runs_on_slurm(slurm_run):
+    workdir, result = slurm_run
+    # Every target of `all` is there and up to date: a dry run finds nothing to do.
+    dry = run_snakemake(workdir, CONFIG, "--dry-run")
+    assert "Nothing to be done" in dry.stdout + dry.stderr, dry.stdout + dry.stderr
+
+    # Each job of the run was a Slurm job of its rule, and it completed.
+    jobs = slurm_jobs(workdir)
+    by_rule = {}
+    for job_id, (job, *_steps) in jobs.items():
+        assert job["State"] == "COMPLETED", (job_id, job)
+        by_rule.setdefault(job["Comment"], []).append(job_id)
+    expected = {f"rule_{rule}": count for rule, count in snakemake_job_counts(result.stderr).items()
+                if rule != "all"}  # `all` has no command: Snakemake runs it locally
+    assert {rule: len(ids) for rule, ids in by_rule.items()} == expected
+
+    metrics = json.loads((workdir / "results/digits/train/metrics.json").read_text())
+    assert metrics["steps"] == 30
+
+
+def test_training_is_one_slurm_job_of_two_tasks(slurm_run):
+    workdir, _ = slurm_run
+    train_jobs = [rows for rows in slurm_jobs(workdir).values() if rows[0]["Comment"] == "rule_train"]
+    assert len(train_jobs) == 1, train_jobs
+    job, *steps = train_jobs[0]
+    assert job["AllocCPUS"] == "2", job  # 2 tasks x cpus_per_task 1 (the profile)
+    # The launcher's `srun` is the job's one parallel step: both ranks in it.
+    srun_steps = [step for step in steps if re.fullmatch(r"\d+\.\d+", step["JobID"])]
+    assert [(step["NTasks"], step["State"]) for step in srun_steps] == [("2", "COMPLETED")], steps
+    log = (workdir / "logs/digits/train.log").read_text()
+    assert re.search(r"srun --mpi=pmix -n 2 ", log), log
+    assert "2 ranks" in log, log
+
+
+def test_cuda_training_asks_for_one_gpu_per_task(slurm_run, tmp_path):
+    """Without a GPU Slurm refuses the job, but Snakemake's error shows the
+    sbatch call it generated: one GPU per task for 4 tasks."""
+    finished, _ = slurm_run
+    workdir = tmp_path / "work"
+    shutil.copytree(finished, workdir, symlinks=True)  # only `train` is out of date below
+    config = {"train": {**CONFIG["train"], "device": "cuda", "world_size": 4}}
+    result = run_snakemake(workdir, config, *SLURM_ARGS, check=False)
+    assert result.returncode != 0, result.stderr
+    calls = re.findall(r"^\s*(sbatch .*--comment rule_train .*)$", result.stderr, re.M)
+    assert len(calls) == 1, result.stderr[-4000:]
+    arguments = calls[0].split(" --wrap=")[0].split()
+    assert {"--gpus=4", "--ntasks=4", "--ntasks-per-gpu=1"} <= set(arguments), arguments
+    # The cluster has no GPU: Slurm itself refused the GPU request.
+    assert "Invalid generic resource (gres) specification" in result.stderr
