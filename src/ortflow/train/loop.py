@@ -69,30 +69,40 @@ def outputs_of(result) -> tuple[float, np.ndarray | None]:
     return float(result), None
 
 
+def batch_totals(loss: float, logits: np.ndarray | None, labels: np.ndarray, task: str) -> np.ndarray:
+    """[loss sum, correct predictions, count] of one eval batch, to be summed
+    over batches (and ranks) and turned into results by `eval_results`."""
+    # The loss is a mean over the batch's elements (samples, or tokens for a language model).
+    n = labels.size if task != "regression" else len(labels)
+    correct = 0.0
+    if logits is not None and task != "regression":
+        correct = float((np.argmax(logits, axis=1) == labels).sum())
+    return np.array([loss * n, correct, n], dtype=np.float64)
+
+
+def eval_results(totals, task: str) -> dict:
+    """Mean loss, and accuracy (classification) or perplexity (language model), from summed `batch_totals`."""
+    loss_sum, correct, count = totals
+    results = {"loss": loss_sum / count}
+    if task == "classification":
+        results["accuracy"] = correct / count
+    elif task == "language_model":
+        results["perplexity"] = math.exp(min(results["loss"], 50.0))
+        results["accuracy"] = correct / count
+    return results
+
+
 def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, data_label: str) -> dict:
     """Mean loss over the whole eval split, and accuracy (classification) or
     perplexity (language model); each rank evaluates its part."""
     module.eval()
     names = module.input_names()
-    loss_sum = correct = count = 0.0
+    totals = np.zeros(3)
     for batch in reader.eval_batches(comm.rank, comm.world_size, batch_size):
         loss, logits = outputs_of(module(*feeds(batch, names, info["label"]["name"], data_label)))
-        labels = batch[data_label]
-        # The loss is a mean over the batch's elements (samples, or tokens for a language model).
-        n = labels.size if info["task"] != "regression" else len(labels)
-        loss_sum += loss * n
-        count += n
-        if logits is not None and info["task"] != "regression":
-            correct += float((np.argmax(logits, axis=1) == labels).sum())
+        totals += batch_totals(loss, logits, batch[data_label], info["task"])
     module.train()
-    loss_sum, correct, count = comm.allreduce_sum([loss_sum, correct, count])
-    results = {"loss": loss_sum / count}
-    if info["task"] == "classification":
-        results["accuracy"] = correct / count
-    elif info["task"] == "language_model":
-        results["perplexity"] = math.exp(min(results["loss"], 50.0))
-        results["accuracy"] = correct / count
-    return results
+    return eval_results(comm.allreduce_sum(totals), info["task"])
 
 
 def inject_fault(fault: dict | None, step: int, rank: int, batches: list[dict]) -> None:
