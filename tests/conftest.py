@@ -40,3 +40,23 @@ def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, t
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path / "work"
+
+
+@pytest.fixture(scope="session")
+def digits_inputs(tmp_path_factory) -> Path:
+    """prepare_data and build_artifacts of the default config, run once per session."""
+    workdir = tmp_path_factory.mktemp("digits-inputs")
+    run_snakemake(workdir, {}, "build_artifacts")
+    return workdir
+
+
+@pytest.fixture
+def digits_workdir(digits_inputs: Path, tmp_path: Path) -> Path:
+    """A scratch workdir that already holds the default run's shards and
+    artifacts (with Snakemake's metadata, so they count as up to date)."""
+    import shutil
+
+    workdir = tmp_path / "work"
+    shutil.copytree(digits_inputs / "results", workdir / "results")
+    shutil.copytree(digits_inputs / ".snakemake" / "metadata", workdir / ".snakemake" / "metadata")
+    return workdir

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +25,7 @@ def _log(workdir: Path, run: str = "digits") -> str:
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> Path:
-    """The default config (digits, MLP, 2 ranks, 300 steps), trained once for several tests."""
+    """The default config (digits, MLP, 2 ranks, 300 steps) from scratch, trained once for several tests."""
     workdir = tmp_path_factory.mktemp("default")
     run_snakemake(workdir, {}, "train")
     return workdir
@@ -71,10 +71,11 @@ def _final_parameters(workdir: Path) -> dict:
     return checkpoint.load_parameters(checkpoint.latest(workdir / "results/digits/train/checkpoints").path)
 
 
-def test_world_size_and_accumulation_are_equivalent(tmp_path):
+def test_world_size_and_accumulation_are_equivalent(digits_workdir, tmp_path):
     """Data parallelism's core property: 2 ranks x 1 micro-batch == 1 rank x 2 accumulated micro-batches."""
-    two_ranks = tmp_path / "w2"
+    two_ranks = digits_workdir
     one_rank = tmp_path / "w1"
+    shutil.copytree(two_ranks, one_rank)
     run_snakemake(two_ranks, {"train": {**SHORT["train"], "world_size": 2, "grad_accum_steps": 1}}, "train")
     run_snakemake(one_rank, {"train": {**SHORT["train"], "world_size": 1, "grad_accum_steps": 2}}, "train")
     a, b = _final_parameters(two_ranks), _final_parameters(one_rank)
@@ -86,7 +87,8 @@ def test_world_size_and_accumulation_are_equivalent(tmp_path):
     assert worst_torch <= 1e-4, worst_torch
 
 
-def test_failing_rank_ends_the_job(workdir):
+def test_failing_rank_ends_the_job(digits_workdir):
+    workdir = digits_workdir
     fault = {"step": 5, "rank": 1, "mode": "raise"}
     result = run_snakemake(workdir, {"train": {**SHORT["train"], "fail_at_step": fault}}, "train",
                            check=False, timeout=180)
@@ -97,7 +99,8 @@ def test_failing_rank_ends_the_job(workdir):
     assert not (workdir / "results/digits/train/metrics.json").exists()
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir):
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(digits_workdir):
+    workdir = digits_workdir
     fault = {"step": 12, "rank": 0, "mode": "nan"}
     result = run_snakemake(workdir, {"train": {**SHORT["train"], "fail_at_step": fault}}, "train", check=False)
     assert result.returncode != 0
@@ -105,8 +108,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(workdir):
     assert checkpoint.latest(workdir / "results/digits/train/checkpoints").step == 10
 
 
-def test_corrupt_shard_stops_before_the_first_step(workdir):
-    run_snakemake(workdir, {}, "prepare_data")
+def test_corrupt_shard_stops_before_the_first_step(digits_workdir):
+    workdir = digits_workdir
     shard = workdir / "results/digits/data/train/shard-00001.bin"
     data = bytearray(shard.read_bytes())
     data[100] ^= 0xFF
@@ -118,7 +121,8 @@ def test_corrupt_shard_stops_before_the_first_step(workdir):
     assert "step 1/" not in log and "step 5/" not in log
 
 
-def test_watchdog_names_the_stalled_rank(workdir):
+def test_watchdog_names_the_stalled_rank(digits_workdir):
+    workdir = digits_workdir
     fault = {"step": 3, "rank": 1, "mode": "stall"}
     config = {"train": {**SHORT["train"], "fail_at_step": fault, "collective_timeout_s": 4}}
     result = run_snakemake(workdir, config, "train", check=False, timeout=180)
