@@ -23,6 +23,9 @@ COMMANDS = {
     "build-artifacts": "ortflow.models.graphs",
     "doctor": "ortflow.doctor",
     "train": "ortflow.train.launch",
+    "export-model": "ortflow.export",
+    "quantize-model": "ortflow.quantize",
+    "checkpoint": "ortflow.checkpoint",
 }
 
 
@@ -34,7 +37,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_config(args: argparse.Namespace) -> dict:
     if args.config_json:
-        return config_mod.validate(json.loads(args.config_json))
+        return config_mod.validate(json.loads(args.config_json), partial=True)
     return config_mod.load(args.config)
 
 

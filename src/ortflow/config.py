@@ -101,9 +101,11 @@ def _coerce(value: Any, schema: dict) -> Any:
     return value
 
 
-def validate(config: dict) -> dict:
+def validate(config: dict, partial: bool = False) -> dict:
     """Return a validated copy of `config` with every default filled in.
-    Raises ConfigError naming the key and what is allowed."""
+    Raises ConfigError naming the key and what is allowed. `partial`: the
+    config holds only the sections one stage needs (what the rules pass), so
+    the rules that relate keys of different sections were checked before."""
     schema = _schema()
     config = _coerce(expand_dotted(copy.deepcopy(config)), schema)
     validator_class = _with_defaults(jsonschema.Draft202012Validator)
@@ -112,7 +114,8 @@ def validate(config: dict) -> dict:
     )
     if errors:
         raise ConfigError("\n".join(_describe(e) for e in errors))
-    _check_cross_keys(config)
+    if not partial:
+        _check_cross_keys(config)
     return config
 
 
