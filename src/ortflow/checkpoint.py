@@ -1,23 +1,58 @@
-"""Checkpoints of a training run, and resume.
+"""Sharded checkpoints of a training run: save, resume, merge, reshard, inspect.
 
-A checkpoint is a folder `step-XXXXXXXX` under the run's checkpoint root. It
-counts as complete only once the marker file COMPLETE exists, which is written
-last, after every rank has finished writing.
+A checkpoint is a folder `step-XXXXXXXX` (optimizer steps done) under the run's
+`train/checkpoints/`:
+
+    shard-RRRRR-of-WWWWW.h5   rank R's part of the parameters and of their optimizer state
+    manifest.json             step, training identity, and the size and sha256 of every shard
+    COMPLETE                  written by rank 0 once every shard is in place
+
+Every rank holds the same state after a step (data parallelism), so each one
+writes a different part: the parameters are split about 1/W by bytes (largest
+first, each to the rank with the fewest bytes so far, ties by name and rank), so
+the ranks write in parallel. A shard is an HDF5 file:
+
+    attrs          format, checkpoint_id, step, rank, world_size, identity (JSON),
+                   identity_digest, ort_checkpoint_version
+    parameters/    one dataset per parameter (name %-quoted), attr requires_grad
+    optimizer/     attrs group_name, step (the optimizer's own count), initial_learning_rate;
+                   optimizer/<state>/<parameter> for each state (AdamW: momentum0, momentum1)
+    properties     attrs: ONNX Runtime's property bag (step, lr, samples_seen: the data
+                   position; batch order is a function of run.seed and the step, so there
+                   is no other random state to keep)
+
+ONNX Runtime reads and writes only its own checkpoint file, a flatbuffer whose
+schema ships in the wheel. Saving writes that file to memory (/dev/shm) and
+reads this rank's part out of it; resuming builds one from the shards. Either
+way the same bytes reach the optimizer, so a resumed run is bit-identical.
+
+    python -m ortflow.checkpoint inspect|merge|reshard ...   (also `ortflow checkpoint ...`)
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass
+import tempfile
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import quote, unquote
+
+import numpy as np
 
 log = logging.getLogger("ortflow.checkpoint")
 
+HELP = "inspect, merge or reshard the sharded checkpoints of a run"
 COMPLETE = "COMPLETE"
-META = "meta.json"
+MANIFEST = "manifest.json"
+META = "meta.json"  # of a merged checkpoint; export reads its step and identity_digest
+FORMAT = "ortflow-checkpoint-shard/1"
+ORT_IDENTIFIER = b"ODTC"  # the file identifier of ONNX Runtime's checkpoint flatbuffer
 
 
 class CheckpointError(ValueError):
@@ -25,78 +60,439 @@ class CheckpointError(ValueError):
 
 
 @dataclass
+class TrainingState:
+    """Everything in an ONNX Runtime checkpoint with optimizer state, as arrays."""
+
+    parameters: dict[str, np.ndarray]
+    requires_grad: dict[str, bool]
+    optimizer_states: dict[str, dict[str, np.ndarray]]  # parameter -> {momentum0: array, ...}
+    optimizer: dict  # group_name, step, initial_learning_rate
+    properties: dict  # name -> int, float or str
+    version: int = 2
+
+    def part(self, names: list[str]) -> TrainingState:
+        return TrainingState(
+            {n: self.parameters[n] for n in names}, {n: self.requires_grad[n] for n in names},
+            {n: self.optimizer_states[n] for n in names if n in self.optimizer_states},
+            self.optimizer, self.properties, self.version,
+        )
+
+    def nbytes(self, name: str) -> int:
+        return self.parameters[name].nbytes + sum(a.nbytes for a in self.optimizer_states.get(name, {}).values())
+
+
+@dataclass
 class Resume:
     path: Path  # the checkpoint folder
-    ort_checkpoint: Path  # a file CheckpointState.load_checkpoint reads
     step: int
-    meta: dict
+    meta: dict  # its manifest
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint folder: its manifest and the training state of all its shards."""
+
+    path: Path
+    manifest: dict
+    state: TrainingState = field(repr=False)
+
+
+# --- ONNX Runtime's checkpoint flatbuffer -------------------------------------------------------
+
+
+def _np_dtype(onnx_type: int) -> np.dtype:
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    return np.dtype(tensor_dtype_to_np_dtype(onnx_type))
+
+
+def read_ort_checkpoint(path: Path) -> TrainingState:
+    """Parse an ONNX Runtime checkpoint file. The arrays are read-only views of the file's bytes."""
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs.Checkpoint import Checkpoint as Fbs
+
+    buf = Path(path).read_bytes()
+    if not Fbs.CheckpointBufferHasIdentifier(buf, 0):
+        raise CheckpointError(f"{path}: not an ONNX Runtime checkpoint (no {ORT_IDENTIFIER.decode()} identifier)")
+    root = Fbs.GetRootAs(buf, 0)
+    module = root.ModuleState()
+    if module.HasExternalData():
+        raise CheckpointError(f"{path}: parameters in an external data file (models over 2 GB) are not supported")
+
+    def array(tensor) -> np.ndarray:
+        dims = [int(d) for d in tensor.DimsAsNumpy()] if not tensor.DimsIsNone() else []
+        raw = tensor.RawDataAsNumpy() if not tensor.RawDataIsNone() else np.zeros(0, np.uint8)
+        return raw.view(_np_dtype(tensor.DataType())).reshape(dims)
+
+    parameters, requires_grad = {}, {}
+    for count, get, trainable in ((module.RequiresGradParamsLength(), module.RequiresGradParams, True),
+                                  (module.FrozenParamsLength(), module.FrozenParams, False)):
+        for i in range(count):
+            tensor = get(i)
+            name = tensor.Name().decode()
+            parameters[name], requires_grad[name] = array(tensor), trainable
+    if root.OptimizerGroupsLength() > 1:
+        raise CheckpointError(f"{path}: {root.OptimizerGroupsLength()} optimizer groups; ortflow expects one")
+    optimizer, optimizer_states = {}, {}
+    if root.OptimizerGroupsLength() == 1:
+        group = root.OptimizerGroups(0)
+        optimizer = {"group_name": group.GroupName().decode(), "step": int(group.Step()),
+                     "initial_learning_rate": float(group.InitialLearningRate())}
+        for i in range(group.OptimizerStatesLength()):
+            entry = group.OptimizerStates(i)
+            optimizer_states[entry.ParamName().decode()] = {
+                entry.Momentums(j).Name().decode(): array(entry.Momentums(j)) for j in range(entry.MomentumsLength())
+            }
+    properties: dict = {}
+    bag = root.PropertyBag()
+    if bag is not None:
+        for count, get, kind in ((bag.IntsLength(), bag.Ints, int), (bag.FloatsLength(), bag.Floats, float),
+                                 (bag.StringsLength(), bag.Strings, bytes.decode)):
+            for i in range(count):
+                prop = get(i)
+                properties[prop.Name().decode()] = kind(prop.Value())
+    return TrainingState(parameters, requires_grad, optimizer_states, optimizer, properties, root.Version())
+
+
+def ort_checkpoint_bytes(state: TrainingState) -> bytearray:
+    """The ONNX Runtime checkpoint file of `state` (what CheckpointState.load_checkpoint reads)."""
+    import flatbuffers
+
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import (
+        Checkpoint as C, FloatProperty, IntProperty, ModuleState, OptimizerGroup, ParameterOptimizerState,
+        PropertyBag, StringProperty, Tensor,
+    )
+    from onnx.helper import np_dtype_to_tensor_dtype
+
+    total = sum(state.nbytes(n) for n in state.parameters)
+    builder = flatbuffers.Builder(total + 4096 * (len(state.parameters) + 1))
+
+    def tensor(name: str, array: np.ndarray) -> int:
+        name_offset = builder.CreateString(name)
+        raw = builder.CreateNumpyVector(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        dims = builder.CreateNumpyVector(np.asarray(array.shape, dtype=np.int64))
+        Tensor.Start(builder)
+        Tensor.AddName(builder, name_offset)
+        Tensor.AddDims(builder, dims)
+        Tensor.AddDataType(builder, np_dtype_to_tensor_dtype(array.dtype))
+        Tensor.AddRawData(builder, raw)
+        return Tensor.End(builder)
+
+    def vector(start, offsets: list[int]) -> int:
+        start(builder, len(offsets))
+        for offset in reversed(offsets):
+            builder.PrependUOffsetTRelative(offset)
+        return builder.EndVector()
+
+    names = sorted(state.parameters)
+    trainable = vector(ModuleState.StartRequiresGradParamsVector,
+                       [tensor(n, state.parameters[n]) for n in names if state.requires_grad[n]])
+    frozen = vector(ModuleState.StartFrozenParamsVector,
+                    [tensor(n, state.parameters[n]) for n in names if not state.requires_grad[n]])
+    ModuleState.Start(builder)
+    ModuleState.AddRequiresGradParams(builder, trainable)
+    ModuleState.AddFrozenParams(builder, frozen)
+    module = ModuleState.End(builder)
+
+    groups = []
+    if state.optimizer:
+        entries = []
+        for name in sorted(state.optimizer_states):
+            moments = state.optimizer_states[name]
+            moment_offsets = [tensor(m, moments[m]) for m in sorted(moments)]
+            param_name = builder.CreateString(name)
+            moments_vector = vector(ParameterOptimizerState.StartMomentumsVector, moment_offsets)
+            ParameterOptimizerState.Start(builder)
+            ParameterOptimizerState.AddParamName(builder, param_name)
+            ParameterOptimizerState.AddMomentums(builder, moments_vector)
+            entries.append(ParameterOptimizerState.End(builder))
+        entries_vector = vector(OptimizerGroup.StartOptimizerStatesVector, entries)
+        group_name = builder.CreateString(state.optimizer["group_name"])
+        OptimizerGroup.Start(builder)
+        OptimizerGroup.AddGroupName(builder, group_name)
+        OptimizerGroup.AddStep(builder, state.optimizer["step"])
+        OptimizerGroup.AddInitialLearningRate(builder, state.optimizer["initial_learning_rate"])
+        OptimizerGroup.AddOptimizerStates(builder, entries_vector)
+        groups.append(OptimizerGroup.End(builder))
+    groups_vector = vector(C.StartOptimizerGroupsVector, groups)
+
+    props = {int: [], float: [], str: []}
+    for name in sorted(state.properties):
+        value = state.properties[name]
+        kind = str if isinstance(value, str) else float if isinstance(value, float) else int
+        table = {int: IntProperty, float: FloatProperty, str: StringProperty}[kind]
+        name_offset = builder.CreateString(name)
+        value = builder.CreateString(value) if kind is str else value
+        table.Start(builder)
+        table.AddName(builder, name_offset)
+        table.AddValue(builder, value)
+        props[kind].append(table.End(builder))
+    ints = vector(PropertyBag.StartIntsVector, props[int])
+    floats = vector(PropertyBag.StartFloatsVector, props[float])
+    strings = vector(PropertyBag.StartStringsVector, props[str])
+    PropertyBag.Start(builder)
+    PropertyBag.AddInts(builder, ints)
+    PropertyBag.AddFloats(builder, floats)
+    PropertyBag.AddStrings(builder, strings)
+    bag = PropertyBag.End(builder)
+
+    C.Start(builder)
+    C.AddVersion(builder, state.version)
+    C.AddModuleState(builder, module)
+    C.AddOptimizerGroups(builder, groups_vector)
+    C.AddPropertyBag(builder, bag)
+    builder.Finish(C.End(builder), file_identifier=ORT_IDENTIFIER)
+    return builder.Output()
+
+
+@contextmanager
+def _scratch_file():
+    """A file name in memory (/dev/shm) where there is one: ORT reads and writes only files."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    fd, name = tempfile.mkstemp(prefix="ortflow-checkpoint-", dir=folder)
+    os.close(fd)
+    try:
+        yield Path(name)
+    finally:
+        Path(name).unlink(missing_ok=True)
+
+
+def ort_state(state: TrainingState):
+    """A live CheckpointState holding `state` (parameters, optimizer state, properties)."""
+    from onnxruntime.training.api import CheckpointState
+
+    with _scratch_file() as scratch:
+        scratch.write_bytes(ort_checkpoint_bytes(state))
+        return CheckpointState.load_checkpoint(str(scratch))
+
+
+def training_state(ort_checkpoint_state) -> TrainingState:
+    """The arrays of a live CheckpointState (ORT writes them out; only its file format has the optimizer state)."""
+    from onnxruntime.training.api import CheckpointState
+
+    with _scratch_file() as scratch:
+        CheckpointState.save_checkpoint(ort_checkpoint_state, str(scratch), include_optimizer_state=True)
+        return read_ort_checkpoint(scratch)
+
+
+# --- shards -------------------------------------------------------------------------------------
 
 
 def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:08d}"
 
 
-def save(root: Path, step: int, state, comm, identity: dict, identity_digest: str, properties: dict, keep: int) -> Path:
-    """Write the checkpoint of optimizer step `step` (steps done so far)."""
-    from onnxruntime.training.api import CheckpointState
+def shard_name(rank: int, world_size: int) -> str:
+    return f"shard-{rank:05d}-of-{world_size:05d}.h5"
 
+
+def partition(state: TrainingState, world_size: int) -> list[list[str]]:
+    """Parameter names per rank, about 1/W of the bytes each; the same on every rank."""
+    parts: list[list[str]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for name in sorted(state.parameters, key=lambda n: (-state.nbytes(n), n)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        parts[rank].append(name)
+        loads[rank] += state.nbytes(name)
+    return [sorted(p) for p in parts]
+
+
+def shard_bytes(state: TrainingState, attrs: dict) -> bytes:
+    """The HDF5 file of one shard, built in memory (so that it is hashed without reading it back)."""
+    import h5py
+
+    with h5py.File(f"shard-{uuid.uuid4().hex}", "w", driver="core", backing_store=False) as f:
+        for key, value in attrs.items():
+            f.attrs[key] = json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+        params = f.create_group("parameters")
+        for name, array in state.parameters.items():
+            params.create_dataset(quote(name, safe=""), data=array).attrs["requires_grad"] = state.requires_grad[name]
+        optimizer = f.create_group("optimizer")
+        for key, value in state.optimizer.items():
+            optimizer.attrs[key] = value
+        for name, moments in state.optimizer_states.items():
+            for moment, array in moments.items():
+                optimizer.require_group(moment).create_dataset(quote(name, safe=""), data=array)
+        properties = f.create_group("properties")
+        for key, value in state.properties.items():
+            properties.attrs[key] = np.float32(value) if isinstance(value, float) else value
+        f.flush()
+        return f.id.get_file_image()
+
+
+def read_shard(path: Path) -> tuple[dict, TrainingState]:
+    """(attrs, state) of one shard file."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
+        attrs["identity"] = json.loads(attrs["identity"])
+        parameters, requires_grad = {}, {}
+        for key, dataset in f["parameters"].items():
+            parameters[unquote(key)] = dataset[()]
+            requires_grad[unquote(key)] = bool(dataset.attrs["requires_grad"])
+        optimizer = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f["optimizer"].attrs.items()}
+        states: dict[str, dict[str, np.ndarray]] = {}
+        for moment, group in f["optimizer"].items():
+            for key, dataset in group.items():
+                states.setdefault(unquote(key), {})[moment] = dataset[()]
+        properties = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f["properties"].attrs.items()}
+    return attrs, TrainingState(parameters, requires_grad, states, optimizer, properties,
+                                attrs["ort_checkpoint_version"])
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Write to a temporary name, flush to disk, rename: a file that exists is whole."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    _write_durably(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def _shard_attrs(checkpoint_id: str, step: int, rank: int, world_size: int, identity: dict, identity_digest: str,
+                 version: int) -> dict:
+    return {"format": FORMAT, "checkpoint_id": checkpoint_id, "step": step, "rank": rank, "world_size": world_size,
+            "identity": identity, "identity_digest": identity_digest, "ort_checkpoint_version": version}
+
+
+def _write_shard(folder: Path, state: TrainingState, attrs: dict) -> dict:
+    """Write one shard into `folder`; its manifest entry."""
+    data = shard_bytes(state, attrs)
+    name = shard_name(attrs["rank"], attrs["world_size"])
+    _write_durably(folder / name, data)
+    return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+            "parameters": sorted(state.parameters)}
+
+
+def _manifest(checkpoint_id: str, step: int, world_size: int, identity: dict, identity_digest: str,
+              properties: dict, shards: list[dict]) -> dict:
+    return {"checkpoint_id": checkpoint_id, "step": step, "world_size": world_size, "identity": identity,
+            "identity_digest": identity_digest, "properties": properties, "shards": shards}
+
+
+def save(root: Path, step: int, state, comm, identity: dict, identity_digest: str, properties: dict, keep: int) -> Path:
+    """Every rank writes its shard of the checkpoint of optimizer step `step` (steps done so far)."""
     final = step_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
+    checkpoint_id = None
     if comm.rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        # A folder of this step that is already here is a crashed attempt (or an older run's): replace it.
         shutil.rmtree(final, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        for key, value in properties.items():
-            state.properties[key] = value
-        CheckpointState.save_checkpoint(state, str(tmp / "checkpoint"), include_optimizer_state=True)
-        meta = {"step": step, "identity": identity, "identity_digest": identity_digest,
-                "world_size": comm.world_size, "properties": properties}
-        (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, final)
-        (final / COMPLETE).write_text("")
+        final.mkdir(parents=True)
+        checkpoint_id = f"{step}-{uuid.uuid4().hex}"
+    # Also keeps the other ranks from writing before the folder is fresh.
+    checkpoint_id = comm.allgather(checkpoint_id)[0]
+    for key, value in properties.items():
+        state.properties[key] = value
+    full = training_state(state)
+    part = full.part(partition(full, comm.world_size)[comm.rank])
+    attrs = _shard_attrs(checkpoint_id, step, comm.rank, comm.world_size, identity, identity_digest, full.version)
+    entries = comm.allgather(_write_shard(final, part, attrs))
+    if comm.rank == 0:
+        _write_json(final / MANIFEST, _manifest(checkpoint_id, step, comm.world_size, identity, identity_digest,
+                                                full.properties, entries))
+        _write_durably(final / COMPLETE, b"")
         _prune(root, keep)
-    comm.barrier()
     return final
 
 
 def _prune(root: Path, keep: int) -> None:
-    complete = sorted(p for p in Path(root).glob("step-*") if (p / COMPLETE).exists())
-    for old in complete[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    """Keep the newest `keep` complete checkpoints; older incomplete ones are leftovers of crashes."""
+    folders = sorted(p for p in Path(root).glob("step-*") if p.is_dir())
+    complete = [p for p in folders if (p / COMPLETE).exists()]
+    kept = set(complete[-keep:])
+    oldest_kept = min(kept) if kept else None
+    for folder in folders:
+        if folder not in kept and (folder in complete or (oldest_kept and folder < oldest_kept)):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
-def _load(path: Path) -> Resume:
-    meta_path = path / META
-    if not (path / COMPLETE).exists() or not meta_path.exists():
-        raise CheckpointError(f"checkpoint {path} is incomplete (no {COMPLETE} marker)")
-    meta = json.loads(meta_path.read_text())
-    return Resume(path, path / "checkpoint", meta["step"], meta)
+# --- reading and checking a checkpoint ----------------------------------------------------------
+
+
+def _manifest_of(path: Path) -> dict:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: not a folder")
+    if not (path / COMPLETE).exists() or not (path / MANIFEST).exists():
+        missing = COMPLETE if not (path / COMPLETE).exists() else MANIFEST
+        raise CheckpointError(f"checkpoint {path} is incomplete (no {missing}): its run stopped while writing it")
+    return json.loads((path / MANIFEST).read_text())
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    """Every shard of the checkpoint folder `path`, checked against its manifest, merged."""
+    path = Path(path)
+    manifest = _manifest_of(path)
+    listed = {entry["file"] for entry in manifest["shards"]}
+    for stray in sorted(path.glob("shard-*.h5")):
+        if stray.name not in listed:
+            raise CheckpointError(f"shard {stray}: not part of this checkpoint (its {MANIFEST} lists "
+                                  f"{manifest['world_size']} shards of step {manifest['step']}): shards of two "
+                                  "checkpoints are mixed")
+    merged = None
+    for entry in manifest["shards"]:
+        file = path / entry["file"]
+        if not file.exists():
+            raise CheckpointError(f"shard {file} is missing ({MANIFEST} lists {manifest['world_size']} shards)")
+        digest = hashlib.sha256(file.read_bytes()).hexdigest()
+        try:
+            attrs, state = read_shard(file)
+        except (OSError, KeyError, ValueError) as error:
+            attrs, state = None, error
+        if attrs is not None and attrs.get("checkpoint_id") != manifest["checkpoint_id"]:
+            raise CheckpointError(
+                f"shard {file} belongs to another checkpoint (step {attrs.get('step')}, id "
+                f"{attrs.get('checkpoint_id')}) than its {MANIFEST} (step {manifest['step']}, id "
+                f"{manifest['checkpoint_id']}): shards of two checkpoints are mixed")
+        if digest != entry["sha256"]:
+            raise CheckpointError(f"shard {file}: checksum mismatch (sha256 {digest}, {MANIFEST} says "
+                                  f"{entry['sha256']}): the file is damaged")
+        if attrs is None:
+            raise CheckpointError(f"shard {file}: unreadable ({state})")
+        if merged is None:
+            merged = state
+            continue
+        overlap = set(merged.parameters) & set(state.parameters)
+        if overlap:
+            raise CheckpointError(f"shard {file}: parameters {sorted(overlap)} are also in another shard")
+        merged.parameters.update(state.parameters)
+        merged.requires_grad.update(state.requires_grad)
+        merged.optimizer_states.update(state.optimizer_states)
+    return Checkpoint(path, manifest, merged)
+
+
+def load_state(resume: Resume):
+    """The CheckpointState to train on from the checkpoint `resume` (any world size)."""
+    return ort_state(read_checkpoint(resume.path).state)
 
 
 def find_resume(root: Path, identity: dict, identity_digest: str, resume_from: str | None) -> Resume | None:
     """The checkpoint to resume from: `resume_from` if given (refused if it belongs
     to another training identity), else the newest complete one of this identity."""
     if resume_from:
-        resume = _load(Path(resume_from))
-        if resume.meta["identity_digest"] != identity_digest:
+        manifest = _manifest_of(Path(resume_from))
+        if manifest["identity_digest"] != identity_digest:
             raise CheckpointError(
                 f"train.resume_from: checkpoint {resume_from} belongs to another training identity; differs: "
-                + ", ".join(_differences(resume.meta["identity"], identity))
+                + ", ".join(_differences(manifest["identity"], identity))
             )
-        return resume
+        return Resume(Path(resume_from), manifest["step"], manifest)
     for path in sorted(Path(root).glob("step-*"), reverse=True):
-        if path.name.endswith(".tmp"):
-            continue
         try:
-            resume = _load(path)
+            manifest = _manifest_of(path)
         except CheckpointError as error:
             log.warning("skipping %s", error)
             continue
-        if resume.meta["identity_digest"] != identity_digest:
+        if manifest["identity_digest"] != identity_digest:
             log.info("skipping checkpoint %s: another training identity (%s)", path,
-                     ", ".join(_differences(resume.meta["identity"], identity)))
+                     ", ".join(_differences(manifest["identity"], identity)))
             continue
-        return resume
+        return Resume(path, manifest["step"], manifest)
     return None
 
 
@@ -115,56 +511,144 @@ def latest(root: Path) -> Resume:
     """The newest complete checkpoint under `root`."""
     for path in sorted(Path(root).glob("step-*"), reverse=True):
         if (path / COMPLETE).exists():
-            return _load(path)
+            manifest = _manifest_of(path)
+            return Resume(path, manifest["step"], manifest)
     raise CheckpointError(f"no complete checkpoint under {root}")
+
+
+def _checkpoint_folder(path: Path) -> Path:
+    """A checkpoint folder as given, or the newest complete one of a checkpoints root."""
+    path = Path(path)
+    return path if (path / MANIFEST).exists() or path.name.startswith("step-") else latest(path).path
 
 
 def load_parameters(path: Path) -> dict:
     """{name: array} of every parameter of the checkpoint folder `path`."""
-    return load_parameters_file(_load(Path(path)).ort_checkpoint)
+    return read_checkpoint(Path(path)).state.parameters
 
 
 def load_parameters_file(path: Path) -> dict:
     """{name: array} of every parameter of an ONNX Runtime checkpoint file."""
-    from onnxruntime.training.api import CheckpointState
-
-    state = CheckpointState.load_checkpoint(str(path))
-    return {name: state._state.get_parameter(name).data.numpy().copy() for name, _ in state.parameters}
+    return {name: array.copy() for name, array in read_ort_checkpoint(path).parameters.items()}
 
 
-def merge(root: Path, out_dir: Path) -> Path:
-    """Merge the newest complete checkpoint under `root` into `out_dir`:
-    `checkpoint` (ONNX Runtime's format, with optimizer state) and `meta.json`."""
-    source = latest(root)
+# --- merge, reshard, inspect --------------------------------------------------------------------
+
+
+def _replace_folder(tmp: Path, out: Path) -> None:
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def merge(source: Path, out_dir: Path) -> Path:
+    """Merge a checkpoint (a folder, or the newest complete one under a checkpoints root)
+    into `out_dir`: `checkpoint` (ONNX Runtime's format, with optimizer state),
+    `checkpoint.h5` (every shard in one) and `meta.json`."""
+    checkpoint = read_checkpoint(_checkpoint_folder(source))
+    manifest = checkpoint.manifest
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    shutil.copyfile(source.ort_checkpoint, tmp / "checkpoint")
-    (tmp / META).write_text(json.dumps({**source.meta, "merged_from": str(source.path)}, indent=2) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
-    log.info("merged %s -> %s", source.path, out_dir)
+    (tmp / "checkpoint").write_bytes(ort_checkpoint_bytes(checkpoint.state))
+    attrs = _shard_attrs(manifest["checkpoint_id"], manifest["step"], 0, 1, manifest["identity"],
+                         manifest["identity_digest"], checkpoint.state.version)
+    (tmp / "checkpoint.h5").write_bytes(shard_bytes(checkpoint.state, attrs))
+    meta = {key: manifest[key] for key in ("checkpoint_id", "step", "world_size", "identity", "identity_digest",
+                                           "properties")}
+    (tmp / META).write_text(json.dumps({**meta, "merged_from": str(checkpoint.path)}, indent=2, sort_keys=True) + "\n")
+    _replace_folder(tmp, out_dir)
+    log.info("merged %s (%d shards, step %d) -> %s", checkpoint.path, manifest["world_size"], manifest["step"], out_dir)
     return out_dir
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
+def reshard(source: Path, out_dir: Path, world_size: int) -> Path:
+    """Write a checkpoint as a checkpoint folder of `world_size` shards (training can
+    resume from any world size anyway; this is for tools that want the other layout)."""
+    checkpoint = read_checkpoint(_checkpoint_folder(source))
+    manifest, state = checkpoint.manifest, checkpoint.state
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    entries = []
+    for rank, names in enumerate(partition(state, world_size)):
+        attrs = _shard_attrs(manifest["checkpoint_id"], manifest["step"], rank, world_size, manifest["identity"],
+                             manifest["identity_digest"], state.version)
+        entries.append(_write_shard(tmp, state.part(names), attrs))
+    _write_json(tmp / MANIFEST, _manifest(manifest["checkpoint_id"], manifest["step"], world_size,
+                                          manifest["identity"], manifest["identity_digest"],
+                                          manifest["properties"], entries))
+    _write_durably(tmp / COMPLETE, b"")
+    _replace_folder(tmp, out_dir)
+    log.info("resharded %s (%d shards) -> %s (%d shards)", checkpoint.path, manifest["world_size"], out_dir,
+             world_size)
+    return out_dir
+
+
+def inspect(source: Path) -> str:
+    """A readable summary of a checkpoint, after checking every shard."""
+    from tabulate import tabulate
+
+    checkpoint = read_checkpoint(_checkpoint_folder(source))
+    manifest, state = checkpoint.manifest, checkpoint.state
+    where = {name: entry["file"] for entry in manifest["shards"] for name in entry["parameters"]}
+    rows = [(name, "x".join(map(str, state.parameters[name].shape)) or "scalar", str(state.parameters[name].dtype),
+             "yes" if state.requires_grad[name] else "frozen", ", ".join(sorted(state.optimizer_states.get(name, {}))),
+             where[name]) for name in sorted(state.parameters)]
+    shards = [(e["file"], e["bytes"], e["sha256"][:16], len(e["parameters"])) for e in manifest["shards"]]
+    return "\n".join([
+        f"checkpoint {checkpoint.path}: step {manifest['step']}, {manifest['world_size']} shards (checksums verified)",
+        f"training identity {manifest['identity_digest']}",
+        f"optimizer {json.dumps(state.optimizer, sort_keys=True)}",
+        f"properties {json.dumps(state.properties, sort_keys=True)}",
+        "",
+        tabulate(shards, headers=["shard", "bytes", "sha256", "parameters"]),
+        "",
+        tabulate(rows, headers=["parameter", "shape", "dtype", "trained", "optimizer state", "shard"]),
+    ])
+
+
+def add_arguments(parser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    source_help = "a checkpoint folder (step-XXXXXXXX), or a checkpoints root (its newest complete checkpoint)"
+    inspect_parser = sub.add_parser("inspect", help="check every shard and list what the checkpoint holds")
+    inspect_parser.add_argument("source", type=Path, help=source_help)
+    merge_parser = sub.add_parser("merge", help="one ONNX Runtime checkpoint + one HDF5 file from the shards")
+    merge_parser.add_argument("source", type=Path, help=source_help)
+    merge_parser.add_argument("out", type=Path, help="output folder")
+    reshard_parser = sub.add_parser("reshard", help="rewrite a checkpoint as N shards")
+    reshard_parser.add_argument("source", type=Path, help=source_help)
+    reshard_parser.add_argument("out", type=Path, help="output checkpoint folder")
+    reshard_parser.add_argument("-n", "--world-size", type=int, required=True, help="number of shards")
+
+
+def run(args) -> int:
     import sys
 
-    parser = argparse.ArgumentParser(prog="python -m ortflow.checkpoint", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    merge_parser = sub.add_parser("merge", help="merge the newest complete checkpoint into one")
-    merge_parser.add_argument("root", type=Path, help="the run's train/checkpoints folder")
-    merge_parser.add_argument("out", type=Path, help="output folder")
-    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        merge(args.root, args.out)
+        if args.action == "inspect":
+            print(inspect(args.source))
+        elif args.action == "merge":
+            merge(args.source, args.out)
+        else:
+            if args.world_size < 1:
+                raise CheckpointError(f"reshard: --world-size must be at least 1, got {args.world_size}")
+            reshard(args.source, args.out, args.world_size)
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m ortflow.checkpoint", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

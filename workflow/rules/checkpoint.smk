@@ -2,10 +2,11 @@ rule merge_checkpoint:
     input:
         metrics=rules.train.output.metrics,
     output:
+        # `checkpoint` (ONNX Runtime's format, with optimizer state), `checkpoint.h5`, `meta.json`
         directory(f"{RESULTS}/checkpoint"),
     log:
         f"{LOGS}/merge_checkpoint.log",
     params:
         root=f"{RESULTS}/train/checkpoints",
     shell:
-        "python -m ortflow.checkpoint merge {params.root} {output} > {log} 2>&1"
+        "ortflow checkpoint merge {params.root} {output} > {log} 2>&1"

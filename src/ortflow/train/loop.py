@@ -144,7 +144,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
     identity_digest = config_mod.digest(identity)
     resume = checkpoint.find_resume(out_dir / "checkpoints", identity, identity_digest, train_cfg["resume_from"])
     start_step = resume.step if resume else 0
-    state = CheckpointState.load_checkpoint(str(resume.ort_checkpoint if resume else artifacts / "checkpoint"))
+    state = checkpoint.load_state(resume) if resume else CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
     device = "cuda" if train_cfg["device"] == "cuda" else "cpu"
     if device == "cuda":
         device = f"cuda:{comm.local_rank}"
@@ -209,7 +209,8 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
         if done % train_cfg["checkpoint_every"] == 0 or done == train_cfg["steps"]:
             comm.watchdog.beat(step, "checkpoint")
             checkpoint.save(out_dir / "checkpoints", done, state, comm, identity, identity_digest,
-                            {"step": done, "lr": lr}, train_cfg["keep_checkpoints"])
+                            {"step": done, "lr": lr, "samples_seen": done * global_batch},
+                            train_cfg["keep_checkpoints"])
 
     if not last_eval:  # resumed at the end: nothing trained, still report the model's quality
         last_eval = evaluate(module, eval_reader, comm, info, train_cfg["eval_batch_size"], data_label)
