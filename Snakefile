@@ -14,6 +14,7 @@ include: "workflow/rules/doctor.smk"
 include: "workflow/rules/artifacts.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/checkpoint.smk"
+include: "workflow/rules/export.smk"
 
 
 rule all:
@@ -22,4 +23,6 @@ rule all:
         rules.build_artifacts.output,
         rules.train.output,
         rules.merge_checkpoint.output,
+        rules.export_model.output,
+        rules.quantize_model.output,
     default_target: True

@@ -1,0 +1,199 @@
+"""The export_model stage: the merged checkpoint in, the inference model that a user deploys out.
+
+1. A training Module loaded with the merged checkpoint's weights writes its
+   inference graph (`Module.export_model_for_inferencing`): the forward model
+   with the loss, gradient and optimizer operators stripped, taking the data's
+   features by name and returning the logits, with the batch dimension dynamic.
+2. The model's metadata properties record where it came from: `ortflow.run`,
+   `ortflow.step`, `ortflow.identity_digest` (the training identity's sha256:
+   seed, data, model, optimizer, schedule, global batch) and `ortflow.version`.
+3. Before it is renamed into place, the model must pass:
+   - `onnx.checker.check_model(full_check=True)` (with shape inference);
+   - on a batch of eval records, its logits equal the eval graph's on the same
+     weights (within EVAL_TOLERANCE: the two graphs differ only in the loss
+     behind the logits), and the loss computed from them (`loss_of`, which
+     quantize_model also uses) equals the eval graph's loss;
+   - ONNX's reference evaluator agrees with ONNX Runtime within
+     REFERENCE_TOLERANCE (float32 sums in another order).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("ortflow.export")
+
+CHECK_RECORDS = 64
+# The reference evaluator is plain numpy and slow on large models: a few records prove agreement.
+REFERENCE_RECORDS = 8
+EVAL_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+REFERENCE_TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
+
+
+class ExportError(ValueError):
+    """The exported model fails a check; the message says which and by how much."""
+
+
+def inference_session(path: Path, threads: int | None = None):
+    """An ONNX Runtime CPU session; `threads` pins the intra-op pool (1 for latency figures)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def input_feeds(session, batch: dict) -> dict:
+    return {i.name: batch[i.name] for i in session.get_inputs()}
+
+
+def loss_of(logits: np.ndarray, labels: np.ndarray, loss: str) -> float:
+    """The training loss (`model.json` `loss`, a mean like ORT's loss blocks) of
+    an inference model's logits, which have no loss output of their own."""
+    logits = logits.astype(np.float64)
+    if loss == "cross_entropy":  # logits [batch, classes, ...], labels [batch, ...]
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        picked = np.take_along_axis(log_probs, labels.astype(np.int64)[:, None], axis=1)
+        return float(-picked.mean())
+    target = labels.astype(np.float64).reshape(logits.shape)
+    if loss == "mse":
+        return float(((logits - target) ** 2).mean())
+    if loss == "l1":
+        return float(np.abs(logits - target).mean())
+    if loss == "bce_with_logits":
+        return float((np.maximum(logits, 0) - logits * target + np.log1p(np.exp(-np.abs(logits)))).mean())
+    raise ValueError(f"model.json: loss {loss!r} is not one ortflow trains with")
+
+
+def set_metadata(model, props: dict) -> None:
+    """Add `props` to the model's metadata properties, keeping the ones it has (a user model's own)."""
+    import onnx
+
+    merged = {p.key: p.value for p in model.metadata_props}
+    merged.update({key: str(value) for key, value in props.items()})
+    onnx.helper.set_model_props(model, merged)
+
+
+def check_interface(model, info: dict, where: Path) -> None:
+    """The data's feature names as inputs, the logits as the one output, a dynamic batch dimension."""
+    expected = sorted(i["name"] for i in info["inputs"])
+    inputs = sorted(i.name for i in model.graph.input)
+    if inputs != expected:
+        raise ExportError(f"{where}: inputs {inputs}, expected the data's features {expected}")
+    outputs = [o.name for o in model.graph.output]
+    if outputs != [info["outputs"]["logits"]]:
+        raise ExportError(f"{where}: outputs {outputs}, expected [{info['outputs']['logits']!r}]")
+    for value in [*model.graph.input, *model.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if dims and not dims[0].dim_param:
+            raise ExportError(
+                f"{where}: {value.name!r} has a fixed batch dimension {dims[0].dim_value}; "
+                "the model must accept any batch size (a dynamic first dimension)"
+            )
+
+
+def compare(name: str, actual: np.ndarray, expected: np.ndarray, tolerance: dict) -> float:
+    """The largest absolute difference, after checking it against `tolerance`."""
+    worst = float(np.abs(actual.astype(np.float64) - expected).max()) if actual.size else 0.0
+    if actual.shape != expected.shape or not np.allclose(actual, expected, **tolerance):
+        raise ExportError(
+            f"{name}: shapes {list(actual.shape)} and {list(expected.shape)}, largest difference {worst:.3g} "
+            f"(allowed: rtol {tolerance['rtol']}, atol {tolerance['atol']})"
+        )
+    return worst
+
+
+def check_outputs(path: Path, module, info: dict, batch: dict, data_label: str) -> None:
+    """The exported model against the eval graph (same weights) and ONNX's reference evaluator."""
+    import onnx
+    from onnx.reference import ReferenceEvaluator
+
+    from .train.loop import feeds, outputs_of
+
+    session = inference_session(path)
+    logits = session.run(None, input_feeds(session, batch))[0]
+    module.eval()
+    eval_loss, eval_logits = outputs_of(module(*feeds(batch, module.input_names(), info["label"]["name"], data_label)))
+    worst = compare("exported logits vs the eval graph's", logits, eval_logits, EVAL_TOLERANCE)
+    loss = loss_of(logits, batch[data_label], info["loss"])
+    compare("loss from the exported logits vs the eval graph's", np.array(loss), np.array(eval_loss), EVAL_TOLERANCE)
+    log.info("%d eval records: logits within %.3g of the eval graph's, loss %.6g (eval graph %.6g)",
+             len(batch[data_label]), worst, loss, eval_loss)
+
+    few = {name: array[:REFERENCE_RECORDS] for name, array in batch.items()}
+    reference = ReferenceEvaluator(onnx.load(str(path))).run(None, input_feeds(session, few))[0]
+    worst = compare("ONNX reference evaluator vs ONNX Runtime", reference, logits[:REFERENCE_RECORDS],
+                    REFERENCE_TOLERANCE)
+    log.info("ONNX reference evaluator agrees with ONNX Runtime on %d records: largest difference %.3g "
+             "(allowed: rtol %g, atol %g)", len(reference), worst, REFERENCE_TOLERANCE["rtol"],
+             REFERENCE_TOLERANCE["atol"])
+
+
+def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, out: Path) -> dict:
+    """Write and check `out` (the inference model); return its metadata properties."""
+    import onnx
+    import onnxruntime
+    from onnxruntime.training.api import CheckpointState, Module
+
+    from . import __version__
+    from .data.shards import ShardReader
+
+    onnxruntime.set_default_logger_severity(3)
+    info = json.loads((artifacts / "model.json").read_text())
+    meta_path = checkpoint_dir / "meta.json"
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{meta_path}: no merged checkpoint (run the merge_checkpoint rule first)")
+    meta = json.loads(meta_path.read_text())
+    state = CheckpointState.load_checkpoint(str(checkpoint_dir / "checkpoint"))
+    module = Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"))
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    module.export_model_for_inferencing(str(tmp), [info["outputs"]["logits"]])
+    model = onnx.load(str(tmp))
+    props = {
+        "ortflow.run": config["run"]["name"],
+        "ortflow.step": meta["step"],
+        "ortflow.identity_digest": meta["identity_digest"],
+        "ortflow.version": __version__,
+    }
+    set_metadata(model, props)
+    onnx.save(model, str(tmp))
+
+    check_interface(model, info, out)
+    onnx.checker.check_model(str(tmp), full_check=True)
+    reader = ShardReader(eval_dir)
+    batch = reader.gather(np.arange(min(CHECK_RECORDS, len(reader))))
+    check_outputs(tmp, module, info, batch, reader.label_name)
+    os.replace(tmp, out)
+    log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config["run"]["name"], out,
+             out.stat().st_size, [i["name"] for i in info["inputs"]], info["outputs"]["logits"])
+    return props
+
+
+HELP = "write the inference ONNX model of the merged checkpoint, checked against the eval graph"
+
+
+def add_arguments(parser) -> None:
+    from .cli import add_config_arguments
+
+    add_config_arguments(parser)
+    parser.add_argument("--artifacts", required=True, type=Path, help="the build_artifacts folder")
+    parser.add_argument("--checkpoint", required=True, type=Path, help="the merged checkpoint folder")
+    parser.add_argument("--eval", required=True, type=Path, help="the eval shards")
+    parser.add_argument("--out", required=True, type=Path, help="the inference model to write")
+
+
+def run(args) -> None:
+    from .cli import load_config
+
+    export(load_config(args), args.artifacts, args.checkpoint, args.eval, args.out)

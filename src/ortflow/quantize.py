@@ -1,0 +1,241 @@
+"""The quantize_model stage: the inference model in, an int8 model and an fp32-versus-int8 report out.
+
+1. `export.quantize` picks the method (`auto`: static for cnn, dynamic otherwise):
+   - `dynamic`: int8 weights, activations quantized on the fly per batch;
+   - `static`: QDQ with activation ranges calibrated on `export.calibration_batches`
+     eval batches (`train.eval_batch_size` records each) read from the shards;
+   - `none`: no int8 model; metrics.json has the fp32 entry only.
+   ONNX Runtime's `quant_pre_process` (shape inference, graph optimization) runs first.
+2. Both models are evaluated on the whole eval split (the loss and accuracy or
+   perplexity that training reports) and timed on ONE intra-op thread at batch
+   1 and 64 (p50 and p95 over interleaved rounds, so that both see the same
+   machine load); sizes are their file sizes.
+3. The quality gate: the int8 model may lose at most `export.max_accuracy_drop`
+   accuracy points (perplexity, or the loss of a regression model: that many
+   percent relative increase). Beyond it the stage fails with both numbers, no
+   int8 model and no metrics.json are written, and the fp32 model stays.
+
+Outputs are written to temporary names and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .export import inference_session, input_feeds, loss_of, set_metadata
+
+log = logging.getLogger("ortflow.quantize")
+
+LATENCY_BATCHES = (1, 64)
+LATENCY_ROUNDS = 20
+LATENCY_RUNS_PER_ROUND = 10
+# A large model gets fewer rounds rather than minutes of timing; never fewer than MIN_ROUNDS.
+LATENCY_BUDGET_S = 10.0
+MIN_ROUNDS = 3
+
+
+class QualityGateError(ValueError):
+    """The int8 model lost more than `export.max_accuracy_drop` allows."""
+
+
+def method(export_cfg: dict, kind: str) -> str:
+    if export_cfg["quantize"] == "auto":
+        return "static" if kind == "cnn" else "dynamic"
+    return export_cfg["quantize"]
+
+
+def calibration_reader(reader, input_names: list[str], batch_size: int, batches: int):
+    from onnxruntime.quantization import CalibrationDataReader
+
+    class EvalBatches(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter(list(reader.eval_batches(0, 1, batch_size))[:batches])
+
+        def get_next(self):
+            batch = next(self.batches, None)
+            return None if batch is None else {name: batch[name] for name in input_names}
+
+    return EvalBatches()
+
+
+def quantize_file(source: Path, target: Path, how: str, export_cfg: dict, reader, batch_size: int) -> None:
+    """`quant_pre_process`, then dynamic or static (QDQ, u8 activations, s8 weights) quantization."""
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    preprocessed = target.with_name("preprocessed.onnx")
+    quant_pre_process(str(source), str(preprocessed))
+    per_channel = export_cfg["per_channel"]
+    if how == "dynamic":
+        quantize_dynamic(str(preprocessed), str(target), per_channel=per_channel, weight_type=QuantType.QInt8)
+        return
+    names = [i.name for i in inference_session(preprocessed).get_inputs()]
+    batches = export_cfg["calibration_batches"]
+    log.info("calibrating on %d eval batch(es) of up to %d records", min(batches, -(-len(reader) // batch_size)),
+             batch_size)
+    quantize_static(
+        str(preprocessed),
+        str(target),
+        calibration_reader(reader, names, batch_size, batches),
+        quant_format=QuantFormat.QDQ,
+        per_channel=per_channel,
+        activation_type=QuantType.QUInt8,
+        weight_type=QuantType.QInt8,
+    )
+
+
+def evaluate(path: Path, reader, info: dict, batch_size: int) -> dict:
+    """What training's evaluation reports (`loop.eval_results`), for an inference model."""
+    from .train.loop import batch_totals, eval_results
+
+    session = inference_session(path)
+    totals = np.zeros(3)
+    for batch in reader.eval_batches(0, 1, batch_size):
+        logits = session.run(None, input_feeds(session, batch))[0]
+        labels = batch[reader.label_name]
+        totals += batch_totals(loss_of(logits, labels, info["loss"]), logits, labels, info["task"])
+    return eval_results(totals, info["task"])
+
+
+def latencies(paths: dict[str, Path], reader) -> dict[str, dict]:
+    """{model: {b1_p50, b1_p95, b64_p50, b64_p95}} in ms on one thread, the models timed in turns."""
+    sessions = {name: inference_session(path, threads=1) for name, path in paths.items()}
+    indices = np.arange(max(LATENCY_BATCHES)) % len(reader)  # a small eval split repeats records
+    out: dict[str, dict] = {name: {} for name in paths}
+    for size in LATENCY_BATCHES:
+        batch = reader.gather(indices[:size])
+        feeds = {name: input_feeds(session, batch) for name, session in sessions.items()}
+        times: dict[str, list] = {name: [] for name in paths}
+        for name, session in sessions.items():  # warm-up: allocations, caches
+            for _ in range(LATENCY_RUNS_PER_ROUND):
+                session.run(None, feeds[name])
+        deadline = time.perf_counter() + LATENCY_BUDGET_S / len(LATENCY_BATCHES)
+        for round_ in range(LATENCY_ROUNDS):
+            if round_ >= MIN_ROUNDS and time.perf_counter() > deadline:
+                break
+            for name, session in sessions.items():
+                for _ in range(LATENCY_RUNS_PER_ROUND):
+                    started = time.perf_counter()
+                    session.run(None, feeds[name])
+                    times[name].append(time.perf_counter() - started)
+        for name in paths:
+            out[name][f"b{size}_p50"] = float(np.percentile(times[name], 50) * 1e3)
+            out[name][f"b{size}_p95"] = float(np.percentile(times[name], 95) * 1e3)
+    return out
+
+
+def quality_drop(fp32: dict, int8: dict) -> tuple[str, float, str]:
+    """(what is compared, how much int8 loses, its unit): accuracy points, or the
+    relative increase in percent of the perplexity or (regression) the loss."""
+    if "perplexity" in fp32:
+        return "perplexity", (int8["perplexity"] / fp32["perplexity"] - 1) * 100, "%"
+    if "accuracy" in fp32:
+        return "accuracy", (fp32["accuracy"] - int8["accuracy"]) * 100, "points"
+    return "loss", (int8["loss"] / fp32["loss"] - 1) * 100 if fp32["loss"] else 0.0, "%"
+
+
+def table(report: dict) -> str:
+    """The report as rows of quality, latency and size, with how int8 compares."""
+    from tabulate import tabulate
+
+    fp32, int8 = report["fp32"], report.get("int8")
+    rows = []
+    for key in ("loss", "accuracy", "perplexity"):
+        if key in fp32:
+            scale = 100 if key == "accuracy" else 1
+            change = [f"{(int8[key] - fp32[key]) * scale:+.4g}"] if int8 else []
+            rows.append([f"{key} (%)" if key == "accuracy" else key, fp32[key] * scale,
+                         *([int8[key] * scale] if int8 else []), *change])
+    for key, value in fp32["latency_ms"].items():
+        quantized = int8["latency_ms"][key] if int8 else None
+        change = [f"{value / quantized:.2f}x faster"] if int8 else []
+        rows.append([f"latency {key} (ms, 1 thread)", value, *([quantized] if int8 else []), *change])
+    size = [f"{fp32['size_bytes'] / int8['size_bytes']:.2f}x smaller"] if int8 else []
+    rows.append(["size (KiB)", fp32["size_bytes"] / 1024, *([int8["size_bytes"] / 1024] if int8 else []), *size])
+    headers = ["", "fp32", "int8", "int8 vs fp32"] if int8 else ["", "fp32"]
+    return tabulate(rows, headers=headers, floatfmt=".4g")
+
+
+def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: Path | None, metrics: Path) -> dict:
+    """Quantize `model` into `int8` (unless export.quantize is none) and write the report to `metrics`."""
+    import onnx
+    import onnxruntime
+
+    from .data.shards import ShardReader
+
+    onnxruntime.set_default_logger_severity(3)
+    info = json.loads((artifacts / "model.json").read_text())
+    export_cfg = config["export"]
+    how = method(export_cfg, info["kind"])
+    if (how == "none") != (int8 is None):
+        raise ValueError(f"export.quantize is {how!r}: {'no' if how == 'none' else 'an'} int8 output path expected")
+    reader = ShardReader(eval_dir)
+    batch_size = config["train"]["eval_batch_size"]
+    report: dict = {"quantize": how, "per_channel": export_cfg["per_channel"], "threads": 1}
+    if how == "static":
+        report["calibration_batches"] = export_cfg["calibration_batches"]
+
+    metrics.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=metrics.parent, prefix=".quantize-") as scratch:
+        paths = {"fp32": model}
+        if int8 is not None:
+            paths["int8"] = Path(scratch) / "model.int8.onnx"
+            quantize_file(model, paths["int8"], how, export_cfg, reader, batch_size)
+            quantized = onnx.load(str(paths["int8"]))
+            source_props = {p.key: p.value for p in onnx.load(str(model), load_external_data=False).metadata_props}
+            set_metadata(quantized, {**source_props, "ortflow.quantize": how})
+            onnx.save(quantized, str(paths["int8"]))
+        timings = latencies(paths, reader)
+        for name, path in paths.items():
+            report[name] = {**evaluate(path, reader, info, batch_size), "latency_ms": timings[name],
+                            "size_bytes": path.stat().st_size}
+        log.info("fp32 %s int8 (%s%s):\n%s", "versus" if int8 else "without", how,
+                 ", per channel" if export_cfg["per_channel"] else "", table(report))
+        if int8 is not None:
+            compared, drop, unit = quality_drop(report["fp32"], report["int8"])
+            report["gate"] = {"metric": compared, "drop": drop, "unit": unit,
+                              "max_accuracy_drop": export_cfg["max_accuracy_drop"]}
+            if drop > export_cfg["max_accuracy_drop"]:
+                scale = 100 if compared == "accuracy" else 1
+                raise QualityGateError(
+                    f"quality gate: int8 {compared} {report['int8'][compared] * scale:.4g} against fp32 "
+                    f"{report['fp32'][compared] * scale:.4g} is a loss of {drop:.3g} {unit}, more than "
+                    f"export.max_accuracy_drop={export_cfg['max_accuracy_drop']}; no int8 model is written and "
+                    f"the fp32 model {model} stays (try export.quantize: static, export.per_channel: true, "
+                    "a larger export.max_accuracy_drop, or export.quantize: none)"
+                )
+            log.info("quality gate passed: int8 loses %.3g %s of %s (allowed: %g)", drop, unit, compared,
+                     export_cfg["max_accuracy_drop"])
+            os.replace(paths["int8"], int8)
+            report["int8"]["size_bytes"] = int8.stat().st_size
+        tmp = metrics.with_name(metrics.name + ".tmp")
+        tmp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(tmp, metrics)
+    return report
+
+
+HELP = "quantize the inference model to int8 and report fp32 versus int8 (quality, latency, size), with a quality gate"
+
+
+def add_arguments(parser) -> None:
+    from .cli import add_config_arguments
+
+    add_config_arguments(parser)
+    parser.add_argument("--model", required=True, type=Path, help="the fp32 inference model (export_model)")
+    parser.add_argument("--artifacts", required=True, type=Path, help="the build_artifacts folder (model.json)")
+    parser.add_argument("--eval", required=True, type=Path, help="the eval shards")
+    parser.add_argument("--int8", type=Path, help="the int8 model to write (left out with export.quantize: none)")
+    parser.add_argument("--metrics", required=True, type=Path, help="the fp32-versus-int8 report (JSON)")
+
+
+def run(args) -> None:
+    from .cli import load_config
+
+    quantize(load_config(args), args.model, args.artifacts, args.eval, args.int8, args.metrics)

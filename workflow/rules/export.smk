@@ -1,0 +1,41 @@
+# export.quantize: none writes no int8 model; metrics.json then reports fp32 alone.
+QUANTIZED = (
+    {}
+    if config["export"]["quantize"] == "none"
+    else {"int8": f"{RESULTS}/export/model.int8.onnx"}
+)
+
+
+rule export_model:
+    input:
+        artifacts=rules.build_artifacts.output[0],
+        checkpoint=rules.merge_checkpoint.output[0],
+        eval=rules.prepare_data.output.eval,
+    output:
+        f"{RESULTS}/export/model.onnx",
+    log:
+        f"{LOGS}/export_model.log",
+    params:
+        config=config_json("run.name"),
+    shell:
+        "ortflow export-model --config-json {params.config:q} --artifacts {input.artifacts}"
+        " --checkpoint {input.checkpoint} --eval {input.eval} --out {output} > {log} 2>&1"
+
+
+rule quantize_model:
+    input:
+        model=rules.export_model.output[0],
+        artifacts=rules.build_artifacts.output[0],
+        eval=rules.prepare_data.output.eval,
+    output:
+        **QUANTIZED,
+        metrics=f"{RESULTS}/export/metrics.json",
+    log:
+        f"{LOGS}/quantize_model.log",
+    params:
+        config=config_json("train.eval_batch_size", "export"),
+        int8=" ".join(f"--int8 {path}" for path in QUANTIZED.values()),
+    shell:
+        "ortflow quantize-model --config-json {params.config:q} --model {input.model}"
+        " --artifacts {input.artifacts} --eval {input.eval} {params.int8}"
+        " --metrics {output.metrics} > {log} 2>&1"
