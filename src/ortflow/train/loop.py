@@ -27,7 +27,7 @@ import numpy as np
 from .. import checkpoint, config as config_mod
 from ..data.shards import ShardReader
 from . import comm as comm_mod
-from .metrics import Metrics, peak_rss_mb
+from .metrics import Metrics, peak_rss_mb, unigram_perplexity
 from .schedule import learning_rate
 
 log = logging.getLogger("ortflow.train")
@@ -215,6 +215,11 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
     if not last_eval:  # resumed at the end: nothing trained, still report the model's quality
         last_eval = evaluate(module, eval_reader, comm, info, train_cfg["eval_batch_size"], data_label)
         metrics.eval(train_cfg["steps"], last_eval)
+    if info["task"] == "language_model":
+        everything = np.arange(len(eval_reader))
+        last_eval["unigram_perplexity"] = unigram_perplexity(
+            train_reader.gather(np.arange(len(train_reader)))[data_label],
+            eval_reader.gather(everything)[data_label], info["num_classes"])
     summary = metrics.summary(train_cfg["steps"], global_batch, flops_per_sample, last_eval,
                               comm.allgather(peak_rss_mb()))
     metrics.write(out_dir / "metrics.json", summary)

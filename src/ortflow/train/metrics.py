@@ -98,3 +98,11 @@ class Metrics:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def unigram_perplexity(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int) -> float:
+    """The perplexity on `eval_tokens` of a model that knows only how often each
+    token occurs in the training data: the bar a language model must clear."""
+    counts = np.bincount(train_tokens.reshape(-1), minlength=vocab_size) + 1.0  # add-one: unseen tokens
+    log_p = np.log(counts / counts.sum())
+    return float(np.exp(-log_p[eval_tokens.reshape(-1)].mean()))
