@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import shutil
 from pathlib import Path
@@ -81,7 +82,7 @@ def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, n
         "source": source,
         "shards": shards,
     }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return manifest
@@ -102,6 +103,7 @@ class ShardReader:
         label = self.manifest["label"]
         fields.append((label["name"], label["dtype"], tuple(label["shape"])))
         self.dtype = np.dtype(fields)
+        self._item = np.dtype((np.void, self.dtype.itemsize))
         self.feature_names = [f["name"] for f in self.manifest["features"]]
         self.label_name = label["name"]
         self.shards = []
@@ -120,25 +122,42 @@ class ShardReader:
                     "the data changed after it was written: rerun prepare_data"
                 )
             if shard["records"]:
-                self.shards.append(np.memmap(path, dtype=self.dtype, mode="r"))
-        self.offsets = np.cumsum([0] + [len(s) for s in self.shards])
+                with open(path, "rb") as f:
+                    mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                # Batches visit the whole split in random order: let the kernel read
+                # it in ahead instead of faulting in one page at a time.
+                mapped.madvise(mmap.MADV_WILLNEED)
+                # Each record as one opaque item: np.take copies contiguous items
+                # (a strided field view would first be copied whole).
+                self.shards.append(np.frombuffer(mapped, dtype=self._item))
+        self.offsets = np.cumsum([0] + [shard["records"] for shard in self.manifest["shards"] if shard["records"]])
         self.num_records = int(self.offsets[-1])
+        self._epoch_order = (None, None)
 
     def __len__(self) -> int:
         return self.num_records
 
     def gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        """Records at global `indices`, in that order, as {name: array}."""
-        indices = np.asarray(indices)
-        out = np.empty(len(indices), dtype=self.dtype)
-        shard_of = np.searchsorted(self.offsets, indices, side="right") - 1
-        for s in np.unique(shard_of):
-            where = np.nonzero(shard_of == s)[0]
-            local = indices[where] - self.offsets[s]
-            # Sorted reads walk the file forward; page cache and readahead do the rest.
-            order = np.argsort(local, kind="stable")
-            out[where[order]] = self.shards[s][local[order]]
-        return {name: np.ascontiguousarray(out[name]) for name in self.dtype.names}
+        """Records at global `indices`, in that order, as {name: contiguous array}.
+        Sorted indices are the fast path: one copy per shard, no reordering."""
+        indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) and (indices.min() < 0 or indices.max() >= self.num_records):
+            raise IndexError(f"{self.dir}: record index out of range 0..{self.num_records - 1}")
+        order = None
+        if np.any(indices[1:] < indices[:-1]):
+            order = np.argsort(indices, kind="stable")
+            indices = indices[order]
+        records = np.empty(len(indices), self.dtype)
+        items = records.view(self._item)
+        # Where each shard's records begin in the sorted indices.
+        bounds = np.searchsorted(indices, self.offsets)
+        for shard, offset, begin, end in zip(self.shards, self.offsets, bounds, bounds[1:]):
+            if begin < end:
+                # mode="clip" lets np.take write into `items` unbuffered; the range is checked above.
+                np.take(shard, indices[begin:end] - offset, axis=0, out=items[begin:end], mode="clip")
+        if order is not None:
+            records[order] = records.copy()
+        return {name: np.ascontiguousarray(records[name]) for name in self.dtype.names}
 
     def steps_per_epoch(self, global_batch_size: int) -> int:
         return self.num_records // global_batch_size
@@ -153,20 +172,24 @@ class ShardReader:
 
     def global_batch(self, step: int, seed: int, global_batch_size: int) -> np.ndarray:
         """The record indices of optimizer step `step` (0-based), for every rank together."""
-        per_epoch = self.steps_per_epoch(global_batch_size)
-        epoch, position = divmod(step, per_epoch)
-        order = np.random.default_rng([seed, epoch]).permutation(self.num_records)
-        return order[position * global_batch_size : (position + 1) * global_batch_size]
+        self.check_batch(global_batch_size)
+        epoch, position = divmod(step, self.steps_per_epoch(global_batch_size))
+        # Every rank asks for every step: keep the epoch's permutation instead of redrawing it.
+        if self._epoch_order[0] != (seed, epoch):
+            self._epoch_order = ((seed, epoch), np.random.default_rng([seed, epoch]).permutation(self.num_records))
+        return self._epoch_order[1][position * global_batch_size : (position + 1) * global_batch_size].copy()
 
     def micro_batches(
         self, step: int, seed: int, rank: int, world_size: int, micro_batch_size: int, grad_accum_steps: int
     ) -> list[dict[str, np.ndarray]]:
-        """This rank's `grad_accum_steps` micro-batches of optimizer step `step`."""
+        """This rank's `grad_accum_steps` micro-batches of optimizer step `step`.
+        Which records form a micro-batch depends only on the seed, the step and the
+        global batch size; within it they come in index order (the fast gather)."""
         global_batch_size = micro_batch_size * grad_accum_steps * world_size
         indices = self.global_batch(step, seed, global_batch_size)
         first = rank * grad_accum_steps
         return [
-            self.gather(indices[m * micro_batch_size : (m + 1) * micro_batch_size])
+            self.gather(np.sort(indices[m * micro_batch_size : (m + 1) * micro_batch_size]))
             for m in range(first, first + grad_accum_steps)
         ]
 

@@ -3,6 +3,10 @@
 Built in: `digits` (scikit-learn's 8x8 handwritten digits, shipped inside its
 package) and `text` (a byte-level corpus; by default Python's own documentation
 from `pydoc_data`). Bring your own: .csv, .parquet, .npz, .h5/.hdf5, .txt.
+
+CSV and Parquet columns `data.features` become one float32 input named `x` (TABLE_INPUT)
+(shape [len(features)]); .npz and HDF5 arrays keep their names and shapes, one
+input each (cast to float32). The label keeps its name (`data.label`).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import numpy as np
 TABULAR_SUFFIXES = (".csv", ".parquet", ".npz", ".h5", ".hdf5")
 TEXT_SUFFIXES = (".txt",)
 BYTE_VOCAB = 256
+TABLE_INPUT = "x"  # the one input that CSV/Parquet feature columns are stacked into
 
 
 class DataError(ValueError):
@@ -58,6 +63,11 @@ def load(data: dict) -> Dataset:
             dataset = _tabular(features, label, data, str(path))
     if len(dataset) == 0:
         raise DataError(f"data.source {source!r}: the data set has no samples")
+    if dataset.label_name in dataset.features:
+        raise DataError(
+            f"data.label {dataset.label_name!r} is also the name of an input "
+            f"({', '.join(dataset.features)}); give the label another name"
+        )
     return dataset
 
 
@@ -110,22 +120,27 @@ def _text(text: str, data: dict) -> Dataset:
 
 
 def _frame_columns(frame, path: str, features: list[str], label: str):
+    """The feature columns stacked into one float32 input named `x`, and the label column."""
+    if len(frame) == 0:
+        raise DataError(f"{path}: no rows (an empty data set)")
     missing = [c for c in features + [label] if c not in frame.columns]
     if missing:
         raise DataError(
             f"{path}: column(s) {', '.join(missing)} not found; the file has columns "
             f"{', '.join(map(str, frame.columns))} (set data.features and data.label)"
         )
+    from pandas.api.types import is_bool_dtype, is_numeric_dtype
+
     for column in features + [label]:
-        if not np.issubdtype(frame[column].dtype, np.number) and frame[column].dtype != bool:
+        if not (is_numeric_dtype(frame[column]) or is_bool_dtype(frame[column])):
             bad = frame[column][~frame[column].astype(str).str.match(r"^-?[0-9.eE+-]+$")]
             example = bad.iloc[0] if len(bad) else frame[column].iloc[0]
             raise DataError(
-                f"{path}: column {column!r} is not numeric (dtype {frame[column].dtype}, "
-                f"e.g. {example!r}); ortflow trains on numbers only"
+                f"{path}: column {column!r} is not numeric (e.g. {example!r}, dtype "
+                f"{frame[column].dtype}); ortflow trains on numbers only"
             )
     x = frame[features].to_numpy(dtype=np.float32)
-    return {"x": x}, frame[label].to_numpy()
+    return {TABLE_INPUT: x}, frame[label].to_numpy()
 
 
 def _csv(path: Path, features: list[str], label: str):
