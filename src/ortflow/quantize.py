@@ -163,7 +163,7 @@ def table(report: dict) -> str:
     return tabulate(rows, headers=headers, floatfmt=".4g")
 
 
-def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: Path | None, metrics: Path) -> dict:
+def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: Path, metrics: Path) -> dict:
     """Quantize `model` into `int8` (unless export.quantize is none) and write the report to `metrics`."""
     import onnx
     import onnxruntime
@@ -174,8 +174,10 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
     info = json.loads((artifacts / "model.json").read_text())
     export_cfg = config["export"]
     how = method(export_cfg, info["kind"])
-    if (how == "none") != (int8 is None):
-        raise ValueError(f"export.quantize is {how!r}: {'no' if how == 'none' else 'an'} int8 output path expected")
+    if how == "none" and int8.exists():
+        # A user who turns quantization off expects no int8 model, not one left from an earlier run.
+        int8.unlink()
+        log.info("export.quantize is none: removed %s from an earlier run", int8)
     reader = ShardReader(eval_dir)
     batch_size = config["train"]["eval_batch_size"]
     report: dict = {"quantize": how, "per_channel": export_cfg["per_channel"], "threads": 1}
@@ -185,7 +187,7 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
     metrics.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=metrics.parent, prefix=".quantize-") as scratch:
         paths = {"fp32": model}
-        if int8 is not None:
+        if how != "none":
             paths["int8"] = Path(scratch) / "model.int8.onnx"
             quantize_file(model, paths["int8"], how, export_cfg, reader, batch_size)
             quantized = onnx.load(str(paths["int8"]))
@@ -196,9 +198,9 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
         for name, path in paths.items():
             report[name] = {**evaluate(path, reader, info, batch_size), "latency_ms": timings[name],
                             "size_bytes": path.stat().st_size}
-        log.info("fp32 %s int8 (%s%s):\n%s", "versus" if int8 else "without", how,
+        log.info("fp32 %s int8 (%s%s):\n%s", "without" if how == "none" else "versus", how,
                  ", per channel" if export_cfg["per_channel"] else "", table(report))
-        if int8 is not None:
+        if how != "none":
             compared, drop, unit = quality_drop(report["fp32"], report["int8"])
             report["gate"] = {"metric": compared, "drop": drop, "unit": unit,
                               "max_accuracy_drop": export_cfg["max_accuracy_drop"]}
@@ -231,7 +233,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, type=Path, help="the fp32 inference model (export_model)")
     parser.add_argument("--artifacts", required=True, type=Path, help="the build_artifacts folder (model.json)")
     parser.add_argument("--eval", required=True, type=Path, help="the eval shards")
-    parser.add_argument("--int8", type=Path, help="the int8 model to write (left out with export.quantize: none)")
+    parser.add_argument("--int8", required=True, type=Path,
+                        help="the int8 model to write (export.quantize: none removes it)")
     parser.add_argument("--metrics", required=True, type=Path, help="the fp32-versus-int8 report (JSON)")
 
 

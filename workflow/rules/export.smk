@@ -1,9 +1,7 @@
-# export.quantize: none writes no int8 model; metrics.json then reports fp32 alone.
-QUANTIZED = (
-    {}
-    if config["export"]["quantize"] == "none"
-    else {"int8": f"{RESULTS}/export/model.int8.onnx"}
-)
+INT8 = f"{RESULTS}/export/model.int8.onnx"
+# export.quantize: none writes no int8 model (and removes one from an earlier
+# run); metrics.json then reports fp32 alone.
+QUANTIZED = {} if config["export"]["quantize"] == "none" else {"int8": INT8}
 
 
 rule export_model:
@@ -34,8 +32,8 @@ rule quantize_model:
         f"{LOGS}/quantize_model.log",
     params:
         config=config_json("train.eval_batch_size", "export"),
-        int8=" ".join(f"--int8 {path}" for path in QUANTIZED.values()),
+        int8=INT8,
     shell:
         "ortflow quantize-model --config-json {params.config:q} --model {input.model}"
-        " --artifacts {input.artifacts} --eval {input.eval} {params.int8}"
+        " --artifacts {input.artifacts} --eval {input.eval} --int8 {params.int8}"
         " --metrics {output.metrics} > {log} 2>&1"
