@@ -95,7 +95,7 @@ done
 if ((${#missing[@]})); then
     echo "installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q >/dev/null
+    apt-get update -q >/dev/null || fail "apt-get update failed"
     apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null ||
         fail "apt-get install ${missing[*]} failed"
 fi
