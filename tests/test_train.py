@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -161,3 +162,20 @@ def _pytorch_reference(workdir: Path) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["train"]["clip_grad_norm"])
         optimizer.step()
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+
+
+def test_gpt_learns_text_well_below_the_unigram_baseline(workdir):
+    """A GPT-style decoder on Python's own documentation, byte level, 2 ranks."""
+    config = {
+        "run": {"name": "text"},
+        "data": {"source": "text", "context": 64, "eval_fraction": 0.05},
+        "model": {"kind": "gpt", "layers": 2, "heads": 4, "width": 64},
+        "train": {"world_size": 2, "micro_batch_size": 16, "steps": 250, "eval_every": 250,
+                  "checkpoint_every": 250, "eval_batch_size": 64, "optimizer": {"lr": 0.006}},
+    }
+    run_snakemake(workdir, config, "train")
+    evaluation = _metrics(workdir, "text")["eval"]
+    print("gpt eval:", evaluation)
+    assert evaluation["unigram_perplexity"] > 15  # bytes of English prose: ~4 bits each
+    assert evaluation["perplexity"] < 0.7 * evaluation["unigram_perplexity"], evaluation
+    assert evaluation["perplexity"] == pytest.approx(math.exp(evaluation["loss"]), rel=1e-9)
