@@ -1,15 +1,17 @@
 """Binary shards of fixed-size records, a JSON manifest per split, and the reader.
 
 A shard is the raw bytes of a numpy structured array: record i starts at byte
-i * record_bytes, so the reader memory-maps it and gathers a batch with one
-fancy index, without parsing. The manifest holds the schema, the record count
+i * record_bytes, so the reader memory-maps it and copies a batch's records
+straight out of the mapping, without parsing (docs/benchmarks.md has its speed). The manifest holds the schema, the record count
 and a sha256 per shard, which the reader checks on open.
 
 Batch order depends only on (seed, epoch, global batch size): global batch g of
 an epoch is a slice of a seeded permutation, cut into micro-batches, and rank r
 takes micro-batches r*A .. r*A+A-1 (A = accumulation steps). So two ranks with
 one micro-batch each see exactly the samples one rank sees in two accumulated
-micro-batches, and every rank gets the same number of batches.
+micro-batches, and every rank gets the same number of batches. Eval parts are
+contiguous and may differ by one record, so their batch counts may differ by
+one: reduce eval totals after the loop, not per batch.
 """
 
 from __future__ import annotations
