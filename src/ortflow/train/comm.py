@@ -95,7 +95,7 @@ class MPIComm:
         node = self.world.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         self.watchdog = Watchdog(self.world, heartbeat_dir, timeout_s)
-        self._buckets: list[np.ndarray] = []
+        self._buckets: dict[int, np.ndarray] = {}  # reused packing buffers, by bucket
 
     def allreduce_gradients(self, grads: list[np.ndarray]) -> None:
         """Sum `grads` (writable views of ORT's gradient buffers) across ranks, in place."""
@@ -107,8 +107,8 @@ class MPIComm:
                     self.world.Allreduce(self.MPI.IN_PLACE, group[0])
                 continue
             size = sum(g.size for g in group)
-            if bucket_index >= len(self._buckets) or self._buckets[bucket_index].size < size:
-                self._buckets[bucket_index:bucket_index + 1] = [np.empty(size, dtype=np.float32)]
+            if self._buckets.get(bucket_index, np.empty(0)).size < size:
+                self._buckets[bucket_index] = np.empty(size, dtype=np.float32)
             flat = self._buckets[bucket_index][:size]
             offset = 0
             for g in group:
@@ -163,7 +163,7 @@ class NCCLComm(MPIComm):
         from cupy.cuda import nccl
 
         self.cupy, self.nccl = cupy, nccl
-        cupy.cuda.Device(self.local_rank).use()
+        cupy.cuda.Device(gpu_for(self.local_rank, os.environ)).use()
         unique_id = nccl.get_unique_id() if self.rank == 0 else None
         unique_id = self.world.bcast(unique_id, root=0)
         self.nccl_comm = nccl.NcclCommunicator(self.world_size, unique_id, self.rank)
@@ -202,6 +202,14 @@ def require_cupy():
     if count == 0:
         raise DeviceError("train.device is cuda but this node has no GPU; set train.device: cpu")
     return cupy
+
+
+def gpu_for(local_rank: int, environ: dict) -> int:
+    """The GPU of a rank: its local rank among the GPUs it can see. Some clusters
+    show each task all of the node's GPUs, others only its own (one visible
+    device), so wrap around the visible ones."""
+    visible = [d for d in environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return local_rank % len(visible) if visible else local_rank
 
 
 def backend_for(train: dict) -> str:

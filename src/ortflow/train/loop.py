@@ -37,14 +37,23 @@ class TrainingError(RuntimeError):
     """Training cannot go on (a non-finite loss, an injected fault); the message says where."""
 
 
-def session_options(local_size: int):
-    """Each rank gets its share of the node's cores, and its threads sleep when
-    idle: ORT's default (all cores each, spinning) makes two ranks slower than one."""
+def threads_per_rank(local_size: int, affinity: int, environ: dict) -> int:
+    """Each rank gets its share of the node's cores. Where Slurm already pinned
+    each task to its own CPUs (--cpus-per-task), the affinity is that share."""
+    cpus_per_task = environ.get("SLURM_CPUS_PER_TASK")
+    if cpus_per_task and affinity <= int(cpus_per_task):
+        return affinity
+    return max(1, affinity // local_size)
+
+
+def session_options(threads: int):
+    """ORT's default (a thread per core for each rank, spinning while idle)
+    makes two ranks on two cores slower than one: give each rank its share and
+    let idle threads sleep."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    cores = len(os.sched_getaffinity(0))
-    options.intra_op_num_threads = max(1, cores // local_size)
+    options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
@@ -145,11 +154,10 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
     resume = checkpoint.find_resume(out_dir / "checkpoints", identity, identity_digest, train_cfg["resume_from"])
     start_step = resume.step if resume else 0
     state = checkpoint.load_state(resume) if resume else CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
-    device = "cuda" if train_cfg["device"] == "cuda" else "cpu"
-    if device == "cuda":
-        device = f"cuda:{comm.local_rank}"
+    device = f"cuda:{comm_mod.gpu_for(comm.local_rank, os.environ)}" if train_cfg["device"] == "cuda" else "cpu"
+    threads = threads_per_rank(comm.local_size, len(os.sched_getaffinity(0)), os.environ)
     module = Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"),
-                    device=device, session_options=session_options(comm.local_size))
+                    device=device, session_options=session_options(threads))
     optimizer = Optimizer(str(artifacts / "optimizer_model.onnx"), module)
     trainable = [name for name, p in state.parameters if p.requires_grad]
     input_names = module.input_names()
@@ -157,7 +165,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
         log.info("%d ranks, global batch %d (%d x %d accumulated x %d ranks), %s, %s",
                  world_size, global_batch, micro, accum, world_size,
                  f"resuming at step {start_step} from {resume.path}" if resume else "starting at step 0",
-                 f"{session_options(comm.local_size).intra_op_num_threads} threads per rank")
+                 f"{threads} threads per rank")
 
     metrics = Metrics(out_dir, rank == 0, start_step, train_cfg["steps"])
     flops_per_sample = sum(info["flops_per_sample"].values())
