@@ -8,6 +8,8 @@ rule build_artifacts:
         directory(f"{RESULTS}/artifacts"),
     log:
         f"{LOGS}/build_artifacts.log",
+    conda:
+        "../../envs/ortflow.yaml"
     params:
         config=config_json(
             "run.seed",

@@ -5,6 +5,8 @@ rule doctor:
         f"{RESULTS}/doctor.txt",
     log:
         f"{LOGS}/doctor.log",
+    conda:
+        "../../envs/ortflow.yaml"
     params:
         config=config_json("train"),
     shell:

@@ -9,16 +9,18 @@ rule train:
         metrics=f"{RESULTS}/train/metrics.json",
     log:
         f"{LOGS}/train.log",
-    params:
-        config=config_json("run", "data", "model", "train"),
-        data=f"{RESULTS}/data",
-        out=f"{RESULTS}/train",
+    conda:
+        "../../envs/ortflow.yaml"
+    threads: min(config["train"]["world_size"], workflow.cores)
     resources:
         tasks=config["train"]["world_size"],
         mpi="mpirun",
         # One GPU per rank on CUDA; the Slurm profile sets tasks_per_gpu=1.
         gpu=config["train"]["world_size"] if config["train"]["device"] == "cuda" else 0,
-    threads: min(config["train"]["world_size"], workflow.cores)
+    params:
+        config=config_json("run", "data", "model", "train"),
+        data=lambda wildcards, input: os.path.dirname(input.train),
+        out=lambda wildcards, output: os.path.dirname(output.metrics),
     shell:
         "ortflow train --mpi {resources.mpi} -n {resources.tasks} --config-json {params.config:q}"
         " --data {params.data} --artifacts {input.artifacts} --out {params.out}"
