@@ -59,6 +59,27 @@ def session_options(threads: int):
     return options
 
 
+def open_sessions(artifacts: Path, state, device: str, threads: int, profile_prefix: Path | None = None):
+    """The Module and the Optimizer over `state`. They can be reopened at any step:
+    parameters, gradients and optimizer moments live in `state`, so training goes
+    on bit for bit. With `profile_prefix`, ONNX Runtime's profiler traces both
+    sessions until they are dropped, into `<prefix>-train_<time>.json` and
+    `<prefix>-optimizer_<time>.json`. A traced Module has no eval graph: its
+    session would take the same prefix and second as the training graph's, and
+    the two traces would write over each other."""
+    from onnxruntime.training.api import Module, Optimizer
+
+    options = session_options(threads)
+    if profile_prefix:
+        options.enable_profiling = True
+        options.profile_file_prefix = f"{profile_prefix}-train"
+    eval_model = None if profile_prefix else str(artifacts / "eval_model.onnx")
+    module = Module(str(artifacts / "training_model.onnx"), state, eval_model, device=device, session_options=options)
+    if profile_prefix:  # sessions copy their options when created
+        options.profile_file_prefix = f"{profile_prefix}-optimizer"
+    return module, Optimizer(str(artifacts / "optimizer_model.onnx"), module)
+
+
 def gradients(state, names: list[str]) -> list:
     """The live gradient buffers: writable numpy views on the CPU (DESIGN.md), OrtValues on the GPU."""
     grads = [state._state.get_parameter(name).grad for name in names]
@@ -131,7 +152,7 @@ def inject_fault(fault: dict | None, step: int, rank: int, batches: list[dict]) 
 
 
 def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
-    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+    from onnxruntime.training.api import CheckpointState
 
     run, train_cfg, data_cfg = config["run"], config["train"], config["data"]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -156,9 +177,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
     state = checkpoint.load_state(resume) if resume else CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
     device = f"cuda:{comm_mod.gpu_for(comm.local_rank, os.environ)}" if train_cfg["device"] == "cuda" else "cpu"
     threads = threads_per_rank(comm.local_size, len(os.sched_getaffinity(0)), os.environ)
-    module = Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"),
-                    device=device, session_options=session_options(threads))
-    optimizer = Optimizer(str(artifacts / "optimizer_model.onnx"), module)
+    module, optimizer = open_sessions(artifacts, state, device, threads)
     trainable = [name for name, p in state.parameters if p.requires_grad]
     input_names = module.input_names()
     if rank == 0:
@@ -171,7 +190,17 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
     flops_per_sample = sum(info["flops_per_sample"].values())
     last_eval: dict = {}
     scale_to_mean = 1.0 / (accum * world_size)
+    # train.profile_steps: traces of this run only, each rank its own.
+    profile_steps, profiling, profile_dir = train_cfg["profile_steps"], False, out_dir / "profile"
+    for old in profile_dir.glob(f"rank{rank}-*"):
+        old.unlink()
     for step in range(start_step, train_cfg["steps"]):
+        traced = bool(profile_steps) and profile_steps[0] <= step <= profile_steps[1]
+        if traced != profiling:
+            profile_dir.mkdir(exist_ok=True)
+            module, optimizer = open_sessions(artifacts, state, device, threads,
+                                              profile_dir / f"rank{rank}-step{step}" if traced else None)
+            profiling = traced
         started = time.perf_counter()
         comm.watchdog.beat(step, "forward")
         lr = learning_rate(step, train_cfg["steps"], train_cfg["optimizer"]["lr"], train_cfg["lr_schedule"])
@@ -212,6 +241,9 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
             metrics.histograms(done, {n: state._state.get_parameter(n).data.numpy() for n in trainable})
         if done % train_cfg["eval_every"] == 0 or done == train_cfg["steps"]:
             comm.watchdog.beat(step, "eval")
+            if profiling:  # the traced Module has no eval graph; tracing resumes at the next step
+                module, optimizer = open_sessions(artifacts, state, device, threads)
+                profiling = False
             last_eval = evaluate(module, eval_reader, comm, info, train_cfg["eval_batch_size"], data_label)
             metrics.eval(done, last_eval)
         if done % train_cfg["checkpoint_every"] == 0 or done == train_cfg["steps"]:
