@@ -8,6 +8,8 @@ rule build_artifacts:
         directory(f"{RESULTS}/artifacts"),
     log:
         f"{LOGS}/build_artifacts.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/build_artifacts.tsv"
     conda:
         "../../envs/ortflow.yaml"
     params:

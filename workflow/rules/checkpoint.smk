@@ -6,6 +6,8 @@ rule merge_checkpoint:
         directory(f"{RESULTS}/checkpoint"),
     log:
         f"{LOGS}/merge_checkpoint.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/merge_checkpoint.tsv"
     params:
         root=f"{RESULTS}/train/checkpoints",
     shell:

@@ -15,6 +15,8 @@ rule prepare_data:
         eval=directory(f"{RESULTS}/data/eval"),
     log:
         f"{LOGS}/prepare_data.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/prepare_data.tsv"
     conda:
         "../../envs/ortflow.yaml"
     params:

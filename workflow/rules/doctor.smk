@@ -5,6 +5,8 @@ rule doctor:
         f"{RESULTS}/doctor.txt",
     log:
         f"{LOGS}/doctor.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/doctor.tsv"
     conda:
         "../../envs/ortflow.yaml"
     params:

@@ -13,6 +13,8 @@ rule export_model:
         f"{RESULTS}/export/model.onnx",
     log:
         f"{LOGS}/export_model.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/export_model.tsv"
     params:
         config=config_json("run.name"),
     shell:
@@ -30,6 +32,8 @@ rule quantize_model:
         metrics=f"{RESULTS}/export/metrics.json",
     log:
         f"{LOGS}/quantize_model.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/quantize_model.tsv"
     params:
         config=config_json("train.eval_batch_size", "export"),
         int8=INT8,

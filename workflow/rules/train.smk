@@ -9,6 +9,8 @@ rule train:
         metrics=f"{RESULTS}/train/metrics.json",
     log:
         f"{LOGS}/train.log",
+    benchmark:
+        f"{RESULTS}/benchmarks/train.tsv"
     conda:
         "../../envs/ortflow.yaml"
     threads: min(config["train"]["world_size"], workflow.cores)
