@@ -8,6 +8,9 @@ min_version("9.0")
 configfile: "config/config.yaml"
 
 
+report: "workflow/report/workflow.rst"
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/doctor.smk"
@@ -15,6 +18,7 @@ include: "workflow/rules/artifacts.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/checkpoint.smk"
 include: "workflow/rules/export.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
@@ -25,4 +29,13 @@ rule all:
         rules.merge_checkpoint.output,
         rules.export_model.output,
         rules.quantize_model.output,
+        rules.plot_training.output,
+        rules.report_tables.output,
     default_target: True
+
+
+# Where the model is and how good it is, from whatever stages have run.
+onsuccess:
+    from ortflow.report import run_summary
+
+    print(run_summary(RESULTS))

@@ -26,6 +26,7 @@ COMMANDS = {
     "export-model": "ortflow.export",
     "quantize-model": "ortflow.quantize",
     "checkpoint": "ortflow.checkpoint",
+    "report": "ortflow.report",
 }
 
 

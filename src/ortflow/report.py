@@ -1,0 +1,308 @@
+"""What a person sees of a run: the plots and tables of `snakemake --report`,
+and the few lines printed when `snakemake` finishes.
+
+`ortflow report plots` draws the training curves from train/metrics.json;
+`ortflow report tables` writes the HTML tables (the run at a glance, fp32
+versus int8, each stage's runtime and memory, the operators that took the most
+time in the profiled steps, the config used). Every number comes from the
+metrics files the stages wrote, formatted by the one function `fmt`.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+HELP = "plots and tables of a run for `snakemake --report`"
+
+PLOTS = ("loss", "learning_rate", "throughput")
+TABLES = ("summary", "quantization", "stages", "profile", "config")
+# The stages in pipeline order, as the rules and their benchmark files are named.
+STAGES = ("prepare_data", "build_artifacts", "train", "merge_checkpoint", "export_model", "quantize_model")
+TOP_OPERATORS = 15
+
+
+def fmt(value: float, kind: str) -> str:
+    """The one way a number is shown (tests read the report back through it)."""
+    return {
+        "percent": lambda v: f"{100 * v:.2f}%",
+        "seconds": lambda v: f"{v:.2f} s",
+        "ms": lambda v: f"{v:.3f} ms",
+        "rate": lambda v: f"{v:,.0f}",
+        "ratio": lambda v: f"{v:.2f}x",
+        "float": lambda v: f"{v:.4f}",
+        "mb": lambda v: f"{v:,.1f} MB",
+    }[kind](value)
+
+
+def read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def quality(results: dict) -> tuple[str, str]:
+    """(name, shown value) of the quality measure of an eval: accuracy, perplexity or loss."""
+    if "perplexity" in results:
+        return "perplexity", fmt(results["perplexity"], "float")
+    if "accuracy" in results:
+        return "accuracy", fmt(results["accuracy"], "percent")
+    return "loss", fmt(results["loss"], "float")
+
+
+def speedup(export: dict) -> float | None:
+    """How many times faster int8 runs than fp32 at batch 64 (median latency)."""
+    if "int8" not in export:
+        return None
+    return export["fp32"]["latency_ms"]["b64_p50"] / export["int8"]["latency_ms"]["b64_p50"]
+
+
+def write_atomic(path: Path, write) -> None:
+    """`write(temporary_path)`, then rename: no half-written file looks complete."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.tmp{path.suffix}")
+    write(temporary)
+    os.replace(temporary, path)
+
+
+# --- plots -------------------------------------------------------------------------------------------
+
+
+def plot_training(metrics: dict, config: dict, out_dir: Path) -> None:
+    """loss.png (train and eval loss, eval quality), learning_rate.png (the
+    whole schedule and the logged rates), throughput.png (samples/s and step time)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .train.schedule import learning_rate
+
+    train, evals = metrics["history"]["train"], metrics["history"]["eval"]
+    steps = [row["step"] for row in train]
+
+    figure, (loss_axes, quality_axes) = plt.subplots(1, 2, figsize=(10, 4))
+    loss_axes.plot(steps, [row["loss"] for row in train], marker=".", label="train (global batch)")
+    loss_axes.plot([row["step"] for row in evals], [row["loss"] for row in evals], marker="o", label="eval (whole split)")
+    loss_axes.set(xlabel="optimizer step", ylabel="loss", title="Loss")
+    loss_axes.legend()
+    name = next((key for key in ("perplexity", "accuracy") if evals and key in evals[0]), None)
+    if name:
+        quality_axes.plot([row["step"] for row in evals], [row[name] for row in evals], marker="o", color="C1")
+    quality_axes.set(xlabel="optimizer step", ylabel=name or "-", title=f"Eval {name or '(no quality measure)'}")
+    save(figure, out_dir / "loss.png")
+
+    train_cfg = config["train"]
+    all_steps = range(train_cfg["steps"])
+    figure, axes = plt.subplots(figsize=(6, 4))
+    axes.plot([s + 1 for s in all_steps],
+              [learning_rate(s, train_cfg["steps"], train_cfg["optimizer"]["lr"], train_cfg["lr_schedule"])
+               for s in all_steps], label=f"{train_cfg['lr_schedule']['name']} schedule")
+    axes.plot(steps, [row["lr"] for row in train], "o", label="logged")
+    axes.set(xlabel="optimizer step", ylabel="learning rate", title="Learning rate")
+    axes.legend()
+    save(figure, out_dir / "learning_rate.png")
+
+    figure, (rate_axes, time_axes) = plt.subplots(1, 2, figsize=(10, 4))
+    rates = [row["samples_per_s"] for row in train]
+    rate_axes.plot(steps, rates, marker=".", label="logged step")
+    rate_axes.axhline(metrics["samples_per_s"], color="C2", linestyle="--", label="steady state (run)")
+    rate_axes.set(xlabel="optimizer step", ylabel="samples/s", title="Throughput")
+    rate_axes.legend()
+    time_axes.plot(steps, [1000 * metrics["global_batch_size"] / rate for rate in rates], marker=".",
+                   label="logged step")
+    for key, style in (("step_time_p50_s", "--"), ("step_time_p95_s", ":")):
+        time_axes.axhline(1000 * metrics[key], color="C3", linestyle=style, label=key[10:13] + " (run)")
+    time_axes.set(xlabel="optimizer step", ylabel="ms", title="Step time")
+    time_axes.legend()
+    save(figure, out_dir / "throughput.png")
+
+
+def save(figure, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    figure.tight_layout()
+    write_atomic(path, lambda temporary: figure.savefig(temporary, dpi=100, format="png"))
+    plt.close(figure)
+
+
+# --- tables ------------------------------------------------------------------------------------------
+
+
+def page(title: str, body: str) -> str:
+    style = ("body{font-family:sans-serif;margin:1.5em} table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:4px 10px;text-align:left} td.n{text-align:right}"
+             "pre{background:#f6f6f6;padding:1em}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body><h2>{html.escape(title)}</h2>{body}</body></html>")
+
+
+def table(header: list[str], rows: list[tuple]) -> str:
+    """rows: (key, cells...); `key` becomes the row's data-key, for readers that check the numbers."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join(
+        f"<tr data-key='{html.escape(key)}'>"
+        + "".join(f"<td{' class=n' if i else ''}>{html.escape(str(cell))}</td>" for i, cell in enumerate(cells))
+        + "</tr>"
+        for key, *cells in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def summary_rows(train: dict | None, export: dict | None) -> list[tuple]:
+    rows = []
+    if export:
+        name, shown = quality(export["fp32"])
+        rows.append(("fp32", f"{name} (fp32, eval split)", shown))
+        if "int8" in export:
+            rows.append(("int8", f"{name} (int8, {export['quantize']})", quality(export["int8"])[1]))
+            rows.append(("speedup", "int8 speed-up (batch 64, 1 thread)", fmt(speedup(export), "ratio")))
+    elif train:
+        name, shown = quality(train["eval"])
+        rows.append(("eval", f"{name} (eval at the last step)", shown))
+    if train:
+        rows += [
+            ("steps", "optimizer steps", str(train["steps"])),
+            ("wall_time_s", "training time", fmt(train["wall_time_s"], "seconds")),
+            ("samples_per_s", "samples/s (steady state)", fmt(train["samples_per_s"], "rate")),
+            ("ranks", "ranks", str(len(train["peak_rss_mb"]))),
+        ]
+    return rows
+
+
+def quantization_rows(export: dict) -> list[tuple]:
+    models = [m for m in ("fp32", "int8") if m in export]
+    measures = [("loss", "loss", "float")]
+    measures += [(k, k, "percent" if k == "accuracy" else "float")
+                 for k in ("accuracy", "perplexity") if k in export["fp32"]]
+    rows = [(k, label, *(fmt(export[m][k], kind) for m in models)) for k, label, kind in measures]
+    rows.append(("size_bytes", "size", *(fmt(export[m]["size_bytes"] / 1e6, "mb") for m in models)))
+    rows += [(f"latency_ms.{k}", f"latency {k.replace('_', ' ')}", *(fmt(export[m]["latency_ms"][k], "ms")
+                                                                    for m in models))
+             for k in export["fp32"]["latency_ms"]]
+    return rows
+
+
+def stage_rows(benchmarks: Path) -> list[tuple]:
+    """One row per stage that has a Snakemake benchmark file `<benchmarks>/<stage>.tsv`."""
+    rows = []
+    for stage in STAGES:
+        if not (benchmarks / f"{stage}.tsv").is_file():
+            continue
+        with open(benchmarks / f"{stage}.tsv") as file:
+            record = next(csv.DictReader(file, delimiter="\t"))
+        rows.append((stage, stage, fmt(float(record["s"]), "seconds"), fmt(float(record["max_rss"]), "mb"),
+                     fmt(float(record["cpu_time"]), "seconds")))
+    return rows
+
+
+def top_operators(profile_dir: Path, limit: int = TOP_OPERATORS) -> tuple[list[tuple], int]:
+    """Kernel time per operator type over every trace in `profile_dir` (all
+    ranks, training and optimizer graphs), most first; and the number of trace files."""
+    total_us: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    traces = sorted(profile_dir.glob("rank*.json")) if profile_dir.is_dir() else []
+    for trace in traces:
+        for event in json.loads(trace.read_text()):
+            if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                total_us[event["args"]["op_name"]] += event["dur"]
+                calls[event["args"]["op_name"]] += 1
+    everything = sum(total_us.values()) or 1.0
+    ranked = sorted(total_us, key=total_us.get, reverse=True)[:limit]
+    return [(op, op, calls[op], fmt(total_us[op] / 1000, "ms"), fmt(total_us[op] / everything, "percent"))
+            for op in ranked], len(traces)
+
+
+def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchmarks: Path,
+                 profile_dir: Path, out_dir: Path) -> None:
+    import yaml
+
+    train, export = read_json(train_metrics), read_json(export_metrics)
+    pages = {
+        "summary": page(f"Run {config['run']['name']}", table(["", "value"], summary_rows(train, export))),
+        "quantization": page("fp32 versus int8", table(["", "fp32", "int8"], quantization_rows(export))),
+        "stages": page("Stages: runtime and memory (Snakemake benchmarks)",
+                       table(["stage", "wall time", "peak RSS", "CPU time"], stage_rows(benchmarks))),
+        "config": page("Config used", f"<pre>{html.escape(yaml.safe_dump(config, sort_keys=False))}</pre>"),
+    }
+    steps = config["train"]["profile_steps"]
+    if steps:
+        rows, traces = top_operators(profile_dir)
+        pages["profile"] = page(
+            f"Operators by kernel time, steps {steps[0]} to {steps[1]}",
+            f"<p>{traces} traces in <code>{html.escape(str(profile_dir))}</code> (open them in "
+            "https://ui.perfetto.dev or chrome://tracing)</p>"
+            + table(["operator", "calls", "kernel time", "share"], rows))
+    else:
+        pages["profile"] = page("Operators by kernel time",
+                                "<p>Profiling was off: set <code>train.profile_steps: [first, last]</code>.</p>")
+    for name, text in pages.items():
+        write_atomic(out_dir / f"{name}.html", lambda temporary: temporary.write_text(text))
+
+
+# --- the end-of-run summary --------------------------------------------------------------------------
+
+
+def run_summary(results: str | Path) -> str:
+    """A few lines on what exists of a run under `results`: printed when
+    `snakemake` finishes, whichever stages ran."""
+    results = Path(results)
+    train = read_json(results / "train" / "metrics.json")
+    export = read_json(results / "export" / "metrics.json")
+    model, int8 = results / "export" / "model.onnx", results / "export" / "model.int8.onnx"
+    lines = [f"ortflow: run {results.name} in {results}"]
+    if model.is_file():
+        lines.append(f"  model     {model}" + (f" (int8: {int8})" if int8.is_file() else ""))
+    if export:
+        name, shown = quality(export["fp32"])
+        line = f"  {name:<9} {shown}"
+        if "int8" in export:
+            line += f", int8 {quality(export['int8'])[1]}, int8 speed-up {fmt(speedup(export), 'ratio')} at batch 64"
+        lines.append(line)
+    elif train:
+        name, shown = quality(train["eval"])
+        lines.append(f"  {name:<9} {shown} (eval at step {train['steps']})")
+    if train:
+        lines.append(f"  training  {train['steps']} steps in {fmt(train['wall_time_s'], 'seconds')}, "
+                     f"{fmt(train['samples_per_s'], 'rate')} samples/s on {len(train['peak_rss_mb'])} ranks")
+    if len(lines) == 1:
+        lines.append("  nothing trained yet")
+    report = results / "report.html"
+    lines.append(f"  report    snakemake --report {report}")
+    return "\n".join(lines)
+
+
+# --- command line ------------------------------------------------------------------------------------
+
+
+def add_arguments(parser) -> None:
+    from .cli import add_config_arguments
+
+    sub = parser.add_subparsers(dest="action", required=True)
+    plots = sub.add_parser("plots", help="loss, learning-rate and throughput plots (PNG) from train/metrics.json")
+    add_config_arguments(plots)
+    plots.add_argument("--metrics", type=Path, required=True, help="train/metrics.json")
+    plots.add_argument("--out", type=Path, required=True, help="folder for the PNG files")
+    tables = sub.add_parser("tables", help="summary, fp32-vs-int8, stages, profile and config tables (HTML)")
+    add_config_arguments(tables)
+    tables.add_argument("--train-metrics", type=Path, required=True)
+    tables.add_argument("--export-metrics", type=Path, required=True)
+    tables.add_argument("--benchmarks", type=Path, required=True, help="folder of the stages' <rule>.tsv")
+    tables.add_argument("--profile", type=Path, required=True, help="train/profile/ (the traces)")
+    tables.add_argument("--out", type=Path, required=True, help="folder for the HTML files")
+
+
+def run(args) -> int:
+    from .cli import load_config
+
+    config = load_config(args)
+    if args.action == "plots":
+        metrics = read_json(args.metrics)
+        if metrics is None:
+            raise FileNotFoundError(f"{args.metrics}: no training metrics (run the train stage first)")
+        plot_training(metrics, config, args.out)
+    else:
+        write_tables(config, args.train_metrics, args.export_metrics, args.benchmarks, args.profile, args.out)
+    return 0

@@ -1,0 +1,64 @@
+# What `snakemake --report results/<run>/report.html` shows besides Snakemake's
+# own pages: plots of training, and tables of the run. Each stage writes its
+# runtime and memory to {RESULTS}/benchmarks/<rule>.tsv (its `benchmark:`).
+REPORT = f"{RESULTS}/report"
+BENCHMARKS = f"{RESULTS}/benchmarks"
+
+
+def captioned(name, category):
+    """An output shown in the report, with its caption workflow/report/<name>.rst."""
+    return report(
+        f"{REPORT}/{name}",
+        caption=f"../report/{name.split('.')[0]}.rst",
+        category=category,
+    )
+
+
+rule plot_training:
+    input:
+        metrics=rules.train.output.metrics,
+    output:
+        loss=captioned("loss.png", "Training"),
+        learning_rate=captioned("learning_rate.png", "Training"),
+        throughput=captioned("throughput.png", "Training"),
+    log:
+        f"{LOGS}/plot_training.log",
+    benchmark:
+        f"{BENCHMARKS}/plot_training.tsv"
+    conda:
+        "../../envs/ortflow.yaml"
+    params:
+        config=config_json("train.steps", "train.optimizer.lr", "train.lr_schedule"),
+        out=lambda wildcards, output: os.path.dirname(output.loss),
+    shell:
+        "ortflow report plots --config-json {params.config:q} --metrics {input.metrics}"
+        " --out {params.out} > {log} 2>&1"
+
+
+# Benchmarks and traces are read, not inputs: a stage that reruns also reruns
+# quantize_model, whose metrics are an input here.
+rule report_tables:
+    input:
+        train=rules.train.output.metrics,
+        export=rules.quantize_model.output.metrics,
+    output:
+        summary=captioned("summary.html", "Run"),
+        quantization=captioned("quantization.html", "Run"),
+        config=captioned("config.html", "Run"),
+        stages=captioned("stages.html", "Stages"),
+        profile=captioned("profile.html", "Stages"),
+    log:
+        f"{LOGS}/report_tables.log",
+    benchmark:
+        f"{BENCHMARKS}/report_tables.tsv"
+    conda:
+        "../../envs/ortflow.yaml"
+    params:
+        config=config_json("run", "data", "model", "train", "export"),
+        benchmarks=BENCHMARKS,
+        profile=f"{RESULTS}/train/profile",
+        out=lambda wildcards, output: os.path.dirname(output.summary),
+    shell:
+        "ortflow report tables --config-json {params.config:q} --train-metrics {input.train}"
+        " --export-metrics {input.export} --benchmarks {params.benchmarks} --profile {params.profile}"
+        " --out {params.out} > {log} 2>&1"
