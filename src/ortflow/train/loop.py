@@ -122,6 +122,21 @@ def eval_results(totals, task: str) -> dict:
     return results
 
 
+def average_and_clip(comm, grads: list, scale_to_mean: float, clip: float | None) -> float:
+    """Sum the gradients across ranks in place, scale the sum to the mean over
+    every micro-batch of every rank, and clip it to the global norm `clip`.
+    Returns the norm before clipping. After the sum every rank holds the same
+    gradients, so every rank takes the same clipping decision."""
+    comm.allreduce_gradients(grads)
+    norm = math.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)) * scale_to_mean
+    factor = scale_to_mean
+    if clip is not None and norm > clip:
+        factor *= clip / (norm + 1e-6)  # the epsilon of torch.nn.utils.clip_grad_norm_
+    for g in grads:
+        g *= factor
+    return norm
+
+
 def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, data_label: str) -> dict:
     """Mean loss over the whole eval split, and accuracy (classification) or
     perplexity (language model); each rank evaluates its part."""
@@ -213,17 +228,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
             loss_sum += loss
 
         comm.watchdog.beat(step, "allreduce")
-        grads = gradients(state, trainable)
-        comm.allreduce_gradients(grads)
-        # After the sum every rank holds the same gradients, so every rank
-        # computes the same norm and takes the same clipping decision.
-        norm = math.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)) * scale_to_mean
-        factor = scale_to_mean
-        clip = train_cfg["clip_grad_norm"]
-        if clip is not None and norm > clip:
-            factor *= clip / (norm + 1e-6)
-        for g in grads:
-            g *= factor
+        norm = average_and_clip(comm, gradients(state, trainable), scale_to_mean, train_cfg["clip_grad_norm"])
         (global_loss,) = comm.allreduce_sum([loss_sum]) * scale_to_mean
         if not (math.isfinite(global_loss) and math.isfinite(norm)):
             raise TrainingError(
@@ -256,10 +261,9 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
         last_eval = evaluate(module, eval_reader, comm, info, train_cfg["eval_batch_size"], data_label)
         metrics.eval(train_cfg["steps"], last_eval)
     if info["task"] == "language_model":
-        everything = np.arange(len(eval_reader))
         last_eval["unigram_perplexity"] = unigram_perplexity(
             train_reader.gather(np.arange(len(train_reader)))[data_label],
-            eval_reader.gather(everything)[data_label], info["num_classes"])
+            eval_reader.gather(np.arange(len(eval_reader)))[data_label], info["num_classes"])
     summary = metrics.summary(train_cfg["steps"], global_batch, flops_per_sample, last_eval,
                               comm.allgather(peak_rss_mb()))
     metrics.write(out_dir / "metrics.json", summary)
