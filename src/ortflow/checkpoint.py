@@ -381,6 +381,8 @@ def save(root: Path, step: int, state, comm, identity: dict, identity_digest: st
     checkpoint_id = None
     if comm.rank == 0:
         # A folder of this step that is already here is a crashed attempt (or an older run's): replace it.
+        if (final / COMPLETE).exists() and _digest_of(final) != identity_digest:
+            log.info("replacing checkpoint %s of another training identity", final)
         shutil.rmtree(final, ignore_errors=True)
         final.mkdir(parents=True)
         checkpoint_id = f"{step}-{uuid.uuid4().hex}"
@@ -396,19 +398,27 @@ def save(root: Path, step: int, state, comm, identity: dict, identity_digest: st
         _write_json(final / MANIFEST, _manifest(checkpoint_id, step, comm.world_size, identity, identity_digest,
                                                 full.properties, entries))
         _write_durably(final / COMPLETE, b"")
-        _prune(root, keep)
+        _prune(root, identity_digest, keep)
     return final
 
 
-def _prune(root: Path, keep: int) -> None:
-    """Keep the newest `keep` complete checkpoints; older incomplete ones are leftovers of crashes."""
+def _prune(root: Path, identity_digest: str, keep: int) -> None:
+    """Keep the newest `keep` complete checkpoints of this training identity (those of
+    another are left alone); incomplete ones older than those are leftovers of crashes."""
     folders = sorted(p for p in Path(root).glob("step-*") if p.is_dir())
-    complete = [p for p in folders if (p / COMPLETE).exists()]
-    kept = set(complete[-keep:])
-    oldest_kept = min(kept) if kept else None
+    ours = [p for p in folders if (p / COMPLETE).exists() and _digest_of(p) == identity_digest]
+    kept = ours[-keep:]
     for folder in folders:
-        if folder not in kept and (folder in complete or (oldest_kept and folder < oldest_kept)):
+        incomplete = not (folder / COMPLETE).exists()
+        if (folder in ours and folder not in kept) or (incomplete and kept and folder < kept[0]):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _digest_of(folder: Path) -> str | None:
+    try:
+        return json.loads((folder / MANIFEST).read_text())["identity_digest"]
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 # --- reading and checking a checkpoint ----------------------------------------------------------
@@ -507,19 +517,22 @@ def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def latest(root: Path) -> Resume:
-    """The newest complete checkpoint under `root`."""
+def latest(root: Path, identity_digest: str | None = None) -> Resume:
+    """The newest complete checkpoint under `root` (of this training identity, if given)."""
     for path in sorted(Path(root).glob("step-*"), reverse=True):
-        if (path / COMPLETE).exists():
+        if (path / COMPLETE).exists() and identity_digest in (None, _digest_of(path)):
             manifest = _manifest_of(path)
             return Resume(path, manifest["step"], manifest)
-    raise CheckpointError(f"no complete checkpoint under {root}")
+    of = f" of training identity {identity_digest}" if identity_digest else ""
+    raise CheckpointError(f"no complete checkpoint{of} under {root}")
 
 
-def _checkpoint_folder(path: Path) -> Path:
+def _checkpoint_folder(path: Path, identity_digest: str | None = None) -> Path:
     """A checkpoint folder as given, or the newest complete one of a checkpoints root."""
     path = Path(path)
-    return path if (path / MANIFEST).exists() or path.name.startswith("step-") else latest(path).path
+    if (path / MANIFEST).exists() or path.name.startswith("step-"):
+        return path
+    return latest(path, identity_digest).path
 
 
 def load_parameters(path: Path) -> dict:
@@ -541,11 +554,12 @@ def _replace_folder(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def merge(source: Path, out_dir: Path) -> Path:
-    """Merge a checkpoint (a folder, or the newest complete one under a checkpoints root)
-    into `out_dir`: `checkpoint` (ONNX Runtime's format, with optimizer state),
-    `checkpoint.h5` (every shard in one) and `meta.json`."""
-    checkpoint = read_checkpoint(_checkpoint_folder(source))
+def merge(source: Path, out_dir: Path, identity_digest: str | None = None) -> Path:
+    """Merge a checkpoint (a folder, or the newest complete one under a checkpoints root,
+    of the training identity `identity_digest` if given) into `out_dir`: `checkpoint`
+    (ONNX Runtime's format, with optimizer state), `checkpoint.h5` (every shard in one)
+    and `meta.json`."""
+    checkpoint = read_checkpoint(_checkpoint_folder(source, identity_digest))
     manifest = checkpoint.manifest
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -618,6 +632,8 @@ def add_arguments(parser) -> None:
     merge_parser = sub.add_parser("merge", help="one ONNX Runtime checkpoint + one HDF5 file from the shards")
     merge_parser.add_argument("source", type=Path, help=source_help)
     merge_parser.add_argument("out", type=Path, help="output folder")
+    merge_parser.add_argument("--config-json", help="the run's config: take the newest checkpoint of its training "
+                              "identity (a checkpoints root can hold checkpoints of several)")
     reshard_parser = sub.add_parser("reshard", help="rewrite a checkpoint as N shards")
     reshard_parser.add_argument("source", type=Path, help=source_help)
     reshard_parser.add_argument("out", type=Path, help="output checkpoint folder")
@@ -632,7 +648,7 @@ def run(args) -> int:
         if args.action == "inspect":
             print(inspect(args.source))
         elif args.action == "merge":
-            merge(args.source, args.out)
+            merge(args.source, args.out, _identity_digest(args.config_json))
         else:
             if args.world_size < 1:
                 raise CheckpointError(f"reshard: --world-size must be at least 1, got {args.world_size}")
@@ -641,6 +657,14 @@ def run(args) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _identity_digest(config_json: str | None) -> str | None:
+    if not config_json:
+        return None
+    from . import config as config_mod
+
+    return config_mod.digest(config_mod.training_identity(config_mod.validate(json.loads(config_json))))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,8 @@ rule merge_checkpoint:
     benchmark:
         f"{RESULTS}/benchmarks/merge_checkpoint.tsv"
     params:
+        # The training identity picks this run's newest checkpoint among those of earlier configs.
+        config=config_json("run", "data", "model", "train"),
         root=f"{RESULTS}/train/checkpoints",
     shell:
-        "ortflow checkpoint merge {params.root} {output} > {log} 2>&1"
+        "ortflow checkpoint merge {params.root} {output} --config-json {params.config:q} > {log} 2>&1"

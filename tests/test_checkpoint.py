@@ -1,0 +1,292 @@
+"""Sharded checkpoints through the real workflow: per-rank shards, resume after kill -9,
+resume with another world size, merge, reshard, and refusals of bad checkpoints."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import run_snakemake
+from ortflow import checkpoint, config as config_mod
+from ortflow.train.schedule import learning_rate
+
+# A global batch of 48 splits over 1, 2 and 3 ranks: 16 x 3 accumulated, 24 x 1 x 2, 16 x 1 x 3.
+TRAIN = {"steps": 40, "micro_batch_size": 24, "grad_accum_steps": 1, "world_size": 2, "checkpoint_every": 10,
+         "keep_checkpoints": 3, "log_every": 10, "eval_every": 40}
+RUN = "results/digits"
+
+
+def _config(**train) -> dict:
+    return {"train": {**TRAIN, **train}}
+
+
+def _root(workdir: Path) -> Path:
+    return workdir / RUN / "train/checkpoints"
+
+
+def _log(workdir: Path) -> str:
+    return (workdir / "logs/digits/train.log").read_text()
+
+
+def _state(folder: Path) -> checkpoint.TrainingState:
+    return checkpoint.read_checkpoint(folder).state
+
+
+def _max_difference(a: checkpoint.TrainingState, b: checkpoint.TrainingState) -> float:
+    """Largest absolute difference over every parameter and every optimizer state."""
+    assert a.parameters.keys() == b.parameters.keys()
+    worst = max(float(np.abs(a.parameters[k] - b.parameters[k]).max()) for k in a.parameters)
+    for name, moments in a.optimizer_states.items():
+        for moment, array in moments.items():
+            worst = max(worst, float(np.abs(array - b.optimizer_states[name][moment]).max()))
+    return worst
+
+
+def _assert_identical(a: checkpoint.TrainingState, b: checkpoint.TrainingState) -> None:
+    for name in a.parameters:
+        assert np.array_equal(a.parameters[name], b.parameters[name]), name
+        for moment, array in a.optimizer_states[name].items():
+            assert np.array_equal(array, b.optimizer_states[name][moment]), (name, moment)
+    assert a.optimizer == b.optimizer and a.properties == b.properties
+
+
+def _copy_run(reference: Path, workdir: Path, keep_training: bool = True) -> Path:
+    """A copy of the reference run's folder (Snakemake's records too), so that later runs
+    reuse its data and artifacts; without `keep_training`, as if training never ran."""
+    shutil.copytree(reference, workdir, symlinks=True)
+    if not keep_training:
+        shutil.rmtree(workdir / RUN / "train")
+        shutil.rmtree(workdir / RUN / "checkpoint")
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """40 uninterrupted steps on 2 ranks, a checkpoint every 10, merged."""
+    workdir = tmp_path_factory.mktemp("reference") / "work"
+    run_snakemake(workdir, _config(), "train", "merge_checkpoint")
+    return workdir
+
+
+def test_each_rank_writes_its_shard(reference):
+    root = _root(reference)
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000020", "step-00000030", "step-00000040"]
+    folder = root / "step-00000040"
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert (folder / "COMPLETE").exists() and manifest["step"] == 40 and manifest["world_size"] == 2
+    files = [folder / e["file"] for e in manifest["shards"]]
+    assert [f.name for f in files] == ["shard-00000-of-00002.h5", "shard-00001-of-00002.h5"]
+    for entry, file in zip(manifest["shards"], files):
+        assert hashlib.sha256(file.read_bytes()).hexdigest() == entry["sha256"]
+    # About half of the bytes each, and every parameter in exactly one shard.
+    sizes = [f.stat().st_size for f in files]
+    assert max(sizes) < 0.6 * sum(sizes), sizes
+    owned = [set(e["parameters"]) for e in manifest["shards"]]
+    initial = checkpoint.load_parameters_file(reference / RUN / "artifacts/checkpoint")
+    assert not owned[0] & owned[1] and owned[0] | owned[1] == set(initial)
+    attrs, part = checkpoint.read_shard(files[1])
+    assert (attrs["rank"], attrs["world_size"], attrs["step"]) == (1, 2, 40)
+    assert attrs["identity_digest"] == manifest["identity_digest"]
+    assert attrs["checkpoint_id"] == manifest["checkpoint_id"]
+    assert set(part.parameters) == owned[1]
+    assert all(set(part.optimizer_states[n]) == {"momentum0", "momentum1"} for n in part.parameters)
+    assert part.optimizer["step"] == 40
+    assert part.properties["step"] == 40 and part.properties["samples_seen"] == 40 * 48
+    train = config_mod.load(overrides=_config())["train"]
+    last_lr = learning_rate(39, 40, train["optimizer"]["lr"], train["lr_schedule"])
+    assert part.properties["lr"] == pytest.approx(last_lr, rel=1e-6)  # stored as float32
+
+
+def test_merged_checkpoint_loads_and_trains_in_a_new_module(reference):
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    merged = reference / RUN / "checkpoint"
+    meta = json.loads((merged / "meta.json").read_text())
+    shards = _state(_root(reference) / "step-00000040")
+    assert meta["step"] == 40 and meta["identity_digest"] == json.loads(
+        (_root(reference) / "step-00000040/manifest.json").read_text())["identity_digest"]
+    _assert_identical(checkpoint.read_ort_checkpoint(merged / "checkpoint"), shards)
+    _assert_identical(checkpoint.read_shard(merged / "checkpoint.h5")[1], shards)
+
+    artifacts = reference / RUN / "artifacts"
+    state = CheckpointState.load_checkpoint(str(merged / "checkpoint"))
+    assert state.properties["step"] == 40
+    module = Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"))
+    optimizer = Optimizer(str(artifacts / "optimizer_model.onnx"), module)
+    rng = np.random.default_rng(0)
+    module(rng.random((8, 64), dtype=np.float32), rng.integers(0, 10, 8))
+    optimizer.step()
+    after = checkpoint.training_state(state)
+    assert after.optimizer["step"] == 41  # the optimizer went on from the merged step count
+    assert _max_difference(after, shards) > 0
+
+
+def test_rebuilt_ort_checkpoint_resumes_bit_exactly(reference):
+    """The flatbuffer built from arrays resumes exactly like ONNX Runtime's own file,
+    and both like training that never stopped."""
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    artifacts = reference / RUN / "artifacts"
+    rng = np.random.default_rng(1)
+    batches = [(rng.random((8, 64), dtype=np.float32), rng.integers(0, 10, 8)) for _ in range(6)]
+
+    def train(state, batches):
+        module = Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"))
+        optimizer = Optimizer(str(artifacts / "optimizer_model.onnx"), module)
+        for x, y in batches:
+            optimizer.set_learning_rate(0.01)
+            module(x, y)
+            optimizer.step()
+            module.lazy_reset_grad()
+        return checkpoint.training_state(state)
+
+    uninterrupted = train(CheckpointState.load_checkpoint(str(artifacts / "checkpoint")), batches)
+    halfway = CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
+    train(halfway, batches[:3])
+    rebuilt = checkpoint.ort_state(checkpoint.training_state(halfway))
+    _assert_identical(train(rebuilt, batches[3:]), uninterrupted)
+
+
+def _rank_process(workdir: Path, rank: int):
+    """The process of MPI rank `rank` of the `ortflow.train.loop` running in `workdir`
+    (other tests may be training at the same time)."""
+    import psutil
+
+    for process in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            if "ortflow.train.loop" in " ".join(process.info["cmdline"] or []) and \
+                    process.info["cwd"] == str(workdir) and process.environ().get("OMPI_COMM_WORLD_RANK") == str(rank):
+                return process
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def test_kill_9_one_rank_then_rerun_is_bit_identical(reference, tmp_path):
+    workdir = _copy_run(reference, tmp_path / "work", keep_training=False)
+    # Rank 1 waits at step 25 (after the checkpoint of step 20) until it is killed.
+    stall = _config(fail_at_step={"step": 25, "rank": 1, "mode": "stall"}, collective_timeout_s=600)
+    result = {}
+    runner = threading.Thread(target=lambda: result.update(run=run_snakemake(workdir, stall, "train", check=False)))
+    runner.start()
+    heartbeat = workdir / RUN / "train/heartbeat/rank-1.json"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        try:
+            if json.loads(heartbeat.read_text())["step"] == 25:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    process = _rank_process(workdir, 1)
+    assert process is not None, "rank 1 is not running"
+    process.kill()  # SIGKILL
+    runner.join(timeout=240)
+    assert result["run"].returncode != 0
+    root = _root(workdir)
+    assert checkpoint.latest(root).step == 20
+    # A checkpoint the crash left half-written must be skipped.
+    shutil.copytree(root / "step-00000020", root / "step-00000030")
+    (root / "step-00000030/COMPLETE").unlink()
+
+    run_snakemake(workdir, _config(), "train")
+    log = _log(workdir)
+    assert f"resuming at step 20 from {RUN}/train/checkpoints/step-00000020" in log
+    assert "skipping checkpoint results/digits/train/checkpoints/step-00000030 is incomplete" in log
+    _assert_identical(_state(root / "step-00000040"), _state(_root(reference) / "step-00000040"))
+
+
+def test_resume_with_another_world_size(reference, tmp_path):
+    """W=2 -> W=1 from step 20, then W=1 -> W=3 from step 30; the global batch stays 48."""
+    workdir = _copy_run(reference, tmp_path / "work")
+    root = _root(workdir)
+    expected = _state(_root(reference) / "step-00000040")
+    run_snakemake(workdir, _config(world_size=1, micro_batch_size=16, grad_accum_steps=3,
+                                   resume_from=str(root / "step-00000020")), "train")
+    assert "1 ranks, global batch 48 (16 x 3 accumulated x 1 ranks), resuming at step 20" in _log(workdir)
+    assert json.loads((root / "step-00000030/manifest.json").read_text())["world_size"] == 1
+    one_rank = _state(root / "step-00000040")
+    run_snakemake(workdir, _config(world_size=3, micro_batch_size=16, resume_from=str(root / "step-00000030")),
+                  "train")
+    assert "3 ranks, global batch 48 (16 x 1 accumulated x 3 ranks), resuming at step 30" in _log(workdir)
+    assert len(list((root / "step-00000040").glob("shard-*-of-00003.h5"))) == 3
+    three_ranks = _state(root / "step-00000040")
+    # Only the order of the floating-point sums differs; measured: up to ~1e-6 here.
+    for result in (one_rank, three_ranks):
+        assert result.optimizer["step"] == 40
+        assert _max_difference(result, expected) < 2e-5
+
+
+def test_another_identity_is_skipped_and_refused(reference, tmp_path):
+    workdir = _copy_run(reference, tmp_path / "work")
+    root = _root(workdir)
+    other_lr = {"name": "adamw", "lr": 0.002, "weight_decay": 0.01}
+    run_snakemake(workdir, _config(optimizer=other_lr, steps=10), "train", "merge_checkpoint")
+    log = _log(workdir)
+    assert "skipping checkpoint results/digits/train/checkpoints/step-00000040: another training identity " \
+           "(optimizer.lr: 0.003 in the checkpoint, 0.002 now)" in log
+    assert "starting at step 0" in log
+    # The other identity's checkpoints are kept; this run's newest is the one merged.
+    assert sorted(p.name for p in root.iterdir()) == ["step-00000010", "step-00000020", "step-00000030",
+                                                      "step-00000040"]
+    assert json.loads((workdir / RUN / "checkpoint/meta.json").read_text())["step"] == 10
+
+    before = {p: p.read_bytes() for p in (root / "step-00000040").iterdir()}
+    refused = run_snakemake(workdir, _config(optimizer=other_lr, resume_from=str(root / "step-00000040")), "train",
+                            check=False)
+    assert refused.returncode != 0
+    assert f"train.resume_from: checkpoint {root / 'step-00000040'} belongs to another training identity; " \
+           "differs: optimizer.lr: 0.003 in the checkpoint, 0.002 now" in _log(workdir)
+    assert {p: p.read_bytes() for p in (root / "step-00000040").iterdir()} == before
+
+
+def _cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ortflow.checkpoint", *map(str, args)], capture_output=True,
+                          text=True, timeout=120)
+
+
+@pytest.mark.parametrize("damage", ["missing", "checksum", "mixed"])
+def test_bad_checkpoints_are_refused_and_nothing_is_overwritten(reference, tmp_path, damage):
+    folder = shutil.copytree(_root(reference) / "step-00000040", tmp_path / "step-00000040")
+    shard = folder / "shard-00001-of-00002.h5"
+    if damage == "missing":
+        shard.unlink()
+        reason = f"shard {shard} is missing (manifest.json lists 2 shards)"
+    elif damage == "checksum":
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+        reason = f"shard {shard}: checksum mismatch"
+    else:
+        shutil.copyfile(_root(reference) / "step-00000030" / shard.name, shard)
+        reason = f"shard {shard} belongs to another checkpoint (step 30"
+    out = shutil.copytree(reference / RUN / "checkpoint", tmp_path / "merged")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    for args in (("merge", folder, out), ("reshard", folder, out, "-n", "3"), ("inspect", folder)):
+        result = _cli(*args)
+        assert result.returncode == 1, result.stderr
+        assert reason in result.stderr, result.stderr
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    # Training refuses it the same way (the ranks call this before the first step).
+    with pytest.raises(checkpoint.CheckpointError, match="shard .*shard-00001-of-00002.h5"):
+        checkpoint.load_state(checkpoint.Resume(folder, 40, {}))
+
+
+def test_reshard_and_inspect(reference, tmp_path):
+    source = _root(reference) / "step-00000040"
+    result = _cli("reshard", source, tmp_path / "three", "-n", "3")
+    assert result.returncode == 0, result.stderr
+    _assert_identical(_state(tmp_path / "three"), _state(source))
+    report = _cli("inspect", tmp_path / "three")
+    assert report.returncode == 0, report.stderr
+    assert "step 40, 3 shards (checksums verified)" in report.stdout
+    assert "shard-00002-of-00003.h5" in report.stdout and "momentum0, momentum1" in report.stdout
