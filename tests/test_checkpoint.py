@@ -220,10 +220,11 @@ def test_resume_with_another_world_size(reference, tmp_path):
     assert "3 ranks, global batch 48 (16 x 1 accumulated x 3 ranks), resuming at step 30" in _log(workdir)
     assert len(list((root / "step-00000040").glob("shard-*-of-00003.h5"))) == 3
     three_ranks = _state(root / "step-00000040")
-    # Only the order of the floating-point sums differs; measured: up to ~1e-6 here.
-    for result in (one_rank, three_ranks):
-        assert result.optimizer["step"] == 40
-        assert _max_difference(result, expected) < 2e-5
+    # Only the order of the floating-point sums differs: measured 2.0e-7 for both
+    # (parameters and AdamW moments, default MLP); allowed 1e-6.
+    assert three_ranks.optimizer["step"] == 40
+    differences = [_max_difference(result, expected) for result in (one_rank, three_ranks)]
+    assert max(differences) < 1e-6, differences
 
 
 def test_another_identity_is_skipped_and_refused(reference, tmp_path):
