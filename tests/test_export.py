@@ -101,7 +101,9 @@ def test_exported_model_is_the_trained_inference_graph(default_run):
     trained = json.loads((default_run / "results/digits/train/metrics.json").read_text())["eval"]["accuracy"]
     assert (logits.argmax(1) == batch["y"]).mean() == pytest.approx(trained, abs=1e-9)
     log = _log(default_run, "export_model")
-    assert "logits within 0 of the eval graph's" in log
+    # Same weights, same operators; the inference graph's kernels may sum in another order.
+    difference = re.search(r"logits within ([0-9.e+-]+) of the eval graph's", log)
+    assert difference and float(difference.group(1)) <= 1e-4, log
     assert "ONNX reference evaluator agrees with ONNX Runtime on 8 records" in log
     assert not list(_export(default_run).glob("*.tmp"))
 

@@ -105,3 +105,19 @@ def test_schedules_warm_up_then_decay_to_the_floor(name):
         assert 0.1 <= rates[-1] < 0.15
     if name == "cosine":
         assert rates[55] == pytest.approx(0.1 + 0.9 * 0.5, abs=1e-9)  # half way down
+
+
+def test_watchdog_names_the_rank_furthest_behind(tmp_path):
+    """A slow rank may write "forward" after a fast one wrote "allreduce" of
+    the same step: the slow one is behind, whatever the clock says."""
+    import json
+
+    class OneRank:
+        def Get_rank(self):
+            return 0
+
+    watchdog = comm.Watchdog(OneRank(), tmp_path, timeout_s=3600)
+    (tmp_path / "rank-0.json").write_text(json.dumps({"step": 3, "phase": "allreduce", "time": 10.0}))
+    (tmp_path / "rank-1.json").write_text(json.dumps({"step": 3, "phase": "forward", "time": 20.0}))
+    (tmp_path / "rank-2.json").write_text(json.dumps({"step": 4, "phase": "forward", "time": 5.0}))
+    assert "rank 1 is behind: last seen at step 3 (forward)" in watchdog.report()

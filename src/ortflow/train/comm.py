@@ -25,6 +25,10 @@ log = logging.getLogger("ortflow.train")
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
+# The phases of a step, in order, as ranks report them in their heartbeats.
+PHASES = ("forward", "allreduce", "eval", "checkpoint")
+
+
 class Watchdog:
     """Each rank records where it is (step, phase) in a heartbeat file; a
     thread aborts the job when one collective has waited longer than the
@@ -64,10 +68,15 @@ class Watchdog:
             except (OSError, ValueError):
                 continue
             rank = int(path.stem.split("-")[1])
-            seen.append((beat["step"], beat["time"], rank, beat["phase"]))
+            progress = (beat["step"], PHASES.index(beat["phase"]), beat["time"])
+            seen.append((progress, rank, beat))
         if not seen:
             return "no rank has reported progress"
-        step, when, rank, phase = min(seen)
+        # The rank that is furthest behind in the step's order of phases, not
+        # the one that wrote last: a slow rank may write "forward" after a fast
+        # one already wrote "allreduce" of the same step.
+        _, rank, beat = min(seen)
+        step, phase, when = beat["step"], beat["phase"], beat["time"]
         return f"rank {rank} is behind: last seen at step {step} ({phase}) {time.time() - when:.0f}s ago"
 
     def _watch(self) -> None:
