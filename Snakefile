@@ -22,6 +22,7 @@ include: "workflow/rules/report.smk"
 
 
 rule all:
+    default_target: True
     input:
         rules.prepare_data.output,
         rules.build_artifacts.output,
@@ -31,7 +32,6 @@ rule all:
         rules.quantize_model.output,
         rules.plot_training.output,
         rules.report_tables.output,
-    default_target: True
 
 
 # Where the model is and how good it is, from whatever stages have run.
