@@ -8,6 +8,8 @@ rule merge_checkpoint:
         f"{LOGS}/merge_checkpoint.log",
     benchmark:
         f"{RESULTS}/benchmarks/merge_checkpoint.tsv"
+    conda:
+        "../../envs/ortflow.yaml"
     params:
         # The training identity picks this run's newest checkpoint among those of earlier configs.
         config=config_json("run", "data", "model", "train"),

@@ -1,6 +1,4 @@
 import json
-import os
-import sys
 
 from ortflow import config as ortflow_config
 
@@ -11,10 +9,6 @@ except ortflow_config.ConfigError as error:
     raise WorkflowError(f"invalid configuration:\n{error}")
 config.clear()
 config.update(_validated)
-
-# Rules call the `ortflow` command of the environment that runs Snakemake,
-# activated or not.
-os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]
 
 RUN = config["run"]["name"]
 RESULTS = f"results/{RUN}"
@@ -32,3 +26,21 @@ def config_json(*keys):
             source, target = source[section], target.setdefault(section, {})
         target[name] = source[name]
     return json.dumps(picked, sort_keys=True)
+
+
+def data_files(wildcards):
+    """The user's data file, if any: editing it reruns prepare_data, and a
+    missing one stops the run before any job, naming the file."""
+    data = config["data"]
+    if data["source"] == "text":
+        return [data["text_path"]] if data["text_path"] else []
+    return [] if data["source"] == "digits" else [data["source"]]
+
+
+def captioned(name, category):
+    """An output shown in the report, with its caption workflow/report/<name>.rst."""
+    return report(
+        f"{RESULTS}/report/{name}",
+        caption=f"../report/{name.split('.')[0]}.rst",
+        category=category,
+    )

@@ -1,12 +1,3 @@
-def data_files(wildcards):
-    """The user's data file, if any: editing it reruns prepare_data, and a
-    missing one stops the run before any job, naming the file."""
-    data = config["data"]
-    if data["source"] == "text":
-        return [data["text_path"]] if data["text_path"] else []
-    return [] if data["source"] == "digits" else [data["source"]]
-
-
 rule prepare_data:
     input:
         data_files,

@@ -15,6 +15,8 @@ rule export_model:
         f"{LOGS}/export_model.log",
     benchmark:
         f"{RESULTS}/benchmarks/export_model.tsv"
+    conda:
+        "../../envs/ortflow.yaml"
     params:
         config=config_json("run.name"),
     shell:
@@ -34,9 +36,13 @@ rule quantize_model:
         f"{LOGS}/quantize_model.log",
     benchmark:
         f"{RESULTS}/benchmarks/quantize_model.tsv"
+    conda:
+        "../../envs/ortflow.yaml"
     params:
         config=config_json("train.eval_batch_size", "export"),
-        int8=INT8,
+        int8=lambda wildcards, output: os.path.join(
+            os.path.dirname(output.metrics), "model.int8.onnx"
+        ),
     shell:
         "ortflow quantize-model --config-json {params.config:q} --model {input.model}"
         " --artifacts {input.artifacts} --eval {input.eval} --int8 {params.int8}"

@@ -1,17 +1,7 @@
 # What `snakemake --report results/<run>/report.html` shows besides Snakemake's
 # own pages: plots of training, and tables of the run. Each stage writes its
 # runtime and memory to {RESULTS}/benchmarks/<rule>.tsv (its `benchmark:`).
-REPORT = f"{RESULTS}/report"
 BENCHMARKS = f"{RESULTS}/benchmarks"
-
-
-def captioned(name, category):
-    """An output shown in the report, with its caption workflow/report/<name>.rst."""
-    return report(
-        f"{REPORT}/{name}",
-        caption=f"../report/{name.split('.')[0]}.rst",
-        category=category,
-    )
 
 
 rule plot_training:

@@ -1,0 +1,20 @@
+"""The workflow stays as its style asks: `snakefmt` formatted, `snakemake --lint` clean."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def test_snakefmt_leaves_the_workflow_unchanged():
+    result = subprocess.run([str(BIN / "snakefmt"), "--check", "Snakefile", "workflow/"], cwd=REPO,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_snakemake_lint_is_clean(tmp_path):
+    result = subprocess.run([str(BIN / "snakemake"), "--lint", "--snakefile", str(REPO / "Snakefile"),
+                             "--directory", str(REPO)], capture_output=True, text=True)
+    assert "Lints for" not in result.stdout + result.stderr, result.stdout + result.stderr
