@@ -8,15 +8,16 @@ A checkpoint is a folder `step-XXXXXXXX` (optimizer steps done) under the run's
     COMPLETE                  written by rank 0 once every shard is in place
 
 Every rank holds the same state after a step (data parallelism), so each one
-writes a different part: the parameters are split about 1/W by bytes (largest
-first, each to the rank with the fewest bytes so far, ties by name and rank), so
-the ranks write in parallel. A shard is an HDF5 file:
+writes a different 1/W of the bytes (see `partition`), in parallel. A shard is
+an HDF5 file:
 
     attrs          format, checkpoint_id, step, rank, world_size, identity (JSON),
                    identity_digest, ort_checkpoint_version
-    parameters/    one dataset per parameter (name %-quoted), attr requires_grad
+    parameters/    per parameter (name %-quoted) the flat slice this shard holds,
+                   attrs shape (the whole parameter's), start (first element), requires_grad
     optimizer/     attrs group_name, step (the optimizer's own count), initial_learning_rate;
-                   optimizer/<state>/<parameter> for each state (AdamW: momentum0, momentum1)
+                   optimizer/<state>/<parameter>, the same slice of each state
+                   (AdamW: momentum0, momentum1)
     properties     attrs: ONNX Runtime's property bag (step, lr, samples_seen: the data
                    position; batch order is a function of run.seed and the step, so there
                    is no other random state to keep)
@@ -69,12 +70,20 @@ class TrainingState:
     optimizer: dict  # group_name, step, initial_learning_rate
     properties: dict  # name -> int, float or str
     version: int = 2
+    # Set in a shard's part: name -> (full shape, first element) of each array, which is then a flat slice.
+    slices: dict[str, tuple[tuple[int, ...], int]] | None = None
 
-    def part(self, names: list[str]) -> TrainingState:
+    def part(self, ranges: dict[str, tuple[int, int]]) -> TrainingState:
+        """Elements [start, stop) of the flattened parameters named in `ranges`, and of their optimizer state."""
+        def cut(array: np.ndarray, name: str) -> np.ndarray:
+            return array.reshape(-1)[slice(*ranges[name])]
+
         return TrainingState(
-            {n: self.parameters[n] for n in names}, {n: self.requires_grad[n] for n in names},
-            {n: self.optimizer_states[n] for n in names if n in self.optimizer_states},
+            {n: cut(self.parameters[n], n) for n in ranges}, {n: self.requires_grad[n] for n in ranges},
+            {n: {m: cut(a, n) for m, a in self.optimizer_states[n].items()} for n in ranges
+             if n in self.optimizer_states},
             self.optimizer, self.properties, self.version,
+            {n: (self.parameters[n].shape, ranges[n][0]) for n in ranges},
         )
 
     def nbytes(self, name: str) -> int:
@@ -285,15 +294,27 @@ def shard_name(rank: int, world_size: int) -> str:
     return f"shard-{rank:05d}-of-{world_size:05d}.h5"
 
 
-def partition(state: TrainingState, world_size: int) -> list[list[str]]:
-    """Parameter names per rank, about 1/W of the bytes each; the same on every rank."""
-    parts: list[list[str]] = [[] for _ in range(world_size)]
-    loads = [0] * world_size
-    for name in sorted(state.parameters, key=lambda n: (-state.nbytes(n), n)):
-        rank = min(range(world_size), key=lambda r: (loads[r], r))
-        parts[rank].append(name)
-        loads[rank] += state.nbytes(name)
-    return [sorted(p) for p in parts]
+def partition(state: TrainingState, world_size: int) -> list[dict[str, tuple[int, int]]]:
+    """What each rank writes: {parameter: (start, stop)} in flattened elements. The
+    parameters, sorted by name, are laid end to end (with their optimizer state) and
+    cut into W runs of equal bytes, so a large parameter can span ranks and a model
+    with one huge matrix still splits evenly. Integer arithmetic: the same on every rank."""
+    total = sum(state.nbytes(n) for n in state.parameters)
+    cuts = [total * r // world_size for r in range(world_size + 1)]
+    parts: list[dict[str, tuple[int, int]]] = [{} for _ in range(world_size)]
+    offset = 0  # bytes of the parameters before this one
+    for name in sorted(state.parameters):
+        size = state.parameters[name].size
+        if size == 0:
+            parts[0][name] = (0, 0)
+            continue
+        per_element = state.nbytes(name) // size
+        bounds = [min(max(-((offset - cut) // per_element), 0), size) for cut in cuts]  # ceil, clamped
+        for rank in range(world_size):
+            if bounds[rank + 1] > bounds[rank]:
+                parts[rank][name] = (bounds[rank], bounds[rank + 1])
+        offset += state.nbytes(name)
+    return parts
 
 
 def shard_bytes(state: TrainingState, attrs: dict) -> bytes:
@@ -305,7 +326,10 @@ def shard_bytes(state: TrainingState, attrs: dict) -> bytes:
             f.attrs[key] = json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
         params = f.create_group("parameters")
         for name, array in state.parameters.items():
-            params.create_dataset(quote(name, safe=""), data=array).attrs["requires_grad"] = state.requires_grad[name]
+            dataset = params.create_dataset(quote(name, safe=""), data=array)
+            dataset.attrs["requires_grad"] = state.requires_grad[name]
+            shape, start = state.slices[name]
+            dataset.attrs["shape"], dataset.attrs["start"] = np.asarray(shape, dtype=np.int64), start
         optimizer = f.create_group("optimizer")
         for key, value in state.optimizer.items():
             optimizer.attrs[key] = value
@@ -320,16 +344,17 @@ def shard_bytes(state: TrainingState, attrs: dict) -> bytes:
 
 
 def read_shard(path: Path) -> tuple[dict, TrainingState]:
-    """(attrs, state) of one shard file."""
+    """(attrs, part) of one shard file; `part.slices` says where its flat arrays belong."""
     import h5py
 
     with h5py.File(path, "r") as f:
         attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
         attrs["identity"] = json.loads(attrs["identity"])
-        parameters, requires_grad = {}, {}
+        parameters, requires_grad, slices = {}, {}, {}
         for key, dataset in f["parameters"].items():
             parameters[unquote(key)] = dataset[()]
             requires_grad[unquote(key)] = bool(dataset.attrs["requires_grad"])
+            slices[unquote(key)] = (tuple(int(d) for d in dataset.attrs["shape"]), int(dataset.attrs["start"]))
         optimizer = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f["optimizer"].attrs.items()}
         states: dict[str, dict[str, np.ndarray]] = {}
         for moment, group in f["optimizer"].items():
@@ -337,7 +362,30 @@ def read_shard(path: Path) -> tuple[dict, TrainingState]:
                 states.setdefault(unquote(key), {})[moment] = dataset[()]
         properties = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f["properties"].attrs.items()}
     return attrs, TrainingState(parameters, requires_grad, states, optimizer, properties,
-                                attrs["ort_checkpoint_version"])
+                                attrs["ort_checkpoint_version"], slices)
+
+
+def assemble(parts: list[TrainingState], where: Path) -> TrainingState:
+    """The whole state from the parts of every shard of the checkpoint `where`."""
+    parameters: dict[str, np.ndarray] = {}
+    states: dict[str, dict[str, np.ndarray]] = {}
+    requires_grad, filled = {}, {}
+    for part in parts:
+        for name, flat in part.parameters.items():
+            shape, start = part.slices[name]
+            if name not in parameters:
+                parameters[name], requires_grad[name], filled[name] = np.empty(shape, flat.dtype), \
+                    part.requires_grad[name], 0
+            parameters[name].reshape(-1)[start:start + flat.size] = flat
+            filled[name] += flat.size
+            for moment, array in part.optimizer_states.get(name, {}).items():
+                whole = states.setdefault(name, {}).setdefault(moment, np.empty(shape, array.dtype))
+                whole.reshape(-1)[start:start + array.size] = array
+    short = sorted(n for n in parameters if filled[n] != parameters[n].size)
+    if short:
+        raise CheckpointError(f"checkpoint {where}: its shards do not cover all of {short}")
+    first = parts[0]
+    return TrainingState(parameters, requires_grad, states, first.optimizer, first.properties, first.version)
 
 
 def _write_durably(path: Path, data: bytes) -> None:
@@ -366,7 +414,7 @@ def _write_shard(folder: Path, state: TrainingState, attrs: dict) -> dict:
     name = shard_name(attrs["rank"], attrs["world_size"])
     _write_durably(folder / name, data)
     return {"file": name, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
-            "parameters": sorted(state.parameters)}
+            "parameters": {n: [start, start + state.parameters[n].size] for n, (_, start) in state.slices.items()}}
 
 
 def _manifest(checkpoint_id: str, step: int, world_size: int, identity: dict, identity_digest: str,
@@ -444,16 +492,8 @@ def read_checkpoint(path: Path) -> Checkpoint:
             raise CheckpointError(f"shard {stray}: not part of this checkpoint (its {MANIFEST} lists "
                                   f"{manifest['world_size']} shards of step {manifest['step']}): shards of two "
                                   "checkpoints are mixed")
-    merged = None
-    for entry in manifest["shards"]:
-        state = _checked_shard(path / entry["file"], entry, manifest)
-        if merged is None:
-            merged = state
-            continue
-        merged.parameters.update(state.parameters)
-        merged.requires_grad.update(state.requires_grad)
-        merged.optimizer_states.update(state.optimizer_states)
-    return Checkpoint(path, manifest, merged)
+    parts = [_checked_shard(path / entry["file"], entry, manifest) for entry in manifest["shards"]]
+    return Checkpoint(path, manifest, assemble(parts, path))
 
 
 def _checked_shard(file: Path, entry: dict, manifest: dict) -> TrainingState:
@@ -571,7 +611,8 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None) -> Pa
     (tmp / "checkpoint").write_bytes(ort_checkpoint_bytes(checkpoint.state))
     attrs = _shard_attrs(manifest["checkpoint_id"], manifest["step"], 0, 1, manifest["identity"],
                          manifest["identity_digest"], checkpoint.state.version)
-    (tmp / "checkpoint.h5").write_bytes(shard_bytes(checkpoint.state, attrs))
+    state = checkpoint.state
+    (tmp / "checkpoint.h5").write_bytes(shard_bytes(state.part(partition(state, 1)[0]), attrs))
     meta = {key: manifest[key] for key in ("checkpoint_id", "step", "world_size", "identity", "identity_digest",
                                            "properties")}
     (tmp / META).write_text(json.dumps({**meta, "merged_from": str(checkpoint.path)}, indent=2, sort_keys=True) + "\n")
@@ -590,10 +631,10 @@ def reshard(source: Path, out_dir: Path, world_size: int) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     entries = []
-    for rank, names in enumerate(partition(state, world_size)):
+    for rank, ranges in enumerate(partition(state, world_size)):
         attrs = _shard_attrs(manifest["checkpoint_id"], manifest["step"], rank, world_size, manifest["identity"],
                              manifest["identity_digest"], state.version)
-        entries.append(_write_shard(tmp, state.part(names), attrs))
+        entries.append(_write_shard(tmp, state.part(ranges), attrs))
     _write_json(tmp / MANIFEST, _manifest(manifest["checkpoint_id"], manifest["step"], world_size,
                                           manifest["identity"], manifest["identity_digest"],
                                           manifest["properties"], entries))
@@ -610,10 +651,13 @@ def inspect(source: Path) -> str:
 
     checkpoint = read_checkpoint(_checkpoint_folder(source))
     manifest, state = checkpoint.manifest, checkpoint.state
-    where = {name: entry["file"] for entry in manifest["shards"] for name in entry["parameters"]}
+    where: dict[str, list[str]] = {}
+    for entry in manifest["shards"]:
+        for name in entry["parameters"]:
+            where.setdefault(name, []).append(entry["file"])
     rows = [(name, "x".join(map(str, state.parameters[name].shape)) or "scalar", str(state.parameters[name].dtype),
              "yes" if state.requires_grad[name] else "frozen", ", ".join(sorted(state.optimizer_states.get(name, {}))),
-             where[name]) for name in sorted(state.parameters)]
+             ", ".join(where[name])) for name in sorted(state.parameters)]
     shards = [(e["file"], e["bytes"], e["sha256"][:16], len(e["parameters"])) for e in manifest["shards"]]
     return "\n".join([
         f"checkpoint {checkpoint.path}: step {manifest['step']}, {manifest['world_size']} shards (checksums verified)",
