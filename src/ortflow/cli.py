@@ -20,6 +20,7 @@ from . import config as config_mod
 
 COMMANDS = {
     "prepare-data": "ortflow.data.prepare",
+    "shards-to-pb": "ortflow.data.pb",
     "build-artifacts": "ortflow.models.graphs",
     "doctor": "ortflow.doctor",
     "train": "ortflow.train.launch",
