@@ -3,8 +3,9 @@ and ortflow's scaling from 1 to 2 ranks, on the same machine in the same run.
 
 For each model (the MLP 784-1024-1024-10 at 256 samples per rank, and the
 `gpt` model on Python's docs), it builds the data and artifacts with the real
-workflow, then alternates rounds of: ortflow with 2 ranks, DDP with 2 ranks,
-ortflow with 1 rank. Each run reports steady-state samples/s (the first steps
+workflow, then alternates rounds of: ortflow with 2 ranks, DDP with 2 ranks
+(threads shared out as ortflow does, and with torch's defaults), ortflow with
+1 rank on one core (for scaling: each rank brings one core) and on all cores. Each run reports steady-state samples/s (the first steps
 left out); the best of the rounds is kept, which is the least disturbed by
 whatever else the machine does. Achieved FLOP/s is given as a fraction of the
 machine's float32 matrix-multiply peak, measured with numpy on all cores.
@@ -63,12 +64,15 @@ def prepare(workdir: Path, name: str) -> dict:
     return config_mod.load(workdir / "bench.yaml")
 
 
-def run_ortflow(workdir: Path, config: dict, world_size: int, steps: int) -> float:
+def run_ortflow(workdir: Path, config: dict, world_size: int, steps: int, one_core: bool = False) -> float:
+    """Steady-state samples/s and FLOP/s of `ortflow train`; `one_core` pins the
+    run to one core (the resources of one rank of a 2-rank run)."""
     name = config["run"]["name"]
     config = json.loads(json.dumps(config))
     config["train"].update(world_size=world_size, steps=steps)
     out = workdir / f"results/{name}/bench-train-w{world_size}"
-    subprocess.run(["ortflow", "train", "-n", str(world_size), "--config-json", json.dumps(config),
+    pin = ["taskset", "-c", "0"] if one_core else []
+    subprocess.run([*pin, "ortflow", "train", "-n", str(world_size), "--config-json", json.dumps(config),
                     "--data", str(workdir / f"results/{name}/data"),
                     "--artifacts", str(workdir / f"results/{name}/artifacts"), "--out", str(out),
                     "--metrics", str(out / "metrics.json")],
@@ -78,8 +82,11 @@ def run_ortflow(workdir: Path, config: dict, world_size: int, steps: int) -> flo
     return metrics["samples_per_s"], metrics["flops_per_s"]
 
 
-def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: int, port: int, queue) -> None:
-    """One rank of the PyTorch DDP baseline: same model, data, batch and optimizer."""
+def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: int, port: int, queue,
+               share_cores: bool) -> None:
+    """One rank of the PyTorch DDP baseline: same model, data, batch and optimizer.
+    `share_cores`: each rank gets cores // ranks threads, as ortflow's ranks do;
+    otherwise torch's default (every rank a thread per core)."""
     import torch
     import torch.distributed as dist
 
@@ -87,7 +94,8 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: in
     from ortflow.models import built_in
     from ortflow.models.graphs import resolve_loss
 
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
+    if share_cores:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     name = config["run"]["name"]
     reader = ShardReader(Path(workdir) / f"results/{name}/data/train", verify=False)
@@ -115,13 +123,13 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: in
         queue.put(micro * world_size / float(np.mean(times[WARMUP:])))
 
 
-def run_ddp(workdir: Path, config: dict, world_size: int, steps: int) -> float:
+def run_ddp(workdir: Path, config: dict, world_size: int, steps: int, share_cores: bool = True) -> float:
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     port = 29500 + os.getpid() % 1000
-    mp.start_processes(ddp_worker, args=(world_size, str(workdir), config, steps, port, queue),
+    mp.start_processes(ddp_worker, args=(world_size, str(workdir), config, steps, port, queue, share_cores),
                        nprocs=world_size, start_method="spawn")
     return queue.get()
 
@@ -152,19 +160,26 @@ def main() -> None:
         mnist_like(workdir / "mnist_like.npz")
         for name in args.models:
             config = prepare(workdir, name)
-            best = {"ortflow_w2": 0.0, "ddp_w2": 0.0, "ortflow_w1": 0.0}
+            runs = {
+                "ortflow W=2": lambda: run_ortflow(workdir, config, 2, args.steps),
+                "DDP W=2": lambda: (run_ddp(workdir, config, 2, args.steps), 0.0),
+                "DDP W=2 torch default threads": lambda: (run_ddp(workdir, config, 2, args.steps, False), 0.0),
+                "ortflow W=1 one core": lambda: run_ortflow(workdir, config, 1, args.steps, one_core=True),
+                "ortflow W=1 all cores": lambda: run_ortflow(workdir, config, 1, args.steps),
+            }
+            best = dict.fromkeys(runs, 0.0)
             flops = 0.0
             for round_ in range(args.rounds):
-                w2, f2 = run_ortflow(workdir, config, 2, args.steps)
-                d2 = run_ddp(workdir, config, 2, args.steps)
-                w1, _ = run_ortflow(workdir, config, 1, args.steps)
-                print(f"{name} round {round_ + 1}: ortflow W=2 {w2:,.0f}  DDP W=2 {d2:,.0f}  ortflow W=1 {w1:,.0f} samples/s")
-                best = {k: max(best[k], v) for k, v in zip(best, (w2, d2, w1))}
-                flops = max(flops, f2)
+                measured = {label: run() for label, run in runs.items()}
+                print(f"{name} round {round_ + 1}: " + ", ".join(f"{k} {v[0]:,.0f}" for k, v in measured.items()))
+                best = {k: max(best[k], measured[k][0]) for k in best}
+                flops = max(flops, measured["ortflow W=2"][1])
+            print(f"{name} best samples/s: " + ", ".join(f"{k} {v:,.0f}" for k, v in best.items()))
             print(
-                f"{name}: best samples/s ortflow W=2 {best['ortflow_w2']:,.0f}, DDP W=2 {best['ddp_w2']:,.0f}, "
-                f"ortflow W=1 {best['ortflow_w1']:,.0f}; ortflow/DDP {best['ortflow_w2'] / best['ddp_w2']:.2f}x; "
-                f"scaling efficiency {best['ortflow_w2'] / (2 * best['ortflow_w1']):.2f}; "
+                f"{name}: ortflow/DDP {best['ortflow W=2'] / best['DDP W=2']:.2f}x "
+                f"(against DDP with torch's default threads {best['ortflow W=2'] / best['DDP W=2 torch default threads']:.2f}x); "
+                f"scaling efficiency W=2 over 2 x (W=1 on one core) {best['ortflow W=2'] / (2 * best['ortflow W=1 one core']):.2f}; "
+                f"W=2 over W=1 on all cores {best['ortflow W=2'] / best['ortflow W=1 all cores']:.2f}x; "
                 f"achieved {flops / 1e9:.1f} GFLOP/s = {flops / peak:.2f} of the matmul peak"
             )
 
