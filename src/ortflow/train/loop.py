@@ -169,7 +169,7 @@ def inject_fault(fault: dict | None, step: int, rank: int, batches: list[dict]) 
 def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
     from onnxruntime.training.api import CheckpointState
 
-    run, train_cfg, data_cfg = config["run"], config["train"], config["data"]
+    run, train_cfg = config["run"], config["train"]
     out_dir.mkdir(parents=True, exist_ok=True)
     comm = comm_mod.create(train_cfg, out_dir / "heartbeat")
     rank, world_size = comm.rank, comm.world_size

@@ -1,0 +1,234 @@
+"""ONNX Runtime's checkpoint file, read and written as arrays.
+
+ORT's Python API saves and loads a checkpoint only as a file (a flatbuffer whose
+schema ships in the wheel under onnxruntime/tools/ort_format_model) and exposes
+the optimizer state (AdamW: momentum0, momentum1) only through it. This module
+turns such a file into a `TrainingState` of numpy arrays and back, byte for
+byte what ORT itself reads, so that state split into shards and joined again
+resumes bit-identically.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ORT_IDENTIFIER = b"ODTC"  # the file identifier of ONNX Runtime's checkpoint flatbuffer
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the file and the reason."""
+
+
+@dataclass
+class TrainingState:
+    """Everything in an ONNX Runtime checkpoint with optimizer state, as arrays."""
+
+    parameters: dict[str, np.ndarray]
+    requires_grad: dict[str, bool]
+    optimizer_states: dict[str, dict[str, np.ndarray]]  # parameter -> {momentum0: array, ...}
+    optimizer: dict  # group_name, step, initial_learning_rate
+    properties: dict  # name -> int, float or str
+    version: int = 2
+    # Set in a shard's part: name -> (full shape, first element) of each array, which is then a flat slice.
+    slices: dict[str, tuple[tuple[int, ...], int]] | None = None
+
+    def part(self, ranges: dict[str, tuple[int, int]]) -> TrainingState:
+        """Elements [start, stop) of the flattened parameters named in `ranges`, and of their optimizer state."""
+        def cut(array: np.ndarray, name: str) -> np.ndarray:
+            return array.reshape(-1)[slice(*ranges[name])]
+
+        return TrainingState(
+            {n: cut(self.parameters[n], n) for n in ranges}, {n: self.requires_grad[n] for n in ranges},
+            {n: {m: cut(a, n) for m, a in self.optimizer_states[n].items()} for n in ranges
+             if n in self.optimizer_states},
+            self.optimizer, self.properties, self.version,
+            {n: (self.parameters[n].shape, ranges[n][0]) for n in ranges},
+        )
+
+    def nbytes(self, name: str) -> int:
+        return self.parameters[name].nbytes + sum(a.nbytes for a in self.optimizer_states.get(name, {}).values())
+
+
+
+def _np_dtype(onnx_type: int) -> np.dtype:
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    return np.dtype(tensor_dtype_to_np_dtype(onnx_type))
+
+
+def read_ort_checkpoint(path: Path) -> TrainingState:
+    """Parse an ONNX Runtime checkpoint file. The arrays are read-only views of the
+    file mapped into memory (no copy; they stay valid after the file is deleted)."""
+    import mmap
+
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs.Checkpoint import Checkpoint as Fbs
+
+    with open(path, "rb") as f:
+        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    if not Fbs.CheckpointBufferHasIdentifier(buf, 0):
+        raise CheckpointError(f"{path}: not an ONNX Runtime checkpoint (no {ORT_IDENTIFIER.decode()} identifier)")
+    root = Fbs.GetRootAs(buf, 0)
+    module = root.ModuleState()
+    if module.HasExternalData():
+        raise CheckpointError(f"{path}: parameters in an external data file (models over 2 GB) are not supported")
+
+    def array(tensor) -> np.ndarray:
+        dims = [int(d) for d in tensor.DimsAsNumpy()] if not tensor.DimsIsNone() else []
+        raw = tensor.RawDataAsNumpy() if not tensor.RawDataIsNone() else np.zeros(0, np.uint8)
+        return raw.view(_np_dtype(tensor.DataType())).reshape(dims)
+
+    parameters, requires_grad = {}, {}
+    for count, get, trainable in ((module.RequiresGradParamsLength(), module.RequiresGradParams, True),
+                                  (module.FrozenParamsLength(), module.FrozenParams, False)):
+        for i in range(count):
+            tensor = get(i)
+            name = tensor.Name().decode()
+            parameters[name], requires_grad[name] = array(tensor), trainable
+    if root.OptimizerGroupsLength() > 1:
+        raise CheckpointError(f"{path}: {root.OptimizerGroupsLength()} optimizer groups; ortflow expects one")
+    optimizer, optimizer_states = {}, {}
+    if root.OptimizerGroupsLength() == 1:
+        group = root.OptimizerGroups(0)
+        optimizer = {"group_name": group.GroupName().decode(), "step": int(group.Step()),
+                     "initial_learning_rate": float(group.InitialLearningRate())}
+        for i in range(group.OptimizerStatesLength()):
+            entry = group.OptimizerStates(i)
+            optimizer_states[entry.ParamName().decode()] = {
+                entry.Momentums(j).Name().decode(): array(entry.Momentums(j)) for j in range(entry.MomentumsLength())
+            }
+    properties: dict = {}
+    bag = root.PropertyBag()
+    if bag is not None:
+        for count, get, kind in ((bag.IntsLength(), bag.Ints, int), (bag.FloatsLength(), bag.Floats, float),
+                                 (bag.StringsLength(), bag.Strings, bytes.decode)):
+            for i in range(count):
+                prop = get(i)
+                properties[prop.Name().decode()] = kind(prop.Value())
+    return TrainingState(parameters, requires_grad, optimizer_states, optimizer, properties, root.Version())
+
+
+def ort_checkpoint_bytes(state: TrainingState) -> bytearray:
+    """The ONNX Runtime checkpoint file of `state` (what CheckpointState.load_checkpoint reads)."""
+    import flatbuffers
+
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import (
+        Checkpoint as C, FloatProperty, IntProperty, ModuleState, OptimizerGroup, ParameterOptimizerState,
+        PropertyBag, StringProperty, Tensor,
+    )
+    from onnx.helper import np_dtype_to_tensor_dtype
+
+    total = sum(state.nbytes(n) for n in state.parameters)
+    builder = flatbuffers.Builder(total + 4096 * (len(state.parameters) + 1))
+
+    def tensor(name: str, array: np.ndarray) -> int:
+        name_offset = builder.CreateString(name)
+        raw = builder.CreateNumpyVector(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        dims = builder.CreateNumpyVector(np.asarray(array.shape, dtype=np.int64))
+        Tensor.Start(builder)
+        Tensor.AddName(builder, name_offset)
+        Tensor.AddDims(builder, dims)
+        Tensor.AddDataType(builder, np_dtype_to_tensor_dtype(array.dtype))
+        Tensor.AddRawData(builder, raw)
+        return Tensor.End(builder)
+
+    def vector(start, offsets: list[int]) -> int:
+        start(builder, len(offsets))
+        for offset in reversed(offsets):
+            builder.PrependUOffsetTRelative(offset)
+        return builder.EndVector()
+
+    names = sorted(state.parameters)
+    trainable = vector(ModuleState.StartRequiresGradParamsVector,
+                       [tensor(n, state.parameters[n]) for n in names if state.requires_grad[n]])
+    frozen = vector(ModuleState.StartFrozenParamsVector,
+                    [tensor(n, state.parameters[n]) for n in names if not state.requires_grad[n]])
+    ModuleState.Start(builder)
+    ModuleState.AddRequiresGradParams(builder, trainable)
+    ModuleState.AddFrozenParams(builder, frozen)
+    module = ModuleState.End(builder)
+
+    groups = []
+    if state.optimizer:
+        entries = []
+        for name in sorted(state.optimizer_states):
+            moments = state.optimizer_states[name]
+            moment_offsets = [tensor(m, moments[m]) for m in sorted(moments)]
+            param_name = builder.CreateString(name)
+            moments_vector = vector(ParameterOptimizerState.StartMomentumsVector, moment_offsets)
+            ParameterOptimizerState.Start(builder)
+            ParameterOptimizerState.AddParamName(builder, param_name)
+            ParameterOptimizerState.AddMomentums(builder, moments_vector)
+            entries.append(ParameterOptimizerState.End(builder))
+        entries_vector = vector(OptimizerGroup.StartOptimizerStatesVector, entries)
+        group_name = builder.CreateString(state.optimizer["group_name"])
+        OptimizerGroup.Start(builder)
+        OptimizerGroup.AddGroupName(builder, group_name)
+        OptimizerGroup.AddStep(builder, state.optimizer["step"])
+        OptimizerGroup.AddInitialLearningRate(builder, state.optimizer["initial_learning_rate"])
+        OptimizerGroup.AddOptimizerStates(builder, entries_vector)
+        groups.append(OptimizerGroup.End(builder))
+    groups_vector = vector(C.StartOptimizerGroupsVector, groups)
+
+    props = {int: [], float: [], str: []}
+    for name in sorted(state.properties):
+        value = state.properties[name]
+        kind = str if isinstance(value, str) else float if isinstance(value, float) else int
+        table = {int: IntProperty, float: FloatProperty, str: StringProperty}[kind]
+        name_offset = builder.CreateString(name)
+        value = builder.CreateString(value) if kind is str else value
+        table.Start(builder)
+        table.AddName(builder, name_offset)
+        table.AddValue(builder, value)
+        props[kind].append(table.End(builder))
+    ints = vector(PropertyBag.StartIntsVector, props[int])
+    floats = vector(PropertyBag.StartFloatsVector, props[float])
+    strings = vector(PropertyBag.StartStringsVector, props[str])
+    PropertyBag.Start(builder)
+    PropertyBag.AddInts(builder, ints)
+    PropertyBag.AddFloats(builder, floats)
+    PropertyBag.AddStrings(builder, strings)
+    bag = PropertyBag.End(builder)
+
+    C.Start(builder)
+    C.AddVersion(builder, state.version)
+    C.AddModuleState(builder, module)
+    C.AddOptimizerGroups(builder, groups_vector)
+    C.AddPropertyBag(builder, bag)
+    builder.Finish(C.End(builder), file_identifier=ORT_IDENTIFIER)
+    return builder.Output()
+
+
+@contextmanager
+def _scratch_file():
+    """A file name in memory (/dev/shm) where there is one: ORT reads and writes only files."""
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    fd, name = tempfile.mkstemp(prefix="ortflow-checkpoint-", dir=folder)
+    os.close(fd)
+    try:
+        yield Path(name)
+    finally:
+        Path(name).unlink(missing_ok=True)
+
+
+def ort_state(state: TrainingState):
+    """A live CheckpointState holding `state` (parameters, optimizer state, properties)."""
+    from onnxruntime.training.api import CheckpointState
+
+    with _scratch_file() as scratch:
+        scratch.write_bytes(ort_checkpoint_bytes(state))
+        return CheckpointState.load_checkpoint(str(scratch))
+
+
+def training_state(ort_checkpoint_state) -> TrainingState:
+    """The arrays of a live CheckpointState (ORT writes them out; only its file format has the optimizer state)."""
+    from onnxruntime.training.api import CheckpointState
+
+    with _scratch_file() as scratch:
+        CheckpointState.save_checkpoint(ort_checkpoint_state, str(scratch), include_optimizer_state=True)
+        return read_ort_checkpoint(scratch)
