@@ -12,6 +12,9 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
+# The tests run as if the environment were activated (`.venv/bin/python -m pytest`
+# works too): rules call `ortflow`, the launcher calls `mpirun`, both from BIN.
+os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
 
 
 def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, timeout: int = 900):
@@ -29,8 +32,7 @@ def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, t
         "--cores", "2",
         *args,
     ]
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=timeout)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-4000:]}" for p in sorted(workdir.glob("logs/**/*.log")))
         pytest.fail(f"snakemake failed ({result.returncode}):\n{result.stderr[-6000:]}\n{logs}")

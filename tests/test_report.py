@@ -89,16 +89,28 @@ class Chromium:
             time.sleep(0.1)
         pytest.fail(f"the report did not show {what} within {timeout} s")
 
-    def frame_rows(self) -> dict[str, list[str]]:
+    def frame_rows(self, timeout: float = 30) -> dict[str, list[str]]:
         """The rows with a data-key of the HTML page shown in the report's iframe (a data: URL,
-        so another origin: read in a world of its own), by key."""
-        frames = self.send("Page.getFrameTree")["frameTree"].get("childFrames", [])
-        assert len(frames) == 1, f"expected the report to show one iframe, found {len(frames)}"
-        context = self.send("Page.createIsolatedWorld", frameId=frames[0]["frame"]["id"])["executionContextId"]
-        rows = self.wait_for("document.readyState === 'complete' && [...document.querySelectorAll('tr[data-key]')]"
-                             ".map(r => [r.dataset.key, ...[...r.cells].map(c => c.innerText.trim())])",
-                             "a table", context)
-        return {key: cells for key, *cells in rows}
+        so another origin: read in a world of its own), by key. The iframe may still be
+        navigating to the new page, which destroys a world made in the old one: then make
+        another."""
+        query = ("document.readyState === 'complete' && [...document.querySelectorAll('tr[data-key]')]"
+                 ".map(r => [r.dataset.key, ...[...r.cells].map(c => c.innerText.trim())])")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            frames = self.send("Page.getFrameTree")["frameTree"].get("childFrames", [])
+            assert len(frames) == 1, f"expected the report to show one iframe, found {len(frames)}"
+            context = self.send("Page.createIsolatedWorld", frameId=frames[0]["frame"]["id"])["executionContextId"]
+            try:
+                rows = self.evaluate(query, context)
+            except AssertionError as error:
+                if "Cannot find context" not in str(error):
+                    raise
+                rows = None
+            if rows:
+                return {key: cells for key, *cells in rows}
+            time.sleep(0.1)
+        pytest.fail(f"the report did not show a table within {timeout} s")
 
     def close(self) -> None:
         self.process.kill()
