@@ -146,9 +146,6 @@ class MPIComm:
         with self.watchdog.collective("barrier"):
             self.world.Barrier()
 
-    def abort(self, code: int = 1) -> None:
-        self.world.Abort(code)
-
 
 def _buckets(grads: list[np.ndarray]):
     group, size = [], 0

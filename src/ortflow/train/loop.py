@@ -260,7 +260,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
     if not last_eval:  # resumed at the end: nothing trained, still report the model's quality
         last_eval = evaluate(module, eval_reader, comm, info, train_cfg["eval_batch_size"], data_label)
         metrics.eval(train_cfg["steps"], last_eval)
-    if info["task"] == "language_model":
+    if info["task"] == "language_model" and rank == 0:  # only rank 0 writes metrics.json
         last_eval["unigram_perplexity"] = unigram_perplexity(
             train_reader.gather(np.arange(len(train_reader)))[data_label],
             eval_reader.gather(np.arange(len(eval_reader)))[data_label], info["num_classes"])
