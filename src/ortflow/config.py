@@ -12,13 +12,11 @@ from typing import Any
 import jsonschema
 import yaml
 
+from .errors import ConfigError
+
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO / "workflow" / "schemas" / "config.schema.yaml"
 DEFAULT_CONFIG = REPO / "config" / "config.yaml"
-
-
-class ConfigError(ValueError):
-    """A configuration value that the schema or a cross-key rule refuses."""
 
 
 def _schema() -> dict:
@@ -150,6 +148,24 @@ def load(path: str | Path = DEFAULT_CONFIG, overrides: dict | None = None) -> di
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(raw).__name__}")
     return validate(_merge(expand_dotted(raw), expand_dotted(overrides or {})))
+
+
+def add_config_arguments(parser) -> None:
+    """`--config FILE` or `--config-json JSON`: how every stage command takes its config."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", default=str(DEFAULT_CONFIG), help="config file (YAML)")
+    source.add_argument("--config-json", help="the config as JSON (what the workflow passes)")
+
+
+def load_config(args) -> dict:
+    """The config of a stage command: the rules pass only the sections a stage needs (`--config-json`)."""
+    if args.config_json:
+        try:
+            config = json.loads(args.config_json)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--config-json: not valid JSON ({error})") from None
+        return validate(config, partial=True)
+    return load(args.config)
 
 
 def global_batch_size(config: dict) -> int:

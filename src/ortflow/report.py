@@ -17,6 +17,8 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
+from .errors import MissingInputError
+
 HELP = "plots and tables of a run for `snakemake --report`"
 
 PLOTS = ("loss", "learning_rate", "throughput")
@@ -278,7 +280,7 @@ def run_summary(results: str | Path) -> str:
 
 
 def add_arguments(parser) -> None:
-    from .cli import add_config_arguments
+    from .config import add_config_arguments
 
     sub = parser.add_subparsers(dest="action", required=True)
     plots = sub.add_parser("plots", help="loss, learning-rate and throughput plots (PNG) from train/metrics.json")
@@ -295,13 +297,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from .cli import load_config
+    from .config import load_config
 
     config = load_config(args)
     if args.action == "plots":
         metrics = read_json(args.metrics)
         if metrics is None:
-            raise FileNotFoundError(f"{args.metrics}: no training metrics (run the train stage first)")
+            raise MissingInputError(f"{args.metrics}: no training metrics (run the train stage first)")
         plot_training(metrics, config, args.out)
     else:
         write_tables(config, args.train_metrics, args.export_metrics, args.benchmarks, args.profile, args.out)

@@ -16,14 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import DataError
+
 TABULAR_SUFFIXES = (".csv", ".parquet", ".npz", ".h5", ".hdf5")
 TEXT_SUFFIXES = (".txt",)
 BYTE_VOCAB = 256
 TABLE_INPUT = "x"  # the one input that CSV/Parquet feature columns are stacked into
-
-
-class DataError(ValueError):
-    """Input data that cannot be turned into shards; the message names the file and the problem."""
 
 
 @dataclass

@@ -7,6 +7,8 @@ import logging
 import sys
 from pathlib import Path
 
+from ..errors import ModelError
+
 log = logging.getLogger("ortflow.build_artifacts")
 
 # onnxruntime-training 1.19 loads models up to IR version 10, which goes with
@@ -22,11 +24,11 @@ def load_onnx(path: str):
 
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"model.path: ONNX file {file} does not exist")
+        raise ModelError(f"model.path: ONNX file {file} does not exist")
     try:
         model = onnx.load(str(file))
     except Exception as error:  # protobuf raises its own DecodeError
-        raise ValueError(f"model.path: {file} is not a readable ONNX model ({error})") from None
+        raise ModelError(f"model.path: {file} is not a readable ONNX model ({error})") from None
     if model.ir_version > MAX_IR_VERSION:
         downgrade_ir(model, str(file))
     return model
@@ -45,7 +47,7 @@ def downgrade_ir(model, where: str) -> None:
     newer_types = sorted(t for t in elem_types if t > MAX_ELEM_TYPE_FOR_IR)
     if opset > MAX_OPSET_FOR_IR or newer_types:
         needs = f"ONNX opset {opset}" if opset > MAX_OPSET_FOR_IR else f"tensor element type(s) {newer_types}"
-        raise ValueError(
+        raise ModelError(
             f"model.path: {where} has IR version {model.ir_version} and uses {needs}, which IR version "
             f"{MAX_IR_VERSION} (the newest that onnxruntime-training 1.19 loads) cannot express; re-export it "
             f"with opset <= {MAX_OPSET_FOR_IR} and IR version {MAX_IR_VERSION} (e.g. with onnx==1.17, "
@@ -69,20 +71,20 @@ def import_torch(path: str, kwargs: dict):
 
     module_name, _, class_name = path.partition(":")
     if not module_name or not class_name:
-        raise ValueError(f"model.path: {path!r} is not an import path of the form `package.module:Class`")
+        raise ModelError(f"model.path: {path!r} is not an import path of the form `package.module:Class`")
     if str(Path.cwd()) not in sys.path:
         sys.path.insert(0, str(Path.cwd()))
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise ValueError(f"model.path: cannot import module {module_name!r} ({error})") from None
+        raise ModelError(f"model.path: cannot import module {module_name!r} ({error})") from None
     cls = getattr(module, class_name, None)
     if cls is None:
-        raise ValueError(f"model.path: module {module_name!r} ({module.__file__}) has no attribute {class_name!r}")
+        raise ModelError(f"model.path: module {module_name!r} ({module.__file__}) has no attribute {class_name!r}")
     try:
         instance = cls(**kwargs)
     except TypeError as error:
-        raise ValueError(f"model.kwargs: {path}(**{kwargs!r}) failed: {error}") from None
+        raise ModelError(f"model.kwargs: {path}(**{kwargs!r}) failed: {error}") from None
     if not isinstance(instance, torch.nn.Module):
-        raise ValueError(f"model.path: {path} made a {type(instance).__name__}, not a torch.nn.Module")
+        raise ModelError(f"model.path: {path} made a {type(instance).__name__}, not a torch.nn.Module")
     return instance

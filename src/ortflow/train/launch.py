@@ -9,7 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .. import config as config_mod
+from ..errors import ConfigError
+from ..preflight import host_cores, preflight, raise_if_problems
+
 HELP = "train the artifacts on the shards with W ranks (mpirun or srun)"
+
+# Open MPI refuses to start as root (containers and CI often run as root) unless both are set.
+ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def launcher_command(mpi: str, world_size: int, cores: int) -> list[str]:
@@ -23,22 +30,20 @@ def launcher_command(mpi: str, world_size: int, cores: int) -> list[str]:
         if world_size > cores:
             command.append("--oversubscribe")
         return command
-    raise ValueError(f"resources.mpi: unknown MPI launcher {mpi!r}; expected mpirun, mpiexec or srun")
+    raise ConfigError(f"resources.mpi: unknown MPI launcher {mpi!r}; expected mpirun, mpiexec or srun")
 
 
 def launcher_env(environ: dict) -> dict:
+    """The ranks' environment: `environ`, with ROOT_ENV where we run as root."""
     env = dict(environ)
     if os.geteuid() == 0:
-        # OpenMPI refuses root unless told twice; containers and CI run as root.
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        for key, value in ROOT_ENV.items():
+            env.setdefault(key, value)
     return env
 
 
 def add_arguments(parser) -> None:
-    from ..cli import add_config_arguments
-
-    add_config_arguments(parser)
+    config_mod.add_config_arguments(parser)
     parser.add_argument("--mpi", default="mpirun", help="MPI launcher: mpirun, mpiexec or srun")
     parser.add_argument("-n", "--world-size", type=int, help="ranks (default: train.world_size)")
     parser.add_argument("--data", required=True, type=Path, help="folder with the train/ and eval/ shards")
@@ -50,10 +55,7 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     import json
 
-    from ..cli import load_config
-    from ..doctor import host_cores, preflight, raise_if_problems
-
-    config = load_config(args)
+    config = config_mod.load_config(args)
     if args.world_size:
         config["train"]["world_size"] = args.world_size
     world_size = config["train"]["world_size"]

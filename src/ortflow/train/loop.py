@@ -24,17 +24,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import checkpoint, config as config_mod
+from .. import checkpoint, config as config_mod, cuda_libraries
 from ..data.shards import ShardReader
+from ..errors import OrtflowError, TrainingError
 from . import comm as comm_mod
+from .gradients import average_and_clip, gradients, parameters_on_host
 from .metrics import Metrics, peak_rss_mb, unigram_perplexity
 from .schedule import learning_rate
 
 log = logging.getLogger("ortflow.train")
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (a non-finite loss, an injected fault); the message says where."""
 
 
 def threads_per_rank(local_size: int, affinity: int, environ: dict) -> int:
@@ -80,14 +78,6 @@ def open_sessions(artifacts: Path, state, device: str, threads: int, profile_pre
     return module, Optimizer(str(artifacts / "optimizer_model.onnx"), module)
 
 
-def gradients(state, names: list[str]) -> list:
-    """The live gradient buffers: writable numpy views on the CPU (DESIGN.md), OrtValues on the GPU."""
-    grads = [state._state.get_parameter(name).grad for name in names]
-    if grads and grads[0].device_name().lower() == "cpu":
-        return [g.numpy() for g in grads]
-    return grads
-
-
 def feeds(batch: dict, input_names: list[str], label_input: str, data_label: str) -> list[np.ndarray]:
     return [batch[data_label] if name == label_input else batch[name] for name in input_names]
 
@@ -120,21 +110,6 @@ def eval_results(totals, task: str) -> dict:
         results["perplexity"] = math.exp(min(results["loss"], 50.0))
         results["accuracy"] = correct / count
     return results
-
-
-def average_and_clip(comm, grads: list, scale_to_mean: float, clip: float | None) -> float:
-    """Sum the gradients across ranks in place, scale the sum to the mean over
-    every micro-batch of every rank, and clip it to the global norm `clip`.
-    Returns the norm before clipping. After the sum every rank holds the same
-    gradients, so every rank takes the same clipping decision."""
-    comm.allreduce_gradients(grads)
-    norm = math.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)) * scale_to_mean
-    factor = scale_to_mean
-    if clip is not None and norm > clip:
-        factor *= clip / (norm + 1e-6)  # the epsilon of torch.nn.utils.clip_grad_norm_
-    for g in grads:
-        g *= factor
-    return norm
 
 
 def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, data_label: str) -> dict:
@@ -228,7 +203,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
             loss_sum += loss
 
         comm.watchdog.beat(step, "allreduce")
-        norm = average_and_clip(comm, gradients(state, trainable), scale_to_mean, train_cfg["clip_grad_norm"])
+        norm = average_and_clip(comm, gradients(state, trainable, comm.xp), scale_to_mean, train_cfg["clip_grad_norm"])
         (global_loss,) = comm.allreduce_sum([loss_sum]) * scale_to_mean
         if not (math.isfinite(global_loss) and math.isfinite(norm)):
             raise TrainingError(
@@ -243,7 +218,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
         if done % train_cfg["log_every"] == 0 or done == train_cfg["steps"]:
             metrics.train(step, global_loss, lr, norm, global_batch / metrics.step_times[-1])
         if done % train_cfg["histogram_every"] == 0 and rank == 0:
-            metrics.histograms(done, {n: state._state.get_parameter(n).data.numpy() for n in trainable})
+            metrics.histograms(done, parameters_on_host(state, trainable, comm.xp))
         if done % train_cfg["eval_every"] == 0 or done == train_cfg["steps"]:
             comm.watchdog.beat(step, "eval")
             if profiling:  # the traced Module has no eval graph; tracing resumes at the next step
@@ -288,9 +263,12 @@ def main(argv: list[str] | None = None) -> int:
 
     onnxruntime.set_default_logger_severity(3)
     try:
-        train(config_mod.validate(json.loads(args.config_json)), args.data, args.artifacts, args.out)
+        config = config_mod.validate(json.loads(args.config_json))
+        if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
+            cuda_libraries.preload()
+        train(config, args.data, args.artifacts, args.out)
     except BaseException as error:  # noqa: BLE001 - any failure on one rank must end all ranks
-        known = isinstance(error, (TrainingError, ValueError, comm_mod.DeviceError))
+        known = isinstance(error, OrtflowError)  # anything else is a bug: keep its traceback
         log.error("rank %d failed: %s", rank, error, exc_info=not known)
         logging.shutdown()
         sys.stderr.flush()
