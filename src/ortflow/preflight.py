@@ -29,7 +29,6 @@ MAX_RANKS_PER_CORE = 4
 MIN_FREE_BYTES = 200 * 2**20
 LOW_FREE_BYTES = 2 * 2**30
 
-
 # Distributions that install the `onnxruntime` package without the training
 # engine; next to onnxruntime-training, whichever was installed last wins.
 PLAIN_ONNXRUNTIME = {
