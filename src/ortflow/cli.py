@@ -16,7 +16,7 @@ import json
 import logging
 import sys
 
-from . import config as config_mod
+from . import config as config_mod, storage
 
 COMMANDS = {
     "prepare-data": "ortflow.data.prepare",
@@ -64,6 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     except (config_mod.ConfigError, PreflightError, ValueError, FileNotFoundError) as error:
         # Known bad input: one clear line that names the problem, no traceback to dig through.
         print(f"ortflow {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        # A full disk, a folder without write permission, a read-only file system.
+        problem = storage.explain(error)
+        if problem is None:
+            raise
+        print(f"ortflow {args.command}: error: {problem}", file=sys.stderr)
         return 1
 
 
