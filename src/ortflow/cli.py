@@ -15,6 +15,7 @@ import importlib
 import logging
 import sys
 
+from . import storage
 from .errors import OrtflowError
 
 COMMANDS = {
@@ -50,6 +51,13 @@ def main(argv: list[str] | None = None) -> int:
         # Known bad input or setup: one clear line that names the problem, no traceback to dig
         # through. Any other exception is a bug and keeps its traceback.
         print(f"ortflow {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        # A full disk, a folder without write permission, a read-only file system.
+        problem = storage.explain(error)
+        if problem is None:
+            raise
+        print(f"ortflow {args.command}: error: {problem}", file=sys.stderr)
         return 1
 
 

@@ -23,4 +23,4 @@ rule build_artifacts:
         ),
     shell:
         "ortflow build-artifacts --config-json {params.config:q}"
-        " --train {input.train} --out {output} > {log} 2>&1"
+        " --train {input.train:q} --out {output:q} > {log:q} 2>&1"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import checkpoint, config as config_mod, cuda_libraries
+from .. import checkpoint, config as config_mod, cuda_libraries, storage
 from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from . import comm as comm_mod
@@ -164,7 +164,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
     identity_digest = config_mod.digest(identity)
     resume = checkpoint.find_resume(out_dir / "checkpoints", identity, identity_digest, train_cfg["resume_from"])
     start_step = resume.step if resume else 0
-    state = checkpoint.load_state(resume) if resume else CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
+    state = checkpoint.load_state(resume, artifacts) if resume else CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
     device = f"cuda:{comm_mod.gpu_for(comm.local_rank, os.environ)}" if train_cfg["device"] == "cuda" else "cpu"
     threads = threads_per_rank(comm.local_size, len(os.sched_getaffinity(0)), os.environ)
     module, optimizer = open_sessions(artifacts, state, device, threads)
@@ -268,8 +268,10 @@ def main(argv: list[str] | None = None) -> int:
             cuda_libraries.preload()
         train(config, args.data, args.artifacts, args.out)
     except BaseException as error:  # noqa: BLE001 - any failure on one rank must end all ranks
-        known = isinstance(error, OrtflowError)  # anything else is a bug: keep its traceback
-        log.error("rank %d failed: %s", rank, error, exc_info=not known)
+        # A full disk or a read-only folder: one line with the path and what to do.
+        problem = storage.explain(error) if isinstance(error, OSError) else None
+        known = problem or isinstance(error, OrtflowError)  # anything else is a bug: keep its traceback
+        log.error("rank %d failed: %s", rank, problem or error, exc_info=not known)
         logging.shutdown()
         sys.stderr.flush()
         # Without Abort, the other ranks would wait forever in their next collective.
