@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 from ortflow import config as ortflow_config
 
@@ -44,3 +45,25 @@ def captioned(name, category):
         caption=f"../report/{name.split('.')[0]}.rst",
         category=category,
     )
+
+
+def run_arguments():
+    """The command-line arguments that chose this run, for the commands the
+    summary prints: the Snakefile when `snakemake` would not find it here by
+    itself, the --configfile files (which Snakemake keeps in
+    workflow.config_settings; workflow.configfiles also lists config/config.yaml)
+    and the --config entries."""
+    arguments = []
+    snakefile = Path(workflow.main_snakefile).resolve()
+    if snakefile != Path("Snakefile").resolve():
+        arguments += ["--snakefile", str(snakefile)]
+    here = Path.cwd()
+    files = workflow.config_settings.configfiles
+    if files:
+        arguments += ["--configfile"]
+        arguments += [
+            str(f.relative_to(here) if f.is_relative_to(here) else f) for f in files
+        ]
+    if workflow.config_settings.config_args:
+        arguments += ["--config", *workflow.config_settings.config_args]
+    return arguments
