@@ -1,4 +1,5 @@
 import json
+import os
 from pathlib import Path
 
 from ortflow import config as ortflow_config
@@ -36,6 +37,32 @@ def data_files(wildcards):
     if data["source"] == "text":
         return [data["text_path"]] if data["text_path"] else []
     return [] if data["source"] == "digits" else [data["source"]]
+
+
+def model_files(wildcards):
+    """The user's model file, if any: replacing it reruns build_artifacts. For
+    `kind: onnx` model.path; for `kind: torch` the file of the module in
+    model.path (`package.module:Class`) when it is in the working directory or
+    on PYTHONPATH, where build_artifacts imports it from."""
+    model = config["model"]
+    if model["kind"] == "onnx":
+        return [model["path"]]
+    if model["kind"] == "torch":
+        return module_file(model["path"].partition(":")[0])
+    return []
+
+
+def module_file(name):
+    """The file of module `name` (`package.module`), found by path alone:
+    importlib's find_spec would import the parent packages, running user code
+    in Snakemake. [] for a module found elsewhere (installed) or not at all."""
+    roots = [".", *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    for root in roots:
+        base = Path(root, *name.split("."))
+        for candidate in (base.with_name(f"{base.name}.py"), base / "__init__.py"):
+            if candidate.is_file():
+                return [str(candidate)]
+    return []
 
 
 def captioned(name, category):
