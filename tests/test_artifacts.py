@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -192,9 +193,19 @@ def test_user_onnx_model_through_the_rule(tmp_path):
     dry = run_snakemake(workdir, model_change, "build_artifacts", "-n")
     assert "build_artifacts" in dry.stdout and "params" in dry.stdout
 
+    # The ONNX file is an input: replaced in place (same path, another graph), the artifacts are rebuilt from it.
+    onnx_model(path, op="Relu")
+    run_snakemake(workdir, settings, "build_artifacts")
+    rebuilt = onnx.load(str(workdir / "results/digits/artifacts/inference_base.onnx"))
+    assert "Relu" in {node.op_type for node in rebuilt.graph.node}
+
 
 def test_user_torch_module_through_the_rule(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    module = modules / "artifacts_user_model.py"
+    shutil.copy(TESTS / module.name, module)
+    monkeypatch.setenv("PYTHONPATH", str(modules))
     workdir = tmp_path / "work"
     settings = {
         "model": {"kind": "torch", "path": "artifacts_user_model:TinyNet", "kwargs": {"hidden": 5}, "frozen": ["body.bias"]}
@@ -205,6 +216,11 @@ def test_user_torch_module_through_the_rule(tmp_path, monkeypatch):
     assert description["frozen"] == ["body.bias"]
     assert description["parameters"] == 64 * 5 + 5 + 5 * 10 + 10
     assert description["trainable_parameters"] == description["parameters"] - 5
+
+    # The module's file is an input, found without importing it: an edit rebuilds the artifacts.
+    module.write_text(module.read_text() + "\n# edited\n")
+    dry = run_snakemake(workdir, settings, "build_artifacts", "-n")
+    assert f"Updated input files: {module}" in dry.stdout, dry.stdout
 
 
 def test_ir_version_above_10_is_lowered_when_lossless(data, tmp_path, caplog):

@@ -14,7 +14,9 @@ import csv
 import html
 import json
 import os
+import shlex
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from .errors import MissingInputError
@@ -247,9 +249,10 @@ def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchm
 # --- the end-of-run summary --------------------------------------------------------------------------
 
 
-def run_summary(results: str | Path) -> str:
+def run_summary(results: str | Path, run_arguments: Sequence[str] = ()) -> str:
     """A few lines on what exists of a run under `results`: printed when
-    `snakemake` finishes, whichever stages ran."""
+    `snakemake` finishes, whichever stages ran. `run_arguments` are those that
+    chose the run (--configfile, --config): the report command needs them too."""
     results = Path(results)
     train = read_json(results / "train" / "metrics.json")
     export = read_json(results / "export" / "metrics.json")
@@ -272,7 +275,31 @@ def run_summary(results: str | Path) -> str:
     if len(lines) == 1:
         lines.append("  nothing trained yet")
     report = results / "report.html"
-    lines.append(f"  report    snakemake --report {report}")
+    lines.append(f"  report    {shlex.join(['snakemake', '--report', str(report), *run_arguments])}")
+    return "\n".join(lines)
+
+
+# --- a failed run ------------------------------------------------------------------------------------
+
+# How ortflow marks an error in a stage's log: the command's one-line message
+# (`ortflow <command>: error: ...`) and a log record of level ERROR (a rank's
+# `[rank R] ERROR ...`). A log without them (a traceback) shows its last lines.
+ERROR_MARKERS = (": error: ", " ERROR ")
+TAIL_LINES = 10
+
+
+def stage_failures(failed: Iterable[tuple[str, Sequence[str]]]) -> str:
+    """For each failed stage, (rule, its log files), the error lines of its
+    log: printed last when `snakemake` fails, so that nobody needs to open the log."""
+    lines = []
+    for rule, logs in failed:
+        for log in logs:
+            path = Path(log)
+            # NUL bytes: a log that several processes wrote at their own offsets.
+            text = path.read_text(errors="replace").replace("\0", "").splitlines() if path.is_file() else []
+            shown = [line for line in text if any(marker in line for marker in ERROR_MARKERS)] or text[-TAIL_LINES:]
+            lines.append(f"ortflow: stage {rule} failed; from {log}:")
+            lines += [f"  {line.strip()}" for line in shown] or ["  (nothing in the log)"]
     return "\n".join(lines)
 
 

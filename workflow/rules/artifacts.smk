@@ -4,6 +4,7 @@
 rule build_artifacts:
     input:
         train=rules.prepare_data.output.train,
+        model=model_files,
     output:
         directory(f"{RESULTS}/artifacts"),
     log:
