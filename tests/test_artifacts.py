@@ -250,3 +250,39 @@ def test_loss_that_does_not_fit_the_data(data, tmp_path):
     # Regression with the default loss builds and takes a step.
     description = build(data["regression"], tmp_path / "out", {"kind": "mlp", "hidden": [4]})
     assert description["loss"] == "mse" and description["label"]["shape"] == ["batch"]
+
+
+def test_bce_with_logits_is_torchs_on_logits_of_100(tmp_path):
+    """Unscaled features give logits of +-100: ORT's own BCEWithLogitsLoss takes
+    log(1 - sigmoid(100)) = log(0) there; ortflow's equals torch's, loss and gradient."""
+    from onnxruntime.training import api
+
+    x = np.zeros((8, 3), np.float32)
+    x[:, 0] = [1000, -1000, 1000, -1000, 1000, -1000, 20, -3]
+    y = np.array([1, 0, 0, 1, 1, 0, 1, 1], np.int64)  # right, right, wrong, wrong, ...
+    np.savez(tmp_path / "unscaled.npz", x=x, y=y)
+    prepare(config(data={"source": str(tmp_path / "unscaled.npz"), "eval_fraction": 0.5, "shards": 1}),
+            tmp_path / "train", tmp_path / "eval")
+    weight = np.array([[0.1], [0.0], [0.0]], np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "weight"], ["column"]),
+                               helper.make_node("Reshape", ["column", "flat"], ["out"])], "linear",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n"])],
+                              [numpy_helper.from_array(weight, "weight"), numpy_helper.from_array(np.array([-1]), "flat")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "linear.onnx"))
+    out = tmp_path / "out"
+    build(tmp_path / "train", out, {"kind": "onnx", "path": str(tmp_path / "linear.onnx"), "loss": "bce_with_logits"})
+
+    state = api.CheckpointState.load_checkpoint(str(out / "checkpoint"))
+    module = api.Module(str(out / "training_model.onnx"), state, str(out / "eval_model.onnx"))
+    module.train()
+    loss, logits = module(x, y)
+    assert sorted(np.abs(logits).tolist())[-6:] == [100.0] * 6
+    w = torch.tensor(weight, requires_grad=True)
+    torch_loss = torch.nn.BCEWithLogitsLoss()((torch.from_numpy(x) @ w)[:, 0], torch.from_numpy(y).float())
+    torch_loss.backward()
+    assert np.isfinite(float(loss)) and float(loss) == pytest.approx(torch_loss.item(), rel=1e-6)
+    assert torch_loss.item() > 24  # two of eight records are wrong by 100
+    np.testing.assert_allclose(state.parameters["weight"].grad, w.grad.numpy(), rtol=1e-5)
