@@ -13,3 +13,15 @@ class TinyNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.body(x)))
+
+
+class TokenBag(nn.Module):
+    """Averaged token embeddings -> classes: int64 ids straight from the shards, no cast."""
+
+    def __init__(self, vocab: int = 100, width: int = 8, classes: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids).mean(dim=1))

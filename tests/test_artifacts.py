@@ -286,3 +286,34 @@ def test_bce_with_logits_is_torchs_on_logits_of_100(tmp_path):
     assert np.isfinite(float(loss)) and float(loss) == pytest.approx(torch_loss.item(), rel=1e-6)
     assert torch_loss.item() > 24  # two of eight records are wrong by 100
     np.testing.assert_allclose(state.parameters["weight"].grad, w.grad.numpy(), rtol=1e-5)
+
+
+def test_embedding_takes_int64_ids_from_the_shards(tmp_path, monkeypatch):
+    """Token ids stored as int64 in an .npz reach a user's nn.Embedding as int64: the
+    graph's input is int64 and ORT's loss and embedding gradient equal torch's."""
+    from onnxruntime.training import api
+
+    from artifacts_user_model import TokenBag
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    rng = np.random.default_rng(4)
+    np.savez(tmp_path / "ids.npz", ids=rng.integers(0, 100, size=(40, 5)), y=rng.integers(0, 2, 40))
+    prepare(config(data={"source": str(tmp_path / "ids.npz"), "features": ["ids"]}), tmp_path / "train", tmp_path / "eval")
+    out = tmp_path / "out"
+    description = build(tmp_path / "train", out, {"kind": "torch", "path": "artifacts_user_model:TokenBag"})
+    assert description["inputs"] == [{"name": "ids", "dtype": "int64", "shape": ["batch", 5]}]
+    assert "Cast" not in {n.op_type for n in onnx.load(str(out / "inference_base.onnx")).graph.node}
+
+    batch = batch_of(tmp_path / "train")
+    state = api.CheckpointState.load_checkpoint(str(out / "checkpoint"))
+    module = api.Module(str(out / "training_model.onnx"), state, str(out / "eval_model.onnx"))
+    module.train()
+    loss, _ = module(batch["ids"], batch["y"])
+    reference = TokenBag()
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            parameter.copy_(torch.from_numpy(state.parameters[name].data))
+    torch_loss = torch.nn.functional.cross_entropy(reference(torch.from_numpy(batch["ids"])), torch.from_numpy(batch["y"]))
+    torch_loss.backward()
+    assert float(loss) == pytest.approx(torch_loss.item(), rel=1e-5)
+    np.testing.assert_allclose(state.parameters["embed.weight"].grad, reference.embed.weight.grad.numpy(), atol=1e-6)
