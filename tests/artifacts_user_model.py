@@ -25,3 +25,18 @@ class TokenBag(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.embed(ids).mean(dim=1))
+
+
+class SmallCNN(nn.Module):
+    """A user's CNN on the 8x8 digits: two convolutions, max pooling, a linear head."""
+
+    def __init__(self, channels: int = 8, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.ReLU(),
+        )
+        self.head = nn.Linear(2 * channels * 16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x.reshape(-1, 1, 8, 8)).flatten(1))
