@@ -317,3 +317,27 @@ def test_embedding_takes_int64_ids_from_the_shards(tmp_path, monkeypatch):
     torch_loss.backward()
     assert float(loss) == pytest.approx(torch_loss.item(), rel=1e-5)
     np.testing.assert_allclose(state.parameters["embed.weight"].grad, reference.embed.weight.grad.numpy(), atol=1e-6)
+
+
+def test_old_opset_that_cannot_be_converted_is_explained(data, tmp_path):
+    path = onnx_model(tmp_path / "opset9.onnx", op="NoSuchOp", ir_version=4, opset=9)
+    with pytest.raises(ValueError, match=r"opset9.onnx is at ONNX opset 9, below 12 .* cannot convert it to opset 16 "
+                                         r"\(node .my_nosuchop. has operator NoSuchOp, not an ONNX operator\); re-export"):
+        build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path)})
+
+
+def test_fixed_batch_the_graph_depends_on_is_explained(data, tmp_path):
+    """A model fixed at batch 1 that reshapes to [1, ...] inside cannot be made dynamic."""
+    weight = numpy_helper.from_array(np.zeros((64, 10), np.float32), "weight")
+    shape = numpy_helper.from_array(np.array([1, 10], np.int64), "one_row")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "weight"], ["scores"]), helper.make_node("Reshape", ["scores", "one_row"], ["out"])],
+        "fixed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 10])], [weight, shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "fixed.onnx"))
+    with pytest.raises(ValueError, match=r"fixed.onnx has a fixed batch dimension \('x' \[1, 64\], 'out' \[1, 10\]\) "
+                                         r"that its graph depends on: on a batch of 2 records it fails: .*Reshape.*; "
+                                         r"re-export the model with a dynamic batch axis"):
+        build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(tmp_path / "fixed.onnx")})
