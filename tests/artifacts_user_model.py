@@ -13,3 +13,30 @@ class TinyNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(torch.tanh(self.body(x)))
+
+
+class TokenBag(nn.Module):
+    """Averaged token embeddings -> classes: int64 ids straight from the shards, no cast."""
+
+    def __init__(self, vocab: int = 100, width: int = 8, classes: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids).mean(dim=1))
+
+
+class SmallCNN(nn.Module):
+    """A user's CNN on the 8x8 digits: two convolutions, max pooling, a linear head."""
+
+    def __init__(self, channels: int = 8, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(1, channels, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1), nn.ReLU(),
+        )
+        self.head = nn.Linear(2 * channels * 16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x.reshape(-1, 1, 8, 8)).flatten(1))

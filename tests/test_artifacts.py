@@ -346,3 +346,94 @@ def test_external_data_outside_the_model_folder_is_refused(data, tmp_path, targe
     assert not (tmp_path / "out").exists()
     written = [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink() and p != secret]
     assert [p for p in written if b"SECRET-PASSWORD" in p.read_bytes()] == []
+
+
+def test_bce_with_logits_is_torchs_on_logits_of_100(tmp_path):
+    """Unscaled features give logits of +-100: ORT's own BCEWithLogitsLoss takes
+    log(1 - sigmoid(100)) = log(0) there; ortflow's equals torch's, loss and gradient."""
+    from onnxruntime.training import api
+
+    x = np.zeros((8, 3), np.float32)
+    x[:, 0] = [1000, -1000, 1000, -1000, 1000, -1000, 20, -3]
+    y = np.array([1, 0, 0, 1, 1, 0, 1, 1], np.int64)  # right, right, wrong, wrong, ...
+    np.savez(tmp_path / "unscaled.npz", x=x, y=y)
+    prepare(config(data={"source": str(tmp_path / "unscaled.npz"), "eval_fraction": 0.5, "shards": 1}),
+            tmp_path / "train", tmp_path / "eval")
+    weight = np.array([[0.1], [0.0], [0.0]], np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "weight"], ["column"]),
+                               helper.make_node("Reshape", ["column", "flat"], ["out"])], "linear",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n"])],
+                              [numpy_helper.from_array(weight, "weight"), numpy_helper.from_array(np.array([-1]), "flat")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "linear.onnx"))
+    out = tmp_path / "out"
+    build(tmp_path / "train", out, {"kind": "onnx", "path": str(tmp_path / "linear.onnx"), "loss": "bce_with_logits"})
+
+    state = api.CheckpointState.load_checkpoint(str(out / "checkpoint"))
+    module = api.Module(str(out / "training_model.onnx"), state, str(out / "eval_model.onnx"))
+    module.train()
+    loss, logits = module(x, y)
+    assert sorted(np.abs(logits).tolist())[-6:] == [100.0] * 6
+    w = torch.tensor(weight, requires_grad=True)
+    torch_loss = torch.nn.BCEWithLogitsLoss()((torch.from_numpy(x) @ w)[:, 0], torch.from_numpy(y).float())
+    torch_loss.backward()
+    assert np.isfinite(float(loss)) and float(loss) == pytest.approx(torch_loss.item(), rel=1e-6)
+    assert torch_loss.item() > 24  # two of eight records are wrong by 100
+    np.testing.assert_allclose(state.parameters["weight"].grad, w.grad.numpy(), rtol=1e-5)
+
+
+def test_embedding_takes_int64_ids_from_the_shards(tmp_path, monkeypatch):
+    """Token ids stored as int64 in an .npz reach a user's nn.Embedding as int64: the
+    graph's input is int64 and ORT's loss and embedding gradient equal torch's."""
+    from onnxruntime.training import api
+
+    from artifacts_user_model import TokenBag
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    rng = np.random.default_rng(4)
+    np.savez(tmp_path / "ids.npz", ids=rng.integers(0, 100, size=(40, 5)), y=rng.integers(0, 2, 40))
+    prepare(config(data={"source": str(tmp_path / "ids.npz"), "features": ["ids"]}), tmp_path / "train", tmp_path / "eval")
+    out = tmp_path / "out"
+    description = build(tmp_path / "train", out, {"kind": "torch", "path": "artifacts_user_model:TokenBag"})
+    assert description["inputs"] == [{"name": "ids", "dtype": "int64", "shape": ["batch", 5]}]
+    assert "Cast" not in {n.op_type for n in onnx.load(str(out / "inference_base.onnx")).graph.node}
+
+    batch = batch_of(tmp_path / "train")
+    state = api.CheckpointState.load_checkpoint(str(out / "checkpoint"))
+    module = api.Module(str(out / "training_model.onnx"), state, str(out / "eval_model.onnx"))
+    module.train()
+    loss, _ = module(batch["ids"], batch["y"])
+    reference = TokenBag()
+    with torch.no_grad():
+        for name, parameter in reference.named_parameters():
+            parameter.copy_(torch.from_numpy(state.parameters[name].data))
+    torch_loss = torch.nn.functional.cross_entropy(reference(torch.from_numpy(batch["ids"])), torch.from_numpy(batch["y"]))
+    torch_loss.backward()
+    assert float(loss) == pytest.approx(torch_loss.item(), rel=1e-5)
+    np.testing.assert_allclose(state.parameters["embed.weight"].grad, reference.embed.weight.grad.numpy(), atol=1e-6)
+
+
+def test_old_opset_that_cannot_be_converted_is_explained(data, tmp_path):
+    path = onnx_model(tmp_path / "opset9.onnx", op="NoSuchOp", ir_version=4, opset=9)
+    with pytest.raises(ValueError, match=r"opset9.onnx is at ONNX opset 9, below 12 .* cannot convert it to opset 16 "
+                                         r"\(node .my_nosuchop. has operator NoSuchOp, not an ONNX operator\); re-export"):
+        build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path)})
+
+
+def test_fixed_batch_the_graph_depends_on_is_explained(data, tmp_path):
+    """A model fixed at batch 1 that reshapes to [1, ...] inside cannot be made dynamic."""
+    weight = numpy_helper.from_array(np.zeros((64, 10), np.float32), "weight")
+    shape = numpy_helper.from_array(np.array([1, 10], np.int64), "one_row")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "weight"], ["scores"]), helper.make_node("Reshape", ["scores", "one_row"], ["out"])],
+        "fixed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 10])], [weight, shape])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "fixed.onnx"))
+    with pytest.raises(ValueError, match=r"fixed.onnx has a fixed batch dimension \('x' \[1, 64\], 'out' \[1, 10\]\) "
+                                         r"that its graph depends on: on a batch of 2 records it fails: .*Reshape.*; "
+                                         r"re-export the model with a dynamic batch axis"):
+        build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(tmp_path / "fixed.onnx")})

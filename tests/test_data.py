@@ -114,7 +114,7 @@ def test_user_npz_through_snakemake(workdir):
     reader = ShardReader(workdir / "results" / "npz" / "data" / "train")
     assert reader.manifest["features"] == [
         {"name": "image", "dtype": "float32", "shape": [4, 4]},
-        {"name": "extra", "dtype": "float32", "shape": [2]},
+        {"name": "extra", "dtype": "int64", "shape": [2]},
     ]
     assert reader.manifest["label"] == {"name": "target", "dtype": "float32", "shape": []}
     assert (len(reader), reader.manifest["task"]) == (96, "regression")
@@ -145,6 +145,31 @@ def test_hdf5_and_parquet(tmp_path):
     assert (len(reader), reader.manifest["task"], reader.manifest["features"][0]["shape"]) == (15, "regression", [2])
     batch = reader.gather(np.arange(15))
     assert_rows_of(np.column_stack([batch["x"], batch["w"]]), frame)
+
+
+def test_integer_features_stay_integer(tmp_path):
+    """Token ids reach the shards as int64 from .npz, HDF5 and Parquet (int32 and
+    uint8 widened); floats, bools and CSV columns become float32."""
+    rng = np.random.default_rng(3)
+    ids, labels = rng.integers(0, 1000, size=(40, 6)), rng.integers(0, 2, 40)
+    np.savez(tmp_path / "ids.npz", ids=ids, small=ids.astype(np.uint8), flag=ids > 500, y=labels)
+    with h5py.File(tmp_path / "ids.h5", "w") as h5:
+        h5["ids"], h5["y"] = ids.astype(np.int32), labels
+    frame = pd.DataFrame({"a": ids[:, 0], "b": ids[:, 1], "c": ids[:, 2] / 7, "y": labels})
+    frame.to_parquet(tmp_path / "ids.parquet")
+    frame.to_csv(tmp_path / "ids.csv", index=False)
+    cases = [("ids.npz", ["ids", "small", "flag"], ["int64", "int64", "float32"]), ("ids.h5", ["ids"], ["int64"]),
+             ("ids.parquet", ["a", "b"], ["int64"]), ("ids.parquet", ["a", "c"], ["float32"]),
+             ("ids.csv", ["a", "b"], ["float32"])]
+    for i, (source, features, dtypes) in enumerate(cases):
+        train, _ = prepare_into(tmp_path / str(i), make_config(source=str(tmp_path / source), features=features))
+        reader = ShardReader(train)
+        assert [f["dtype"] for f in reader.manifest["features"]] == dtypes, source
+        first = reader.feature_names[0]
+        batch = reader.gather(np.arange(len(reader)))
+        assert batch[first].dtype == np.dtype(dtypes[0])
+        if dtypes[0] == "int64":  # the ids themselves, not rounded floats
+            assert set(batch[first].reshape(-1).tolist()) <= set(ids.reshape(-1).tolist())
 
 
 def test_text_sources(tmp_path):

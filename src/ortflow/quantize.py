@@ -1,11 +1,14 @@
 """The quantize_model stage: the inference model in, an int8 model and an fp32-versus-int8 report out.
 
-1. `export.quantize` picks the method (`auto`: static for cnn, dynamic otherwise):
+1. `export.quantize` picks the method (`auto`: static where the model has
+   convolutions, dynamic where it has only MatMul/Gemm):
    - `dynamic`: int8 weights, activations quantized on the fly per batch;
    - `static`: QDQ with activation ranges calibrated on `export.calibration_batches`
      eval batches (`train.eval_batch_size` records each) read from the shards;
    - `none`: no int8 model; metrics.json has the fp32 entry only.
-   ONNX Runtime's `quant_pre_process` (shape inference, graph optimization) runs first.
+   ONNX Runtime's `quant_pre_process` (shape inference, graph optimization) runs
+   first; where its shape inference cannot run on a model, it is skipped with a
+   warning. Operators that ONNX Runtime has no int8 CPU kernel for stay fp32.
 2. Both models are evaluated on the whole eval split (the loss and accuracy or
    perplexity that training reports) and timed on ONE intra-op thread at batch
    1 and 64 (p50 and p95 over interleaved rounds, so that both see the same
@@ -46,9 +49,19 @@ class QualityGateError(ModelError):
     """The int8 model lost more than `export.max_accuracy_drop` allows."""
 
 
-def method(export_cfg: dict, kind: str) -> str:
+# Convolutions: dynamic quantization has no int8 kernel for them (below), static QDQ does.
+CONVOLUTIONS = ("Conv", "ConvTranspose")
+# Dynamic quantization turns Conv into ConvInteger, which ONNX Runtime 1.19's CPU
+# provider implements for uint8 weights only (NOT_IMPLEMENTED with int8 weights).
+NO_DYNAMIC_INT8_KERNEL = ("Conv",)
+# Rounds of "quantize, load, keep the operator ONNX Runtime cannot load in fp32".
+MAX_EXCLUSION_ROUNDS = 8
+
+
+def method(export_cfg: dict, model) -> str:
+    """`export.quantize`, with `auto` chosen by the model's operators."""
     if export_cfg["quantize"] == "auto":
-        return "static" if kind == "cnn" else "dynamic"
+        return "static" if any(node.op_type in CONVOLUTIONS for node in model.graph.node) else "dynamic"
     return export_cfg["quantize"]
 
 
@@ -66,26 +79,95 @@ def calibration_reader(reader, input_names: list[str], batch_size: int, batches:
     return EvalBatches()
 
 
-def quantize_file(source: Path, target: Path, how: str, export_cfg: dict, reader, batch_size: int) -> None:
-    """`quant_pre_process`, then dynamic or static (QDQ, u8 activations, s8 weights) quantization."""
-    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+def preprocess(source: Path, target: Path) -> None:
+    """ONNX Runtime's `quant_pre_process`; where its symbolic shape inference
+    cannot run (it raises TypeError on inputs of unknown shape, as some exports
+    at newer opsets have), without it, and at worst the model as it is."""
+    import shutil
+
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
+    attempts = [{}, {"skip_symbolic_shape": True}, {"skip_symbolic_shape": True, "skip_onnx_shape": True}]
+    for skip in attempts:
+        try:
+            quant_pre_process(str(source), str(target), **skip)
+            return
+        except Exception as error:  # ORT's pre-processing fails in many ways; quantization works without it
+            log.warning("quantization pre-processing%s failed on %s (%s: %s); retrying without %s",
+                        f" ({', '.join(skip)})" if skip else "", source, type(error).__name__,
+                        str(error).strip()[:200], "shape inference" if skip else "symbolic shape inference")
+    shutil.copyfile(source, target)
+
+
+def unloadable_node(path: Path) -> str | None:
+    """The name of the node that ONNX Runtime's CPU provider has no kernel for, or None if the model loads."""
+    import re
+
+    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
+
+    try:
+        inference_session(path)
+    except NotImplementedByOrt as error:
+        match = re.search(r"node with name '([^']*)'", str(error))
+        if match:
+            return match.group(1)
+        raise
+    return None
+
+
+def quantize_file(source: Path, target: Path, how: str, export_cfg: dict, reader, batch_size: int) -> None:
+    """Pre-processing, then dynamic or static (QDQ, u8 activations, s8 weights)
+    quantization of the operator types ONNX Runtime has int8 CPU kernels for:
+    an operator it cannot load quantized is found by loading the result, and kept fp32."""
+    import onnx
+    from onnxruntime.quantization.registry import IntegerOpsRegistry, QDQRegistry
+
     preprocessed = target.with_name("preprocessed.onnx")
-    quant_pre_process(str(source), str(preprocessed))
+    preprocess(source, preprocessed)
+    nodes = onnx.load(str(preprocessed), load_external_data=False).graph.node
+    present = {node.op_type for node in nodes}
+    by_name = {node.name: node.op_type for node in nodes}
+    registry = IntegerOpsRegistry if how == "dynamic" else QDQRegistry
+    excluded = set(NO_DYNAMIC_INT8_KERNEL if how == "dynamic" else ())
+    for _ in range(MAX_EXCLUSION_ROUNDS):
+        op_types = sorted(t for t in registry if t in present and t not in excluded)
+        quantize_once(preprocessed, target, how, op_types, export_cfg, reader, batch_size)
+        node = unloadable_node(target)
+        if node is None:
+            kept = sorted(t for t in excluded if t in present)
+            if kept:
+                log.info("kept fp32 (no int8 CPU kernel in ONNX Runtime for %s quantization): %s", how, kept)
+            return
+        op_type = by_name.get(node.removesuffix("_quant"))
+        if op_type is None or op_type in excluded:
+            raise ModelError(f"quantize_model: ONNX Runtime cannot load the {how} int8 model: no CPU kernel for "
+                             f"node {node!r}; set export.quantize to another method or none")
+        log.warning("ONNX Runtime has no int8 CPU kernel for node %r (operator %s, %s quantization): %s nodes "
+                    "stay fp32", node, op_type, how, op_type)
+        excluded.add(op_type)
+    raise ModelError(f"quantize_model: {how} quantization still fails to load after keeping {sorted(excluded)} "
+                     "in fp32; set export.quantize to another method or none")
+
+
+def quantize_once(source: Path, target: Path, how: str, op_types: list[str], export_cfg: dict, reader,
+                  batch_size: int) -> None:
+    from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
+
     per_channel = export_cfg["per_channel"]
     if how == "dynamic":
-        quantize_dynamic(str(preprocessed), str(target), per_channel=per_channel, weight_type=QuantType.QInt8)
+        quantize_dynamic(str(source), str(target), op_types_to_quantize=op_types, per_channel=per_channel,
+                         weight_type=QuantType.QInt8)
         return
-    names = [i.name for i in inference_session(preprocessed).get_inputs()]
+    names = [i.name for i in inference_session(source).get_inputs()]
     batches = export_cfg["calibration_batches"]
     log.info("calibrating on %d eval batch(es) of up to %d records", min(batches, -(-len(reader) // batch_size)),
              batch_size)
     quantize_static(
-        str(preprocessed),
+        str(source),
         str(target),
         calibration_reader(reader, names, batch_size, batches),
         quant_format=QuantFormat.QDQ,
+        op_types_to_quantize=op_types,
         per_channel=per_channel,
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QInt8,
@@ -164,6 +246,26 @@ def table(report: dict) -> str:
     return tabulate(rows, headers=headers, floatfmt=".4g")
 
 
+def gate(report: dict, export_cfg: dict, model: Path, records: int) -> dict:
+    """The quality gate's entry of the report; QualityGateError if int8 loses too much.
+    For accuracy it says what one record is worth: on a tiny eval split one wrong
+    answer is already several points."""
+    compared, drop, unit = quality_drop(report["fp32"], report["int8"])
+    allowed = export_cfg["max_accuracy_drop"]
+    granularity = f" (one of the {records} eval records is {100 / records:.3g} points)" if compared == "accuracy" else ""
+    if drop > allowed:
+        scale = 100 if compared == "accuracy" else 1
+        raise QualityGateError(
+            f"quality gate: int8 {compared} {report['int8'][compared] * scale:.4g} against fp32 "
+            f"{report['fp32'][compared] * scale:.4g} is a loss of {drop:.3g} {unit}, more than "
+            f"export.max_accuracy_drop={allowed}{granularity}; no int8 model is written and "
+            f"the fp32 model {model} stays (try export.quantize: static, export.per_channel: true, "
+            "a larger export.max_accuracy_drop, or export.quantize: none)"
+        )
+    log.info("quality gate passed: int8 loses %.3g %s of %s (allowed: %g)%s", drop, unit, compared, allowed, granularity)
+    return {"metric": compared, "drop": drop, "unit": unit, "max_accuracy_drop": allowed}
+
+
 def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: Path, metrics: Path) -> dict:
     """Quantize `model` into `int8` (unless export.quantize is none) and write the report to `metrics`."""
     import onnx
@@ -174,7 +276,7 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
     onnxruntime.set_default_logger_severity(3)
     info = json.loads((artifacts / "model.json").read_text())
     export_cfg = config["export"]
-    how = method(export_cfg, info["kind"])
+    how = method(export_cfg, onnx.load(str(model), load_external_data=False))
     if how == "none" and int8.exists():
         # A user who turns quantization off expects no int8 model, not one left from an earlier run.
         int8.unlink()
@@ -202,20 +304,7 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
         log.info("fp32 %s int8 (%s%s):\n%s", "without" if how == "none" else "versus", how,
                  ", per channel" if export_cfg["per_channel"] else "", table(report))
         if how != "none":
-            compared, drop, unit = quality_drop(report["fp32"], report["int8"])
-            report["gate"] = {"metric": compared, "drop": drop, "unit": unit,
-                              "max_accuracy_drop": export_cfg["max_accuracy_drop"]}
-            if drop > export_cfg["max_accuracy_drop"]:
-                scale = 100 if compared == "accuracy" else 1
-                raise QualityGateError(
-                    f"quality gate: int8 {compared} {report['int8'][compared] * scale:.4g} against fp32 "
-                    f"{report['fp32'][compared] * scale:.4g} is a loss of {drop:.3g} {unit}, more than "
-                    f"export.max_accuracy_drop={export_cfg['max_accuracy_drop']}; no int8 model is written and "
-                    f"the fp32 model {model} stays (try export.quantize: static, export.per_channel: true, "
-                    "a larger export.max_accuracy_drop, or export.quantize: none)"
-                )
-            log.info("quality gate passed: int8 loses %.3g %s of %s (allowed: %g)", drop, unit, compared,
-                     export_cfg["max_accuracy_drop"])
+            report["gate"] = gate(report, export_cfg, model, len(reader))
             os.replace(paths["int8"], int8)
             report["int8"]["size_bytes"] = int8.stat().st_size
         tmp = metrics.with_name(metrics.name + ".tmp")

@@ -4,9 +4,12 @@ Built in: `digits` (scikit-learn's 8x8 handwritten digits, shipped inside its
 package) and `text` (a byte-level corpus; by default Python's own documentation
 from `pydoc_data`). Bring your own: .csv, .parquet, .npz, .h5/.hdf5, .txt.
 
-CSV and Parquet columns `data.features` become one float32 input named `x` (TABLE_INPUT)
+CSV and Parquet columns `data.features` become one input named `x` (TABLE_INPUT)
 (shape [len(features)]); .npz and HDF5 arrays keep their names and shapes, one
-input each (cast to float32). The label keeps its name (`data.label`).
+input each. Integer features stay integer, as int64 (`feature_dtype`), so that
+token ids reach an embedding without a cast; other features become float32.
+CSV columns always become float32: their types are pandas' guesses from text.
+The label keeps its name (`data.label`).
 """
 
 from __future__ import annotations
@@ -163,8 +166,24 @@ def _text(text: str, data: dict) -> Dataset:
     )
 
 
-def _frame_columns(frame, path: str, features: list[str], label: str):
-    """The feature columns stacked into one float32 input named `x`, and the label column."""
+def feature_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype a feature array is stored and fed as: integers as int64 (the
+    index type of ONNX's Gather and torch's nn.Embedding), anything else float32."""
+    return np.dtype(np.int64) if np.issubdtype(dtype, np.integer) else np.dtype(np.float32)
+
+
+def table_dtype(columns, typed: bool) -> np.dtype:
+    """The dtype of the input that a table's feature columns are stacked into:
+    int64 when the file has typed columns (Parquet) that are all integer without
+    missing values, else float32."""
+    from pandas.api.types import is_integer_dtype
+
+    integral = typed and all(is_integer_dtype(columns[c]) for c in columns) and not columns.isna().any().any()
+    return np.dtype(np.int64) if integral else np.dtype(np.float32)
+
+
+def _frame_columns(frame, path: str, features: list[str], label: str, typed: bool = False):
+    """The feature columns stacked into one input named `x` (`table_dtype`), and the label column."""
     if len(frame) == 0:
         raise DataError(f"{path}: no rows (an empty data set)")
     missing = [c for c in features + [label] if c not in frame.columns]
@@ -185,7 +204,7 @@ def _frame_columns(frame, path: str, features: list[str], label: str):
             )
     for column in features + [label]:
         _check_float32_range(path, f"column {column!r}", frame[column].to_numpy())
-    x = frame[features].to_numpy(dtype=np.float32)
+    x = frame[features].to_numpy(dtype=table_dtype(frame[features], typed))
     return {TABLE_INPUT: x}, frame[label].to_numpy()
 
 
@@ -202,7 +221,7 @@ def _csv(path: Path, features: list[str], label: str):
 def _parquet(path: Path, features: list[str], label: str):
     import pandas as pd
 
-    return _frame_columns(pd.read_parquet(path), str(path), features, label)
+    return _frame_columns(pd.read_parquet(path), str(path), features, label, typed=True)
 
 
 def _arrays(path: Path, names: list[str], available: list[str], get):
@@ -254,7 +273,7 @@ def _tabular(features: dict[str, np.ndarray], label: np.ndarray, data: dict, pat
     integral = np.issubdtype(label.dtype, np.integer) or label.dtype == bool
     if task == "auto":
         task = "classification" if integral else "regression"
-    features = {k: v.astype(np.float32) for k, v in features.items()}
+    features = {k: v.astype(feature_dtype(v.dtype)) for k, v in features.items()}
     if task == "regression":
         return Dataset(features, label.astype(np.float32), data["label"], "regression")
     if not integral and not np.array_equal(label, np.round(label)):

@@ -36,8 +36,8 @@ OPSET = 16
 MODEL_JSON = "model.json"
 BASE_MODEL = "inference_base.onnx"
 SMOKE_RECORDS = 4
-# ORT's loss blocks by config name.
-LOSS_BLOCKS = {"cross_entropy": "CrossEntropyLoss", "mse": "MSELoss", "bce_with_logits": "BCEWithLogitsLoss", "l1": "L1Loss"}
+# ORT's loss blocks by config name; bce_with_logits is ortflow's own (losses.py).
+LOSS_BLOCKS = {"cross_entropy": "CrossEntropyLoss", "mse": "MSELoss", "l1": "L1Loss"}
 
 
 def resolve_loss(loss: str, manifest: dict) -> str:
@@ -178,10 +178,16 @@ def loss_block(loss: str, label: dict):
     import onnx
     from onnxruntime.training import onnxblock
 
+    from . import losses
+
     class LabelledLoss(onnxblock.Block):
         def __init__(self):
             super().__init__()
-            self.inner = getattr(onnxblock.loss, LOSS_BLOCKS[loss])()
+            self.inner = (
+                losses.stable_bce_with_logits()
+                if loss == "bce_with_logits"
+                else getattr(onnxblock.loss, LOSS_BLOCKS[loss])()
+            )
 
         def build(self, logits_name: str):
             elem_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(label["dtype"]))

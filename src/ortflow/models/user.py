@@ -1,4 +1,9 @@
-"""Bring your own model: `model.kind: onnx` (a file) or `torch` (an import path)."""
+"""Bring your own model: `model.kind: onnx` (a file) or `torch` (an import path).
+
+An ONNX file as the model zoo ships it is adapted on loading (`load_onnx`): an
+IR version above 10 lowered, an opset below 12 converted, initializers listed as
+inputs (IR < 4) made initializers only, a fixed batch dimension made dynamic.
+"""
 
 from __future__ import annotations
 
@@ -16,6 +21,11 @@ log = logging.getLogger("ortflow.build_artifacts")
 MAX_IR_VERSION = 10
 MAX_OPSET_FOR_IR = 22
 MAX_ELEM_TYPE_FOR_IR = 22
+# The cross-entropy loss is SoftmaxCrossEntropyLoss, an operator since opset 12:
+# older models are converted to the opset that ortflow exports torch modules at.
+MIN_OPSET = 12
+CONVERTED_OPSET = 16
+BATCH = "batch"
 
 
 def load_onnx(path: str):
@@ -33,6 +43,10 @@ def load_onnx(path: str):
     onnx.load_external_data_for_model(model, str(file.parent))
     if model.ir_version > MAX_IR_VERSION:
         downgrade_ir(model, str(file))
+    model = upgrade_opset(model, str(file))
+    drop_initializer_inputs(model, str(file))
+    dynamic_batch(model, str(file))
+    warn_probabilities(model, str(file))
     return model
 
 
@@ -58,11 +72,108 @@ def check_external_data(model, file: Path) -> None:
             )
 
 
+def warn_probabilities(model, where: str) -> None:
+    """Model-zoo classifiers often end in a Softmax: their output is probabilities,
+    which ortflow's cross_entropy would take for logits (it trains, but slowly)."""
+    producers = {name: node for node in model.graph.node for name in node.output}
+    node = producers.get(model.graph.output[0].name) if len(model.graph.output) == 1 else None
+    while node is not None and node.op_type in ("Reshape", "Flatten", "Squeeze", "Identity"):
+        node = producers.get(node.input[0])
+    if node is not None and node.op_type in ("Softmax", "LogSoftmax"):
+        log.warning("%s: the output %r comes from %s node %r: ortflow's losses take logits (cross_entropy applies "
+                    "the softmax itself); for training, end the model before the %s", where,
+                    model.graph.output[0].name, node.op_type, node.name or node.output[0], node.op_type)
+
+
+def default_opset(model) -> int:
+    return max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+
+
+def upgrade_opset(model, where: str):
+    """A model older than MIN_OPSET converted by onnx's version converter (it
+    needs IR < 4 models as they are, initializers still listed as inputs)."""
+    import onnx
+    from onnx import version_converter
+
+    opset = default_opset(model)
+    if opset >= MIN_OPSET:
+        return model
+    try:
+        converted = version_converter.convert_version(model, CONVERTED_OPSET)
+    except Exception as error:  # the converter raises bare RuntimeError/IndexError, often without a name
+        unknown = [n for n in model.graph.node if n.domain in ("", "ai.onnx") and not onnx.defs.has(n.op_type)]
+        if unknown:
+            error = f"node {unknown[0].name or unknown[0].output[0]!r} has operator {unknown[0].op_type}, not an ONNX operator"
+        raise ModelError(
+            f"model.path: {where} is at ONNX opset {opset}, below {MIN_OPSET} (the cross-entropy loss needs "
+            f"SoftmaxCrossEntropyLoss), and onnx's version converter cannot convert it to opset {CONVERTED_OPSET} "
+            f"({str(error).strip()[:200]}); re-export the model at opset {CONVERTED_OPSET}"
+        ) from None
+    converted.ir_version = max(converted.ir_version, onnx.helper.find_min_ir_version_for(converted.opset_import))
+    log.warning("%s: ONNX opset %d converted to %d by onnx's version converter (ortflow needs opset >= %d)",
+                where, opset, CONVERTED_OPSET, MIN_OPSET)
+    return converted
+
+
+def drop_initializer_inputs(model, where: str) -> None:
+    """Before IR version 4 every initializer was also listed as a graph input;
+    ORT's training graphs would define those names twice. Keep only the real inputs."""
+    initializers = {t.name for t in model.graph.initializer}
+    inputs = [i for i in model.graph.input if i.name not in initializers]
+    if len(inputs) < len(model.graph.input):
+        log.info("%s: %d initializers listed as graph inputs (IR version < 4 style) are initializers only",
+                 where, len(model.graph.input) - len(inputs))
+        del model.graph.input[:]
+        model.graph.input.extend(inputs)
+
+
+def dynamic_batch(model, where: str) -> None:
+    """A fixed first dimension of the inputs and outputs (model-zoo files often
+    fix a batch of 1) becomes the dynamic `batch`; the shapes recorded inside
+    the graph are dropped, to be inferred again."""
+    fixed = []
+    for value in [*model.graph.input, *model.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if dims and dims[0].HasField("dim_value"):
+            fixed.append(f"{value.name!r} {[d.dim_value or d.dim_param for d in dims]}")
+            dims[0].dim_param = BATCH
+    if fixed:
+        del model.graph.value_info[:]
+        log.warning("%s: fixed batch dimension of %s made dynamic (%r)", where, ", ".join(fixed), BATCH)
+        check_batch_of_two(model, where, ", ".join(fixed))
+
+
+def check_batch_of_two(model, where: str, fixed: str) -> None:
+    """A model whose graph computes with its fixed batch (a Reshape to [1, -1],
+    say) cannot take other batch sizes: run it on two records of zeros to know."""
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+
+    feeds = {}
+    for value in model.graph.input:
+        tensor = value.type.tensor_type
+        shape = [2, *(d.dim_value or 1 for d in tensor.shape.dim[1:])]
+        feeds[value.name] = np.zeros(shape, onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type))
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        batch = session.run(None, feeds)[0].shape[:1]
+        problem = None if list(batch) == [2] else f"it returns a batch of {list(batch)}"
+    except Exception as error:  # whatever ORT raises, the model cannot run at another batch size
+        problem = f"it fails: {str(error).strip().splitlines()[0][:300]}"
+    if problem:
+        raise ModelError(
+            f"model.path: {where} has a fixed batch dimension ({fixed}) that its graph depends on: on a batch of "
+            f"2 records {problem}; re-export the model with a dynamic batch axis (torch.onnx.export(..., "
+            "dynamic_axes={name: {0: 'batch'}}))"
+        )
+
+
 def downgrade_ir(model, where: str) -> None:
     """Rewrite the IR version to 10 when nothing in the model needs a newer one
     (newer writers stamp IR 11 on models that only use older features); else
     say what needs it."""
-    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
+    opset = default_opset(model)
     elem_types = {t.data_type for t in model.graph.initializer} | {
         v.type.tensor_type.elem_type
         for v in [*model.graph.input, *model.graph.output, *model.graph.value_info]

@@ -1,0 +1,55 @@
+"""Models as users bring them, through the real workflow: an ONNX file from the
+model zoo exactly as shipped (the small SqueezeNet in the onnx package's own test
+data: opset 9, IR version 3, initializers listed as inputs, a fixed batch of 1)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnxruntime.training.api import CheckpointState
+
+from conftest import run_snakemake
+
+SQUEEZENET = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light" / "light_squeezenet.onnx"
+
+
+def test_model_zoo_squeezenet_trains_as_shipped(workdir):
+    shipped = onnx.load(str(SQUEEZENET))
+    assert (shipped.ir_version, shipped.opset_import[0].version, len(shipped.graph.input)) == (3, 9, 53)
+    image = next(i for i in shipped.graph.input if i.name == "data_0")
+    assert [d.dim_value for d in image.type.tensor_type.shape.dim] == [1, 3, 224, 224]
+    # Random images of its input shape, labels of two classes.
+    rng = np.random.default_rng(0)
+    workdir.mkdir(parents=True)
+    labels = np.zeros((16, 1, 1), np.int64)
+    labels[:2] = 1
+    np.savez(workdir / "images.npz", data_0=rng.random((16, 3, 224, 224), dtype=np.float32), y=labels)
+    config = {
+        "run": {"name": "zoo"},
+        "data": {"source": "images.npz", "features": ["data_0"], "eval_fraction": 0.25, "shards": 1},
+        "model": {"kind": "onnx", "path": str(SQUEEZENET)},
+        "train": {"steps": 8, "micro_batch_size": 2, "log_every": 1, "eval_every": 8, "checkpoint_every": 8,
+                  "optimizer": {"lr": 0.05}, "lr_schedule": {"name": "constant", "warmup_steps": 0}},
+    }
+    run_snakemake(workdir, config, "export_model")
+    build_log = (workdir / "logs/zoo/build_artifacts.log").read_text()
+    assert "ONNX opset 9 converted to 16 by onnx's version converter" in build_log
+    assert "52 initializers listed as graph inputs (IR version < 4 style) are initializers only" in build_log
+    assert "fixed batch dimension of 'data_0' [1, 3, 224, 224], 'softmaxout_1' [1, 1000, 1, 1] made dynamic" in build_log
+    assert "the output 'softmaxout_1' comes from Softmax node" in build_log
+    # Its convolution weights are ConstantOfShape nodes (all 0.02), so its 1000 class
+    # scores stay equal and the loss log(1000) whatever it learns; its biases train.
+    history = json.loads((workdir / "results/zoo/train/metrics.json").read_text())["history"]["train"]
+    assert [entry["step"] for entry in history] == list(range(1, 9))
+    assert all(abs(entry["loss"] - np.log(1000)) < 1e-4 for entry in history), history
+    trainable = json.loads((workdir / "results/zoo/artifacts/model.json").read_text())["trainable"]
+    assert len(trainable) == 13 and all(name.endswith("_b_0") for name in trainable)
+    first = CheckpointState.load_checkpoint(str(workdir / "results/zoo/artifacts/checkpoint")).parameters
+    last = CheckpointState.load_checkpoint(str(workdir / "results/zoo/checkpoint/checkpoint")).parameters
+    moved = [float(np.abs(last[name].data - first[name].data).max()) for name in trainable]
+    assert max(moved) > 0.1 and max(moved) <= 8 * 0.05 + 1e-3, moved  # AdamW moves at most lr per step
+    exported = onnx.load(str(workdir / "results/zoo/export/model.onnx"))
+    assert exported.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
