@@ -69,8 +69,9 @@ def register_symbolics(opset: int) -> None:
 
 def give_dropout_its_mask(model) -> int:
     """Give every Dropout without a mask output (torch's sdpa symbolic writes
-    them) a training_mode input of True and a mask output. The model was
-    exported in training mode, so a Dropout is meant to drop. Returns how many."""
+    them) a mask output and, if it has none, a training_mode input of True: the
+    model was exported in training mode, so a Dropout is meant to drop. Returns
+    how many Dropouts were changed."""
     import numpy as np
     import onnx
 
@@ -78,11 +79,12 @@ def give_dropout_its_mask(model) -> int:
     for node in model.graph.node:
         if node.op_type != "Dropout" or (len(node.output) > 1 and node.output[1]):
             continue
-        training = f"{node.output[0]}_training_mode"
-        model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(True), training))
-        inputs = list(node.input) + [""] * (2 - len(node.input))
+        inputs = list(node.input) + [""] * (3 - len(node.input))
+        if not inputs[2]:
+            inputs[2] = f"{node.output[0]}_training_mode"
+            model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(True), inputs[2]))
         del node.input[:]
-        node.input.extend([*inputs[:2], training])
+        node.input.extend(inputs)
         del node.output[1:]
         node.output.append(f"{node.output[0]}_mask")
         fixed += 1
