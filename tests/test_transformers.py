@@ -21,8 +21,6 @@ from conftest import run_snakemake
 from ortflow.errors import ModelError
 from ortflow.models import graphs
 
-pytest.importorskip("transformers")
-
 TESTS = Path(__file__).resolve().parent
 FEATURE = [{"name": "x", "dtype": "float32", "shape": [6]}]
 
