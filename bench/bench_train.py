@@ -1,16 +1,17 @@
 """Training throughput: ortflow against PyTorch DistributedDataParallel (gloo),
 and ortflow's scaling from 1 to 2 ranks, on the same machine in the same run.
 
-For each model (the MLP 784-1024-1024-10 at 256 samples per rank, and the
-`gpt` model on Python's docs), it builds the data and artifacts with the real
-workflow, then alternates rounds of: ortflow with 2 ranks, DDP with 2 ranks
+For each model (the MLP 784-1024-1024-10 at 256 samples per rank, the
+`gpt` model on Python's docs, and transformers' GPT2LMHeadModel on the same
+text through the wrapper of tests/transformers_models.py), it builds the data
+and artifacts with the real workflow, then alternates rounds of: ortflow with 2 ranks, DDP with 2 ranks
 (threads shared out as ortflow does, and with torch's defaults), ortflow with
 1 rank on one core (for scaling: each rank brings one core) and on all cores. Each run reports steady-state samples/s (the first steps
 left out); the best of the rounds is kept, which is the least disturbed by
 whatever else the machine does. Achieved FLOP/s is given as a fraction of the
 machine's float32 matrix-multiply peak, measured with numpy on all cores.
 
-    python bench/bench_train.py [--rounds 3] [--steps 60]
+    python bench/bench_train.py [--rounds 3] [--steps 60] [--models mlp gpt gpt2-transformers]
 """
 
 from __future__ import annotations
@@ -40,6 +41,11 @@ MODELS = {
     "gpt": {
         "data": {"source": "text", "context": 64, "eval_fraction": 0.05},
         "model": {"kind": "gpt", "layers": 2, "heads": 4, "width": 128},
+        "train": {"micro_batch_size": 16},
+    },
+    "gpt2-transformers": {
+        "data": {"source": "text", "context": 64, "eval_fraction": 0.05},
+        "model": {"kind": "torch", "path": "transformers_models:GPT2", "kwargs": {"context": 64}},
         "train": {"micro_batch_size": 16},
     },
 }
@@ -91,7 +97,7 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: in
     import torch.distributed as dist
 
     from ortflow.data.shards import ShardReader
-    from ortflow.models import built_in
+    from ortflow.models import built_in, user
     from ortflow.models.graphs import resolve_loss
 
     if share_cores:
@@ -101,8 +107,10 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: in
     reader = ShardReader(Path(workdir) / f"results/{name}/data/train", verify=False)
     manifest = reader.manifest
     torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(
-        built_in(config["model"], manifest, resolve_loss(config["model"]["loss"], manifest)))
+    spec = config["model"]
+    module = (user.import_torch(spec["path"], spec["kwargs"]) if spec["kind"] == "torch"
+              else built_in(spec, manifest, resolve_loss(spec["loss"], manifest)))
+    model = torch.nn.parallel.DistributedDataParallel(module)
     opt = config["train"]["optimizer"]
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt["lr"], betas=opt["betas"], eps=opt["eps"],
                                   weight_decay=opt["weight_decay"])
@@ -153,6 +161,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     args = parser.parse_args()
     os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
+    # The transformers wrapper, for build_artifacts (PYTHONPATH) and the DDP
+    # ranks (spawned processes start from this process's sys.path).
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")]))
+    sys.path.insert(0, str(REPO / "tests"))
     peak = matmul_peak()
     print(f"matmul peak (numpy float32, {len(os.sched_getaffinity(0))} cores): {peak / 1e9:.1f} GFLOP/s")
     with tempfile.TemporaryDirectory(prefix="ortflow-bench-") as tmp:

@@ -66,24 +66,35 @@ def resolve_loss(loss: str, manifest: dict) -> str:
 
 def export_torch(module, manifest: dict, path: Path) -> None:
     """torch -> ONNX with the batch dimension dynamic, in training mode and
-    without constant folding, so that every parameter stays an initializer."""
+    without constant folding, so that every parameter stays an initializer;
+    with export_fixes' two repairs (torch.diff, the attention's dropout)."""
+    import onnx
     import torch
 
+    from . import export_fixes
+
+    export_fixes.register_symbolics(OPSET)
     features = manifest["features"]
     example = tuple(torch.zeros([2, *f["shape"]], dtype=getattr(torch, f["dtype"])) for f in features)
     names = [f["name"] for f in features]
-    torch.onnx.export(
-        module,
-        example,
-        str(path),
-        input_names=names,
-        output_names=[LOGITS],
-        dynamic_axes={name: {0: "batch"} for name in [*names, LOGITS]},
-        opset_version=OPSET,
-        training=torch.onnx.TrainingMode.TRAINING,
-        do_constant_folding=False,
-        dynamo=False,
-    )
+    try:
+        torch.onnx.export(
+            module,
+            example,
+            str(path),
+            input_names=names,
+            output_names=[LOGITS],
+            dynamic_axes={name: {0: "batch"} for name in [*names, LOGITS]},
+            opset_version=OPSET,
+            training=torch.onnx.TrainingMode.TRAINING,
+            do_constant_folding=False,
+            dynamo=False,
+        )
+    except torch.onnx.errors.UnsupportedOperatorError as error:
+        raise export_fixes.unsupported_operator(error, type(module).__name__, OPSET) from None
+    exported = onnx.load(str(path))
+    if export_fixes.give_dropout_its_mask(exported):
+        onnx.save(exported, str(path))
 
 
 def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):

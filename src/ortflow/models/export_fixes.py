@@ -1,0 +1,103 @@
+"""Gaps in torch.onnx's TorchScript exporter (torch 2.13, opset 16) that stop
+Hugging Face transformers models with their default attention (sdpa) from
+training, found by exporting GPT-2 and BERT and reading the graphs:
+
+1. `aten::diff` has no symbolic at any opset. transformers' mask code
+   (`masking_utils.find_packed_sequence_indices`) calls `torch.diff` on the
+   position ids whenever a model runs without a cache and without an attention
+   mask, i.e. in training. `_diff` adds one: Slice minus Slice.
+2. The same code then takes `(diff != 1).cumsum(-1)`; torch's `aten::cumsum`
+   symbolic writes CumSum on the bool tensor, which ONNX's CumSum does not
+   take. `_cumsum` first casts integral and bool inputs to int64, as torch does.
+3. torch's symbolic for `aten::scaled_dot_product_attention` writes the
+   attention's dropout as `Dropout(weights, ratio)`: no `training_mode` input,
+   so ONNX runs it as the identity, and no mask output, which ONNX Runtime's
+   Dropout gradient reads (the `i < node_->OutputDefs().size()` assertion).
+   `give_dropout_its_mask` rewrites it as torch's own `aten::dropout` symbolic
+   writes a training-mode dropout: `Dropout(weights, ratio, True) -> (y, mask)`.
+   ONNX Runtime's eval graph then turns it off like every other Dropout.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import ModelError
+
+
+def _diff(g, input, n, dim, prepend, append):
+    """torch.diff(input, n, dim, prepend, append) as Concat, Slice and Sub (Xor for bool)."""
+    import torch
+    from torch.onnx import symbolic_helper
+
+    n, dim = symbolic_helper._get_const(n, "i", "n"), symbolic_helper._get_const(dim, "i", "dim")
+    parts = [p for p in (prepend, input, append) if not symbolic_helper._is_none(p)]
+    x = g.op("Concat", *parts, axis_i=dim) if len(parts) > 1 else input
+    boolean = symbolic_helper._is_bool(input)
+
+    def constant(values):
+        return g.op("Constant", value_t=torch.tensor(values, dtype=torch.int64))
+
+    for _ in range(n):
+        later = g.op("Slice", x, constant([1]), constant([torch.iinfo(torch.int64).max]), constant([dim]))
+        earlier = g.op("Slice", x, constant([0]), constant([-1]), constant([dim]))
+        x = g.op("Xor" if boolean else "Sub", later, earlier)
+    return x
+
+
+def _cumsum(g, input, dim, dtype):
+    """torch.cumsum: with the dtype asked for, else int64 for integral and bool inputs."""
+    import onnx
+    import torch
+    from torch.onnx import symbolic_helper
+
+    dim = symbolic_helper._get_const(dim, "i", "dim")
+    if not symbolic_helper._is_none(dtype):
+        scalar_type = symbolic_helper._get_const(dtype, "i", "dtype")
+        input = g.op("Cast", input, to_i=symbolic_helper.scalar_type_to_onnx[scalar_type])
+    elif not symbolic_helper._is_fp(input):
+        input = g.op("Cast", input, to_i=onnx.TensorProto.INT64)
+    return g.op("CumSum", input, g.op("Constant", value_t=torch.tensor(dim, dtype=torch.int64)))
+
+
+def register_symbolics(opset: int) -> None:
+    from torch.onnx import register_custom_op_symbolic
+
+    register_custom_op_symbolic("aten::diff", _diff, opset)
+    register_custom_op_symbolic("aten::cumsum", _cumsum, opset)
+
+
+def give_dropout_its_mask(model) -> int:
+    """Give every Dropout without a mask output (torch's sdpa symbolic writes
+    them) a mask output and, if it has none, a training_mode input of True: the
+    model was exported in training mode, so a Dropout is meant to drop. Returns
+    how many Dropouts were changed."""
+    import numpy as np
+    import onnx
+
+    fixed = 0
+    for node in model.graph.node:
+        if node.op_type != "Dropout" or (len(node.output) > 1 and node.output[1]):
+            continue
+        inputs = list(node.input) + [""] * (3 - len(node.input))
+        if not inputs[2]:
+            inputs[2] = f"{node.output[0]}_training_mode"
+            model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(True), inputs[2]))
+        del node.input[:]
+        node.input.extend(inputs)
+        del node.output[1:]
+        node.output.append(f"{node.output[0]}_mask")
+        fixed += 1
+    return fixed
+
+
+def unsupported_operator(error: Exception, module: str, opset: int) -> ModelError:
+    """One line for an operator that torch.onnx cannot export (its own message
+    ends in a dump of the traced graph)."""
+    match = re.search(r"operator '([^']+)'", str(error))
+    operator = match.group(1) if match else str(error).splitlines()[0]
+    return ModelError(
+        f"model.path: torch.onnx cannot export operator {operator} of {module} at ONNX opset {opset}; "
+        "compute it with other torch operations, register a symbolic for it "
+        "(torch.onnx.register_custom_op_symbolic in the model's module), or export the model yourself and use model.kind: onnx"
+    )

@@ -1,0 +1,46 @@
+"""Hugging Face transformers models as ortflow trains them (`model.kind: torch`),
+randomly initialised from a config, nothing downloaded: the wrappers that
+README.md's "Hugging Face transformers" example shows, for
+tests/test_transformers.py and bench/bench_transformers.py."""
+
+import torch
+from torch import nn
+from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+
+
+class GPT2(nn.Module):
+    """GPT-2 as a byte-level language model on `data.source: text`: one input
+    (the token ids, named like data.features), the logits as [batch, vocab,
+    time], the layout ortflow's cross-entropy takes (transformers gives [batch,
+    time, vocab])."""
+
+    def __init__(self, n_layer: int = 2, n_head: int = 2, n_embd: int = 64, context: int = 64, **config):
+        super().__init__()
+        self.model = GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=256, n_positions=context,
+                bos_token_id=0, eos_token_id=0, **config,
+            )
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # No cache: training never reuses keys and values.
+        return self.model(input_ids=x, use_cache=False).logits.transpose(1, 2)
+
+
+class BertClassifier(nn.Module):
+    """BertForSequenceClassification on token ids and their attention mask (two
+    inputs, in the order of data.features); the logits are [batch, classes]."""
+
+    def __init__(self, vocab_size: int = 32, classes: int = 2, hidden_size: int = 32, layers: int = 2, **config):
+        super().__init__()
+        self.model = BertForSequenceClassification(
+            BertConfig(
+                vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers, num_attention_heads=2,
+                intermediate_size=2 * hidden_size, max_position_embeddings=64, num_labels=classes, **config,
+            )
+        )
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # .long(): a no-op for int64 ids, a cast where the data arrive as float32.
+        return self.model(input_ids=input_ids.long(), attention_mask=attention_mask.long()).logits
