@@ -186,10 +186,9 @@ def supervise(command: list[str], env: dict, lock) -> int:
             break
         except subprocess.TimeoutExpired:
             pass
-        gone = next((p for p in watched if not p.is_running()), None)
+        gone = next((name for process, name in watched if not _alive(process)), None)
         if gone is not None and not received:
-            print(f"ortflow train: {' '.join(gone.cmdline()[:1]) or gone.name()} (pid {gone.pid}) exited",
-                  file=sys.stderr, flush=True)
+            print(f"ortflow train: {gone}, which started this launcher, exited", file=sys.stderr, flush=True)
             received.append(signal.SIGHUP)
         if received and not forwarded:
             print(f"ortflow train: {signal.Signals(received[0]).name}: the ranks finish their step, write a "
@@ -204,14 +203,25 @@ def supervise(command: list[str], env: dict, lock) -> int:
     return 128 + received[0] if received else code
 
 
-def snakemake_chain() -> list:
-    """This launcher's ancestors up to the Snakemake process that started it (the
-    shell of the rule, Snakemake), or none if no Snakemake started it."""
+def _alive(process) -> bool:
+    """Whether `process` still runs: a killed process whose parent has not yet
+    reaped it (a zombie, e.g. Snakemake started by a Python program) does not."""
     import psutil
 
-    chain = []
-    for parent in psutil.Process().parents()[:4]:
-        chain.append(parent)
-        if "snakemake" in " ".join(parent.cmdline()):
-            return chain
-    return []
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def snakemake_chain() -> list[tuple]:
+    """(process, name) of this launcher's ancestors up to the outermost Snakemake
+    that started it (the shell of the rule, Snakemake's job process, Snakemake),
+    or none if no Snakemake started it: run by hand, the launcher goes on when its
+    shell ends (nohup)."""
+    import psutil
+
+    chain = [(parent, f"{parent.name()} (pid {parent.pid})") for parent in psutil.Process().parents()[:6]]
+    started_by_snakemake = [i for i, (parent, _) in enumerate(chain)
+                            if any("snakemake" in Path(arg).name for arg in parent.cmdline()[:2])]
+    return chain[:started_by_snakemake[-1] + 1] if started_by_snakemake else []
