@@ -38,4 +38,13 @@ rule all:
 onsuccess:
     from ortflow.report import run_summary
 
-    print(run_summary(RESULTS))
+    print(run_summary(RESULTS, run_arguments()))
+
+
+# Each failed stage's own error message, last on the console: nobody needs to open its log.
+onerror:
+    import sys
+    from ortflow.report import stage_failures
+
+    failed = [(job.rule.name, list(job.log)) for job in workflow.scheduler.failed]
+    print(stage_failures(failed), file=sys.stderr)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -192,9 +193,19 @@ def test_user_onnx_model_through_the_rule(tmp_path):
     dry = run_snakemake(workdir, model_change, "build_artifacts", "-n")
     assert "build_artifacts" in dry.stdout and "params" in dry.stdout
 
+    # The ONNX file is an input: replaced in place (same path, another graph), the artifacts are rebuilt from it.
+    onnx_model(path, op="Relu")
+    run_snakemake(workdir, settings, "build_artifacts")
+    rebuilt = onnx.load(str(workdir / "results/digits/artifacts/inference_base.onnx"))
+    assert "Relu" in {node.op_type for node in rebuilt.graph.node}
+
 
 def test_user_torch_module_through_the_rule(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    module = modules / "artifacts_user_model.py"
+    shutil.copy(TESTS / module.name, module)
+    monkeypatch.setenv("PYTHONPATH", str(modules))
     workdir = tmp_path / "work"
     settings = {
         "model": {"kind": "torch", "path": "artifacts_user_model:TinyNet", "kwargs": {"hidden": 5}, "frozen": ["body.bias"]}
@@ -205,6 +216,11 @@ def test_user_torch_module_through_the_rule(tmp_path, monkeypatch):
     assert description["frozen"] == ["body.bias"]
     assert description["parameters"] == 64 * 5 + 5 + 5 * 10 + 10
     assert description["trainable_parameters"] == description["parameters"] - 5
+
+    # The module's file is an input, found without importing it: an edit rebuilds the artifacts.
+    module.write_text(module.read_text() + "\n# edited\n")
+    dry = run_snakemake(workdir, settings, "build_artifacts", "-n")
+    assert f"Updated input files: {module}" in dry.stdout, dry.stdout
 
 
 def test_ir_version_above_10_is_lowered_when_lossless(data, tmp_path, caplog):
@@ -250,3 +266,83 @@ def test_loss_that_does_not_fit_the_data(data, tmp_path):
     # Regression with the default loss builds and takes a step.
     description = build(data["regression"], tmp_path / "out", {"kind": "mlp", "hidden": [4]})
     assert description["loss"] == "mse" and description["label"]["shape"] == ["batch"]
+
+
+def test_torch_path_must_name_a_module_class_and_nothing_is_called(data, tmp_path, monkeypatch):
+    """`os:system` with kwargs {command: ...} would run a shell command if it were called."""
+    marker = tmp_path / "marker"
+    monkeypatch.chdir(tmp_path)
+    model = {"kind": "torch", "path": "os:system", "kwargs": {"command": f"id > {marker}"}}
+    with pytest.raises(ValueError, match=r"model.path: os:system is a builtin_function_or_method, not a subclass "
+                                         r"of torch.nn.Module"):
+        build(data["digits"], tmp_path / "out", model)
+    assert not marker.exists() and not (tmp_path / "out").exists()
+    with pytest.raises(ValueError, match=r"model.path: json:JSONDecoder is the class JSONDecoder, not a subclass"):
+        build(data["digits"], tmp_path / "out", {"kind": "torch", "path": "json:JSONDecoder"})
+    with pytest.raises(ValueError, match=r"'\.\./x:Y' is not an import path"):
+        build(data["digits"], tmp_path / "out", {"kind": "torch", "path": "../x:Y"})
+
+
+def test_working_directory_is_importable_but_comes_last(data, tmp_path, monkeypatch):
+    """A module next to the config is found; a file there named like an installed
+    module (here `tabulate.py`) does not replace it."""
+    import sys
+    import sysconfig
+
+    (tmp_path / "my_net.py").write_text((TESTS / "artifacts_user_model.py").read_text())
+    (tmp_path / "tabulate.py").write_text("raise SystemExit('the working directory shadowed tabulate')\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    sys.modules.pop("tabulate", None)
+    description = build(data["digits"], tmp_path / "out", {"kind": "torch", "path": "my_net:TinyNet"})
+    assert description["trainable"] == ["body.weight", "body.bias", "head.weight", "head.bias"]
+    assert sys.path.index(str(tmp_path)) > sys.path.index(sysconfig.get_paths()["purelib"])
+    import tabulate
+
+    assert Path(tabulate.__file__).parent != tmp_path
+
+
+def external_data_model(folder: Path, location: str) -> tuple[Path, np.ndarray]:
+    """The 64 -> 10 linear model with its weight stored as external data in `location`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = onnx_model(folder / "model.onnx")
+    model = onnx.load(str(path))
+    weight = numpy_helper.to_array(model.graph.initializer[0])
+    onnx.external_data_helper.set_external_data(model.graph.initializer[0], location=location)
+    model.graph.initializer[0].ClearField("raw_data")
+    model.graph.initializer[0].data_location = TensorProto.EXTERNAL
+    onnx.save(model, str(path))
+    return path, weight
+
+
+def test_external_data_in_the_model_folder_is_read(data, tmp_path):
+    path, weight = external_data_model(tmp_path / "model", "weight.bin")
+    (tmp_path / "model" / "weight.bin").write_bytes(weight.tobytes())
+    build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path)})
+    base = onnx.load(str(tmp_path / "out" / graphs.BASE_MODEL))
+    assert np.array_equal(numpy_helper.to_array(base.graph.initializer[0]), weight)
+
+
+@pytest.mark.parametrize("target", ["outside", "fifo"])
+def test_external_data_outside_the_model_folder_is_refused(data, tmp_path, target):
+    """A symlink in the model's folder to a file elsewhere (onnx itself follows it),
+    or a FIFO: refused at build_artifacts, naming the initializer and the location;
+    nothing of the file reaches any output."""
+    import os
+
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"SECRET-PASSWORD!" * 160)  # 2560 bytes, the weight's size
+    path, _ = external_data_model(tmp_path / "model", "weight.bin")
+    link = tmp_path / "model" / "weight.bin"
+    if target == "outside":
+        link.symlink_to(secret)
+        reason = f"which is a file outside the model's folder ({secret})"
+    else:
+        os.mkfifo(link)  # reading it would block forever
+        reason = f"which is not a regular file ({link})"
+    with pytest.raises(ValueError) as error:
+        build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path)})
+    assert f"model.path: {path}: initializer 'weight' has its data in 'weight.bin', {reason}" in str(error.value)
+    assert not (tmp_path / "out").exists()
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and not p.is_symlink() and p != secret]
+    assert [p for p in written if b"SECRET-PASSWORD" in p.read_bytes()] == []

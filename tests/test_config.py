@@ -20,6 +20,22 @@ def test_defaults_fill_every_section():
         ({"train": {"optimizer": {"lr": "fast"}}}, "config key 'train.optimizer.lr': 'fast' is not of type 'number'"),
         ({"model": {"kind": "onnx"}}, "config key 'model.path': required when model.kind is 'onnx'"),
         ({"model": {"kind": "gpt"}}, "config key 'model.kind': 'gpt' needs text data"),
+        # Python's `$` matches before a trailing newline: patterns must match the whole string.
+        ({"run": {"name": "x\n"}}, "config key 'run.name': 'x\\n' is not allowed; expected letters, digits"),
+        ({"data": {"source": "my.csv\nrm -rf ~"}}, "config key 'data.source': 'my.csv\\nrm -rf ~' is not allowed; "
+                                                  "expected a path without control characters"),
+        ({"data": {"source": "-x.csv"}}, "that does not start with '-'"),
+        ({"data": {"label": "y\n"}}, "config key 'data.label': 'y\\n' is not allowed; expected a name"),
+        ({"data": {"features": ["x", "\tz"]}}, "config key 'data.features.1': '\\tz' is not allowed"),
+        ({"model": {"kind": "onnx", "path": "m.onnx\n"}}, "config key 'model.path': 'm.onnx\\n' is not allowed"),
+        ({"model": {"frozen": ["w\n"]}}, "config key 'model.frozen.0': 'w\\n' is not allowed"),
+        ({"train": {"resume_from": "a\n"}}, "config key 'train.resume_from': 'a\\n' is not allowed"),
+        ({"train": {"optimizer": {"lr": float("nan")}}}, "config key 'train.optimizer.lr': nan is not a finite number"),
+        ({"train": {"optimizer": {"lr": ".inf"}}}, "config key 'train.optimizer.lr': inf is not a finite number"),
+        ({"train": {"optimizer": {"betas": [0.9, ".nan"]}}}, "config key 'train.optimizer.betas.1': nan is not a "
+                                                            "finite number"),
+        ({"train": {"clip_grad_norm": float("inf")}}, "config key 'train.clip_grad_norm': inf is not a finite number"),
+        ({"export": {"max_accuracy_drop": float("-inf")}}, "'export.max_accuracy_drop': -inf is not a finite number"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -48,7 +64,46 @@ def test_workflow_refuses_bad_config_before_any_job(workdir):
     assert not (workdir / "results").exists()
 
 
+def test_workflow_refuses_a_run_name_with_a_newline(workdir):
+    result = run_snakemake(workdir, {"run": {"name": "x\n"}}, "prepare_data", check=False)
+    assert result.returncode != 0
+    assert "config key 'run.name': 'x\\n' is not allowed; expected letters, digits" in result.stderr
+    assert sorted(p.name for p in workdir.iterdir() if p.name != ".snakemake") == ["test-config.yaml"]
+
+
 def test_default_config_file_equals_schema_defaults():
     """`--configfile my.yaml` replaces config/config.yaml, so a user's file that
     changes one key must mean "the default run but this key"."""
     assert config.load() == config.validate({})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("train:\n  optimizer: {lr: .nan}\n", "config key 'train.optimizer.lr': nan is not a finite number"),
+    ("run:\n  name: x\n train: {steps: 3\n", "my.yaml, line 3, column 2: not valid YAML (while parsing a block "
+                                              "mapping expected <block end>, but found '<block mapping start>')"),
+    ("run: {name: [x}\n", "my.yaml, line 1, column 15: not valid YAML (while parsing a flow sequence expected"),
+])
+def test_config_file_errors_name_the_file_line_and_column(tmp_path, text, message):
+    path = tmp_path / "my.yaml"
+    path.write_text(text)
+    with pytest.raises(config.ConfigError) as error:
+        config.load(path)
+    assert message in str(error.value)
+    assert len(str(error.value).splitlines()) == 1
+
+
+def test_config_file_that_is_a_directory(tmp_path):
+    with pytest.raises(config.ConfigError, match=f"config file {tmp_path} is a directory, not a YAML file"):
+        config.load(tmp_path)
+
+
+def test_rules_quote_every_path_they_pass_to_the_shell():
+    """A placeholder of a path in a rule's shell command is quoted (`{output:q}`), so
+    that a space or a shell character in it stays one argument."""
+    import re
+
+    rules = sorted((config.REPO / "workflow" / "rules").glob("*.smk"))
+    placeholders = [(rule.name, match) for rule in rules
+                    for match in re.findall(r"\{(?:input|output|log|params|resources)[^}]*\}", rule.read_text())]
+    assert len(placeholders) > 30
+    assert [p for p in placeholders if not p[1].endswith(":q}") and p[1] != "{resources.tasks}"] == []

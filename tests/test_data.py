@@ -174,6 +174,22 @@ BAD_INPUTS = {
     "NaN labels": (write_csv({"a": np.arange(9.0), "y": [0, 1, None, 1, 0, None, 1, 0, 1]}), {"features": ["a"]}, "label 'y' has 2 NaN or infinite value(s) (first at row 2)"),
     "empty CSV": (write_csv({"a": [], "y": []}), {"features": ["a"]}, "no rows (an empty data set)"),
     "empty npz": (lambda path: np.savez(path, x=np.zeros((0, 3)), y=np.zeros(0, dtype=int)), {}, "the data set has no samples"),
+    # Data that would train a meaningless model.
+    "single class": (write_csv({"a": np.arange(9.0), "y": [1] * 9}), {"features": ["a"]},
+                     "{path}: label 'y' has a single class (1) in all 9 rows; classification needs two or more"),
+    "label among the features": (write_csv({"a": np.arange(9.0), "y": [0, 1, 2] * 3}), {"features": ["a", "y"]},
+                                 "{path}: column 'y' is both data.label and one of data.features (a, y); the model "
+                                 "would see the answer"),
+    "label among the npz features": (lambda path: np.savez(path, x=np.zeros((9, 2)), y=np.arange(9) % 2),
+                                     {"features": ["x", "y"]}, "{path}: column 'y' is both data.label"),
+    "1e39 feature": (write_csv({"a": [1.0, 1e39, -3e39] * 3, "y": [0, 1, 2] * 3}), {"features": ["a"]},
+                     "{path}: column 'a' has a value of 3e+39, beyond float32's range (largest 3.403e+38)"),
+    "1e38 label": (write_csv({"a": np.arange(9.0), "y": [0.5, 1e38, 2.0] * 3}), {"features": ["a"]},
+                   "{path}: column 'y' has a value of 1e+38, so large that its square overflows float32 "
+                   "(largest usable 1.84e+19)"),
+    "1e39 npz array": (lambda path: np.savez(path, x=np.full((9, 2), 1e39), y=np.arange(9) % 2), {},
+                       "{path}: array 'x' has a value of 1e+39, beyond float32's range"),
+    "directory": (lambda path: path.mkdir(), {}, "data.source: {path} is a directory, not a file"),
 }
 
 

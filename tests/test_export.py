@@ -1,5 +1,7 @@
 """The export_model and quantize_model stages through the real workflow: the
-inference model and its checks, int8 quality/speed/size, the quality gate, a user ONNX model."""
+inference model and its checks, int8 quality, size and latency report, the
+quality gate, a user ONNX model. How much faster int8 runs is measured by
+bench/bench_quantize.py (docs/benchmarks.md), not asserted here."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from conftest import run_snakemake
 from ortflow.data.shards import ShardReader
 
 SHORT = {"train": {"steps": 150}}
-# The user model: 64 -> 512 -> 512 -> 10 (wide enough for int8 kernels to pay off),
+# The user model: 64 -> 512 -> 512 -> 10 (the default MLP's shape),
 # with one outlier weight on pixel 0, which is 0 in every digit: it changes
 # nothing in float, and per tensor it sets the int8 step of the whole first layer.
 OUTLIER = 500.0
@@ -108,7 +110,7 @@ def test_exported_model_is_the_trained_inference_graph(default_run):
     assert not list(_export(default_run).glob("*.tmp"))
 
 
-def test_int8_keeps_accuracy_is_3x_smaller_and_1_5x_faster(default_run):
+def test_int8_keeps_accuracy_and_is_3x_smaller(default_run):
     metrics = _metrics(default_run)
     fp32, int8 = metrics["fp32"], metrics["int8"]
     assert metrics["quantize"] == "dynamic" and metrics["threads"] == 1
@@ -122,13 +124,11 @@ def test_int8_keeps_accuracy_is_3x_smaller_and_1_5x_faster(default_run):
         latency = entry["latency_ms"]
         assert sorted(latency) == ["b1_p50", "b1_p95", "b64_p50", "b64_p95"]
         assert 0 < latency["b1_p50"] <= latency["b1_p95"] and 0 < latency["b64_p50"] <= latency["b64_p95"]
-    speedup = fp32["latency_ms"]["b64_p50"] / int8["latency_ms"]["b64_p50"]
-    assert speedup >= 1.5, (fp32["latency_ms"], int8["latency_ms"])
     assert metrics["gate"] == {"metric": "accuracy", "drop": pytest.approx((fp32["accuracy"] - int8["accuracy"]) * 100),
                                "unit": "points", "max_accuracy_drop": 1.0}
     log = _log(default_run, "quantize_model")
     assert re.search(r"accuracy \(%\)\s+[\d.]+\s+[\d.]+\s+[+-]", log), log
-    assert "x smaller" in log and "quality gate passed" in log
+    assert "x smaller" in log and "x faster" in log and "quality gate passed" in log
 
 
 def test_quantize_none_reports_fp32_only(default_run, tmp_path):
@@ -155,7 +155,7 @@ def test_gate_fails_with_both_numbers_and_keeps_the_fp32_model(user_run):
     assert not (_export(workdir, "user") / "metrics.json").exists()
 
 
-def test_user_onnx_model_quantizes_per_channel_and_runs_faster(user_run):
+def test_user_onnx_model_quantizes_per_channel(user_run):
     """Per channel, the outlier only coarsens its own column: the gate passes."""
     import onnx
 
@@ -170,5 +170,3 @@ def test_user_onnx_model_quantizes_per_channel_and_runs_faster(user_run):
     assert metrics["per_channel"] is True
     assert fp32["accuracy"] >= 0.9 and fp32["accuracy"] - int8["accuracy"] <= 0.01, (fp32, int8)
     assert fp32["size_bytes"] >= 3 * int8["size_bytes"]
-    speedup = fp32["latency_ms"]["b64_p50"] / int8["latency_ms"]["b64_p50"]
-    assert speedup >= 1.5, metrics

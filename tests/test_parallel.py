@@ -10,7 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from ortflow.train import comm, launch, loop, schedule
+from ortflow.errors import DeviceError
+from ortflow.train import comm, gradients, launch, loop, schedule
 
 
 @pytest.mark.parametrize(
@@ -42,15 +43,21 @@ def test_backend_follows_device():
     assert comm.backend_for({"backend": "mpi", "device": "cuda"}) == "mpi"
 
 
-def test_cuda_without_cupy_or_gpu_fails_clearly():
+def test_cuda_without_cupy_fails_clearly(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # CuPy not installed, whether or not it is here
+    with pytest.raises(DeviceError, match=r"CuPy is not installed: pip install -e '\.\[cuda\]'"):
+        comm.require_cupy()
+
+
+def test_cuda_without_a_gpu_fails_clearly():
+    cupy = pytest.importorskip("cupy", reason="needs CuPy installed")
     try:
-        import cupy  # noqa: F401
-    except ImportError:
-        with pytest.raises(comm.DeviceError, match=r"CuPy is not installed: pip install -e '\.\[cuda\]'"):
-            comm.require_cupy()
-    else:  # CuPy present but this machine has no GPU
-        with pytest.raises(comm.DeviceError, match="no CUDA GPU|has no GPU"):
-            comm.require_cupy()
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            pytest.skip("this machine has a GPU")
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pass
+    with pytest.raises(DeviceError, match="no CUDA GPU|has no GPU"):
+        comm.require_cupy()
 
 
 def test_launcher_commands():
@@ -62,9 +69,9 @@ def test_launcher_commands():
 
 
 def test_buckets_cover_every_gradient_once(monkeypatch):
-    monkeypatch.setattr(comm, "BUCKET_BYTES", 1000)
+    monkeypatch.setattr(gradients, "BUCKET_BYTES", 1000)
     grads = [np.zeros(n, dtype=np.float32) for n in (10, 60, 5, 100, 400, 1)]
-    groups = list(comm._buckets(grads))
+    groups = list(gradients.buckets(grads))
     assert [len(g) for g in groups] == [4, 1, 1]
     assert sum(len(g) for g in groups) == len(grads)
     assert all(sum(x.nbytes for x in g) <= 1000 or len(g) == 1 for g in groups)
@@ -75,8 +82,8 @@ def test_bucketed_allreduce_with_real_ranks(tmp_path):
     script = tmp_path / "allreduce.py"
     script.write_text(
         "import numpy as np, sys\n"
-        "from ortflow.train import comm\n"
-        "comm.BUCKET_BYTES = 64\n"
+        "from ortflow.train import comm, gradients\n"
+        "gradients.BUCKET_BYTES = 64\n"
         f"c = comm.MPIComm({str(tmp_path / 'hb')!r}, 30)\n"
         "grads = [np.full(n, c.rank + 1, dtype=np.float32) for n in (3, 40, 7, 1)]\n"
         "views = [g[:] for g in grads]\n"

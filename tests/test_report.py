@@ -1,136 +1,62 @@
-"""Seeing a run: a short default run with profiling, its Snakemake report opened
-in a real headless Chromium (Debian's `chromium` package: `.ci/run` installs it),
-the end-of-run summary, and the profiler's traces."""
+"""Seeing a run: a short run of its own config file with profiling, its Snakemake
+report made by the command the run printed and opened in a real headless
+Chromium (tests/chromium.py), the end-of-run summary, and the profiler's traces."""
 
 from __future__ import annotations
 
+import base64
 import csv
-import fcntl
 import json
-import os
+import re
+import shlex
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
+from chromium import Chromium
 from conftest import run_snakemake
 from ortflow.report import fmt, quality, run_summary, speedup
 
-CONFIG = {"train": {"steps": 60, "profile_steps": [10, 12]}}
+# A run other than the default one: its own run.name, from its own --configfile.
+RUN = "seen"
+CONFIG = {"run": {"name": RUN}, "train": {"steps": 60, "profile_steps": [10, 12]}}
 
 
-class Chromium:
-    """Headless Chromium driven through the DevTools protocol over a pipe
-    (`--remote-debugging-pipe`: it reads commands on fd 3, answers on fd 4)."""
-
-    def __init__(self, user_data_dir: Path):
-        binary = shutil.which("chromium")
-        if binary is None:
-            pytest.fail("chromium is not installed: `apt-get install -y chromium` (Debian), as .ci/run does")
-        to_browser, from_browser = os.pipe(), os.pipe()
-        # Above the fds the child gets, so that moving them to 3 and 4 clobbers nothing.
-        child_in, child_out = (fcntl.fcntl(fd, fcntl.F_DUPFD, 10) for fd in (to_browser[0], from_browser[1]))
-
-        def pipes_to_3_and_4():
-            os.dup2(child_in, 3)
-            os.dup2(child_out, 4)
-
-        self.process = subprocess.Popen(
-            [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={user_data_dir}",
-             "--remote-debugging-pipe", "--window-size=1400,1000", "about:blank"],
-            pass_fds=(3, 4), preexec_fn=pipes_to_3_and_4, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for fd in (to_browser[0], from_browser[1], child_in, child_out):
-            os.close(fd)
-        self.writer, self.reader = os.fdopen(to_browser[1], "wb"), os.fdopen(from_browser[0], "rb")
-        self.next_id, self.session = 0, None
-
-    def send(self, method: str, **params) -> dict:
-        self.next_id += 1
-        message = {"id": self.next_id, "method": method, "params": params}
-        if self.session:
-            message["sessionId"] = self.session
-        self.writer.write(json.dumps(message).encode() + b"\0")
-        self.writer.flush()
-        buffer = b""
-        while True:  # events arrive between answers; skip them
-            chunk = self.reader.read1(1 << 16)
-            if not chunk:
-                pytest.fail(f"chromium closed the DevTools pipe (exit code {self.process.poll()})")
-            buffer += chunk
-            while b"\0" in buffer:
-                raw, buffer = buffer.split(b"\0", 1)
-                answer = json.loads(raw)
-                if answer.get("id") == self.next_id:
-                    assert "error" not in answer, f"{method}: {answer['error']}"
-                    return answer["result"]
-
-    def open(self, url: str) -> None:
-        target = self.send("Target.createTarget", url=url)["targetId"]
-        self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)["sessionId"]
-        self.send("Page.enable")
-
-    def evaluate(self, expression: str, context: int | None = None):
-        params = {"expression": expression, "returnByValue": True, "awaitPromise": True}
-        if context is not None:
-            params["contextId"] = context
-        result = self.send("Runtime.evaluate", **params)
-        assert "exceptionDetails" not in result, result["exceptionDetails"]
-        return result["result"].get("value")
-
-    def wait_for(self, expression: str, what: str, context: int | None = None, timeout: float = 30):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            value = self.evaluate(expression, context)
-            if value:
-                return value
-            time.sleep(0.1)
-        pytest.fail(f"the report did not show {what} within {timeout} s")
-
-    def frame_rows(self, timeout: float = 30) -> dict[str, list[str]]:
-        """The rows with a data-key of the HTML page shown in the report's iframe (a data: URL,
-        so another origin: read in a world of its own), by key. The iframe may still be
-        navigating to the new page, which destroys a world made in the old one: then make
-        another."""
-        query = ("document.readyState === 'complete' && [...document.querySelectorAll('tr[data-key]')]"
-                 ".map(r => [r.dataset.key, ...[...r.cells].map(c => c.innerText.trim())])")
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            frames = self.send("Page.getFrameTree")["frameTree"].get("childFrames", [])
-            assert len(frames) == 1, f"expected the report to show one iframe, found {len(frames)}"
-            context = self.send("Page.createIsolatedWorld", frameId=frames[0]["frame"]["id"])["executionContextId"]
-            try:
-                rows = self.evaluate(query, context)
-            except AssertionError as error:
-                if "Cannot find context" not in str(error):
-                    raise
-                rows = None
-            if rows:
-                return {key: cells for key, *cells in rows}
-            time.sleep(0.1)
-        pytest.fail(f"the report did not show a table within {timeout} s")
-
-    def close(self) -> None:
-        self.process.kill()
-        self.process.wait()
+def printed_report_command(stdout: str) -> str:
+    """The command of the summary's `report` line."""
+    (command,) = [line.split(None, 1)[1] for line in stdout.splitlines() if line.startswith("  report ")]
+    return command
 
 
 @pytest.fixture(scope="module")
-def report_run(tmp_path_factory, digits_inputs) -> tuple[Path, str]:
-    """The default run, 60 steps, steps 10 to 12 profiled, and its report; and the run's stdout."""
+def report_run(tmp_path_factory) -> tuple[Path, str]:
+    """The run, 60 steps, steps 10 to 12 profiled, and its report, made by the
+    report command its summary printed, run as printed; and the run's stdout."""
     workdir = tmp_path_factory.mktemp("report") / "work"
-    shutil.copytree(digits_inputs / "results", workdir / "results")
-    shutil.copytree(digits_inputs / ".snakemake" / "metadata", workdir / ".snakemake" / "metadata")
     result = run_snakemake(workdir, CONFIG)
-    run_snakemake(workdir, CONFIG, "--report", "results/digits/report.html")
+    command = printed_report_command(result.stdout)
+    report = subprocess.run(shlex.split(command), cwd=workdir, capture_output=True, text=True, timeout=600)
+    if report.returncode != 0:
+        pytest.fail(f"the printed report command failed ({report.returncode}): {command}\n{report.stderr[-4000:]}")
     return workdir, result.stdout
+
+
+def test_the_printed_report_command_writes_this_runs_report(report_run):
+    workdir, stdout = report_run
+    command = shlex.split(printed_report_command(stdout))
+    assert command[:3] == ["snakemake", "--report", f"results/{RUN}/report.html"]
+    assert command[command.index("--configfile") + 1] == "test-config.yaml"
+    page = (workdir / "results" / RUN / "report.html").read_text()
+    # The report's own copy of this run's summary table, titled with the run's name.
+    summary = re.search(r"filename=summary\.html;base64,([A-Za-z0-9+/=]+)", page).group(1)
+    assert f"<title>Run {RUN}</title>" in base64.b64decode(summary).decode()
 
 
 def test_report_in_chromium_shows_plots_and_the_numbers_of_the_metrics(report_run, tmp_path):
     workdir, _ = report_run
-    results = workdir / "results" / "digits"
+    results = workdir / "results" / RUN
     train = json.loads((results / "train" / "metrics.json").read_text())
     export = json.loads((results / "export" / "metrics.json").read_text())
     browser = Chromium(tmp_path / "chromium-profile")
@@ -198,7 +124,7 @@ def test_report_in_chromium_shows_plots_and_the_numbers_of_the_metrics(report_ru
 
 def test_profile_traces_cover_the_profiled_steps_on_every_rank(report_run):
     workdir, _ = report_run
-    profile = workdir / "results" / "digits" / "train" / "profile"
+    profile = workdir / "results" / RUN / "train" / "profile"
     for rank in (0, 1):
         (train_trace,) = profile.glob(f"rank{rank}-step10-train_*.json")
         (optimizer_trace,) = profile.glob(f"rank{rank}-step10-optimizer_*.json")
@@ -211,10 +137,10 @@ def test_profile_traces_cover_the_profiled_steps_on_every_rank(report_run):
 
 def test_end_of_run_summary_is_printed_and_copes_with_a_partial_run(report_run, tmp_path):
     workdir, stdout = report_run
-    results = workdir / "results" / "digits"
+    results = workdir / "results" / RUN
     export = json.loads((results / "export" / "metrics.json").read_text())
     train = json.loads((results / "train" / "metrics.json").read_text())
-    assert "results/digits/export/model.onnx" in stdout
+    assert f"results/{RUN}/export/model.onnx" in stdout
     assert f"accuracy  {fmt(export['fp32']['accuracy'], 'percent')}, int8 " \
            f"{fmt(export['int8']['accuracy'], 'percent')}, int8 speed-up {fmt(speedup(export), 'ratio')}" in stdout
     assert f"60 steps (60 in this attempt) in {fmt(train['wall_time_s'], 'seconds')}" in stdout
@@ -227,3 +153,31 @@ def test_end_of_run_summary_is_printed_and_copes_with_a_partial_run(report_run, 
     assert "model " not in lines
     assert f"{quality(train['eval'])[1]} (eval at step 60)" in lines
     assert "nothing trained yet" in run_summary(tmp_path / "nothing")
+
+
+def console_tail(stderr: str) -> list[str]:
+    """What a failed `snakemake` printed last, after Snakemake's own "Exiting because a job execution failed"."""
+    return stderr.split("Exiting because a job execution failed", 1)[1].splitlines()
+
+
+def test_a_failed_stage_shows_its_own_error_last_on_the_console(workdir):
+    workdir.mkdir(parents=True)
+    (workdir / "my.csv").write_text("a,b,y\n1,2,0\n3,4,1\n")
+    bad = {"run": {"name": "bad"}, "data": {"source": "my.csv", "features": ["a", "c"], "label": "y"}}
+    result = run_snakemake(workdir, bad, "prepare_data", check=False)
+    assert result.returncode != 0
+    assert console_tail(result.stderr)[1:3] == [
+        "ortflow: stage prepare_data failed; from logs/bad/prepare_data.log:",
+        "  ortflow prepare-data: error: my.csv: column(s) c not found; the file has columns a, b, y "
+        "(set data.features and data.label)",
+    ]
+
+
+def test_a_failed_rank_shows_its_error_above_the_launchers(digits_workdir):
+    failing = {"train": {"steps": 20, "fail_at_step": {"step": 5, "rank": 1, "mode": "raise"}}}
+    result = run_snakemake(digits_workdir, failing, "train", check=False)
+    assert result.returncode != 0
+    tail = console_tail(result.stderr)
+    assert tail[1] == "ortflow: stage train failed; from logs/digits/train.log:"
+    assert tail[2].endswith("[rank 1] ERROR rank 1 failed: injected failure on rank 1 at step 5 (train.fail_at_step)")
+    assert tail[3].startswith("  ortflow train: error: the ranks exited with code ")

@@ -46,6 +46,7 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 
+from . import checkpoint_checks as checks, storage
 from .ort_checkpoint import (
     CheckpointError,
     TrainingState,
@@ -63,6 +64,7 @@ MANIFEST = "manifest.json"
 HISTORY = "history.json"  # the run's logged metrics up to the checkpoint's step
 META = "meta.json"  # of a merged checkpoint; export reads its step and identity_digest
 FORMAT = "ortflow-checkpoint-shard/1"
+MAX_SHARDS = 99999  # shard names have five digits
 
 
 @dataclass
@@ -142,24 +144,54 @@ def shard_bytes(state: TrainingState, attrs: dict) -> bytes:
         return f.id.get_file_image()
 
 
-def read_shard(path: Path) -> tuple[dict, TrainingState]:
-    """(attrs, part) of one shard file; `part.slices` says where its flat arrays belong."""
+def read_shard(file, entry: dict | None = None, where=None) -> tuple[dict, TrainingState]:
+    """(attrs, part) of one shard (a path or an open file); `part.slices` says where its
+    flat arrays belong. Each dataset is checked before it is read, against the manifest's
+    `entry` of the shard if given (checkpoint_checks)."""
     import h5py
 
-    with h5py.File(path, "r") as f:
-        attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
-        attrs["identity"] = json.loads(attrs["identity"])
-        parameters, requires_grad, slices = {}, {}, {}
-        for key, dataset in f["parameters"].items():
-            parameters[unquote(key)] = dataset[()]
-            requires_grad[unquote(key)] = bool(dataset.attrs["requires_grad"])
-            slices[unquote(key)] = (tuple(int(d) for d in dataset.attrs["shape"]), int(dataset.attrs["start"]))
-        optimizer = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f["optimizer"].attrs.items()}
-        states: dict[str, dict[str, np.ndarray]] = {}
-        for moment, group in f["optimizer"].items():
-            for key, dataset in group.items():
-                states.setdefault(unquote(key), {})[moment] = dataset[()]
-        properties = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f["properties"].attrs.items()}
+    where = where or file
+    try:
+        with h5py.File(file, "r") as f:
+            size = f.id.get_filesize()
+            return _shard_contents(f, entry, where, size)
+    except CheckpointError:
+        raise
+    except (OSError, KeyError, ValueError, TypeError) as error:
+        raise CheckpointError(f"shard {where}: not a readable ortflow checkpoint shard ({error})") from None
+
+
+def _shard_contents(f, entry: dict | None, where, size: int) -> tuple[dict, TrainingState]:
+    import h5py
+
+    def length(name: str) -> int | None:
+        return None if entry is None else entry["parameters"][name][1] - entry["parameters"][name][0]
+
+    attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
+    attrs["identity"] = json.loads(attrs["identity"])
+    names = [unquote(key) for key in f["parameters"]]
+    if entry is not None and sorted(names) != sorted(entry["parameters"]):
+        raise CheckpointError(f"shard {where} holds parameters {sorted(names)}; its {MANIFEST} entry lists "
+                              f"{sorted(entry['parameters'])}")
+    parameters, requires_grad, slices = {}, {}, {}
+    for key, name in zip(f["parameters"], names):
+        dataset = checks.check_dataset(f["parameters"], key, where, size, length(name))
+        shape = checks.check_shape(dataset.attrs["shape"], where, dataset.name)
+        parameters[name], requires_grad[name] = dataset[()], bool(dataset.attrs["requires_grad"])
+        slices[name] = (shape, int(dataset.attrs["start"]))
+    optimizer = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f["optimizer"].attrs.items()}
+    states: dict[str, dict[str, np.ndarray]] = {}
+    for moment, group in f["optimizer"].items():
+        if not isinstance(group, h5py.Group):
+            raise CheckpointError(f"shard {where}: optimizer/{moment} is not a group of optimizer state")
+        for key in group:
+            if unquote(key) not in parameters:
+                raise CheckpointError(f"shard {where}: optimizer/{moment}/{key} is the state of a parameter that "
+                                      "the shard does not hold")
+            dataset = checks.check_dataset(group, key, where, size, parameters[unquote(key)].size)
+            states.setdefault(unquote(key), {})[moment] = dataset[()]
+    properties = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f["properties"].attrs.items()}
+    checks.check_attributes(optimizer, properties, where)
     return attrs, TrainingState(parameters, requires_grad, states, optimizer, properties,
                                 attrs["ort_checkpoint_version"], slices)
 
@@ -188,13 +220,18 @@ def assemble(parts: list[TrainingState], where: Path) -> TrainingState:
 
 
 def _write_durably(path: Path, data: bytes) -> None:
-    """Write to a temporary name, flush to disk, rename: a file that exists is whole."""
+    """Write to a temporary name, flush to disk, rename: a file that exists is whole.
+    A write that fails (a full disk) leaves nothing behind and names the file."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise storage.named(error, tmp)
 
 
 def _write_json(path: Path, obj: dict) -> None:
@@ -295,46 +332,67 @@ def _manifest_of(path: Path) -> dict:
         raise CheckpointError(f"{path / MANIFEST}: not readable as JSON ({error}): the file is damaged") from None
 
 
-def read_checkpoint(path: Path) -> Checkpoint:
-    """Every shard of the checkpoint folder `path`, checked against its manifest, merged."""
+def read_checkpoint(path: Path, model: Path | None = None) -> Checkpoint:
+    """Every shard of the checkpoint folder `path`, checked against its manifest (and
+    against the parameters of `model`, an artifacts folder or its initial `checkpoint`
+    file, if given) before anything large is read, merged. See checkpoint_checks."""
     path = Path(path)
     manifest = _manifest_of(path)
-    listed = {entry["file"] for entry in manifest["shards"]}
+    world_size = manifest.get("world_size") if isinstance(manifest, dict) else None
+    if not (isinstance(world_size, int) and 1 <= world_size <= MAX_SHARDS):
+        raise CheckpointError(f"{path / MANIFEST}: world_size {world_size!r} is not a shard count (1..{MAX_SHARDS})")
+    names = [shard_name(rank, world_size) for rank in range(world_size)]
+    entries = checks.check_manifest(manifest, path / MANIFEST, names)
     for stray in sorted(path.glob("shard-*.h5")):
-        if stray.name not in listed:
+        if stray.name not in names:
             raise CheckpointError(f"shard {stray}: not part of this checkpoint (its {MANIFEST} lists "
                                   f"{manifest['world_size']} shards of step {manifest['step']}): shards of two "
                                   "checkpoints are mixed")
-    parts = [_checked_shard(path / entry["file"], entry, manifest) for entry in manifest["shards"]]
+    parts = [_checked_shard(path / entry["file"], entry, manifest) for entry in entries]
+    checks.check_parts(parts, names, path)
+    if model is not None:
+        model = Path(model) / "checkpoint" if Path(model).is_dir() else Path(model)
+        optimizer = (manifest.get("identity") or {}).get("optimizer", {}).get("name")
+        checks.check_against_model(parts, read_ort_checkpoint(model), optimizer, path, model)
     return Checkpoint(path, manifest, assemble(parts, path))
 
 
 def _checked_shard(file: Path, entry: dict, manifest: dict) -> TrainingState:
-    if not file.exists():
-        raise CheckpointError(f"shard {file} is missing ({MANIFEST} lists {manifest['world_size']} shards)")
-    digest = hashlib.sha256(file.read_bytes()).hexdigest()
-    if digest != entry["sha256"]:
-        # A whole shard of another checkpoint says so in its attributes; anything else is damage.
-        try:
-            import h5py
-
-            with h5py.File(file, "r") as f:
-                other = {key: f.attrs[key] for key in ("checkpoint_id", "step")}
-        except (OSError, KeyError):
-            other = None
-        if other and other["checkpoint_id"] != manifest["checkpoint_id"]:
-            raise CheckpointError(
-                f"shard {file} belongs to another checkpoint (step {other['step']}, id {other['checkpoint_id']}) "
-                f"than its {MANIFEST} (step {manifest['step']}, id {manifest['checkpoint_id']}): shards of two "
-                "checkpoints are mixed")
-        raise CheckpointError(f"shard {file}: checksum mismatch (sha256 {digest}, {MANIFEST} says "
-                              f"{entry['sha256']}): the file is damaged")
-    return read_shard(file)[1]
+    """One shard: a regular file of the manifest's size (checked before it is read),
+    with the manifest's sha256 (hashed in blocks), then its datasets."""
+    with checks.open_shard(file, entry, manifest["world_size"]) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        if size != entry["bytes"]:
+            _refuse_changed_shard(handle, file, manifest, f"shard {file}: {size} bytes, {MANIFEST} says "
+                                                          f"{entry['bytes']}: the file is damaged")
+        digest, _ = checks.sha256_of(handle, size)
+        if digest != entry["sha256"]:
+            _refuse_changed_shard(handle, file, manifest, f"shard {file}: checksum mismatch (sha256 {digest}, "
+                                                          f"{MANIFEST} says {entry['sha256']}): the file is damaged")
+        return read_shard(handle, entry, file)[1]
 
 
-def load_state(resume: Resume):
-    """The CheckpointState to train on from the checkpoint `resume` (any world size)."""
-    return ort_state((resume.checkpoint or read_checkpoint(resume.path)).state)
+def _refuse_changed_shard(handle, file: Path, manifest: dict, damaged: str) -> None:
+    """A whole shard of another checkpoint says so in its attributes; anything else is damage."""
+    try:
+        import h5py
+
+        with h5py.File(handle, "r") as f:
+            other = {key: f.attrs[key] for key in ("checkpoint_id", "step")}
+    except (OSError, KeyError):
+        other = None
+    if other and other["checkpoint_id"] != manifest["checkpoint_id"]:
+        raise CheckpointError(
+            f"shard {file} belongs to another checkpoint (step {other['step']}, id {other['checkpoint_id']}) "
+            f"than its {MANIFEST} (step {manifest['step']}, id {manifest['checkpoint_id']}): shards of two "
+            "checkpoints are mixed")
+    raise CheckpointError(damaged)
+
+
+def load_state(resume: Resume, model: Path | None = None):
+    """The CheckpointState to train on from the checkpoint `resume` (any world size),
+    checked against the parameters of `model` (the artifacts) before ONNX Runtime sees it."""
+    return ort_state((resume.checkpoint or read_checkpoint(resume.path, model)).state)
 
 
 def read_history(resume: Resume) -> dict | None:
@@ -350,7 +408,7 @@ def read_history(resume: Resume) -> dict | None:
 
 
 def find_resume(root: Path, identity: dict, identity_digest: str, resume_from: str | None,
-                steps: int) -> Resume | None:
+                steps: int, model: Path | None = None) -> Resume | None:
     """The checkpoint to resume from: `resume_from` if given (refused if it belongs to
     another training identity, is damaged or lies beyond `steps`), else the newest
     intact one of this identity at or before `steps`; damaged ones are skipped with a warning."""
@@ -361,13 +419,13 @@ def find_resume(root: Path, identity: dict, identity_digest: str, resume_from: s
                 f"train.resume_from: checkpoint {resume_from} belongs to another training identity; differs: "
                 + ", ".join(_differences(manifest["identity"], identity))
             )
-        resume = _resume_at(Path(resume_from), identity, identity_digest, steps)
+        resume = _resume_at(Path(resume_from), identity, identity_digest, steps, model)
         if isinstance(resume, str):
             raise CheckpointError(f"train.resume_from: checkpoint {resume_from}: {resume}")
         return resume
     for path in sorted(Path(root).glob("step-*"), reverse=True):
         try:
-            resume = _resume_at(path, identity, identity_digest, steps)
+            resume = _resume_at(path, identity, identity_digest, steps, model)
         except CheckpointError as error:
             log.warning("skipping %s", error)
             continue
@@ -378,7 +436,7 @@ def find_resume(root: Path, identity: dict, identity_digest: str, resume_from: s
     return None
 
 
-def _resume_at(path: Path, identity: dict, identity_digest: str, steps: int) -> Resume | str:
+def _resume_at(path: Path, identity: dict, identity_digest: str, steps: int, model: Path | None) -> Resume | str:
     """The checkpoint `path`, every file checked, or why it does not belong to this training.
     Raises CheckpointError if it is incomplete or damaged."""
     manifest = _manifest_of(path)
@@ -386,7 +444,7 @@ def _resume_at(path: Path, identity: dict, identity_digest: str, steps: int) -> 
         return f"another training identity ({', '.join(_differences(manifest['identity'], identity))})"
     if manifest["step"] > steps:
         return f"step {manifest['step']} is beyond train.steps {steps}"
-    resume = Resume(path, manifest["step"], manifest, read_checkpoint(path))
+    resume = Resume(path, manifest["step"], manifest, read_checkpoint(path, model))
     read_history(resume)  # checked now, so that a damaged one is skipped like a damaged shard
     return resume
 
@@ -420,6 +478,17 @@ def _checkpoint_folder(path: Path, identity_digest: str | None = None) -> Path:
     return latest(path, identity_digest).path
 
 
+def _model_of(folder: Path, model: Path | None) -> Path | None:
+    """The model to check a checkpoint against: `model` if given, else the artifacts of
+    the run the checkpoint folder belongs to (results/<run>/train/checkpoints/step-X
+    -> results/<run>/artifacts), if they are there."""
+    if model is not None:
+        return Path(model)
+    artifacts = folder.parent.parent.parent / "artifacts"
+    in_a_run = folder.parent.name == "checkpoints" and folder.parent.parent.name == "train"
+    return artifacts if in_a_run and (artifacts / "checkpoint").is_file() else None
+
+
 def load_parameters(path: Path) -> dict:
     """{name: array} of every parameter of the checkpoint folder `path`."""
     return read_checkpoint(Path(path)).state.parameters
@@ -439,12 +508,13 @@ def _replace_folder(tmp: Path, out: Path) -> None:
     os.replace(tmp, out)
 
 
-def merge(source: Path, out_dir: Path, identity_digest: str | None = None) -> Path:
+def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model: Path | None = None) -> Path:
     """Merge a checkpoint (a folder, or the newest complete one under a checkpoints root,
     of the training identity `identity_digest` if given) into `out_dir`: `checkpoint`
     (ONNX Runtime's format, with optimizer state), `checkpoint.h5` (every shard in one)
     and `meta.json`."""
-    checkpoint = read_checkpoint(_checkpoint_folder(source, identity_digest))
+    folder = _checkpoint_folder(source, identity_digest)
+    checkpoint = read_checkpoint(folder, _model_of(folder, model))
     manifest = checkpoint.manifest
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -463,10 +533,11 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None) -> Pa
     return out_dir
 
 
-def reshard(source: Path, out_dir: Path, world_size: int) -> Path:
+def reshard(source: Path, out_dir: Path, world_size: int, model: Path | None = None) -> Path:
     """Write a checkpoint as a checkpoint folder of `world_size` shards (training can
     resume from any world size anyway; this is for tools that want the other layout)."""
-    checkpoint = read_checkpoint(_checkpoint_folder(source))
+    folder = _checkpoint_folder(source)
+    checkpoint = read_checkpoint(folder, _model_of(folder, model))
     manifest, state = checkpoint.manifest, checkpoint.state
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
@@ -487,11 +558,13 @@ def reshard(source: Path, out_dir: Path, world_size: int) -> Path:
     return out_dir
 
 
-def inspect(source: Path) -> str:
+def inspect(source: Path, model: Path | None = None) -> str:
     """A readable summary of a checkpoint, after checking every shard."""
     from tabulate import tabulate
 
-    checkpoint = read_checkpoint(_checkpoint_folder(source))
+    folder = _checkpoint_folder(source)
+    model = _model_of(folder, model)
+    checkpoint = read_checkpoint(folder, model)
     manifest, state = checkpoint.manifest, checkpoint.state
     where: dict[str, list[str]] = {}
     for entry in manifest["shards"]:
@@ -503,6 +576,11 @@ def inspect(source: Path) -> str:
     shards = [(e["file"], e["bytes"], e["sha256"][:16], len(e["parameters"])) for e in manifest["shards"]]
     return "\n".join([
         f"checkpoint {checkpoint.path}: step {manifest['step']}, {manifest['world_size']} shards (checksums verified)",
+        "checked: shards named in manifest.json as plain files of the folder, regular files (no links) of the "
+        "listed sizes; their sha256; every dataset a flat float array stored in its shard, of the listed length; "
+        "each parameter's shape covered exactly by its shards",
+        f"checked against the model {model}: parameter names, shapes, dtypes, trainable flags, optimizer state"
+        if model else "not checked against a model (no artifacts beside the checkpoints; give --artifacts)",
         f"training identity {manifest['identity_digest']}",
         f"optimizer {json.dumps(state.optimizer, sort_keys=True)}",
         f"properties {json.dumps(state.properties, sort_keys=True)}",
@@ -518,15 +596,21 @@ def add_arguments(parser) -> None:
     source_help = "a checkpoint folder (step-XXXXXXXX), or a checkpoints root (its newest complete checkpoint)"
     inspect_parser = sub.add_parser("inspect", help="check every shard and list what the checkpoint holds")
     inspect_parser.add_argument("source", type=Path, help=source_help)
+    model_help = ("the run's artifacts folder (or its initial `checkpoint` file): check the checkpoint's parameter "
+                  "names, shapes and dtypes against the model's; default: results/<run>/artifacts of the run the "
+                  "checkpoint belongs to, if there")
+    inspect_parser.add_argument("--artifacts", type=Path, help=model_help)
     merge_parser = sub.add_parser("merge", help="one ONNX Runtime checkpoint + one HDF5 file from the shards")
     merge_parser.add_argument("source", type=Path, help=source_help)
     merge_parser.add_argument("out", type=Path, help="output folder")
+    merge_parser.add_argument("--artifacts", type=Path, help=model_help)
     merge_parser.add_argument("--config-json", help="the run's config: take the newest checkpoint of its training "
                               "identity (a checkpoints root can hold checkpoints of several)")
     reshard_parser = sub.add_parser("reshard", help="rewrite a checkpoint as N shards")
     reshard_parser.add_argument("source", type=Path, help=source_help)
     reshard_parser.add_argument("out", type=Path, help="output checkpoint folder")
     reshard_parser.add_argument("-n", "--world-size", type=int, required=True, help="number of shards")
+    reshard_parser.add_argument("--artifacts", type=Path, help=model_help)
 
 
 def run(args) -> int:
@@ -535,13 +619,13 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if args.action == "inspect":
-            print(inspect(args.source))
+            print(inspect(args.source, args.artifacts))
         elif args.action == "merge":
-            merge(args.source, args.out, _identity_digest(args.config_json))
+            merge(args.source, args.out, _identity_digest(args.config_json), args.artifacts)
         else:
-            if args.world_size < 1:
-                raise CheckpointError(f"reshard: --world-size must be at least 1, got {args.world_size}")
-            reshard(args.source, args.out, args.world_size)
+            if not 1 <= args.world_size <= MAX_SHARDS:
+                raise CheckpointError(f"reshard: --world-size must be 1..{MAX_SHARDS}, got {args.world_size}")
+            reshard(args.source, args.out, args.world_size, args.artifacts)
     except CheckpointError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

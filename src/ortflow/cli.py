@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import logging
 import sys
 
-from . import config as config_mod
+from . import storage
+from .errors import OrtflowError
 
 COMMANDS = {
     "prepare-data": "ortflow.data.prepare",
@@ -29,18 +29,6 @@ COMMANDS = {
     "checkpoint": "ortflow.checkpoint",
     "report": "ortflow.report",
 }
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--config", default=str(config_mod.DEFAULT_CONFIG), help="config file (YAML)")
-    source.add_argument("--config-json", help="the config as JSON (what the workflow passes)")
-
-
-def load_config(args: argparse.Namespace) -> dict:
-    if args.config_json:
-        return config_mod.validate(json.loads(args.config_json), partial=True)
-    return config_mod.load(args.config)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,13 +45,19 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
     )
-    from .doctor import PreflightError
-
     try:
         return importlib.import_module(COMMANDS[args.command]).run(args) or 0
-    except (config_mod.ConfigError, PreflightError, ValueError, FileNotFoundError) as error:
-        # Known bad input: one clear line that names the problem, no traceback to dig through.
+    except OrtflowError as error:
+        # Known bad input or setup: one clear line that names the problem, no traceback to dig
+        # through. Any other exception is a bug and keeps its traceback.
         print(f"ortflow {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except OSError as error:
+        # A full disk, a folder without write permission, a read-only file system.
+        problem = storage.explain(error)
+        if problem is None:
+            raise
+        print(f"ortflow {args.command}: error: {problem}", file=sys.stderr)
         return 1
 
 

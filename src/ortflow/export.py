@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import MissingInputError, ModelError
+
 log = logging.getLogger("ortflow.export")
 
 CHECK_RECORDS = 64
@@ -35,7 +37,7 @@ EVAL_TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
 REFERENCE_TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 
 
-class ExportError(ValueError):
+class ExportError(ModelError):
     """The exported model fails a check; the message says which and by how much."""
 
 
@@ -71,7 +73,7 @@ def loss_of(logits: np.ndarray, labels: np.ndarray, loss: str) -> float:
         return float(np.abs(logits - target).mean())
     if loss == "bce_with_logits":
         return float((np.maximum(logits, 0) - logits * target + np.log1p(np.exp(-np.abs(logits)))).mean())
-    raise ValueError(f"model.json: loss {loss!r} is not one ortflow trains with")
+    raise ModelError(f"model.json: loss {loss!r} is not one ortflow trains with")
 
 
 def set_metadata(model, props: dict) -> None:
@@ -151,7 +153,7 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
     info = json.loads((artifacts / "model.json").read_text())
     meta_path = checkpoint_dir / "meta.json"
     if not meta_path.is_file():
-        raise FileNotFoundError(f"{meta_path}: no merged checkpoint (run the merge_checkpoint rule first)")
+        raise MissingInputError(f"{meta_path}: no merged checkpoint (run the merge_checkpoint rule first)")
     meta = json.loads(meta_path.read_text())
     state = CheckpointState.load_checkpoint(str(checkpoint_dir / "checkpoint"))
     module = Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"))
@@ -184,7 +186,7 @@ HELP = "write the inference ONNX model of the merged checkpoint, checked against
 
 
 def add_arguments(parser) -> None:
-    from .cli import add_config_arguments
+    from .config import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--artifacts", required=True, type=Path, help="the build_artifacts folder")
@@ -194,6 +196,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    from .cli import load_config
+    from .config import load_config
 
     export(load_config(args), args.artifacts, args.checkpoint, args.eval, args.out)

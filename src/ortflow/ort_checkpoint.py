@@ -18,11 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import CheckpointError
+
 ORT_IDENTIFIER = b"ODTC"  # the file identifier of ONNX Runtime's checkpoint flatbuffer
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used; the message names the file and the reason."""
 
 
 @dataclass

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import ModelError
 from .export import inference_session, input_feeds, loss_of, set_metadata
 
 log = logging.getLogger("ortflow.quantize")
@@ -41,7 +42,7 @@ LATENCY_BUDGET_S = 10.0
 MIN_ROUNDS = 3
 
 
-class QualityGateError(ValueError):
+class QualityGateError(ModelError):
     """The int8 model lost more than `export.max_accuracy_drop` allows."""
 
 
@@ -227,7 +228,7 @@ HELP = "quantize the inference model to int8 and report fp32 versus int8 (qualit
 
 
 def add_arguments(parser) -> None:
-    from .cli import add_config_arguments
+    from .config import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--model", required=True, type=Path, help="the fp32 inference model (export_model)")
@@ -239,6 +240,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    from .cli import load_config
+    from .config import load_config
 
     quantize(load_config(args), args.model, args.artifacts, args.eval, args.int8, args.metrics)

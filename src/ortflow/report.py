@@ -14,8 +14,12 @@ import csv
 import html
 import json
 import os
+import shlex
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from pathlib import Path
+
+from .errors import MissingInputError
 
 HELP = "plots and tables of a run for `snakemake --report`"
 
@@ -250,9 +254,10 @@ def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchm
 # --- the end-of-run summary --------------------------------------------------------------------------
 
 
-def run_summary(results: str | Path) -> str:
+def run_summary(results: str | Path, run_arguments: Sequence[str] = ()) -> str:
     """A few lines on what exists of a run under `results`: printed when
-    `snakemake` finishes, whichever stages ran."""
+    `snakemake` finishes, whichever stages ran. `run_arguments` are those that
+    chose the run (--configfile, --config): the report command needs them too."""
     results = Path(results)
     train = read_json(results / "train" / "metrics.json")
     export = read_json(results / "export" / "metrics.json")
@@ -277,7 +282,31 @@ def run_summary(results: str | Path) -> str:
     if len(lines) == 1:
         lines.append("  nothing trained yet")
     report = results / "report.html"
-    lines.append(f"  report    snakemake --report {report}")
+    lines.append(f"  report    {shlex.join(['snakemake', '--report', str(report), *run_arguments])}")
+    return "\n".join(lines)
+
+
+# --- a failed run ------------------------------------------------------------------------------------
+
+# How ortflow marks an error in a stage's log: the command's one-line message
+# (`ortflow <command>: error: ...`) and a log record of level ERROR (a rank's
+# `[rank R] ERROR ...`). A log without them (a traceback) shows its last lines.
+ERROR_MARKERS = (": error: ", " ERROR ")
+TAIL_LINES = 10
+
+
+def stage_failures(failed: Iterable[tuple[str, Sequence[str]]]) -> str:
+    """For each failed stage, (rule, its log files), the error lines of its
+    log: printed last when `snakemake` fails, so that nobody needs to open the log."""
+    lines = []
+    for rule, logs in failed:
+        for log in logs:
+            path = Path(log)
+            # NUL bytes: a log that several processes wrote at their own offsets.
+            text = path.read_text(errors="replace").replace("\0", "").splitlines() if path.is_file() else []
+            shown = [line for line in text if any(marker in line for marker in ERROR_MARKERS)] or text[-TAIL_LINES:]
+            lines.append(f"ortflow: stage {rule} failed; from {log}:")
+            lines += [f"  {line.strip()}" for line in shown] or ["  (nothing in the log)"]
     return "\n".join(lines)
 
 
@@ -285,7 +314,7 @@ def run_summary(results: str | Path) -> str:
 
 
 def add_arguments(parser) -> None:
-    from .cli import add_config_arguments
+    from .config import add_config_arguments
 
     sub = parser.add_subparsers(dest="action", required=True)
     plots = sub.add_parser("plots", help="loss, learning-rate and throughput plots (PNG) from train/metrics.json")
@@ -302,13 +331,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from .cli import load_config
+    from .config import load_config
 
     config = load_config(args)
     if args.action == "plots":
         metrics = read_json(args.metrics)
         if metrics is None:
-            raise FileNotFoundError(f"{args.metrics}: no training metrics (run the train stage first)")
+            raise MissingInputError(f"{args.metrics}: no training metrics (run the train stage first)")
         plot_training(metrics, config, args.out)
     else:
         write_tables(config, args.train_metrics, args.export_metrics, args.benchmarks, args.profile, args.out)

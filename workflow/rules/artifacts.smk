@@ -4,6 +4,7 @@
 rule build_artifacts:
     input:
         train=rules.prepare_data.output.train,
+        model=model_files,
     output:
         directory(f"{RESULTS}/artifacts"),
     log:
@@ -23,4 +24,4 @@ rule build_artifacts:
         ),
     shell:
         "ortflow build-artifacts --config-json {params.config:q}"
-        " --train {input.train} --out {output} > {log} 2>&1"
+        " --train {input.train:q} --out {output:q} > {log:q} 2>&1"

@@ -15,4 +15,5 @@ rule merge_checkpoint:
         config=config_json("run", "data", "model", "train"),
         root=f"{RESULTS}/train/checkpoints",
     shell:
-        "ortflow checkpoint merge {params.root} {output} --config-json {params.config:q} > {log} 2>&1"
+        "ortflow checkpoint merge {params.root:q} {output:q}"
+        " --config-json {params.config:q} > {log:q} 2>&1"

@@ -1,4 +1,6 @@
 import json
+import os
+from pathlib import Path
 
 from ortflow import config as ortflow_config
 
@@ -37,6 +39,32 @@ def data_files(wildcards):
     return [] if data["source"] == "digits" else [data["source"]]
 
 
+def model_files(wildcards):
+    """The user's model file, if any: replacing it reruns build_artifacts. For
+    `kind: onnx` model.path; for `kind: torch` the file of the module in
+    model.path (`package.module:Class`) when it is in the working directory or
+    on PYTHONPATH, where build_artifacts imports it from."""
+    model = config["model"]
+    if model["kind"] == "onnx":
+        return [model["path"]]
+    if model["kind"] == "torch":
+        return module_file(model["path"].partition(":")[0])
+    return []
+
+
+def module_file(name):
+    """The file of module `name` (`package.module`), found by path alone:
+    importlib's find_spec would import the parent packages, running user code
+    in Snakemake. [] for a module found elsewhere (installed) or not at all."""
+    roots = [".", *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    for root in roots:
+        base = Path(root, *name.split("."))
+        for candidate in (base.with_name(f"{base.name}.py"), base / "__init__.py"):
+            if candidate.is_file():
+                return [str(candidate)]
+    return []
+
+
 def captioned(name, category):
     """An output shown in the report, with its caption workflow/report/<name>.rst."""
     return report(
@@ -44,3 +72,25 @@ def captioned(name, category):
         caption=f"../report/{name.split('.')[0]}.rst",
         category=category,
     )
+
+
+def run_arguments():
+    """The command-line arguments that chose this run, for the commands the
+    summary prints: the Snakefile when `snakemake` would not find it here by
+    itself, the --configfile files (which Snakemake keeps in
+    workflow.config_settings; workflow.configfiles also lists config/config.yaml)
+    and the --config entries."""
+    arguments = []
+    snakefile = Path(workflow.main_snakefile).resolve()
+    if snakefile != Path("Snakefile").resolve():
+        arguments += ["--snakefile", str(snakefile)]
+    here = Path.cwd()
+    files = workflow.config_settings.configfiles
+    if files:
+        arguments += ["--configfile"]
+        arguments += [
+            str(f.relative_to(here) if f.is_relative_to(here) else f) for f in files
+        ]
+    if workflow.config_settings.config_args:
+        arguments += ["--config", *workflow.config_settings.config_args]
+    return arguments

@@ -14,4 +14,4 @@ rule prepare_data:
         config=config_json("run.seed", "data"),
     shell:
         "ortflow prepare-data --config-json {params.config:q}"
-        " --train {output.train} --eval {output.eval} > {log} 2>&1"
+        " --train {output.train:q} --eval {output.eval:q} > {log:q} 2>&1"

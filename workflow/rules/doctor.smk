@@ -12,4 +12,4 @@ rule doctor:
     params:
         config=config_json("train"),
     shell:
-        "ortflow doctor --config-json {params.config:q} --output {output} > {log} 2>&1"
+        "ortflow doctor --config-json {params.config:q} --output {output:q} > {log:q} 2>&1"

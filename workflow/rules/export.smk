@@ -20,8 +20,8 @@ rule export_model:
     params:
         config=config_json("run.name"),
     shell:
-        "ortflow export-model --config-json {params.config:q} --artifacts {input.artifacts}"
-        " --checkpoint {input.checkpoint} --eval {input.eval} --out {output} > {log} 2>&1"
+        "ortflow export-model --config-json {params.config:q} --artifacts {input.artifacts:q}"
+        " --checkpoint {input.checkpoint:q} --eval {input.eval:q} --out {output:q} > {log:q} 2>&1"
 
 
 rule quantize_model:
@@ -44,6 +44,6 @@ rule quantize_model:
             os.path.dirname(output.metrics), "model.int8.onnx"
         ),
     shell:
-        "ortflow quantize-model --config-json {params.config:q} --model {input.model}"
-        " --artifacts {input.artifacts} --eval {input.eval} --int8 {params.int8}"
-        " --metrics {output.metrics} > {log} 2>&1"
+        "ortflow quantize-model --config-json {params.config:q} --model {input.model:q}"
+        " --artifacts {input.artifacts:q} --eval {input.eval:q} --int8 {params.int8:q}"
+        " --metrics {output.metrics:q} > {log:q} 2>&1"

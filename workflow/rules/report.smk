@@ -21,8 +21,8 @@ rule plot_training:
         config=config_json("train.steps", "train.optimizer.lr", "train.lr_schedule"),
         out=lambda wildcards, output: os.path.dirname(output.loss),
     shell:
-        "ortflow report plots --config-json {params.config:q} --metrics {input.metrics}"
-        " --out {params.out} > {log} 2>&1"
+        "ortflow report plots --config-json {params.config:q} --metrics {input.metrics:q}"
+        " --out {params.out:q} > {log:q} 2>&1"
 
 
 # Benchmarks and traces are read, not inputs: a stage that reruns also reruns
@@ -49,6 +49,6 @@ rule report_tables:
         profile=f"{RESULTS}/train/profile",
         out=lambda wildcards, output: os.path.dirname(output.summary),
     shell:
-        "ortflow report tables --config-json {params.config:q} --train-metrics {input.train}"
-        " --export-metrics {input.export} --benchmarks {params.benchmarks} --profile {params.profile}"
-        " --out {params.out} > {log} 2>&1"
+        "ortflow report tables --config-json {params.config:q} --train-metrics {input.train:q}"
+        " --export-metrics {input.export:q} --benchmarks {params.benchmarks:q} --profile {params.profile:q}"
+        " --out {params.out:q} > {log:q} 2>&1"

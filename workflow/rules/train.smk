@@ -24,6 +24,6 @@ rule train:
         data=lambda wildcards, input: os.path.dirname(input.train),
         out=lambda wildcards, output: os.path.dirname(output.metrics),
     shell:
-        "ortflow train --mpi {resources.mpi} -n {resources.tasks} --config-json {params.config:q}"
-        " --data {params.data} --artifacts {input.artifacts} --out {params.out}"
-        " --metrics {output.metrics} > {log} 2>&1"
+        "ortflow train --mpi {resources.mpi:q} -n {resources.tasks} --config-json {params.config:q}"
+        " --data {params.data:q} --artifacts {input.artifacts:q} --out {params.out:q}"
+        " --metrics {output.metrics:q} > {log:q} 2>&1"

@@ -48,7 +48,7 @@ HELP = "read data.source, split it by run.seed, write checksummed shards"
 
 
 def add_arguments(parser) -> None:
-    from ..cli import add_config_arguments
+    from ..config import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--train", required=True, help="output folder of the train split")
@@ -56,6 +56,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    from ..cli import load_config
+    from ..config import load_config
 
     prepare(load_config(args), Path(args.train), Path(args.eval))

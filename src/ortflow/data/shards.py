@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import storage
 from .sources import DataError, Dataset
 
 FORMAT = "ortflow-shards/1"
@@ -61,10 +62,7 @@ def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, n
     shards = []
     for i, part in enumerate(np.array_split(np.arange(len(rows)), min(num_shards, max(len(rows), 1)))):
         path = tmp / f"shard-{i:05d}.bin"
-        with open(path, "wb") as f:
-            f.write(records[part].tobytes())
-            f.flush()
-            os.fsync(f.fileno())
+        _write_shard_file(path, records[part].tobytes(), tmp)
         shards.append({"file": path.name, "records": len(part), "sha256": sha256_file(path)})
     manifest = {
         "format": FORMAT,
@@ -88,6 +86,18 @@ def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, n
     shutil.rmtree(out_dir, ignore_errors=True)
     os.replace(tmp, out_dir)
     return manifest
+
+
+def _write_shard_file(path: Path, data: bytes, tmp: Path) -> None:
+    """Flushed to disk; a write that fails (a full disk) removes the unfinished split and names the file."""
+    try:
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise storage.named(error, path)
 
 
 class ShardReader:

@@ -16,14 +16,16 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import DataError
+
 TABULAR_SUFFIXES = (".csv", ".parquet", ".npz", ".h5", ".hdf5")
 TEXT_SUFFIXES = (".txt",)
 BYTE_VOCAB = 256
 TABLE_INPUT = "x"  # the one input that CSV/Parquet feature columns are stacked into
-
-
-class DataError(ValueError):
-    """Input data that cannot be turned into shards; the message names the file and the problem."""
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The largest value whose square is a float32: beyond it a squared error or a
+# gradient overflows at the first step, and training stops with a non-finite loss.
+FLOAT32_SQUARE_MAX = FLOAT32_MAX**0.5
 
 
 @dataclass
@@ -53,8 +55,8 @@ def load(data: dict) -> Dataset:
                 f"data.source: {source!r} is neither 'digits', 'text' nor a file ending in "
                 f"{', '.join(TABULAR_SUFFIXES + TEXT_SUFFIXES)}"
             )
-        if not path.is_file():
-            raise DataError(f"data.source: file {path} does not exist")
+        _check_is_file("data.source", path)
+        _check_label_not_a_feature(data, path)
         if suffix in TEXT_SUFFIXES:
             dataset = _text(_read_text(path), data)
         else:
@@ -90,9 +92,51 @@ def _pydoc_text() -> str:
     return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-def _read_text(path: Path) -> str:
+def _check_is_file(key: str, path: Path) -> None:
+    if path.is_dir():
+        raise DataError(f"{key}: {path} is a directory, not a file")
+    if not path.exists():
+        raise DataError(f"{key}: file {path} does not exist")
     if not path.is_file():
-        raise DataError(f"data.text_path: file {path} does not exist")
+        raise DataError(f"{key}: {path} is not a regular file")
+
+
+def _check_label_not_a_feature(data: dict, path: Path) -> None:
+    """A label among the inputs is target leakage: the model would read the answer."""
+    if data["label"] in data["features"]:
+        raise DataError(
+            f"{path}: column {data['label']!r} is both data.label and one of data.features "
+            f"({', '.join(data['features'])}); the model would see the answer: remove it from data.features"
+        )
+
+
+def _check_float32_range(path: str, what: str, array: np.ndarray) -> None:
+    """Training computes in float32: a value beyond its range would become infinite,
+    one beyond the square root of it overflows the first squared error or gradient."""
+    if not np.issubdtype(array.dtype, np.floating) or array.size == 0:
+        return
+    finite = array[np.isfinite(array)]
+    largest = float(np.abs(finite).max()) if finite.size else 0.0
+    if largest > FLOAT32_MAX:
+        problem = f"beyond float32's range (largest {FLOAT32_MAX:.4g})"
+    elif largest > FLOAT32_SQUARE_MAX:
+        problem = f"so large that its square overflows float32 (largest usable {FLOAT32_SQUARE_MAX:.3g})"
+    else:
+        return
+    raise DataError(f"{path}: {what} has a value of {largest:.4g}, {problem}; rescale it (e.g. standardize)")
+
+
+def _check_classes(path: str, name: str, label: np.ndarray) -> None:
+    classes = np.unique(label)
+    if len(label) and len(classes) < 2:
+        raise DataError(
+            f"{path}: label {name!r} has a single class ({classes[0]}) in all {len(label)} rows; "
+            "classification needs two or more (data.task: regression for a numeric target)"
+        )
+
+
+def _read_text(path: Path) -> str:
+    _check_is_file("data.text_path", path)
     return path.read_text(encoding="utf-8", errors="replace")
 
 
@@ -139,6 +183,8 @@ def _frame_columns(frame, path: str, features: list[str], label: str):
                 f"{path}: column {column!r} is not numeric (e.g. {example!r}, dtype "
                 f"{frame[column].dtype}); ortflow trains on numbers only"
             )
+    for column in features + [label]:
+        _check_float32_range(path, f"column {column!r}", frame[column].to_numpy())
     x = frame[features].to_numpy(dtype=np.float32)
     return {TABLE_INPUT: x}, frame[label].to_numpy()
 
@@ -170,6 +216,7 @@ def _arrays(path: Path, names: list[str], available: list[str], get):
     for name, array in arrays.items():
         if not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
             raise DataError(f"{path}: array {name!r} has dtype {array.dtype}; expected numbers")
+        _check_float32_range(str(path), f"array {name!r}", array)
     return arrays
 
 
@@ -215,7 +262,6 @@ def _tabular(features: dict[str, np.ndarray], label: np.ndarray, data: dict, pat
     label = label.astype(np.int64)
     if n and label.min() < 0:
         raise DataError(f"{path}: label {data['label']!r} has negative class {int(label.min())}; classes are 0..K-1")
+    _check_classes(path, data["label"], label)
     num_classes = int(label.max()) + 1 if n else 0
-    if n and num_classes < 2:
-        raise DataError(f"{path}: label {data['label']!r} has a single class; classification needs two or more")
     return Dataset(features, label, data["label"], "classification", num_classes)

@@ -8,6 +8,8 @@ one output, `logits`.
 
 from __future__ import annotations
 
+from ..errors import ModelError
+
 LOGITS = "logits"
 CLASS_LOSSES = ("cross_entropy",)
 
@@ -32,7 +34,7 @@ def built_in(model: dict, manifest: dict, loss: str):
     kind = model["kind"]
     if len(features) != 1:
         names = [f["name"] for f in features]
-        raise ValueError(
+        raise ModelError(
             f"model.kind '{kind}' takes one feature array; the data has {len(features)}: {names} "
             "(use one feature, or bring your own model with model.kind onnx or torch)"
         )
@@ -43,11 +45,11 @@ def built_in(model: dict, manifest: dict, loss: str):
         return cnn.SqueezeNet(shape, output_shape(loss, manifest), max(model["width"] // 8, 2))
     if kind == "gpt":
         if manifest["task"] != "language_model" or loss != "cross_entropy" or len(shape) != 1:
-            raise ValueError(
+            raise ModelError(
                 f"model.kind 'gpt' is trained by next-token cross_entropy on token windows; the data is "
                 f"task {manifest['task']!r} with feature shape {shape} and model.loss is {loss!r}"
             )
         return gpt.GPT(
             manifest["num_classes"], shape[0], model["width"], model["heads"], model["layers"], model["tied"]
         )
-    raise ValueError(f"model.kind {kind!r} is not a built-in model")
+    raise ModelError(f"model.kind {kind!r} is not a built-in model")

@@ -15,6 +15,8 @@ import math
 import torch
 from torch import nn
 
+from ..errors import ModelError
+
 
 def image_shape(feature_shape: list[int]) -> tuple[int, int, int]:
     """Channels, height, width of a sample: [C, H, W] as is, [H, W] as one
@@ -26,7 +28,7 @@ def image_shape(feature_shape: list[int]) -> tuple[int, int, int]:
     side = math.isqrt(math.prod(feature_shape))
     if len(feature_shape) == 1 and side * side == feature_shape[0]:
         return (1, side, side)
-    raise ValueError(
+    raise ModelError(
         f"model.kind 'cnn' needs image features: shape [C, H, W], [H, W] or a flat square [N]; "
         f"the data's feature has shape {feature_shape}"
     )

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import MissingInputError, ModelError
 from . import CLASS_LOSSES, LOGITS
 
 log = logging.getLogger("ortflow.build_artifacts")
@@ -47,16 +48,16 @@ def resolve_loss(loss: str, manifest: dict) -> str:
     integral = np.issubdtype(np.dtype(label["dtype"]), np.integer) or label["dtype"] == "bool"
     described = f"the data's label {label['name']!r} is {label['dtype']} (task {task})"
     if loss in CLASS_LOSSES and not integral:
-        raise ValueError(
+        raise ModelError(
             f"model.loss: {loss!r} needs integer class labels but {described}; "
             "use mse, l1 or bce_with_logits for float targets, or set data.task: classification"
         )
     if loss in ("mse", "l1") and integral:
-        raise ValueError(
+        raise ModelError(
             f"model.loss: {loss!r} compares outputs with float targets but {described}; use cross_entropy for classes"
         )
     if loss == "bce_with_logits" and integral and manifest["num_classes"] != 2:
-        raise ValueError(
+        raise ModelError(
             f"model.loss: 'bce_with_logits' needs float targets in [0, 1] or two classes but {described} "
             f"with {manifest['num_classes']} classes; use cross_entropy"
         )
@@ -120,19 +121,19 @@ def split_parameters(base, model: dict, torch_trainable: list[str] | None) -> tu
     for key in ("trainable", "frozen"):
         unknown = [n for n in model[key] or [] if n not in parameters]
         if unknown:
-            raise ValueError(
+            raise ModelError(
                 f"model.{key}: {unknown} not among the model's parameters; it has: {sorted(parameters)}"
             )
     if model["trainable"] is not None:
         trainable = list(model["trainable"])
         both = sorted(set(trainable) & set(model["frozen"]))
         if both:
-            raise ValueError(f"model.trainable and model.frozen both name {both}")
+            raise ModelError(f"model.trainable and model.frozen both name {both}")
     else:
         candidates = torch_trainable if torch_trainable is not None else parameters
         trainable = [n for n in candidates if n in parameters and n not in model["frozen"]]
     if not trainable:
-        raise ValueError("model: no parameter is left to train (check model.trainable and model.frozen)")
+        raise ModelError("model: no parameter is left to train (check model.trainable and model.frozen)")
     return trainable, [n for n in parameters if n not in trainable]
 
 
@@ -146,7 +147,7 @@ def check_interface(base, manifest: dict) -> None:
     model_names = [i.name for i in inputs]
     data_names = [f["name"] for f in manifest["features"]]
     if sorted(model_names) != sorted(data_names):
-        raise ValueError(
+        raise ModelError(
             f"model inputs {model_names} do not match the data's feature names {data_names}; "
             "name the model's inputs like data.features (or set data.features to the model's input names)"
         )
@@ -154,15 +155,15 @@ def check_interface(base, manifest: dict) -> None:
     for i in inputs:
         dtype = onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name
         if dtype != dtypes[i.name]:
-            raise ValueError(f"model input {i.name!r} is {dtype} but the data's feature {i.name!r} is {dtypes[i.name]}")
+            raise ModelError(f"model input {i.name!r} is {dtype} but the data's feature {i.name!r} is {dtypes[i.name]}")
     if len(base.graph.output) != 1:
-        raise ValueError(
+        raise ModelError(
             f"the model has outputs {[o.name for o in base.graph.output]}; ortflow trains a model with one output (the logits)"
         )
     if manifest["label"]["name"] in {n for node in base.graph.node for n in [*node.input, *node.output]} | set(
         model_names
     ):
-        raise ValueError(
+        raise ModelError(
             f"the data's label name {manifest['label']['name']!r} is already a tensor name in the model; "
             "rename data.label"
         )
@@ -238,7 +239,7 @@ def generate(base, trainable, frozen, loss, label, optimizer, out: Path) -> None
     for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
         path = out / name
         if onnx.load(str(path), load_external_data=False).ir_version > 10:
-            raise ValueError(f"{path}: written with IR version > 10, which ORT 1.19 refuses; is onnx==1.17 installed?")
+            raise ModelError(f"{path}: written with IR version > 10, which ORT 1.19 refuses; is onnx==1.17 installed?")
 
 
 def explain_generation_error(error: Exception, base) -> Exception:
@@ -250,7 +251,7 @@ def explain_generation_error(error: Exception, base) -> Exception:
         return error
     op, node = match.groups()
     nodes = node or ", ".join(n.name or n.output[0] for n in base.graph.node if n.op_type == op)
-    return ValueError(
+    return ModelError(
         f"ONNX Runtime has no gradient for operator {op} (node {nodes}), which lies between a trainable "
         "parameter and the loss; freeze the parameters before it (model.frozen) or replace the operator"
     )
@@ -273,7 +274,7 @@ def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
     try:
         loss, logits = module(*[batch[name] for name in module.input_names()])
     except Exception as error:
-        raise ValueError(
+        raise ModelError(
             f"the model's output does not fit model.loss with the data's label {manifest['label']} "
             f"on a batch of {len(batch[manifest['label']['name']])} records: {str(error).strip()[:600]}"
         ) from None
@@ -347,7 +348,7 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
     train_dir, out = Path(train_dir), Path(out)
     manifest_path = train_dir / "manifest.json"
     if not manifest_path.is_file():
-        raise FileNotFoundError(f"{manifest_path}: no train manifest (run the prepare_data rule first)")
+        raise MissingInputError(f"{manifest_path}: no train manifest (run the prepare_data rule first)")
     manifest = json.loads(manifest_path.read_text())
     model = config["model"]
     loss = resolve_loss(model["loss"], manifest)
@@ -378,7 +379,7 @@ HELP = "export or load the model and build its training, eval and optimizer grap
 
 
 def add_arguments(parser) -> None:
-    from ..cli import add_config_arguments
+    from ..config import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--train", required=True, help="the prepared train split (its manifest names the features)")
@@ -386,6 +387,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    from ..cli import load_config
+    from ..config import load_config
 
     build(load_config(args), Path(args.train), Path(args.out))

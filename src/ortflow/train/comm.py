@@ -1,9 +1,10 @@
 """Communication between ranks, behind one small interface.
 
-`MPIComm` sums gradients in place with mpi4py (CPU buffers); `NCCLComm` sums
-them on the GPU with CuPy's NCCL bindings, through the device addresses of ORT's
-gradient buffers. Both use MPI to start up and for the small reductions of
-metrics. A watchdog thread ends the run when a collective does not finish in
+Both sum the gradients in place, packed into buckets by `gradients.allreduce_in_buckets`
+(the same lines on both devices); they differ in the one call that sums a flat
+buffer across ranks: `MPIComm` with mpi4py (host buffers; device buffers are
+staged through the host), `NCCLComm` on the GPU with CuPy's NCCL bindings. Both
+use MPI to start up and for the small reductions of metrics. A watchdog thread ends the run when a collective does not finish in
 time, naming the rank that is behind, instead of hanging forever.
 """
 
@@ -18,12 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import DeviceError
+from .gradients import allreduce_in_buckets
+
 log = logging.getLogger("ortflow.train")
-
-# Gradients are packed into buckets of about this size, so that a step makes a
-# few large all-reduce calls rather than one per tensor (PyTorch DDP uses 25 MB).
-BUCKET_BYTES = 25 * 1024 * 1024
-
 
 # The phases of a step, in order, as ranks report them in their heartbeats.
 PHASES = ("forward", "allreduce", "eval", "checkpoint")
@@ -93,9 +92,10 @@ class Watchdog:
 
 
 class MPIComm:
-    """Data-parallel communication over MPI (mpi4py), on CPU buffers."""
+    """Data-parallel communication over MPI (mpi4py). `xp` is the array module
+    of the gradients: numpy, or cupy when they live on the GPU."""
 
-    def __init__(self, heartbeat_dir: Path, timeout_s: float):
+    def __init__(self, heartbeat_dir: Path, timeout_s: float, xp=np):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -104,31 +104,24 @@ class MPIComm:
         node = self.world.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_rank, self.local_size = node.Get_rank(), node.Get_size()
         self.watchdog = Watchdog(self.world, heartbeat_dir, timeout_s)
-        self._buckets: dict[int, np.ndarray] = {}  # reused packing buffers, by bucket
+        self.xp = xp
+        if xp is not np:  # cupy allocates the packing buffers on the rank's GPU, where ORT's gradients are
+            xp.cuda.Device(gpu_for(self.local_rank, os.environ)).use()
+        self._buckets: dict = {}  # reused packing buffers, by bucket
 
-    def allreduce_gradients(self, grads: list[np.ndarray]) -> None:
-        """Sum `grads` (writable views of ORT's gradient buffers) across ranks, in place."""
-        if self.world_size == 1:
-            return
-        for bucket_index, group in enumerate(_buckets(grads)):
-            if len(group) == 1:
-                with self.watchdog.collective("allreduce(gradients)"):
-                    self.world.Allreduce(self.MPI.IN_PLACE, group[0])
-                continue
-            size = sum(g.size for g in group)
-            if self._buckets.get(bucket_index, np.empty(0)).size < size:
-                self._buckets[bucket_index] = np.empty(size, dtype=np.float32)
-            flat = self._buckets[bucket_index][:size]
-            offset = 0
-            for g in group:
-                flat[offset:offset + g.size] = g.reshape(-1)
-                offset += g.size
-            with self.watchdog.collective("allreduce(gradients)"):
-                self.world.Allreduce(self.MPI.IN_PLACE, flat)
-            offset = 0
-            for g in group:
-                g.reshape(-1)[:] = flat[offset:offset + g.size]
-                offset += g.size
+    def allreduce_gradients(self, grads: list) -> None:
+        """Sum `grads` (`xp` arrays on ORT's gradient buffers) across ranks, in place."""
+        if self.world_size > 1:
+            allreduce_in_buckets(grads, self.xp, self.reduce_flat, self._buckets)
+
+    def reduce_flat(self, flat) -> None:
+        """Sum one flat buffer across ranks in place. This MPI is not CUDA-aware:
+        a device buffer (train.backend: mpi on cuda) goes through the host."""
+        host = flat if isinstance(flat, np.ndarray) else flat.get()
+        with self.watchdog.collective("allreduce(gradients)"):
+            self.world.Allreduce(self.MPI.IN_PLACE, host)
+        if host is not flat:
+            flat.set(host)
 
     def allreduce_sum(self, values) -> np.ndarray:
         """Sum a small vector of float64 metrics across ranks."""
@@ -147,50 +140,27 @@ class MPIComm:
             self.world.Barrier()
 
 
-def _buckets(grads: list[np.ndarray]):
-    group, size = [], 0
-    for g in grads:
-        if group and size + g.nbytes > BUCKET_BYTES:
-            yield group
-            group, size = [], 0
-        group.append(g)
-        size += g.nbytes
-    if group:
-        yield group
-
-
 class NCCLComm(MPIComm):
     """Gradients summed on the GPU by NCCL (through CuPy), in place on ORT's
     device buffers; MPI starts the communicator and reduces the metrics."""
 
     def __init__(self, heartbeat_dir: Path, timeout_s: float):
-        super().__init__(heartbeat_dir, timeout_s)
         cupy = require_cupy()
+        super().__init__(heartbeat_dir, timeout_s, xp=cupy)
         from cupy.cuda import nccl
 
-        self.cupy, self.nccl = cupy, nccl
-        cupy.cuda.Device(gpu_for(self.local_rank, os.environ)).use()
+        self.nccl = nccl
         unique_id = nccl.get_unique_id() if self.rank == 0 else None
         unique_id = self.world.bcast(unique_id, root=0)
         self.nccl_comm = nccl.NcclCommunicator(self.world_size, unique_id, self.rank)
 
-    def allreduce_gradients(self, grads) -> None:
-        """`grads` are OrtValues on the device: sum them in place through their addresses."""
-        if self.world_size == 1:
-            return
-        stream = self.cupy.cuda.Stream.null.ptr
+    def reduce_flat(self, flat) -> None:
+        """Sum one flat float32 cupy buffer across ranks in place, on the GPU."""
+        stream = self.xp.cuda.Stream.null
         with self.watchdog.collective("nccl allreduce(gradients)"):
-            self.nccl.groupStart()
-            for g in grads:
-                count = int(np.prod(g.shape()))
-                ptr = g.data_ptr()
-                self.nccl_comm.allReduce(ptr, ptr, count, self.nccl.NCCL_FLOAT32, self.nccl.NCCL_SUM, stream)
-            self.nccl.groupEnd()
-            self.cupy.cuda.Stream.null.synchronize()
-
-
-class DeviceError(RuntimeError):
-    """The configured device or backend cannot run on this machine."""
+            self.nccl_comm.allReduce(flat.data.ptr, flat.data.ptr, flat.size, self.nccl.NCCL_FLOAT32,
+                                     self.nccl.NCCL_SUM, stream.ptr)
+            stream.synchronize()
 
 
 def require_cupy():
@@ -226,6 +196,7 @@ def backend_for(train: dict) -> str:
 
 
 def create(train: dict, heartbeat_dir: Path):
-    backend = backend_for(train)
-    comm_class = NCCLComm if backend == "nccl" else MPIComm
-    return comm_class(heartbeat_dir, train["collective_timeout_s"])
+    if backend_for(train) == "nccl":
+        return NCCLComm(heartbeat_dir, train["collective_timeout_s"])
+    xp = require_cupy() if train["device"] == "cuda" else np
+    return MPIComm(heartbeat_dir, train["collective_timeout_s"], xp)

@@ -24,12 +24,18 @@ import sys
 import time
 from pathlib import Path
 
+from .. import config as config_mod
+from ..errors import ConfigError
+from ..preflight import host_cores, preflight, raise_if_problems
 from .stop import GRACE_S, STOP_SIGNALS, STOPPED
 
 HELP = "train the artifacts on the shards with W ranks (mpirun or srun)"
 LOCK = "attempt.lock"  # in the run's train/ folder: held while an attempt runs
 FINISHED = "FINISHED"  # in the run's train/ folder: the last attempt trained to the end
 PREVIOUS = "previous"  # in the run's train/ folder: a finished run's checkpoints, moved aside by a rerun
+
+# Open MPI refuses to start as root (containers and CI often run as root) unless both are set.
+ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 
 
 def launcher_command(mpi: str, world_size: int, cores: int) -> list[str]:
@@ -43,22 +49,20 @@ def launcher_command(mpi: str, world_size: int, cores: int) -> list[str]:
         if world_size > cores:
             command.append("--oversubscribe")
         return command
-    raise ValueError(f"resources.mpi: unknown MPI launcher {mpi!r}; expected mpirun, mpiexec or srun")
+    raise ConfigError(f"resources.mpi: unknown MPI launcher {mpi!r}; expected mpirun, mpiexec or srun")
 
 
 def launcher_env(environ: dict) -> dict:
+    """The ranks' environment: `environ`, with ROOT_ENV where we run as root."""
     env = dict(environ)
     if os.geteuid() == 0:
-        # OpenMPI refuses root unless told twice; containers and CI run as root.
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
-        env.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+        for key, value in ROOT_ENV.items():
+            env.setdefault(key, value)
     return env
 
 
 def add_arguments(parser) -> None:
-    from ..cli import add_config_arguments
-
-    add_config_arguments(parser)
+    config_mod.add_config_arguments(parser)
     parser.add_argument("--mpi", default="mpirun", help="MPI launcher: mpirun, mpiexec or srun")
     parser.add_argument("-n", "--world-size", type=int, help="ranks (default: train.world_size)")
     parser.add_argument("--data", required=True, type=Path, help="folder with the train/ and eval/ shards")
@@ -68,10 +72,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..cli import load_config
-    from ..doctor import host_cores, preflight, raise_if_problems
-
-    config = load_config(args)
+    config = config_mod.load_config(args)
     if args.world_size:
         config["train"]["world_size"] = args.world_size
     world_size = config["train"]["world_size"]

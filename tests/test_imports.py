@@ -1,0 +1,74 @@
+"""No import circle in src/: from every module's import statements, also the
+ones inside functions (which hide a circle from Python but not from a reader)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+SRC = REPO / "src"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, package: str) -> dict[str, set[str]]:
+    """{module: the modules of `package` it imports}, for every .py file under root/package."""
+    files = {module_name(p, root): p for p in sorted((root / package).rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        is_package = path.name == "__init__.py"
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = name.split(".")[: len(name.split(".")) - node.level + (1 if is_package else 0)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    source = node.module
+                # `from pkg import mod` imports the module pkg.mod; `from mod import name` imports mod.
+                targets |= {f"{source}.{a.name}" if f"{source}.{a.name}" in files else source for a in node.names}
+        graph[name] = {t for t in targets if t in files and t != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each import circle once, as the modules along it (depth-first search for back edges)."""
+    found, state = [], {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                found.append(path[path.index(target):] + [target])
+            elif target not in state:
+                visit(target, path + [target])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def test_no_import_circle_in_src():
+    graph = import_graph(SRC, "ortflow")
+    assert "ortflow.train.loop" in graph and "ortflow.train.gradients" in graph["ortflow.train.loop"]
+    assert circles(graph) == []
+
+
+def test_a_circle_through_an_import_inside_a_function_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from .sub import b\n")
+    (package / "sub" / "b.py").write_text("def f():\n    from .. import c\n")
+    (package / "c.py").write_text("def g():\n    from pkg.a import thing\n")
+    assert circles(import_graph(tmp_path, "pkg")) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]

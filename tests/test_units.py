@@ -1,0 +1,104 @@
+"""Fast unit tests (milliseconds) of the arithmetic behind the workflow tests: how a
+checkpoint's bytes are split over ranks, which checkpoints are pruned, eval
+results from batch totals, and the losses of an inference model's logits."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ortflow import checkpoint
+from ortflow.export import loss_of
+from ortflow.ort_checkpoint import TrainingState
+from ortflow.train.loop import batch_totals, eval_results
+
+
+def state(sizes: dict[str, int], moments: int = 2) -> TrainingState:
+    """Parameters of `sizes` float32 elements, each with `moments` AdamW-like moments."""
+    params = {name: np.arange(n, dtype=np.float32) for name, n in sizes.items()}
+    return TrainingState(params, {n: True for n in params},
+                         {n: {f"momentum{i}": p + i + 1 for i in range(moments)} for n, p in params.items()},
+                         {"step": 1}, {})
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 7])
+def test_partition_covers_every_element_once_in_nearly_equal_bytes(world_size):
+    full = state({"b": 5, "a": 1000, "c": 1, "d": 0, "e": 37})
+    parts = checkpoint.partition(full, world_size)
+    assert len(parts) == world_size
+    for name, array in full.parameters.items():
+        ranges = sorted(part[name] for part in parts if name in part)
+        covered = [i for start, stop in ranges for i in range(start, stop)]
+        assert covered == list(range(array.size)), (name, ranges)
+    per_rank = [sum((stop - start) * 4 * 3 for start, stop in part.values()) for part in parts]
+    total = sum(full.nbytes(n) for n in full.parameters)
+    assert sum(per_rank) == total
+    assert max(per_rank) - min(per_rank) <= 4 * 3  # at most one element (with its two moments) apart
+
+
+def test_partition_splits_one_large_parameter_across_ranks():
+    parts = checkpoint.partition(state({"big": 10, "small": 2}), 3)
+    assert [part.get("big") for part in parts] == [(0, 4), (4, 8), (8, 10)]
+    assert [part.get("small") for part in parts] == [None, None, (0, 2)]
+
+
+def _checkpoint(root, step: int, digest: str, complete: bool = True):
+    folder = checkpoint.step_dir(root, step)
+    folder.mkdir(parents=True)
+    (folder / checkpoint.MANIFEST).write_text(json.dumps({"identity_digest": digest}))
+    if complete:
+        (folder / checkpoint.COMPLETE).write_text("")
+    return folder
+
+
+def test_pruning_keeps_the_newest_of_this_identity_and_leaves_others_alone(tmp_path):
+    ours = [_checkpoint(tmp_path, s, "ours") for s in (10, 20, 30, 40)]
+    other = _checkpoint(tmp_path, 25, "other")
+    crashed_old = _checkpoint(tmp_path, 15, "ours", complete=False)
+    crashed_new = _checkpoint(tmp_path, 50, "ours", complete=False)
+    checkpoint._prune(tmp_path, "ours", keep=2)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(p.name for p in (ours[2], ours[3], other, crashed_new)), left
+    assert not crashed_old.exists()
+
+
+def test_eval_results_of_summed_batch_totals():
+    logits = np.array([[2.0, 0.1], [0.2, 1.0], [3.0, -1.0]])
+    labels = np.array([0, 1, 1])
+    totals = batch_totals(0.5, logits, labels, "classification") + batch_totals(1.5, logits[:1], labels[:1],
+                                                                                "classification")
+    assert totals.tolist() == [0.5 * 3 + 1.5 * 1, 2 + 1, 4]
+    assert eval_results(totals, "classification") == {"loss": 0.75, "accuracy": 0.75}
+    tokens = batch_totals(2.0, np.zeros((2, 5, 3)), np.zeros((2, 3), dtype=np.int64), "language_model")
+    assert tokens.tolist() == [12.0, 6.0, 6.0]  # the loss is a mean over the 6 tokens
+    assert eval_results(tokens, "language_model") == {"loss": 2.0, "perplexity": math.exp(2.0), "accuracy": 1.0}
+    regression = batch_totals(0.25, np.zeros((4, 2)), np.zeros((4, 2)), "regression")
+    assert regression.tolist() == [1.0, 0.0, 4.0] and eval_results(regression, "regression") == {"loss": 0.25}
+
+
+@pytest.mark.parametrize("loss, reference", [
+    ("cross_entropy", torch.nn.functional.cross_entropy),
+    ("mse", torch.nn.functional.mse_loss),
+    ("l1", torch.nn.functional.l1_loss),
+    ("bce_with_logits", torch.nn.functional.binary_cross_entropy_with_logits),
+])
+def test_losses_of_logits_equal_torchs(loss, reference):
+    rng = np.random.default_rng(0)
+    if loss == "cross_entropy":  # [batch, classes, positions], as a language model's logits
+        logits, labels = rng.standard_normal((4, 5, 3)) * 3, rng.integers(0, 5, (4, 3))
+        expected = reference(torch.from_numpy(logits), torch.from_numpy(labels))
+    else:
+        logits, labels = rng.standard_normal((6, 2)) * 3, rng.random((6, 2)).round()
+        expected = reference(torch.from_numpy(logits), torch.from_numpy(labels))
+    assert loss_of(logits.astype(np.float32), labels, loss) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_an_unknown_loss_is_refused():
+    from ortflow.errors import ModelError
+
+    with pytest.raises(ModelError, match="model.json: loss 'hinge' is not one ortflow trains with"):
+        loss_of(np.zeros((1, 2)), np.zeros((1, 2)), "hinge")
