@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -160,26 +161,30 @@ def test_rebuilt_ort_checkpoint_resumes_bit_exactly(reference):
     _assert_identical(train(rebuilt, batches[3:]), uninterrupted)
 
 
-def _rank_process(workdir: Path, rank: int):
-    """The process of MPI rank `rank` of the `ortflow.train.loop` running in `workdir`
-    (other tests may be training at the same time)."""
+def _process(workdir: Path, command: str, rank: int | None = None):
+    """The process whose command line holds `command`, running in `workdir` (of MPI rank
+    `rank`, if given): other tests may be training at the same time."""
     import psutil
 
     for process in psutil.process_iter(["cmdline", "cwd"]):
         try:
-            if "ortflow.train.loop" in " ".join(process.info["cmdline"] or []) and \
-                    process.info["cwd"] == str(workdir) and process.environ().get("OMPI_COMM_WORLD_RANK") == str(rank):
+            if command in " ".join(process.info["cmdline"] or []) and process.info["cwd"] == str(workdir) and \
+                    (rank is None or process.environ().get("OMPI_COMM_WORLD_RANK") == str(rank)):
                 return process
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return None
 
 
-def test_kill_9_one_rank_then_rerun_is_bit_identical(reference, tmp_path):
-    workdir = _copy_run(reference, tmp_path / "work", keep_training=False)
-    # Rank 1 waits at step 25 (after the checkpoint of step 20) until it is killed.
+def _rank_process(workdir: Path, rank: int):
+    return _process(workdir, "ortflow.train.loop", rank)
+
+
+def _stalled_at_step_25(workdir: Path) -> tuple[threading.Thread, dict]:
+    """Start `snakemake train` in `workdir`; return once rank 1 waits at step 25 (after
+    the checkpoint of step 20) until it is killed or asked to stop."""
     stall = _config(fail_at_step={"step": 25, "rank": 1, "mode": "stall"}, collective_timeout_s=600)
-    result = {}
+    result: dict = {}
     runner = threading.Thread(target=lambda: result.update(run=run_snakemake(workdir, stall, "train", check=False)))
     runner.start()
     heartbeat = workdir / RUN / "train/heartbeat/rank-1.json"
@@ -187,10 +192,16 @@ def test_kill_9_one_rank_then_rerun_is_bit_identical(reference, tmp_path):
     while time.monotonic() < deadline:
         try:
             if json.loads(heartbeat.read_text())["step"] == 25:
-                break
+                return runner, result
         except (OSError, ValueError):
             pass
         time.sleep(0.2)
+    pytest.fail("rank 1 never reached step 25")
+
+
+def test_kill_9_one_rank_then_rerun_is_bit_identical(reference, tmp_path):
+    workdir = _copy_run(reference, tmp_path / "work", keep_training=False)
+    runner, result = _stalled_at_step_25(workdir)
     process = _rank_process(workdir, 1)
     assert process is not None, "rank 1 is not running"
     process.kill()  # SIGKILL
@@ -207,6 +218,115 @@ def test_kill_9_one_rank_then_rerun_is_bit_identical(reference, tmp_path):
     assert f"resuming at step 20 from {RUN}/train/checkpoints/step-00000020" in log
     assert "skipping checkpoint results/digits/train/checkpoints/step-00000030 is incomplete" in log
     _assert_identical(_state(root / "step-00000040"), _state(_root(reference) / "step-00000040"))
+
+
+def _assert_resumes_at_26_bit_identically(workdir: Path, reference: Path) -> None:
+    """The rerun goes on from the checkpoint of the stop, to the reference's weights, with the whole history."""
+    run_snakemake(workdir, _config(), "train")
+    assert f"resuming at step 26 from {RUN}/train/checkpoints/step-00000026" in _log(workdir)
+    _assert_identical(_state(_root(workdir) / "step-00000040"), _state(_root(reference) / "step-00000040"))
+    metrics = json.loads((workdir / RUN / "train/metrics.json").read_text())
+    assert [entry["step"] for entry in metrics["history"]["train"]] == [10, 20, 30, 40]
+    assert (metrics["steps"], metrics["steps_this_attempt"]) == (40, 14)
+
+
+@pytest.mark.parametrize("target", ["launcher", "rank 1"])
+def test_sigterm_stops_with_a_checkpoint_at_the_step_reached(reference, tmp_path, target):
+    workdir = _copy_run(reference, tmp_path / "work", keep_training=False)
+    runner, result = _stalled_at_step_25(workdir)
+    process = _process(workdir, "bin/ortflow train") if target == "launcher" else _rank_process(workdir, 1)
+    process.send_signal(signal.SIGTERM)
+    runner.join(timeout=120)
+    assert result["run"].returncode != 0
+    log = _log(workdir)
+    # The ranks finish step 26 (rank 1 was in it), then write its checkpoint, not that of step 20.
+    seen = "SIGUSR1 on" if target == "launcher" else "SIGTERM on 1 rank"
+    assert f"stopping after step 26 of 40: {seen}" in log
+    assert f"checkpoint {RUN}/train/checkpoints/step-00000026 written; rerun to resume from it" in log
+    assert "ortflow train: stopped by SIGTERM after step 26, with a checkpoint" in log
+    assert checkpoint.latest(_root(workdir)).step == 26
+    _assert_resumes_at_26_bit_identically(workdir, reference)
+
+
+def test_kill_9_of_snakemake_leaves_no_rank_behind(reference, tmp_path):
+    workdir = _copy_run(reference, tmp_path / "work", keep_training=False)
+    runner, _ = _stalled_at_step_25(workdir)
+    _process(workdir, "--snakefile").kill()  # SIGKILL
+    runner.join(timeout=60)
+    deadline = time.monotonic() + 10
+    # Snakemake stays a zombie until the test reaps it, after the rule's shell ends: still seen as gone.
+    while left := [c for c in ("-m ortflow.train.loop", "bin/ortflow train", "bin/prterun") if _process(workdir, c)]:
+        assert time.monotonic() < deadline, f"outlived Snakemake by 10 s: {left}"
+        time.sleep(0.2)
+    log = _log(workdir)
+    assert ", which started this launcher, exited" in log and "stopping after step 26 of 40" in log
+    run_snakemake(workdir, _config(), "--unlock")  # Snakemake's own lock outlives a SIGKILL
+    _assert_resumes_at_26_bit_identically(workdir, reference)
+
+
+def test_damaged_newest_checkpoints_are_skipped(reference, tmp_path):
+    workdir = _copy_run(reference, tmp_path / "work")
+    root = _root(workdir)
+    # As if the run had crashed before it finished: the rerun resumes.
+    (workdir / RUN / "train/metrics.json").unlink()
+    (workdir / RUN / "train/FINISHED").unlink()
+    shard = root / "step-00000040/shard-00001-of-00002.h5"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    manifest = root / "step-00000030/manifest.json"
+    manifest.write_text(manifest.read_text()[:200])
+
+    run_snakemake(workdir, _config(), "train")
+    log = _log(workdir)
+    assert f"skipping shard {RUN}/train/checkpoints/step-00000040/shard-00001-of-00002.h5: checksum mismatch" in log
+    assert f"skipping {RUN}/train/checkpoints/step-00000030/manifest.json: not readable as JSON" in log
+    assert f"resuming at step 20 from {RUN}/train/checkpoints/step-00000020" in log
+    _assert_identical(_state(root / "step-00000040"), _state(_root(reference) / "step-00000040"))
+
+
+def test_rerun_after_a_finished_run_trains_from_step_0(reference, tmp_path):
+    workdir = _copy_run(reference, tmp_path / "work")
+    root = _root(workdir)
+    run_snakemake(workdir, _config(), "train", "-R", "train")
+    log = _log(workdir)
+    assert f"its checkpoints and TensorBoard events are moved to {RUN}/train/previous" in log
+    assert "starting at step 0" in log
+    assert (workdir / RUN / "train/previous/checkpoints/step-00000040/COMPLETE").exists()
+    # The same training from scratch: the same weights.
+    _assert_identical(_state(root / "step-00000040"), _state(_root(reference) / "step-00000040"))
+    for steps in (30, 50):  # fewer, more: retrained, never a checkpoint of another step count
+        run_snakemake(workdir, _config(steps=steps), "train")
+        assert "starting at step 0" in _log(workdir)
+        metrics = json.loads((workdir / RUN / "train/metrics.json").read_text())
+        assert metrics["steps"] == metrics["steps_this_attempt"] == steps
+        assert metrics["history"]["train"][-1]["step"] == steps
+        assert checkpoint.latest(root).step == steps
+
+
+def test_user_onnx_file_replaced_in_place_retrains(digits_workdir, tmp_path):
+    import onnx
+    from onnx import numpy_helper
+    from test_artifacts import onnx_model
+
+    workdir = digits_workdir
+    path = onnx_model(tmp_path / "user.onnx")
+    settings = {"model": {"kind": "onnx", "path": str(path)},
+                "train": {"steps": 20, "checkpoint_every": 10, "log_every": 10, "eval_every": 20}}
+    run_snakemake(workdir, settings, "train")
+    # As if the run had crashed after its last checkpoint: a plain rerun would resume.
+    (workdir / RUN / "train/metrics.json").unlink()
+    (workdir / RUN / "train/FINISHED").unlink()
+    model = onnx.load(str(path))
+    weight = model.graph.initializer[0]
+    weight.CopyFrom(numpy_helper.from_array(2 * numpy_helper.to_array(weight), weight.name))
+    onnx.save(model, str(path))  # same path, same shapes, other weights
+
+    run_snakemake(workdir, settings, "train", "-R", "build_artifacts")
+    log = _log(workdir)
+    assert f"skipping checkpoint {RUN}/train/checkpoints/step-00000020: another training identity (model.path: " \
+           "'sha256:" in log
+    assert "starting at step 0" in log
 
 
 def test_resume_with_another_world_size(reference, tmp_path):
@@ -233,12 +353,13 @@ def test_resume_with_another_world_size(reference, tmp_path):
 
 def test_another_identity_is_skipped_and_refused(reference, tmp_path):
     workdir = _copy_run(reference, tmp_path / "work")
+    (workdir / RUN / "train/FINISHED").unlink()  # as if interrupted: its checkpoints stay where they are
     root = _root(workdir)
     other_lr = {"name": "adamw", "lr": 0.002, "weight_decay": 0.01}
     run_snakemake(workdir, _config(optimizer=other_lr, steps=10), "train", "merge_checkpoint")
     log = _log(workdir)
     assert "skipping checkpoint results/digits/train/checkpoints/step-00000040: another training identity " \
-           "(optimizer.lr: 0.003 in the checkpoint, 0.002 now)" in log
+           "(optimizer.lr: 0.003 in the checkpoint, 0.002 now, steps: 40 in the checkpoint, 10 now)" in log
     assert "starting at step 0" in log
     # The other identity's checkpoints are kept; this run's newest is the one merged.
     assert sorted(p.name for p in root.iterdir()) == ["step-00000010", "step-00000020", "step-00000030",
