@@ -200,6 +200,9 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
                  world_size, global_batch, micro, accum, world_size,
                  f"resuming at step {start_step} from {resume.path}" if resume else "starting at step 0",
                  f"{threads} threads per rank")
+    placement = comm.placement()
+    if rank == 0:
+        log.info("ranks per node: %s", placement)
 
     metrics = Metrics(out_dir, rank == 0, start_step, train_cfg["steps"])
     flops_per_sample = sum(info["flops_per_sample"].values())
