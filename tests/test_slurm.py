@@ -45,7 +45,7 @@ def slurm_run(slurm_cluster, tmp_path_factory):
 def slurm_jobs(workdir: Path) -> dict[str, list[dict]]:
     """Slurm's accounting records of the jobs run in `workdir`: job id -> the
     job's row followed by its steps' rows."""
-    fields = "JobID,Comment,State,NTasks,AllocCPUS,WorkDir"
+    fields = "JobID,Comment,State,NTasks,NNodes,NodeList,AllocCPUS,WorkDir"
     out = subprocess.run(
         ["sacct", "--allusers", "--noheader", "--parsable2", "--starttime", "now-6hours",
          f"--format={fields}"],
