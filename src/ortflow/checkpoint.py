@@ -5,6 +5,8 @@ A checkpoint is a folder `step-XXXXXXXX` (optimizer steps done) under the run's
 
     shard-RRRRR-of-WWWWW.h5   rank R's part of the parameters and of their optimizer state
     manifest.json             step, training identity, and the size and sha256 of every shard
+                              and of history.json
+    history.json              the metrics logged up to this step (written by rank 0)
     COMPLETE                  written by rank 0 once every shard is in place
 
 Every rank holds the same state after a step (data parallelism), so each one
@@ -58,6 +60,7 @@ log = logging.getLogger("ortflow.checkpoint")
 HELP = "inspect, merge or reshard the sharded checkpoints of a run"
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
+HISTORY = "history.json"  # the run's logged metrics up to the checkpoint's step
 META = "meta.json"  # of a merged checkpoint; export reads its step and identity_digest
 FORMAT = "ortflow-checkpoint-shard/1"
 
@@ -67,6 +70,7 @@ class Resume:
     path: Path  # the checkpoint folder
     step: int
     meta: dict  # its manifest
+    checkpoint: Checkpoint | None = field(default=None, repr=False)  # its shards, once read and checked
 
 
 @dataclass
@@ -223,8 +227,10 @@ def _manifest(checkpoint_id: str, step: int, world_size: int, identity: dict, id
             "identity_digest": identity_digest, "properties": properties, "shards": shards}
 
 
-def save(root: Path, step: int, state, comm, identity: dict, identity_digest: str, properties: dict, keep: int) -> Path:
-    """Every rank writes its shard of the checkpoint of optimizer step `step` (steps done so far)."""
+def save(root: Path, step: int, state, comm, identity: dict, identity_digest: str, properties: dict, keep: int,
+         history: dict | None = None) -> Path:
+    """Every rank writes its shard of the checkpoint of optimizer step `step` (steps done so far);
+    rank 0 also writes `history` (the run's logged metrics so far), so that a resumed run reports all of it."""
     final = step_dir(root, step)
     checkpoint_id = None
     if comm.rank == 0:
@@ -243,8 +249,12 @@ def save(root: Path, step: int, state, comm, identity: dict, identity_digest: st
     attrs = _shard_attrs(checkpoint_id, step, comm.rank, comm.world_size, identity, identity_digest, full.version)
     entries = comm.allgather(_write_shard(final, part, attrs))
     if comm.rank == 0:
-        _write_json(final / MANIFEST, _manifest(checkpoint_id, step, comm.world_size, identity, identity_digest,
-                                                full.properties, entries))
+        manifest = _manifest(checkpoint_id, step, comm.world_size, identity, identity_digest, full.properties, entries)
+        if history is not None:
+            data = (json.dumps(history, allow_nan=False) + "\n").encode()
+            _write_durably(final / HISTORY, data)
+            manifest["history"] = {"file": HISTORY, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        _write_json(final / MANIFEST, manifest)
         _write_durably(final / COMPLETE, b"")
         _prune(root, identity_digest, keep)
     return final
@@ -279,7 +289,10 @@ def _manifest_of(path: Path) -> dict:
     if not (path / COMPLETE).exists() or not (path / MANIFEST).exists():
         missing = COMPLETE if not (path / COMPLETE).exists() else MANIFEST
         raise CheckpointError(f"checkpoint {path} is incomplete (no {missing}): its run stopped while writing it")
-    return json.loads((path / MANIFEST).read_text())
+    try:
+        return json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path / MANIFEST}: not readable as JSON ({error}): the file is damaged") from None
 
 
 def read_checkpoint(path: Path) -> Checkpoint:
@@ -321,12 +334,26 @@ def _checked_shard(file: Path, entry: dict, manifest: dict) -> TrainingState:
 
 def load_state(resume: Resume):
     """The CheckpointState to train on from the checkpoint `resume` (any world size)."""
-    return ort_state(read_checkpoint(resume.path).state)
+    return ort_state((resume.checkpoint or read_checkpoint(resume.path)).state)
 
 
-def find_resume(root: Path, identity: dict, identity_digest: str, resume_from: str | None) -> Resume | None:
-    """The checkpoint to resume from: `resume_from` if given (refused if it belongs
-    to another training identity), else the newest complete one of this identity."""
+def read_history(resume: Resume) -> dict | None:
+    """The metrics logged up to the checkpoint `resume`, checked against its manifest (None if it has none)."""
+    entry = resume.meta.get("history")
+    if not entry:
+        return None
+    file = resume.path / entry["file"]
+    data = file.read_bytes() if file.is_file() else b""
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise CheckpointError(f"{file}: missing or damaged (its checksum does not match {MANIFEST})")
+    return json.loads(data)
+
+
+def find_resume(root: Path, identity: dict, identity_digest: str, resume_from: str | None,
+                steps: int) -> Resume | None:
+    """The checkpoint to resume from: `resume_from` if given (refused if it belongs to
+    another training identity, is damaged or lies beyond `steps`), else the newest
+    intact one of this identity at or before `steps`; damaged ones are skipped with a warning."""
     if resume_from:
         manifest = _manifest_of(Path(resume_from))
         if manifest["identity_digest"] != identity_digest:
@@ -334,19 +361,34 @@ def find_resume(root: Path, identity: dict, identity_digest: str, resume_from: s
                 f"train.resume_from: checkpoint {resume_from} belongs to another training identity; differs: "
                 + ", ".join(_differences(manifest["identity"], identity))
             )
-        return Resume(Path(resume_from), manifest["step"], manifest)
+        resume = _resume_at(Path(resume_from), identity, identity_digest, steps)
+        if isinstance(resume, str):
+            raise CheckpointError(f"train.resume_from: checkpoint {resume_from}: {resume}")
+        return resume
     for path in sorted(Path(root).glob("step-*"), reverse=True):
         try:
-            manifest = _manifest_of(path)
+            resume = _resume_at(path, identity, identity_digest, steps)
         except CheckpointError as error:
             log.warning("skipping %s", error)
             continue
-        if manifest["identity_digest"] != identity_digest:
-            log.info("skipping checkpoint %s: another training identity (%s)", path,
-                     ", ".join(_differences(manifest["identity"], identity)))
+        if isinstance(resume, str):
+            log.info("skipping checkpoint %s: %s", path, resume)
             continue
-        return Resume(path, manifest["step"], manifest)
+        return resume
     return None
+
+
+def _resume_at(path: Path, identity: dict, identity_digest: str, steps: int) -> Resume | str:
+    """The checkpoint `path`, every file checked, or why it does not belong to this training.
+    Raises CheckpointError if it is incomplete or damaged."""
+    manifest = _manifest_of(path)
+    if manifest["identity_digest"] != identity_digest:
+        return f"another training identity ({', '.join(_differences(manifest['identity'], identity))})"
+    if manifest["step"] > steps:
+        return f"step {manifest['step']} is beyond train.steps {steps}"
+    resume = Resume(path, manifest["step"], manifest, read_checkpoint(path))
+    read_history(resume)  # checked now, so that a damaged one is skipped like a damaged shard
+    return resume
 
 
 def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -168,15 +168,28 @@ def digest(obj: Any) -> str:
 
 
 def training_identity(config: dict) -> dict:
-    """What a checkpoint belongs to: resuming is only meaningful if all of
-    this is unchanged. World size, periods and the step count may change."""
+    """What a checkpoint belongs to: resuming is only meaningful if all of this is
+    unchanged. World size and the periods may change; the step count too unless the
+    learning-rate schedule spreads its decay over it. The user's model and data
+    files count by their content, not their path."""
     train = config["train"]
-    return {
+    identity = {
         "seed": config["run"]["seed"],
-        "data": config["data"],
-        "model": config["model"],
+        "data": by_content(config["data"]),
+        "model": by_content(config["model"]),
         "optimizer": train["optimizer"],
         "lr_schedule": train["lr_schedule"],
         "clip_grad_norm": train["clip_grad_norm"],
         "global_batch_size": global_batch_size(config),
     }
+    if train["lr_schedule"]["name"] != "constant":
+        identity["steps"] = train["steps"]
+    return identity
+
+
+def by_content(section: dict) -> dict:
+    """`section` with each value that names a file replaced by `sha256:<digest>` of the file."""
+    from .data.shards import sha256_file
+
+    return {key: f"sha256:{sha256_file(Path(value))}" if isinstance(value, str) and Path(value).is_file() else value
+            for key, value in section.items()}

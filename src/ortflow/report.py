@@ -27,7 +27,10 @@ TOP_OPERATORS = 15
 
 
 def fmt(value: float, kind: str) -> str:
-    """The one way a number is shown (tests read the report back through it)."""
+    """The one way a number is shown (tests read the report back through it); None
+    (in metrics.json: a measure an attempt that ran no step does not have) is n/a."""
+    if value is None:
+        return "n/a"
     return {
         "percent": lambda v: f"{100 * v:.2f}%",
         "seconds": lambda v: f"{v:.2f} s",
@@ -108,13 +111,15 @@ def plot_training(metrics: dict, config: dict, out_dir: Path) -> None:
     figure, (rate_axes, time_axes) = plt.subplots(1, 2, figsize=(10, 4))
     rates = [row["samples_per_s"] for row in train]
     rate_axes.plot(steps, rates, marker=".", label="logged step")
-    rate_axes.axhline(metrics["samples_per_s"], color="C2", linestyle="--", label="steady state (run)")
+    if metrics["samples_per_s"] is not None:  # None: the last attempt ran no step
+        rate_axes.axhline(metrics["samples_per_s"], color="C2", linestyle="--", label="steady state (run)")
     rate_axes.set(xlabel="optimizer step", ylabel="samples/s", title="Throughput")
     rate_axes.legend()
     time_axes.plot(steps, [1000 * metrics["global_batch_size"] / rate for rate in rates], marker=".",
                    label="logged step")
     for key, style in (("step_time_p50_s", "--"), ("step_time_p95_s", ":")):
-        time_axes.axhline(1000 * metrics[key], color="C3", linestyle=style, label=key[10:13] + " (run)")
+        if metrics[key] is not None:
+            time_axes.axhline(1000 * metrics[key], color="C3", linestyle=style, label=key[10:13] + " (run)")
     time_axes.set(xlabel="optimizer step", ylabel="ms", title="Step time")
     time_axes.legend()
     save(figure, out_dir / "throughput.png")
@@ -265,8 +270,10 @@ def run_summary(results: str | Path) -> str:
         name, shown = quality(train["eval"])
         lines.append(f"  {name:<9} {shown} (eval at step {train['steps']})")
     if train:
-        lines.append(f"  training  {train['steps']} steps in {fmt(train['wall_time_s'], 'seconds')}, "
-                     f"{fmt(train['samples_per_s'], 'rate')} samples/s on {len(train['peak_rss_mb'])} ranks")
+        this_attempt = train.get("steps_this_attempt", train["steps"])
+        lines.append(f"  training  {train['steps']} steps ({this_attempt} in this attempt) in "
+                     f"{fmt(train['wall_time_s'], 'seconds')}, {fmt(train['samples_per_s'], 'rate')} samples/s "
+                     f"on {len(train['peak_rss_mb'])} ranks")
     if len(lines) == 1:
         lines.append("  nothing trained yet")
     report = results / "report.html"

@@ -1,15 +1,35 @@
 """`ortflow train`: check the setup, then start `train.world_size` ranks of the
-training loop with the MPI launcher (mpirun locally, srun inside a Slurm job)."""
+training loop with the MPI launcher (mpirun locally, srun inside a Slurm job),
+and watch over them:
+
+- One attempt at a time: a lock on the run's train/ folder refuses a second one.
+- A rerun after a run that finished trains anew: the finished run's checkpoints
+  and TensorBoard events are moved to train/previous/ first.
+- SIGTERM, SIGINT or SIGUSR1 reach the ranks as SIGUSR1 (see stop.py), and so
+  does the end of Snakemake or of this launcher, even by SIGKILL; ranks that
+  have not stopped GRACE_S later are killed.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import fcntl
+import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+from .stop import GRACE_S, STOP_SIGNALS, STOPPED
+
 HELP = "train the artifacts on the shards with W ranks (mpirun or srun)"
+LOCK = "attempt.lock"  # in the run's train/ folder: held while an attempt runs
+FINISHED = "FINISHED"  # in the run's train/ folder: the last attempt trained to the end
+PREVIOUS = "previous"  # in the run's train/ folder: a finished run's checkpoints, moved aside by a rerun
 
 
 def launcher_command(mpi: str, world_size: int, cores: int) -> list[str]:
@@ -48,8 +68,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    import json
-
     from ..cli import load_config
     from ..doctor import host_cores, preflight, raise_if_problems
 
@@ -60,6 +78,11 @@ def run(args) -> int:
     # Cheap checks first: a missing launcher or GPU is reported with its fix
     # in a second, rather than as a hang or a traceback from inside a rank.
     raise_if_problems(preflight(config, args.mpi, args.out.parent))
+    append_to_log()
+    lock = lock_attempt(args.out)
+    if lock is None:
+        return 1
+    start_attempt(args.out, config["train"]["resume_from"])
     mpi = shutil.which(args.mpi) or args.mpi
     command = launcher_command(mpi, world_size, host_cores()) + [
         sys.executable, "-m", "ortflow.train.loop",
@@ -67,7 +90,14 @@ def run(args) -> int:
         "--data", str(args.data), "--artifacts", str(args.artifacts), "--out", str(args.out),
     ]
     print(f"ortflow train: {' '.join(command[:command.index(sys.executable)])} ...", file=sys.stderr, flush=True)
-    code = subprocess.call(command, env=launcher_env(os.environ))
+    code = supervise(command, launcher_env(os.environ), lock)
+    stopped = args.out / STOPPED
+    if stopped.exists():  # the ranks stopped on a signal, after writing a checkpoint
+        stop = json.loads(stopped.read_text())
+        reason = signal.Signals(code - 128) if code > 128 else signal.Signals[stop["signal"]]
+        print(f"ortflow train: stopped by {reason.name} after step {stop['step']}, with a checkpoint; "
+              "rerun to resume from it", file=sys.stderr)
+        return 128 + reason
     if code != 0:
         print(f"ortflow train: error: the ranks exited with code {code}; the failing rank's error is above",
               file=sys.stderr)
@@ -75,4 +105,113 @@ def run(args) -> int:
     if args.metrics and not args.metrics.exists():
         print(f"ortflow train: error: the ranks finished but wrote no {args.metrics}", file=sys.stderr)
         return 1
+    (args.out / FINISHED).write_text(json.dumps({"steps": config["train"]["steps"]}) + "\n")
     return 0
+
+
+def append_to_log() -> None:
+    """Write the log (Snakemake's redirection) in append mode: if a later attempt
+    empties the file while the ranks of this one still write, their lines go to its
+    end instead of leaving a hole of NUL bytes."""
+    for fd in (1, 2):
+        try:
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        except OSError:
+            pass
+
+
+def lock_attempt(out: Path):
+    """The open lock file of the run's train/ folder, locked for this attempt, or None
+    (said in one line) if another attempt holds it. mpirun inherits the lock, so
+    that it stays held while ranks live even if this launcher is killed."""
+    out.mkdir(parents=True, exist_ok=True)
+    lock = open(out / LOCK, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        print(f"ortflow train: error: another attempt of this run is still training in {out} "
+              f"({lock.read().strip() or 'holder unknown'}); wait for it to end, or stop it, and rerun",
+              file=sys.stderr)
+        return None
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"ortflow train pid {os.getpid()} on {socket.gethostname()}, started "
+               f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+    lock.flush()
+    return lock
+
+
+def start_attempt(out: Path, resume_from: str | None) -> None:
+    """Before the ranks start: if the last attempt finished, a rerun trains from step
+    0 (unless train.resume_from says where to start), so the finished run's
+    checkpoints and TensorBoard events move to train/previous/."""
+    finished = out / FINISHED
+    if finished.exists() and not resume_from and (out / "checkpoints").exists():
+        previous = out / PREVIOUS
+        shutil.rmtree(previous, ignore_errors=True)
+        previous.mkdir()
+        for name in ("checkpoints", "tensorboard"):
+            if (out / name).exists():
+                os.replace(out / name, previous / name)
+        print(f"ortflow train: the previous run in {out} trained to the end; its checkpoints and TensorBoard "
+              f"events are moved to {previous}, and training starts at step 0", file=sys.stderr, flush=True)
+    finished.unlink(missing_ok=True)
+    (out / STOPPED).unlink(missing_ok=True)
+    shutil.rmtree(out / "heartbeat", ignore_errors=True)  # only this attempt's ranks beat
+
+
+def _die_with_parent() -> None:
+    """In mpirun, before it starts: SIGUSR1 when this launcher ends, however it ends."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
+
+
+def supervise(command: list[str], env: dict, lock) -> int:
+    """Run the MPI launcher to its end. A stop signal to this launcher, or the end of
+    the Snakemake that started it, reaches the ranks as SIGUSR1; the launcher is
+    killed GRACE_S later if it has not ended. Returns its exit code, or 128 + the
+    signal received."""
+    received: list[int] = []
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda signum, frame: received.append(signum))
+    # A session of its own: a Ctrl-C or a signal to Snakemake's process group
+    # reaches this launcher only, which asks the ranks to stop with a checkpoint.
+    process = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent,
+                               pass_fds=(lock.fileno(),))
+    watched, forwarded, deadline = snakemake_chain(), False, None
+    while True:
+        try:
+            code = process.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            pass
+        gone = next((p for p in watched if not p.is_running()), None)
+        if gone is not None and not received:
+            print(f"ortflow train: {' '.join(gone.cmdline()[:1]) or gone.name()} (pid {gone.pid}) exited",
+                  file=sys.stderr, flush=True)
+            received.append(signal.SIGHUP)
+        if received and not forwarded:
+            print(f"ortflow train: {signal.Signals(received[0]).name}: the ranks finish their step, write a "
+                  f"checkpoint and stop (they are killed after {GRACE_S:.0f} s)", file=sys.stderr, flush=True)
+            process.send_signal(signal.SIGUSR1)
+            forwarded, deadline = True, time.monotonic() + GRACE_S
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"ortflow train: the ranks did not stop within {GRACE_S:.0f} s; killing them", file=sys.stderr,
+                  flush=True)
+            os.killpg(process.pid, signal.SIGKILL)
+            deadline = None
+    return 128 + received[0] if received else code
+
+
+def snakemake_chain() -> list:
+    """This launcher's ancestors up to the Snakemake process that started it (the
+    shell of the rule, Snakemake), or none if no Snakemake started it."""
+    import psutil
+
+    chain = []
+    for parent in psutil.Process().parents()[:4]:
+        chain.append(parent)
+        if "snakemake" in " ".join(parent.cmdline()):
+            return chain
+    return []

@@ -27,8 +27,10 @@ import numpy as np
 from .. import checkpoint, config as config_mod
 from ..data.shards import ShardReader
 from . import comm as comm_mod
-from .metrics import Metrics, peak_rss_mb, unigram_perplexity
+from . import stop as stop_mod
+from .metrics import Metrics, peak_rss_mb, strict, unigram_perplexity
 from .schedule import learning_rate
+from .stop import StopRequest, Stopped
 
 log = logging.getLogger("ortflow.train")
 
@@ -150,15 +152,17 @@ def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, dat
     return eval_results(comm.allreduce_sum(totals), info["task"])
 
 
-def inject_fault(fault: dict | None, step: int, rank: int, batches: list[dict]) -> None:
+def inject_fault(fault: dict | None, step: int, rank: int, batches: list[dict], stop: StopRequest) -> None:
     """`train.fail_at_step` lets tests break one rank on purpose."""
     if not fault or fault["step"] != step or fault["rank"] != rank:
         return
     if fault["mode"] == "raise":
         raise TrainingError(f"injected failure on rank {rank} at step {step} (train.fail_at_step)")
-    if fault["mode"] == "stall":
+    if fault["mode"] == "stall":  # for an hour, or until asked to stop
         log.warning("rank %d stalls at step %d (train.fail_at_step)", rank, step)
-        time.sleep(3600)
+        until = time.monotonic() + 3600
+        while stop.reason is None and time.monotonic() < until:
+            time.sleep(0.1)
     if fault["mode"] == "nan":
         for batch in batches:
             for value in batch.values():
@@ -166,108 +170,204 @@ def inject_fault(fault: dict | None, step: int, rank: int, batches: list[dict]) 
                     value[...] = np.nan
 
 
-def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path) -> dict:
-    from onnxruntime.training.api import CheckpointState
+def is_time(done: int, period: int, steps: int) -> bool:
+    """Is it time for something done every `period` steps and after the last step?"""
+    return done % period == 0 or done == steps
 
-    run, train_cfg = config["run"], config["train"]
+
+class Checkpointer:
+    """Decides when the ranks write a checkpoint together, and writes it: every
+    `train.checkpoint_every` steps, after the last step, and when the run stops."""
+
+    def __init__(self, root: Path, comm, identity: dict, train_cfg: dict, global_batch: int):
+        self.root, self.comm, self.identity = root, comm, identity
+        self.identity_digest = config_mod.digest(identity)
+        self.every, self.steps, self.keep = train_cfg["checkpoint_every"], train_cfg["steps"], \
+            train_cfg["keep_checkpoints"]
+        self.global_batch = global_batch
+        self.last: tuple[int, Path] | None = None  # (step, folder) of the newest one written
+
+    def due(self, done: int) -> bool:
+        return is_time(done, self.every, self.steps)
+
+    def find_resume(self, resume_from: str | None):
+        """The checkpoint to go on from (see checkpoint.find_resume), or None to start at step 0."""
+        return checkpoint.find_resume(self.root, self.identity, self.identity_digest, resume_from, self.steps)
+
+    def save(self, done: int, state, lr: float, history: dict) -> Path:
+        if self.last and self.last[0] == done:
+            return self.last[1]
+        self.comm.watchdog.beat(done - 1, "checkpoint")
+        properties = {"step": done, "lr": lr, "samples_seen": done * self.global_batch}
+        folder = checkpoint.save(self.root, done, state, self.comm, self.identity, self.identity_digest,
+                                 properties, self.keep, strict(history))
+        self.last = (done, folder)
+        return folder
+
+
+def train_step(step: int, comm, module, optimizer, state, batches: list[dict], feed, train_cfg: dict,
+               stop: StopRequest) -> tuple:
+    """One optimizer step (see the top of this file). Returns the mean loss, the
+    gradient norm before clipping, and every rank's stop votes summed."""
+    scale_to_mean = 1.0 / (train_cfg["grad_accum_steps"] * comm.world_size)
+    loss_sum = 0.0
+    for batch in batches:
+        loss, _ = outputs_of(module(*feed(batch)))
+        loss_sum += loss
+    comm.watchdog.beat(step, "allreduce")
+    norm = average_and_clip(comm, gradients(state, trainable(state)), scale_to_mean, train_cfg["clip_grad_norm"])
+    # The stop votes ride along with the loss: agreeing to stop costs no collective of its own.
+    loss_sum, *votes = comm.allreduce_sum([loss_sum, *stop.votes()])
+    loss = loss_sum * scale_to_mean
+    if math.isfinite(loss) and math.isfinite(norm):
+        optimizer.step()
+    module.lazy_reset_grad()
+    return loss, norm, votes
+
+
+def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: StopRequest) -> dict:
+    train_cfg, steps = config["train"], config["train"]["steps"]
     out_dir.mkdir(parents=True, exist_ok=True)
     comm = comm_mod.create(train_cfg, out_dir / "heartbeat")
     rank, world_size = comm.rank, comm.world_size
     if world_size != train_cfg["world_size"]:
         raise TrainingError(f"started with {world_size} ranks but train.world_size is {train_cfg['world_size']}")
-    micro, accum = train_cfg["micro_batch_size"], train_cfg["grad_accum_steps"]
     global_batch = config_mod.global_batch_size(config)
-
     # Checked before the first step: checksums, batch size against the data.
-    train_reader = ShardReader(data_dir / "train")
-    eval_reader = ShardReader(data_dir / "eval")
+    train_reader, eval_reader = ShardReader(data_dir / "train"), ShardReader(data_dir / "eval")
     train_reader.check_batch(global_batch)
     info = json.loads((artifacts / "model.json").read_text())
-    data_label = train_reader.label_name
 
-    identity = config_mod.training_identity(config)
-    identity_digest = config_mod.digest(identity)
-    resume = checkpoint.find_resume(out_dir / "checkpoints", identity, identity_digest, train_cfg["resume_from"])
+    checkpointer = Checkpointer(out_dir / "checkpoints", comm, config_mod.training_identity(config), train_cfg,
+                                global_batch)
+    resume = checkpointer.find_resume(train_cfg["resume_from"])
     start_step = resume.step if resume else 0
-    state = checkpoint.load_state(resume) if resume else CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
-    device = f"cuda:{comm_mod.gpu_for(comm.local_rank, os.environ)}" if train_cfg["device"] == "cuda" else "cpu"
-    threads = threads_per_rank(comm.local_size, len(os.sched_getaffinity(0)), os.environ)
-    module, optimizer = open_sessions(artifacts, state, device, threads)
-    trainable = [name for name, p in state.parameters if p.requires_grad]
-    input_names = module.input_names()
+    state = checkpoint.load_state(resume) if resume else initial_state(artifacts)
+    sessions = Sessions(artifacts, state, comm, train_cfg, out_dir / "profile")
+    feed = feeder(sessions.module.input_names(), info["label"]["name"], train_reader.label_name)
     if rank == 0:
-        log.info("%d ranks, global batch %d (%d x %d accumulated x %d ranks), %s, %s",
-                 world_size, global_batch, micro, accum, world_size,
+        log.info("%d ranks, global batch %d (%d x %d accumulated x %d ranks), %s, %d threads per rank", world_size,
+                 global_batch, train_cfg["micro_batch_size"], train_cfg["grad_accum_steps"], world_size,
                  f"resuming at step {start_step} from {resume.path}" if resume else "starting at step 0",
-                 f"{threads} threads per rank")
+                 sessions.threads)
     placement = comm.placement()
     if rank == 0:
         log.info("ranks per node: %s", placement)
-
-    metrics = Metrics(out_dir, rank == 0, start_step, train_cfg["steps"])
-    flops_per_sample = sum(info["flops_per_sample"].values())
+    metrics = Metrics(out_dir, rank == 0, start_step, steps, checkpoint.read_history(resume) if resume else None)
     last_eval: dict = {}
-    scale_to_mean = 1.0 / (accum * world_size)
-    # train.profile_steps: traces of this run only, each rank its own.
-    profile_steps, profiling, profile_dir = train_cfg["profile_steps"], False, out_dir / "profile"
-    for old in profile_dir.glob(f"rank{rank}-*"):
-        old.unlink()
-    for step in range(start_step, train_cfg["steps"]):
-        traced = bool(profile_steps) and profile_steps[0] <= step <= profile_steps[1]
-        if traced != profiling:
-            profile_dir.mkdir(exist_ok=True)
-            module, optimizer = open_sessions(artifacts, state, device, threads,
-                                              profile_dir / f"rank{rank}-step{step}" if traced else None)
-            profiling = traced
+    for step in range(start_step, steps):
+        module, optimizer = sessions.at_step(step)
         started = time.perf_counter()
         comm.watchdog.beat(step, "forward")
-        lr = learning_rate(step, train_cfg["steps"], train_cfg["optimizer"]["lr"], train_cfg["lr_schedule"])
+        lr = learning_rate(step, steps, train_cfg["optimizer"]["lr"], train_cfg["lr_schedule"])
         optimizer.set_learning_rate(lr)
-        batches = train_reader.micro_batches(step, run["seed"], rank, world_size, micro, accum)
-        inject_fault(train_cfg["fail_at_step"], step, rank, batches)
-        loss_sum = 0.0
-        for batch in batches:
-            loss, _ = outputs_of(module(*feeds(batch, input_names, info["label"]["name"], data_label)))
-            loss_sum += loss
-
-        comm.watchdog.beat(step, "allreduce")
-        norm = average_and_clip(comm, gradients(state, trainable), scale_to_mean, train_cfg["clip_grad_norm"])
-        (global_loss,) = comm.allreduce_sum([loss_sum]) * scale_to_mean
-        if not (math.isfinite(global_loss) and math.isfinite(norm)):
-            raise TrainingError(
-                f"non-finite loss {global_loss} (gradient norm {norm}) at step {step + 1}; "
-                f"the last good checkpoint is kept in {out_dir / 'checkpoints'}"
-            )
-        optimizer.step()
-        module.lazy_reset_grad()
+        batches = train_reader.micro_batches(step, config["run"]["seed"], rank, world_size, train_cfg["micro_batch_size"],
+                                             train_cfg["grad_accum_steps"])
+        inject_fault(train_cfg["fail_at_step"], step, rank, batches, stop)
+        loss, norm, votes = train_step(step, comm, module, optimizer, state, batches, feed, train_cfg, stop)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise TrainingError(f"non-finite loss {loss} (gradient norm {norm}) at step {step + 1}; "
+                                f"the last good checkpoint is kept in {checkpointer.root}")
         metrics.step_time(time.perf_counter() - started)
-
         done = step + 1
-        if done % train_cfg["log_every"] == 0 or done == train_cfg["steps"]:
-            metrics.train(step, global_loss, lr, norm, global_batch / metrics.step_times[-1])
-        if done % train_cfg["histogram_every"] == 0 and rank == 0:
-            metrics.histograms(done, {n: state._state.get_parameter(n).data.numpy() for n in trainable})
-        if done % train_cfg["eval_every"] == 0 or done == train_cfg["steps"]:
+        log_step(metrics, train_cfg, done, state, loss, lr, norm, global_batch / metrics.step_times[-1])
+        if is_time(done, train_cfg["eval_every"], steps):
             comm.watchdog.beat(step, "eval")
-            if profiling:  # the traced Module has no eval graph; tracing resumes at the next step
-                module, optimizer = open_sessions(artifacts, state, device, threads)
-                profiling = False
-            last_eval = evaluate(module, eval_reader, comm, info, train_cfg["eval_batch_size"], data_label)
+            last_eval = evaluate(sessions.for_eval(), eval_reader, comm, info, train_cfg["eval_batch_size"],
+                                 train_reader.label_name)
             metrics.eval(done, last_eval)
-        if done % train_cfg["checkpoint_every"] == 0 or done == train_cfg["steps"]:
-            comm.watchdog.beat(step, "checkpoint")
-            checkpoint.save(out_dir / "checkpoints", done, state, comm, identity, identity_digest,
-                            {"step": done, "lr": lr, "samples_seen": done * global_batch},
-                            train_cfg["keep_checkpoints"])
+        reason = stop_mod.agreed(votes)
+        if checkpointer.due(done) or reason:
+            checkpointer.save(done, state, lr, metrics.history)
+        if reason:  # every rank knows it from the same all-reduce
+            stop_now(reason, votes, done, checkpointer, metrics)
 
+    return finish(config, sessions.for_eval(), comm, train_reader, eval_reader, info, metrics, last_eval, out_dir)
+
+
+class Sessions:
+    """The Module and Optimizer of this rank, reopened with ONNX Runtime's
+    profiler on for the steps of `train.profile_steps` (traces of this run only)."""
+
+    def __init__(self, artifacts: Path, state, comm, train_cfg: dict, profile_dir: Path):
+        self.artifacts, self.state, self.rank = artifacts, state, comm.rank
+        self.device = f"cuda:{comm_mod.gpu_for(comm.local_rank, os.environ)}" if train_cfg["device"] == "cuda" \
+            else "cpu"
+        self.threads = threads_per_rank(comm.local_size, len(os.sched_getaffinity(0)), os.environ)
+        self.profile_steps, self.profile_dir, self.profiling = train_cfg["profile_steps"], profile_dir, False
+        for old in profile_dir.glob(f"rank{self.rank}-*"):
+            old.unlink()
+        self.module, self.optimizer = open_sessions(artifacts, state, self.device, self.threads)
+
+    def at_step(self, step: int) -> tuple:
+        """(module, optimizer) for training step `step`."""
+        traced = bool(self.profile_steps) and self.profile_steps[0] <= step <= self.profile_steps[1]
+        if traced != self.profiling:
+            self.profile_dir.mkdir(exist_ok=True)
+            prefix = self.profile_dir / f"rank{self.rank}-step{step}" if traced else None
+            self.module, self.optimizer = open_sessions(self.artifacts, self.state, self.device, self.threads, prefix)
+            self.profiling = traced
+        return self.module, self.optimizer
+
+    def for_eval(self):
+        """The module, with its eval graph: a traced Module has none, so tracing pauses (until the next step)."""
+        if self.profiling:
+            self.module, self.optimizer = open_sessions(self.artifacts, self.state, self.device, self.threads)
+            self.profiling = False
+        return self.module
+
+
+def feeder(input_names: list[str], label_input: str, data_label: str):
+    """batch -> the Module's inputs in order."""
+    return lambda batch: feeds(batch, input_names, label_input, data_label)
+
+
+def trainable(state) -> list[str]:
+    return [name for name, p in state.parameters if p.requires_grad]
+
+
+def log_step(metrics: Metrics, train_cfg: dict, done: int, state, loss: float, lr: float, norm: float,
+             samples_per_s: float) -> None:
+    """The log line (every train.log_every steps) and the parameter histograms (every train.histogram_every)."""
+    if is_time(done, train_cfg["log_every"], train_cfg["steps"]):
+        metrics.train(done - 1, loss, lr, norm, samples_per_s)
+    if done % train_cfg["histogram_every"] == 0 and metrics.enabled:
+        metrics.histograms(done, {n: state._state.get_parameter(n).data.numpy() for n in trainable(state)})
+
+
+def initial_state(artifacts: Path):
+    from onnxruntime.training.api import CheckpointState
+
+    return CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
+
+
+def stop_now(reason, votes, done: int, checkpointer: Checkpointer, metrics: Metrics) -> None:
+    """Every rank agreed to stop (`votes`) and the checkpoint of step `done` is written: say so and end."""
+    where = checkpointer.last[1]
+    if checkpointer.comm.rank == 0:
+        log.warning("stopping after step %d of %d: %s; checkpoint %s written; rerun to resume from it",
+                    done, checkpointer.steps, stop_mod.describe(votes), where)
+        # For `ortflow train`, which exits with 128 + the signal (the ranks exit 0:
+        # mpirun would call a non-zero exit a failure).
+        (checkpointer.root.parent / stop_mod.STOPPED).write_text(json.dumps({"signal": reason.name, "step": done}))
+    metrics.close()
+    raise Stopped(reason, done, where)
+
+
+def finish(config: dict, module, comm, train_reader: ShardReader, eval_reader: ShardReader, info: dict,
+           metrics: Metrics, last_eval: dict, out_dir: Path) -> dict:
+    """The final evaluation (unless the last step just did it) and metrics.json."""
+    train_cfg = config["train"]
+    data_label = train_reader.label_name
     if not last_eval:  # resumed at the end: nothing trained, still report the model's quality
         last_eval = evaluate(module, eval_reader, comm, info, train_cfg["eval_batch_size"], data_label)
         metrics.eval(train_cfg["steps"], last_eval)
-    if info["task"] == "language_model" and rank == 0:  # only rank 0 writes metrics.json
+    if info["task"] == "language_model" and comm.rank == 0:  # only rank 0 writes metrics.json
         last_eval["unigram_perplexity"] = unigram_perplexity(
             train_reader.gather(np.arange(len(train_reader)))[data_label],
             eval_reader.gather(np.arange(len(eval_reader)))[data_label], info["num_classes"])
-    summary = metrics.summary(train_cfg["steps"], global_batch, flops_per_sample, last_eval,
+    flops_per_sample = sum(info["flops_per_sample"].values())
+    summary = metrics.summary(train_cfg["steps"], config_mod.global_batch_size(config), flops_per_sample, last_eval,
                               comm.allgather(peak_rss_mb()))
     metrics.write(out_dir / "metrics.json", summary)
     metrics.close()
@@ -281,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--artifacts", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path, help="the run's train/ folder")
     args = parser.parse_args(argv)
+    stop = StopRequest().install()  # first: a stop request during the imports is kept too
 
     from mpi4py import MPI
 
@@ -291,7 +392,13 @@ def main(argv: list[str] | None = None) -> int:
 
     onnxruntime.set_default_logger_severity(3)
     try:
-        train(config_mod.validate(json.loads(args.config_json)), args.data, args.artifacts, args.out)
+        train(config_mod.validate(json.loads(args.config_json)), args.data, args.artifacts, args.out, stop)
+    except Stopped:
+        # Every rank stops here together, without MPI_Abort.
+        logging.shutdown()
+        sys.stderr.flush()
+        if stop.orphaned:  # MPI_Finalize would wait for the mpirun that is gone
+            os._exit(0)
     except BaseException as error:  # noqa: BLE001 - any failure on one rank must end all ranks
         known = isinstance(error, (TrainingError, ValueError, comm_mod.DeviceError))
         log.error("rank %d failed: %s", rank, error, exc_info=not known)

@@ -26,10 +26,11 @@ def peak_rss_mb() -> float:
 
 
 class Metrics:
-    def __init__(self, out_dir: Path, enabled: bool, start_step: int, total_steps: int):
+    def __init__(self, out_dir: Path, enabled: bool, start_step: int, total_steps: int, history: dict | None = None):
+        """`history`: what the run logged before `start_step` (kept in the checkpoint resumed from)."""
         self.enabled, self.start_step, self.total_steps = enabled, start_step, total_steps
-        self.step_times: list[float] = []
-        self.history: dict[str, list] = {"train": [], "eval": []}
+        self.step_times: list[float] = []  # of this attempt
+        self.history: dict[str, list] = history or {"train": [], "eval": []}
         self.started = time.perf_counter()
         self.writer = None
         if enabled:
@@ -76,6 +77,7 @@ class Metrics:
         train_loss = self.history["train"][-1]["loss"] if self.history["train"] else math.nan
         return {
             "steps": steps,
+            "steps_this_attempt": len(self.step_times),
             "train_loss": train_loss,
             "eval": eval_results,
             "samples_per_s": samples_per_s,
@@ -92,12 +94,24 @@ class Metrics:
         if not self.enabled:
             return
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.write_text(json.dumps(strict(summary), indent=2, allow_nan=False) + "\n")
         os.replace(tmp, path)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def strict(value):
+    """`value` with every NaN or infinity replaced by None (null): strict JSON, which
+    every JSON reader accepts (an attempt that ran no step has no throughput)."""
+    if isinstance(value, dict):
+        return {k: strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [strict(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 def unigram_perplexity(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int) -> float:
