@@ -231,3 +231,33 @@ def write_config(workdir: Path, config: dict) -> Path:
     path = workdir / "test-config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+# ---- the time limit comes before the end of training
+
+
+def test_a_job_stopped_before_its_time_limit_comes_back_and_resumes(
+    two_node_run, inputs, tmp_path_factory, tmp_path
+):
+    """The profile asks Slurm for SIGUSR1 before the time limit. Here the limit
+    is 1 minute and the warning 40 s before it (Slurm sends it 20 to 50 s after
+    the start), and rank 2 stalls at step 15 until the warning: the ranks stop
+    after that step with a checkpoint, the job fails, Snakemake submits it again
+    (the profile's `retries`) and the second job resumes and finishes, with the
+    weights of the uninterrupted run bit for bit."""
+    profile = yaml.safe_load((PROFILE / "config.yaml").read_text())
+    assert profile["retries"] >= 1 and "--signal=USR1@" in profile["set-resources"]["train"]["slurm_extra"]
+    profile["default-resources"]["slurm_partition"] = PARTITION
+    profile["set-resources"]["train"].update(runtime=1, slurm_extra="--signal=USR1@40")
+    folder = tmp_path_factory.mktemp("time-limit-profile")
+    (folder / "config.yaml").write_text(yaml.safe_dump(profile))
+
+    workdir = workdir_with_inputs(inputs, tmp_path / "work")
+    config = with_train(fail_at_step={"step": 15, "rank": 2, "mode": "stall"})
+    result = run_snakemake(workdir, config, "train", *slurm_args(folder))
+    jobs = [rows[0] for rows in slurm_jobs(workdir).values() if rows[0]["Comment"] == "rule_train"]
+    assert [job["State"] for job in jobs] == ["FAILED", "COMPLETED"], (jobs, result.stderr[-3000:])
+    log = (workdir / "logs/digits/train.log").read_text()
+    assert re.search(r"resuming at step 16 from \S*/checkpoints/step-00000016", log), log
+    uninterrupted, resumed = final_weights(two_node_run[0] / TRAIN_DIR), final_weights(workdir / TRAIN_DIR)
+    assert all(np.array_equal(uninterrupted[name], resumed[name]) for name in uninterrupted)
