@@ -197,7 +197,9 @@ def test_a_failed_node_ends_the_job_and_the_rerun_on_the_other_resumes(
     run = subprocess.Popen(
         [str(BIN / "snakemake"), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
          "--configfile", str(write_config(workdir, config)), "--cores", "2", "train",
-         *slurm_args(two_node_profile)],
+         # The profile's retry would ask for 2 nodes again (excluding the failed
+         # ones): this partition has no others, and the job would wait forever.
+         *slurm_args(two_node_profile), "--retries", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
