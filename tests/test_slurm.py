@@ -45,7 +45,7 @@ def slurm_run(slurm_cluster, tmp_path_factory):
 def slurm_jobs(workdir: Path) -> dict[str, list[dict]]:
     """Slurm's accounting records of the jobs run in `workdir`: job id -> the
     job's row followed by its steps' rows."""
-    fields = "JobID,Comment,State,NTasks,AllocCPUS,WorkDir"
+    fields = "JobID,Comment,State,NTasks,NNodes,NodeList,AllocCPUS,WorkDir"
     out = subprocess.run(
         ["sacct", "--allusers", "--noheader", "--parsable2", "--starttime", "now-6hours",
          f"--format={fields}"],
@@ -112,8 +112,9 @@ def test_cuda_training_asks_for_one_gpu_per_task(slurm_run, tmp_path):
     result = run_snakemake(workdir, config, *SLURM_ARGS, check=False)
     assert result.returncode != 0, result.stderr
     calls = re.findall(r"^\s*(sbatch .*--comment rule_train .*)$", result.stderr, re.M)
-    assert len(calls) == 1, result.stderr[-4000:]
-    arguments = calls[0].split(" --wrap=")[0].split()
-    assert {"--gpus=4", "--ntasks=4", "--ntasks-per-gpu=1"} <= set(arguments), arguments
+    assert calls, result.stderr[-4000:]
+    for call in calls:  # the profile's `retries` submits the refused job once more
+        arguments = call.split(" --wrap=")[0].split()
+        assert {"--gpus=4", "--ntasks=4", "--ntasks-per-gpu=1"} <= set(arguments), arguments
     # The cluster has no GPU: Slurm itself refused the GPU request.
     assert "Invalid generic resource (gres) specification" in result.stderr

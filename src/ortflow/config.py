@@ -154,6 +154,11 @@ def _check_cross_keys(config: dict) -> None:
         )
     if train["backend"] == "nccl" and train["device"] != "cuda":
         raise ConfigError("config key 'train.backend': 'nccl' needs train.device: cuda")
+    if train["nodes"] > train["world_size"]:
+        raise ConfigError(
+            f"config key 'train.nodes': {train['nodes']} nodes for train.world_size={train['world_size']} ranks; "
+            "every node needs at least one rank"
+        )
     profile = train["profile_steps"]
     if profile and profile[0] > profile[1]:
         raise ConfigError(f"config key 'train.profile_steps': first {profile[0]} is after last {profile[1]}")

@@ -1,21 +1,34 @@
 #!/usr/bin/env bash
-# Bring up a real single-node Slurm cluster on localhost for the Slurm tests:
+# Bring up a real Slurm cluster on this one machine for the Slurm tests:
 # Debian's slurm-wlm and munge, with job accounting (slurmdbd on MariaDB), so
 # that `sacct` answers the Slurm executor's status queries and records every job
 # step. Needs root and Debian (12); no systemd: each daemon is started by hand.
 #
-# Idempotent: with the cluster up it returns at once. Exits non-zero, with the
-# daemons' log tails, when the cluster does not come up.
+# Three compute nodes, one cluster (so CI sets it up once):
+# - this machine's own node (`slurmd -C`), partition `batch`, for
+#   tests/test_slurm.py;
+# - node1 and node2, partition `twonodes`, for tests/test_slurm_two_nodes.py:
+#   each a slurmd in its own network namespace (ortflow-node1, -node2) and UTS
+#   namespace (its own hostname), on a bridge this script creates (ortflow-br,
+#   10.77.0.1/24; the nodes are 10.77.0.11 and .12). They share the machine's
+#   filesystem (the mount namespace), as cluster nodes share /home: the munge
+#   socket, the project folder and its virtualenv. slurmctld listens on the
+#   bridge address, so that every node reaches it; nothing else is routed.
 #
-# The names tests and users see: cluster `ortflow`, partition `batch`, account
-# `ortflow` (the values in workflow/profiles/slurm/config.yaml).
+# Idempotent: with the cluster up it returns at once. Exits non-zero, with the
+# daemons' log tails, when the cluster does not come up. tests/slurm/teardown.sh
+# removes it.
+#
+# The names tests and users see: cluster `ortflow`, partitions `batch` and
+# `twonodes`, account `ortflow` (the values in workflow/profiles/slurm/config.yaml).
 set -euo pipefail
 
 CLUSTER=ortflow
 PARTITION=batch
 ACCOUNT=ortflow
-PACKAGES=(slurm-wlm slurmdbd munge libpmix2 mariadb-server)
+PACKAGES=(slurm-wlm slurmdbd munge libpmix2 mariadb-server iproute2)
 LOGS=/var/log/slurm
+source "$(dirname "$0")/nodes.sh"
 
 fail() {
     echo "tests/slurm/setup.sh: $*" >&2
@@ -36,12 +49,17 @@ wait_for() {
     fail "$what did not come up (waited 30 s for: $*)"
 }
 
-node_ready() { sinfo -h -p "$PARTITION" -o %t | grep -qE '^(idle|mix|alloc)'; }
+# Every node of the cluster answers (idle, or running a job).
+node_ready() {
+    local ready
+    ready=$(sinfo -h -N -o '%N %t' | grep -cE ' (idle|mix|alloc)$')
+    ((ready == 1 + ${#NODES[@]}))
+}
 
 slurm_conf() {
     cat <<EOF
 ClusterName=$CLUSTER
-SlurmctldHost=$(hostname -s)(127.0.0.1)
+SlurmctldHost=$(hostname -s)($BRIDGE_ADDR)
 SlurmUser=root
 AuthType=auth/munge
 # No cgroups without systemd: track processes through /proc, bind no CPUs.
@@ -61,13 +79,28 @@ AccountingStorageHost=localhost
 AccountingStoreFlags=job_comment
 JobAcctGatherType=jobacct_gather/linux
 StateSaveLocation=/var/lib/slurm/slurmctld
-SlurmdSpoolDir=/var/lib/slurm/slurmd
+# %n, the node's name, keeps the slurmd of the nodes on one filesystem apart:
+# their spool (with the PMIx server's sockets), pid file, log and the PMIx
+# clients' temporary folder (TmpFS).
+SlurmdSpoolDir=/var/lib/slurm/slurmd-%n
+SlurmdPidFile=/run/slurmd-%n.pid
+SlurmdLogFile=$LOGS/slurmd-%n.log
+TmpFS=/var/lib/slurm/tmp-%n
 SlurmctldPidFile=/run/slurmctld.pid
-SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=$LOGS/slurmctld.log
-SlurmdLogFile=$LOGS/slurmd.log
+# A node that stops answering is DOWN after 20 s (default 300), and its jobs
+# fail (NODE_FAIL) rather than wait for it.
+SlurmdTimeout=20
+# A job whose node failed ends as NODE_FAIL; Slurm does not queue it again
+# (Snakemake decides what runs next).
+JobRequeue=0
 $(slurmd -C | head -n 1) NodeAddr=127.0.0.1 State=UNKNOWN
-PartitionName=$PARTITION Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+$(for node in "${NODES[@]}"; do
+    slurmd -C | head -n 1 | sed "s/^NodeName=[^ ]*/NodeName=$node/"
+    echo " NodeAddr=${NODE_ADDR[$node]} State=UNKNOWN"
+done | paste -d '' - -)
+PartitionName=$PARTITION Nodes=$(hostname -s) Default=YES MaxTime=INFINITE State=UP
+PartitionName=$TWO_NODE_PARTITION Nodes=$(IFS=,; echo "${NODES[*]}") MaxTime=INFINITE State=UP
 EOF
 }
 
@@ -105,7 +138,31 @@ fi
 pmix_lib=/usr/lib/x86_64-linux-gnu/pmix2/lib
 [[ -e $pmix_lib/libpmix.so ]] || ln -s libpmix.so.2 "$pmix_lib/libpmix.so"
 
-mkdir -p "$LOGS" /var/lib/slurm/slurmctld /var/lib/slurm/slurmd
+mkdir -p "$LOGS" /var/lib/slurm/slurmctld
+for node in "$(hostname -s)" "${NODES[@]}"; do mkdir -p "/var/lib/slurm/tmp-$node"; done
+
+# ---- the network of the namespace nodes: a bridge on the host, and in each
+# node's namespace one end of a veth pair (eth0) whose other end is on the bridge
+command -v ip >/dev/null && ip netns list >/dev/null 2>&1 ||
+    fail "needs \`ip netns\` (iproute2) for the namespace nodes ${NODES[*]}"
+if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+    error=$(ip link add "$BRIDGE" type bridge 2>&1) ||
+        fail "cannot create the bridge $BRIDGE for the namespace nodes ($error): needs root with CAP_NET_ADMIN"
+fi
+ip addr replace "$BRIDGE_ADDR/24" dev "$BRIDGE"
+ip link set "$BRIDGE" up
+for node in "${NODES[@]}"; do
+    netns=$(netns_of "$node") veth=$(veth_of "$node")
+    if ! [[ -e /run/netns/$netns ]]; then
+        error=$(ip netns add "$netns" 2>&1) ||
+            fail "cannot create the network namespace $netns for node $node ($error): needs root with CAP_SYS_ADMIN (a VM or a privileged container)"
+    fi
+    ip link show "$veth" >/dev/null 2>&1 || ip link add "$veth" type veth peer name eth0 netns "$netns"
+    ip link set "$veth" master "$BRIDGE" up
+    ip -n "$netns" addr replace "${NODE_ADDR[$node]}/24" dev eth0
+    ip -n "$netns" link set eth0 up
+    ip -n "$netns" link set lo up
+done
 
 # ---- munge: authenticates every Slurm message
 [[ -s /etc/munge/munge.key ]] || mungekey --create --keyfile /etc/munge/munge.key
@@ -172,7 +229,16 @@ if ! scontrol ping 2>/dev/null | grep -q UP; then
     slurmctld
     wait_for slurmctld sh -c 'scontrol ping | grep -q UP'
 fi
-[[ -f /run/slurmd.pid ]] && kill -0 "$(cat /run/slurmd.pid)" 2>/dev/null || slurmd
-wait_for "node $(hostname -s)" node_ready
+slurmd_running() { [[ -f /run/slurmd-$1.pid ]] && kill -0 "$(cat "/run/slurmd-$1.pid")" 2>/dev/null; }
+slurmd_running "$(hostname -s)" || slurmd
+# A namespace node's slurmd, and so every job step it starts, runs in the
+# node's network namespace and in a UTS namespace of its own named after it.
+for node in "${NODES[@]}"; do
+    slurmd_running "$node" ||
+        nsenter --net="/run/netns/$(netns_of "$node")" unshare --uts \
+            sh -c "hostname $node && exec slurmd -N $node"
+done
+wait_for "nodes $(hostname -s) ${NODES[*]}" node_ready
 cluster_up || fail "the cluster is not usable (sinfo: $(sinfo 2>&1 | tr '\n' ' '))"
-echo "Slurm cluster $CLUSTER is up: partition $PARTITION, account $ACCOUNT, node $(hostname -s)"
+echo "Slurm cluster $CLUSTER is up: account $ACCOUNT; partition $PARTITION: node $(hostname -s);" \
+    "partition $TWO_NODE_PARTITION: nodes$(for node in "${NODES[@]}"; do printf ' %s (%s)' "$node" "${NODE_ADDR[$node]}"; done)"

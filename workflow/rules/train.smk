@@ -16,6 +16,8 @@ rule train:
     threads: min(config["train"]["world_size"], workflow.cores)
     resources:
         tasks=config["train"]["world_size"],
+        # Slurm spreads the tasks over this many nodes (`sbatch --nodes`); locally unused.
+        nodes=config["train"]["nodes"],
         mpi="mpirun",
         # One GPU per rank on CUDA; the Slurm profile sets tasks_per_gpu=1.
         gpu=config["train"]["world_size"] if config["train"]["device"] == "cuda" else 0,

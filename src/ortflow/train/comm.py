@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -138,6 +139,15 @@ class MPIComm:
     def barrier(self) -> None:
         with self.watchdog.collective("barrier"):
             self.world.Barrier()
+
+    def placement(self) -> str:
+        """Where the ranks run, for the log (a collective: every rank calls it):
+        `node1: rank 0 (local 0), rank 1 (local 1); node2: rank 2 (local 0), ...`.
+        The node-local rank is the one that picks a rank's GPU."""
+        nodes: dict[str, list[str]] = {}
+        for rank, (host, local_rank) in enumerate(self.allgather((socket.gethostname(), self.local_rank))):
+            nodes.setdefault(host, []).append(f"rank {rank} (local {local_rank})")
+        return "; ".join(f"{host}: {', '.join(ranks)}" for host, ranks in nodes.items())
 
 
 class NCCLComm(MPIComm):

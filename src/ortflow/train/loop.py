@@ -227,6 +227,9 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
                  global_batch, train_cfg["micro_batch_size"], train_cfg["grad_accum_steps"], world_size,
                  f"resuming at step {start_step} from {resume.path}" if resume else "starting at step 0",
                  sessions.threads)
+    placement = comm.placement()
+    if rank == 0:
+        log.info("ranks per node: %s", placement)
     metrics = Metrics(out_dir, rank == 0, start_step, steps, checkpoint.read_history(resume) if resume else None)
     last_eval: dict = {}
     for step in range(start_step, steps):
