@@ -1,6 +1,6 @@
 """Fast unit tests (milliseconds) of the arithmetic behind the workflow tests: how a
 checkpoint's bytes are split over ranks, which checkpoints are pruned, eval
-results from batch totals, and the losses of an inference model's logits."""
+results from batch totals, the losses of an inference model's logits, and atomic writes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from ortflow import checkpoint
+from ortflow import atomic, checkpoint
 from ortflow.export import loss_of
 from ortflow.ort_checkpoint import TrainingState
 from ortflow.train.loop import batch_totals, eval_results
@@ -102,3 +102,38 @@ def test_an_unknown_loss_is_refused():
 
     with pytest.raises(ModelError, match="model.json: loss 'hinge' is not one ortflow trains with"):
         loss_of(np.zeros((1, 2)), np.zeros((1, 2)), "hinge")
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "out.json"
+    atomic.write_text(path, "old\n")
+    with pytest.raises(RuntimeError):
+        with atomic.file(path) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("the writer fails")
+    assert path.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+    with atomic.file(path) as tmp:
+        assert tmp == tmp_path / "out.json.tmp"
+        tmp.write_text("new\n")
+    assert path.read_text() == "new\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
+def test_an_atomic_folder_replaces_the_old_one_only_when_complete(tmp_path):
+    out = tmp_path / "split"
+    with atomic.folder(out) as tmp:
+        (tmp / "a").write_text("1")
+    with pytest.raises(RuntimeError):
+        with atomic.folder(out) as tmp:
+            assert tmp == tmp_path / "split.tmp" and list(tmp.iterdir()) == []
+            (tmp / "b").write_text("2")
+            raise RuntimeError("the writer fails")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["split"]
+    assert sorted(p.name for p in out.iterdir()) == ["a"]
+    (tmp_path / "split.tmp").mkdir()  # left by a crash
+    (tmp_path / "split.tmp" / "stale").write_text("x")
+    with atomic.folder(out) as tmp:
+        (tmp / "c").write_text("3")
+    assert sorted(p.name for p in out.iterdir()) == ["c"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["split"]

@@ -46,7 +46,7 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 
-from . import checkpoint_checks as checks, storage
+from . import atomic, checkpoint_checks as checks
 from .ort_checkpoint import (
     CheckpointError,
     TrainingState,
@@ -219,23 +219,8 @@ def assemble(parts: list[TrainingState], where: Path) -> TrainingState:
     return TrainingState(parameters, requires_grad, states, first.optimizer, first.properties, first.version)
 
 
-def _write_durably(path: Path, data: bytes) -> None:
-    """Write to a temporary name, flush to disk, rename: a file that exists is whole.
-    A write that fails (a full disk) leaves nothing behind and names the file."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as error:
-        tmp.unlink(missing_ok=True)
-        raise storage.named(error, tmp)
-
-
 def _write_json(path: Path, obj: dict) -> None:
-    _write_durably(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+    atomic.write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
 def _shard_attrs(checkpoint_id: str, step: int, rank: int, world_size: int, identity: dict, identity_digest: str,
@@ -253,7 +238,7 @@ def _write_shard(folder: Path, state: TrainingState, attrs: dict) -> dict:
     # hashlib and the write both release the GIL: hash while the bytes go to disk.
     with ThreadPoolExecutor(1) as pool:
         digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
-        _write_durably(folder / name, data)
+        atomic.write_bytes(folder / name, data)
     return {"file": name, "bytes": len(data), "sha256": digest.result(),
             "parameters": {n: [start, start + state.parameters[n].size] for n, (_, start) in state.slices.items()}}
 
@@ -289,10 +274,10 @@ def save(root: Path, step: int, state, comm, identity: dict, identity_digest: st
         manifest = _manifest(checkpoint_id, step, comm.world_size, identity, identity_digest, full.properties, entries)
         if history is not None:
             data = (json.dumps(history, allow_nan=False) + "\n").encode()
-            _write_durably(final / HISTORY, data)
+            atomic.write_bytes(final / HISTORY, data)
             manifest["history"] = {"file": HISTORY, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         _write_json(final / MANIFEST, manifest)
-        _write_durably(final / COMPLETE, b"")
+        atomic.write_bytes(final / COMPLETE, b"")
         _prune(root, identity_digest, keep)
     return final
 
@@ -502,12 +487,6 @@ def load_parameters_file(path: Path) -> dict:
 # --- merge, reshard, inspect --------------------------------------------------------------------
 
 
-def _replace_folder(tmp: Path, out: Path) -> None:
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-
-
 def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model: Path | None = None) -> Path:
     """Merge a checkpoint (a folder, or the newest complete one under a checkpoints root,
     of the training identity `identity_digest` if given) into `out_dir`: `checkpoint`
@@ -516,19 +495,17 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
     folder = _checkpoint_folder(source, identity_digest)
     checkpoint = read_checkpoint(folder, _model_of(folder, model))
     manifest = checkpoint.manifest
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / "checkpoint").write_bytes(ort_checkpoint_bytes(checkpoint.state))
     attrs = _shard_attrs(manifest["checkpoint_id"], manifest["step"], 0, 1, manifest["identity"],
                          manifest["identity_digest"], checkpoint.state.version)
     state = checkpoint.state
-    (tmp / "checkpoint.h5").write_bytes(shard_bytes(state.part(partition(state, 1)[0]), attrs))
     meta = {key: manifest[key] for key in ("checkpoint_id", "step", "world_size", "identity", "identity_digest",
                                            "properties")}
-    (tmp / META).write_text(json.dumps({**meta, "merged_from": str(checkpoint.path)}, indent=2, sort_keys=True) + "\n")
-    _replace_folder(tmp, out_dir)
+    out_dir = Path(out_dir)
+    with atomic.folder(out_dir) as tmp:
+        (tmp / "checkpoint").write_bytes(ort_checkpoint_bytes(checkpoint.state))
+        (tmp / "checkpoint.h5").write_bytes(shard_bytes(state.part(partition(state, 1)[0]), attrs))
+        (tmp / META).write_text(json.dumps({**meta, "merged_from": str(checkpoint.path)}, indent=2,
+                                           sort_keys=True) + "\n")
     log.info("merged %s (%d shards, step %d) -> %s", checkpoint.path, manifest["world_size"], manifest["step"], out_dir)
     return out_dir
 
@@ -540,19 +517,16 @@ def reshard(source: Path, out_dir: Path, world_size: int, model: Path | None = N
     checkpoint = read_checkpoint(folder, _model_of(folder, model))
     manifest, state = checkpoint.manifest, checkpoint.state
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    entries = []
-    for rank, ranges in enumerate(partition(state, world_size)):
-        attrs = _shard_attrs(manifest["checkpoint_id"], manifest["step"], rank, world_size, manifest["identity"],
-                             manifest["identity_digest"], state.version)
-        entries.append(_write_shard(tmp, state.part(ranges), attrs))
-    _write_json(tmp / MANIFEST, _manifest(manifest["checkpoint_id"], manifest["step"], world_size,
-                                          manifest["identity"], manifest["identity_digest"],
-                                          manifest["properties"], entries))
-    _write_durably(tmp / COMPLETE, b"")
-    _replace_folder(tmp, out_dir)
+    with atomic.folder(out_dir) as tmp:
+        entries = []
+        for rank, ranges in enumerate(partition(state, world_size)):
+            attrs = _shard_attrs(manifest["checkpoint_id"], manifest["step"], rank, world_size,
+                                 manifest["identity"], manifest["identity_digest"], state.version)
+            entries.append(_write_shard(tmp, state.part(ranges), attrs))
+        _write_json(tmp / MANIFEST, _manifest(manifest["checkpoint_id"], manifest["step"], world_size,
+                                              manifest["identity"], manifest["identity_digest"],
+                                              manifest["properties"], entries))
+        atomic.write_bytes(tmp / COMPLETE, b"")
     log.info("resharded %s (%d shards) -> %s (%d shards)", checkpoint.path, manifest["world_size"], out_dir,
              world_size)
     return out_dir

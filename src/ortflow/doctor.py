@@ -18,7 +18,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from . import config as config_mod, cuda_libraries
+from . import atomic, config as config_mod, cuda_libraries
 from .errors import OrtflowError
 from .preflight import (
     FAIL, OK, SKIP, WARN, Check, check_cuda_libraries, check_cupy, check_disk, check_gpus, check_launcher,
@@ -303,10 +303,7 @@ def run(args) -> int:
     summary = f"\n{len(failed)} required check(s) failed: {', '.join(failed)}" if failed else "\nall required checks passed"
     print(table + summary)
     if args.output:
-        output = Path(args.output)
-        partial = output.with_name(output.name + ".partial")
-        partial.write_text(table + summary + "\n")
-        partial.rename(output)
+        atomic.write_text(Path(args.output), table + summary + "\n")
     return 1 if failed else 0
 
 

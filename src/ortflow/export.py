@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 
 import numpy as np
 
+from . import atomic
 from .errors import MissingInputError, ModelError
 
 log = logging.getLogger("ortflow.export")
@@ -227,25 +227,23 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
     state = CheckpointState.load_checkpoint(str(checkpoint_dir / "checkpoint"))
     module = Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"))
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    module.export_model_for_inferencing(str(tmp), [info["outputs"]["logits"]])
-    model = onnx.load(str(tmp))
     props = {
         "ortflow.run": config["run"]["name"],
         "ortflow.step": meta["step"],
         "ortflow.identity_digest": meta["identity_digest"],
         "ortflow.version": __version__,
     }
-    set_metadata(model, props)
-    onnx.save(model, str(tmp))
+    with atomic.file(out) as tmp:
+        module.export_model_for_inferencing(str(tmp), [info["outputs"]["logits"]])
+        model = onnx.load(str(tmp))
+        set_metadata(model, props)
+        onnx.save(model, str(tmp))
 
-    check_interface(model, info, out)
-    onnx.checker.check_model(str(tmp), full_check=True)
-    reader = ShardReader(eval_dir)
-    batch = reader.gather(np.arange(min(CHECK_RECORDS, len(reader))))
-    check_outputs(tmp, module, info, batch, reader.label_name)
-    os.replace(tmp, out)
+        check_interface(model, info, out)
+        onnx.checker.check_model(str(tmp), full_check=True)
+        reader = ShardReader(eval_dir)
+        batch = reader.gather(np.arange(min(CHECK_RECORDS, len(reader))))
+        check_outputs(tmp, module, info, batch, reader.label_name)
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config["run"]["name"], out,
              out.stat().st_size, [i["name"] for i in info["inputs"]], info["outputs"]["logits"])
     return props

@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from . import atomic
 from .errors import ModelError
 from .export import inference_session, input_feeds, loss_of, set_metadata
 
@@ -305,11 +305,9 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
                  ", per channel" if export_cfg["per_channel"] else "", table(report))
         if how != "none":
             report["gate"] = gate(report, export_cfg, model, len(reader))
-            os.replace(paths["int8"], int8)
+            atomic.replace(paths["int8"], int8)
             report["int8"]["size_bytes"] = int8.stat().st_size
-        tmp = metrics.with_name(metrics.name + ".tmp")
-        tmp.write_text(json.dumps(report, indent=2) + "\n")
-        os.replace(tmp, metrics)
+        atomic.write_text(metrics, json.dumps(report, indent=2) + "\n")
     return report
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import csv
 import html
 import json
-import os
 import shlex
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from . import atomic
 from .errors import MissingInputError
 
 HELP = "plots and tables of a run for `snakemake --report`"
@@ -64,14 +64,6 @@ def speedup(export: dict) -> float | None:
     if "int8" not in export:
         return None
     return export["fp32"]["latency_ms"]["b64_p50"] / export["int8"]["latency_ms"]["b64_p50"]
-
-
-def write_atomic(path: Path, write) -> None:
-    """`write(temporary_path)`, then rename: no half-written file looks complete."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.tmp{path.suffix}")
-    write(temporary)
-    os.replace(temporary, path)
 
 
 # --- plots -------------------------------------------------------------------------------------------
@@ -133,7 +125,8 @@ def save(figure, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     figure.tight_layout()
-    write_atomic(path, lambda temporary: figure.savefig(temporary, dpi=100, format="png"))
+    with atomic.file(path) as temporary:
+        figure.savefig(temporary, dpi=100, format="png")
     plt.close(figure)
 
 
@@ -248,7 +241,7 @@ def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchm
         pages["profile"] = page("Operators by kernel time",
                                 "<p>Profiling was off: set <code>train.profile_steps: [first, last]</code>.</p>")
     for name, text in pages.items():
-        write_atomic(out_dir / f"{name}.html", lambda temporary: temporary.write_text(text))
+        atomic.write_text(out_dir / f"{name}.html", text)
 
 
 # --- the end-of-run summary --------------------------------------------------------------------------

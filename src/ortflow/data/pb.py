@@ -9,13 +9,12 @@ shards are fixed-size records instead; this module converts between the two.
 
 from __future__ import annotations
 
-import os
-import shutil
 import struct
 from pathlib import Path
 
 import numpy as np
 
+from .. import atomic
 from .shards import ShardReader
 from .sources import DataError
 
@@ -62,16 +61,12 @@ def write_pb(split_dir: Path, out_dir: Path) -> list[Path]:
     """One .pb file per shard of `split_dir`, written to a temporary folder first."""
     reader = ShardReader(split_dir)
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for index in range(len(reader.offsets) - 1):
-        records = reader.gather(np.arange(reader.offsets[index], reader.offsets[index + 1]))
-        with open(tmp / f"{split_dir.name}-{index:05d}.pb", "wb") as f:
-            for row in range(len(records[reader.label_name])):
-                f.write(encode_sample({name: values[row] for name, values in records.items()}))
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    with atomic.folder(out_dir) as tmp:
+        for index in range(len(reader.offsets) - 1):
+            records = reader.gather(np.arange(reader.offsets[index], reader.offsets[index + 1]))
+            with open(tmp / f"{split_dir.name}-{index:05d}.pb", "wb") as f:
+                for row in range(len(records[reader.label_name])):
+                    f.write(encode_sample({name: values[row] for name, values in records.items()}))
     return sorted(out_dir.glob("*.pb"))
 
 

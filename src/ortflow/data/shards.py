@@ -19,13 +19,11 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
-import os
-import shutil
 from pathlib import Path
 
 import numpy as np
 
-from .. import storage
+from .. import atomic
 from .sources import DataError, Dataset
 
 FORMAT = "ortflow-shards/1"
@@ -50,54 +48,37 @@ def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, n
     """Write `rows` of `dataset` as `num_shards` shards plus a manifest into
     `out_dir`, atomically: everything goes to a temporary folder that is
     renamed into place only when complete."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    dtype = record_dtype(dataset)
-    records = np.empty(len(rows), dtype=dtype)
-    for name, array in dataset.features.items():
-        records[name] = array[rows]
-    records[dataset.label_name] = dataset.label[rows]
-    shards = []
-    for i, part in enumerate(np.array_split(np.arange(len(rows)), min(num_shards, max(len(rows), 1)))):
-        path = tmp / f"shard-{i:05d}.bin"
-        _write_shard_file(path, records[part].tobytes(), tmp)
-        shards.append({"file": path.name, "records": len(part), "sha256": sha256_file(path)})
-    manifest = {
-        "format": FORMAT,
-        "split": split,
-        "records": len(rows),
-        "record_bytes": dtype.itemsize,
-        "features": [
-            {"name": n, "dtype": a.dtype.name, "shape": list(a.shape[1:])} for n, a in dataset.features.items()
-        ],
-        "label": {
-            "name": dataset.label_name,
-            "dtype": dataset.label.dtype.name,
-            "shape": list(dataset.label.shape[1:]),
-        },
-        "task": dataset.task,
-        "num_classes": dataset.num_classes,
-        "source": source,
-        "shards": shards,
-    }
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.replace(tmp, out_dir)
+    with atomic.folder(out_dir) as tmp:
+        dtype = record_dtype(dataset)
+        records = np.empty(len(rows), dtype=dtype)
+        for name, array in dataset.features.items():
+            records[name] = array[rows]
+        records[dataset.label_name] = dataset.label[rows]
+        shards = []
+        for i, part in enumerate(np.array_split(np.arange(len(rows)), min(num_shards, max(len(rows), 1)))):
+            path = tmp / f"shard-{i:05d}.bin"
+            atomic.synced_bytes(path, records[part].tobytes())
+            shards.append({"file": path.name, "records": len(part), "sha256": sha256_file(path)})
+        manifest = {
+            "format": FORMAT,
+            "split": split,
+            "records": len(rows),
+            "record_bytes": dtype.itemsize,
+            "features": [
+                {"name": n, "dtype": a.dtype.name, "shape": list(a.shape[1:])} for n, a in dataset.features.items()
+            ],
+            "label": {
+                "name": dataset.label_name,
+                "dtype": dataset.label.dtype.name,
+                "shape": list(dataset.label.shape[1:]),
+            },
+            "task": dataset.task,
+            "num_classes": dataset.num_classes,
+            "source": source,
+            "shards": shards,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
-
-
-def _write_shard_file(path: Path, data: bytes, tmp: Path) -> None:
-    """Flushed to disk; a write that fails (a full disk) removes the unfinished split and names the file."""
-    try:
-        with open(path, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except OSError as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise storage.named(error, path)
 
 
 class ShardReader:

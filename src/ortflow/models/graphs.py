@@ -14,7 +14,7 @@ graphs and initial checkpoint that ONNX Runtime's training engine runs out.
 3. One training step on a few train records proves that the graphs fit the data.
 4. `model.json` describes the inputs, label, outputs, parameters and FLOPs.
 
-Everything is written to `<out>.tmp` and renamed to `<out>` when complete.
+Everything is written to `<out>.tmp` and renamed to `<out>` when complete (atomic.folder).
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 from pathlib import Path
 
 import numpy as np
 
+from .. import atomic
 from ..errors import MissingInputError, ModelError
 from . import CLASS_LOSSES, LOGITS
 
@@ -369,17 +369,16 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
     manifest = json.loads(manifest_path.read_text())
     model = config["model"]
     loss = resolve_loss(model["loss"], manifest)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], tmp / BASE_MODEL)
-    check_interface(base, manifest)
-    trainable, frozen = split_parameters(base, model, torch_trainable)
-    log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable), len(frozen))
-    generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp)
-    smoke_step(tmp, train_dir, manifest)
-    description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"])
-    (tmp / MODEL_JSON).write_text(json.dumps(description, indent=2) + "\n")
+    with atomic.folder(out) as tmp:
+        base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], tmp / BASE_MODEL)
+        check_interface(base, manifest)
+        trainable, frozen = split_parameters(base, model, torch_trainable)
+        log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
+                 len(frozen))
+        generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp)
+        smoke_step(tmp, train_dir, manifest)
+        description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"])
+        (tmp / MODEL_JSON).write_text(json.dumps(description, indent=2) + "\n")
     log.info(
         "%d parameters (%d trainable), %d forward FLOPs per sample -> %s",
         description["parameters"],
@@ -387,8 +386,6 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
         description["flops_per_sample"]["forward"],
         out,
     )
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
     return description
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import atomic
 from ..errors import DeviceError
 from .gradients import allreduce_in_buckets
 
@@ -44,9 +45,8 @@ class Watchdog:
         threading.Thread(target=self._watch, daemon=True).start()
 
     def beat(self, step: int, phase: str) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"step": step, "phase": phase, "time": time.time()}))
-        os.replace(tmp, self.path)
+        # Read only while the run lives: not worth a flush to disk at every step.
+        atomic.write_text(self.path, json.dumps({"step": step, "phase": phase, "time": time.time()}), sync=False)
 
     def collective(self, what: str):
         watchdog = self

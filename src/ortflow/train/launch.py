@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .. import config as config_mod
+from .. import atomic, config as config_mod
 from ..errors import ConfigError
 from ..preflight import host_cores, preflight, raise_if_problems
 from .stop import GRACE_S, STOP_SIGNALS, STOPPED
@@ -106,7 +106,7 @@ def run(args) -> int:
     if args.metrics and not args.metrics.exists():
         print(f"ortflow train: error: the ranks finished but wrote no {args.metrics}", file=sys.stderr)
         return 1
-    (args.out / FINISHED).write_text(json.dumps({"steps": config["train"]["steps"]}) + "\n")
+    atomic.write_text(args.out / FINISHED, json.dumps({"steps": config["train"]["steps"]}) + "\n")
     return 0
 
 

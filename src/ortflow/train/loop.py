@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import checkpoint, config as config_mod, cuda_libraries, storage
+from .. import atomic, checkpoint, config as config_mod, cuda_libraries, storage
 from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from . import comm as comm_mod
@@ -327,7 +327,7 @@ def stop_now(reason, votes, done: int, checkpointer: Checkpointer, metrics: Metr
                     done, checkpointer.steps, stop_mod.describe(votes), where)
         # For `ortflow train`, which exits with 128 + the signal (the ranks exit 0:
         # mpirun would call a non-zero exit a failure).
-        (checkpointer.root.parent / stop_mod.STOPPED).write_text(json.dumps({"signal": reason.name, "step": done}))
+        atomic.write_text(checkpointer.root.parent / stop_mod.STOPPED, json.dumps({"signal": reason.name, "step": done}))
     metrics.close()
     raise Stopped(reason, done, where)
 

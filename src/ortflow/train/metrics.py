@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import resource
 import time
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
+
+from .. import atomic
 
 log = logging.getLogger("ortflow.train")
 
@@ -93,9 +94,7 @@ class Metrics:
     def write(self, path: Path, summary: dict) -> None:
         if not self.enabled:
             return
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(strict(summary), indent=2, allow_nan=False) + "\n")
-        os.replace(tmp, path)
+        atomic.write_text(path, json.dumps(strict(summary), indent=2, allow_nan=False) + "\n")
 
     def close(self) -> None:
         if self.writer is not None:
