@@ -1,5 +1,6 @@
-"""No import circle in src/: from every module's import statements, also the
-ones inside functions (which hide a circle from Python but not from a reader)."""
+"""The structure of src/: no import circle (from every module's import statements, also
+the ones inside functions, which hide a circle from Python but not from a reader), and
+no function over 60 lines."""
 
 from __future__ import annotations
 
@@ -72,3 +73,31 @@ def test_a_circle_through_an_import_inside_a_function_is_found(tmp_path):
     (package / "sub" / "b.py").write_text("def f():\n    from .. import c\n")
     (package / "c.py").write_text("def g():\n    from pkg.a import thing\n")
     assert circles(import_graph(tmp_path, "pkg")) == [["pkg.a", "pkg.sub.b", "pkg.c", "pkg.a"]]
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(root: Path) -> list[str]:
+    """`module:function (N lines)` for each function or method under `root` longer than MAX_FUNCTION_LINES,
+    counted from its `def` (or first decorator) to its last line."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                lines = node.end_lineno - first + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(root)}:{node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_in_src_is_over_60_lines():
+    assert long_functions(SRC / "ortflow") == []
+
+
+def test_a_long_function_is_found(tmp_path):
+    body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    method = "".join("    " + line for line in body.splitlines(True))
+    (tmp_path / "m.py").write_text(f"def short():\n{body}\n\nclass C:\n    def long(self):\n{method}        pass\n")
+    assert long_functions(tmp_path) == [f"m.py:long ({MAX_FUNCTION_LINES + 1} lines)"]

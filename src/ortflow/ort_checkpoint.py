@@ -112,58 +112,82 @@ def read_ort_checkpoint(path: Path) -> TrainingState:
 
 
 def ort_checkpoint_bytes(state: TrainingState) -> bytearray:
-    """The ONNX Runtime checkpoint file of `state` (what CheckpointState.load_checkpoint reads)."""
+    """The ONNX Runtime checkpoint file of `state` (what CheckpointState.load_checkpoint reads):
+    a flatbuffer of the parameters, the optimizer state and the properties, built in that order."""
     import flatbuffers
 
-    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import (
-        Checkpoint as C, FloatProperty, IntProperty, ModuleState, OptimizerGroup, ParameterOptimizerState,
-        PropertyBag, StringProperty, Tensor,
-    )
-    from onnx.helper import np_dtype_to_tensor_dtype
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import Checkpoint as C
 
     total = sum(state.nbytes(n) for n in state.parameters)
     builder = flatbuffers.Builder(total + 4096 * (len(state.parameters) + 1))
+    module = _module_state(builder, state)
+    groups = _optimizer_groups(builder, state)
+    bag = _property_bag(builder, state.properties)
+    C.Start(builder)
+    C.AddVersion(builder, state.version)
+    C.AddModuleState(builder, module)
+    C.AddOptimizerGroups(builder, groups)
+    C.AddPropertyBag(builder, bag)
+    builder.Finish(C.End(builder), file_identifier=ORT_IDENTIFIER)
+    return builder.Output()
 
-    def tensor(name: str, array: np.ndarray) -> int:
-        name_offset = builder.CreateString(name)
-        raw = builder.CreateNumpyVector(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
-        dims = builder.CreateNumpyVector(np.asarray(array.shape, dtype=np.int64))
-        Tensor.Start(builder)
-        Tensor.AddName(builder, name_offset)
-        Tensor.AddDims(builder, dims)
-        Tensor.AddDataType(builder, np_dtype_to_tensor_dtype(array.dtype))
-        Tensor.AddRawData(builder, raw)
-        return Tensor.End(builder)
 
-    def vector(start, offsets: list[int]) -> int:
-        start(builder, len(offsets))
-        for offset in reversed(offsets):
-            builder.PrependUOffsetTRelative(offset)
-        return builder.EndVector()
+def _tensor(builder, name: str, array: np.ndarray) -> int:
+    from onnx.helper import np_dtype_to_tensor_dtype
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import Tensor
+
+    name_offset = builder.CreateString(name)
+    raw = builder.CreateNumpyVector(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    dims = builder.CreateNumpyVector(np.asarray(array.shape, dtype=np.int64))
+    Tensor.Start(builder)
+    Tensor.AddName(builder, name_offset)
+    Tensor.AddDims(builder, dims)
+    Tensor.AddDataType(builder, np_dtype_to_tensor_dtype(array.dtype))
+    Tensor.AddRawData(builder, raw)
+    return Tensor.End(builder)
+
+
+def _vector(builder, start, offsets: list[int]) -> int:
+    start(builder, len(offsets))
+    for offset in reversed(offsets):
+        builder.PrependUOffsetTRelative(offset)
+    return builder.EndVector()
+
+
+def _module_state(builder, state: TrainingState) -> int:
+    """The trainable and the frozen parameters."""
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import ModuleState
 
     names = sorted(state.parameters)
-    trainable = vector(ModuleState.StartRequiresGradParamsVector,
-                       [tensor(n, state.parameters[n]) for n in names if state.requires_grad[n]])
-    frozen = vector(ModuleState.StartFrozenParamsVector,
-                    [tensor(n, state.parameters[n]) for n in names if not state.requires_grad[n]])
+    trainable = _vector(builder, ModuleState.StartRequiresGradParamsVector,
+                        [_tensor(builder, n, state.parameters[n]) for n in names if state.requires_grad[n]])
+    frozen = _vector(builder, ModuleState.StartFrozenParamsVector,
+                     [_tensor(builder, n, state.parameters[n]) for n in names if not state.requires_grad[n]])
     ModuleState.Start(builder)
     ModuleState.AddRequiresGradParams(builder, trainable)
     ModuleState.AddFrozenParams(builder, frozen)
-    module = ModuleState.End(builder)
+    return ModuleState.End(builder)
+
+
+def _optimizer_groups(builder, state: TrainingState) -> int:
+    """The vector of optimizer groups: none, or one with every parameter's moments."""
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import (
+        Checkpoint as C, OptimizerGroup, ParameterOptimizerState,
+    )
 
     groups = []
     if state.optimizer:
         entries = []
         for name in sorted(state.optimizer_states):
             moments = state.optimizer_states[name]
-            moment_offsets = [tensor(m, moments[m]) for m in sorted(moments)]
+            moment_offsets = [_tensor(builder, m, moments[m]) for m in sorted(moments)]
             param_name = builder.CreateString(name)
-            moments_vector = vector(ParameterOptimizerState.StartMomentumsVector, moment_offsets)
+            moments_vector = _vector(builder, ParameterOptimizerState.StartMomentumsVector, moment_offsets)
             ParameterOptimizerState.Start(builder)
             ParameterOptimizerState.AddParamName(builder, param_name)
             ParameterOptimizerState.AddMomentums(builder, moments_vector)
             entries.append(ParameterOptimizerState.End(builder))
-        entries_vector = vector(OptimizerGroup.StartOptimizerStatesVector, entries)
+        entries_vector = _vector(builder, OptimizerGroup.StartOptimizerStatesVector, entries)
         group_name = builder.CreateString(state.optimizer["group_name"])
         OptimizerGroup.Start(builder)
         OptimizerGroup.AddGroupName(builder, group_name)
@@ -171,11 +195,18 @@ def ort_checkpoint_bytes(state: TrainingState) -> bytearray:
         OptimizerGroup.AddInitialLearningRate(builder, state.optimizer["initial_learning_rate"])
         OptimizerGroup.AddOptimizerStates(builder, entries_vector)
         groups.append(OptimizerGroup.End(builder))
-    groups_vector = vector(C.StartOptimizerGroupsVector, groups)
+    return _vector(builder, C.StartOptimizerGroupsVector, groups)
+
+
+def _property_bag(builder, properties: dict) -> int:
+    """The properties, each in the table of its type (int, float or string)."""
+    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import (
+        FloatProperty, IntProperty, PropertyBag, StringProperty,
+    )
 
     props = {int: [], float: [], str: []}
-    for name in sorted(state.properties):
-        value = state.properties[name]
+    for name in sorted(properties):
+        value = properties[name]
         kind = str if isinstance(value, str) else float if isinstance(value, float) else int
         table = {int: IntProperty, float: FloatProperty, str: StringProperty}[kind]
         name_offset = builder.CreateString(name)
@@ -184,22 +215,14 @@ def ort_checkpoint_bytes(state: TrainingState) -> bytearray:
         table.AddName(builder, name_offset)
         table.AddValue(builder, value)
         props[kind].append(table.End(builder))
-    ints = vector(PropertyBag.StartIntsVector, props[int])
-    floats = vector(PropertyBag.StartFloatsVector, props[float])
-    strings = vector(PropertyBag.StartStringsVector, props[str])
+    ints = _vector(builder, PropertyBag.StartIntsVector, props[int])
+    floats = _vector(builder, PropertyBag.StartFloatsVector, props[float])
+    strings = _vector(builder, PropertyBag.StartStringsVector, props[str])
     PropertyBag.Start(builder)
     PropertyBag.AddInts(builder, ints)
     PropertyBag.AddFloats(builder, floats)
     PropertyBag.AddStrings(builder, strings)
-    bag = PropertyBag.End(builder)
-
-    C.Start(builder)
-    C.AddVersion(builder, state.version)
-    C.AddModuleState(builder, module)
-    C.AddOptimizerGroups(builder, groups_vector)
-    C.AddPropertyBag(builder, bag)
-    builder.Finish(C.End(builder), file_identifier=ORT_IDENTIFIER)
-    return builder.Output()
+    return PropertyBag.End(builder)
 
 
 @contextmanager
