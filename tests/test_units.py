@@ -14,7 +14,7 @@ import torch
 from ortflow import atomic, checkpoint
 from ortflow.export import loss_of
 from ortflow.ort_checkpoint import TrainingState
-from ortflow.train.loop import batch_totals, eval_results
+from ortflow.evaluation import batch_totals, eval_results
 
 
 def state(sizes: dict[str, int], moments: int = 2) -> TrainingState:

@@ -29,6 +29,7 @@ import numpy as np
 
 from . import atomic
 from .errors import MissingInputError, ModelError
+from .evaluation import feeds, outputs_of
 
 log = logging.getLogger("ortflow.export")
 
@@ -136,8 +137,6 @@ def compare(name: str, actual: np.ndarray, expected: np.ndarray) -> float:
 
 def check_outputs(path: Path, module, info: dict, batch: dict, data_label: str) -> None:
     """The exported model against the eval graph (same weights), then ONNX's reference evaluator."""
-    from .train.loop import feeds, outputs_of
-
     session = inference_session(path)
     logits = session.run(None, input_feeds(session, batch))[0]
     module.eval()

@@ -33,6 +33,7 @@ import numpy as np
 
 from . import atomic
 from .errors import ModelError
+from .evaluation import batch_totals, eval_results
 from .export import inference_session, input_feeds, loss_of, set_metadata
 
 log = logging.getLogger("ortflow.quantize")
@@ -175,9 +176,7 @@ def quantize_once(source: Path, target: Path, how: str, op_types: list[str], exp
 
 
 def evaluate(path: Path, reader, info: dict, batch_size: int) -> dict:
-    """What training's evaluation reports (`loop.eval_results`), for an inference model."""
-    from .train.loop import batch_totals, eval_results
-
+    """What training's evaluation reports (`evaluation.eval_results`), for an inference model."""
     session = inference_session(path)
     totals = np.zeros(3)
     for batch in reader.eval_batches(0, 1, batch_size):
