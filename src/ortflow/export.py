@@ -30,6 +30,7 @@ import numpy as np
 from . import atomic
 from .errors import MissingInputError, ModelError
 from .evaluation import feeds, outputs_of
+from .sessions import inference_session
 
 log = logging.getLogger("ortflow.export")
 
@@ -49,18 +50,6 @@ TOLERANCE = {"relative": 1e-4, "absolute": 1e-6}
 
 class ExportError(ModelError):
     """The exported model fails a check; the message says which and by how much."""
-
-
-def inference_session(path: Path, threads: int | None = None):
-    """An ONNX Runtime CPU session; `threads` pins the intra-op pool (1 for latency figures)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-        options.inter_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def input_feeds(session, batch: dict) -> dict:

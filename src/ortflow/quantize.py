@@ -34,7 +34,8 @@ import numpy as np
 from . import atomic
 from .errors import ModelError
 from .evaluation import batch_totals, eval_results
-from .export import inference_session, input_feeds, loss_of, set_metadata
+from .sessions import inference_session
+from .export import input_feeds, loss_of, set_metadata
 
 log = logging.getLogger("ortflow.quantize")
 

@@ -28,6 +28,7 @@ from .. import atomic, checkpoint, config as config_mod, cuda_libraries, storage
 from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
+from ..sessions import session_options
 from . import comm as comm_mod
 from . import stop as stop_mod
 from .gradients import average_and_clip, gradients, parameters_on_host
@@ -45,19 +46,6 @@ def threads_per_rank(local_size: int, affinity: int, environ: dict) -> int:
     if cpus_per_task and affinity <= int(cpus_per_task):
         return affinity
     return max(1, affinity // local_size)
-
-
-def session_options(threads: int):
-    """ORT's default (a thread per core for each rank, spinning while idle)
-    makes two ranks on two cores slower than one: give each rank its share and
-    let idle threads sleep."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    return options
 
 
 def open_sessions(artifacts: Path, state, device: str, threads: int, profile_prefix: Path | None = None):
