@@ -106,6 +106,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(digits_workdir):
     result = run_snakemake(workdir, {"train": {**SHORT["train"], "fail_at_step": fault}}, "train", check=False)
     assert result.returncode != 0
     assert "non-finite loss nan" in _log(workdir) and "at step 13" in _log(workdir)
+    assert "the last good checkpoint, " in _log(workdir) and "step-00000010, is kept" in _log(workdir)
     assert checkpoint.latest(workdir / "results/digits/train/checkpoints").step == 10
 
 

@@ -185,8 +185,9 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
         inject_fault(train_cfg["fail_at_step"], step, rank, batches, stop)
         loss, norm, votes = train_step(step, comm, module, optimizer, state, batches, feed, train_cfg, stop)
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            raise TrainingError(f"non-finite loss {loss} (gradient norm {norm}) at step {step + 1}; "
-                                f"the last good checkpoint is kept in {checkpointer.root}")
+            kept = checkpointer.last[1] if checkpointer.last else (resume.path if resume else None)
+            raise TrainingError(f"non-finite loss {loss} (gradient norm {norm}) at step {step + 1}; " + (
+                f"the last good checkpoint, {kept}, is kept" if kept else "no checkpoint was written before it"))
         metrics.step_time(time.perf_counter() - started)
         done = step + 1
         log_step(metrics, train_cfg, done, lambda: parameters_on_host(state, trainable(state), comm.xp), loss, lr,
