@@ -281,7 +281,7 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
         # A user who turns quantization off expects no int8 model, not one left from an earlier run.
         int8.unlink()
         log.info("export.quantize is none: removed %s from an earlier run", int8)
-    reader = ShardReader(eval_dir)
+    reader = ShardReader(eval_dir, raw=True)  # the exported model standardizes raw features itself
     batch_size = config["train"]["eval_batch_size"]
     report: dict = {"quantize": how, "per_channel": export_cfg["per_channel"], "threads": 1}
     if how == "static":

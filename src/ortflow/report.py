@@ -59,6 +59,14 @@ def quality(results: dict) -> tuple[str, str]:
     return "loss", fmt(results["loss"], "float")
 
 
+def mean_baseline(train: dict | None) -> str | None:
+    """The shown `mean_baseline_mse` of a model trained with the mse loss (train/metrics.json):
+    the eval MSE of predicting the train split's label mean, the bar its loss must clear."""
+    if train is None or "mean_baseline_mse" not in train["eval"]:
+        return None
+    return f"mean_baseline_mse {fmt(train['eval']['mean_baseline_mse'], 'float')} (predicting the train mean)"
+
+
 def speedup(export: dict) -> float | None:
     """How many times faster int8 runs than fp32 at batch 64 (median latency)."""
     if "int8" not in export:
@@ -164,6 +172,8 @@ def summary_rows(train: dict | None, export: dict | None) -> list[tuple]:
     elif train:
         name, shown = quality(train["eval"])
         rows.append(("eval", f"{name} (eval at the last step)", shown))
+    if mean_baseline(train):
+        rows.append(("mean_baseline_mse", "baseline (eval split)", mean_baseline(train)))
     if train:
         rows += [
             ("steps", "optimizer steps", str(train["steps"])),
@@ -267,6 +277,8 @@ def run_summary(results: str | Path, run_arguments: Sequence[str] = ()) -> str:
     elif train:
         name, shown = quality(train["eval"])
         lines.append(f"  {name:<9} {shown} (eval at step {train['steps']})")
+    if mean_baseline(train):
+        lines.append(f"  baseline  {mean_baseline(train)}")
     if train:
         this_attempt = train.get("steps_this_attempt", train["steps"])
         lines.append(f"  training  {train['steps']} steps ({this_attempt} in this attempt) in "

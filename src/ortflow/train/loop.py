@@ -32,7 +32,7 @@ from ..sessions import session_options
 from . import comm as comm_mod
 from . import stop as stop_mod
 from .gradients import average_and_clip, gradients, parameters_on_host
-from .metrics import Metrics, peak_rss_mb, strict, unigram_perplexity
+from .metrics import Metrics, mean_baseline_mse, peak_rss_mb, strict, unigram_perplexity
 from .schedule import learning_rate
 from .stop import StopRequest, Stopped
 
@@ -283,16 +283,28 @@ def finish(config: dict, module, comm, train_reader: ShardReader, eval_reader: S
     if not last_eval:  # resumed at the end: nothing trained, still report the model's quality
         last_eval = evaluate(module, eval_reader, comm, info, train_cfg["eval_batch_size"], data_label)
         metrics.eval(train_cfg["steps"], last_eval)
-    if info["task"] == "language_model" and comm.rank == 0:  # only rank 0 writes metrics.json
-        last_eval["unigram_perplexity"] = unigram_perplexity(
-            train_reader.gather(np.arange(len(train_reader)))[data_label],
-            eval_reader.gather(np.arange(len(eval_reader)))[data_label], info["num_classes"])
+    if comm.rank == 0:  # only rank 0 writes metrics.json
+        last_eval.update(baselines(info, train_reader, eval_reader))
     flops_per_sample = sum(info["flops_per_sample"].values())
     summary = metrics.summary(train_cfg["steps"], config_mod.global_batch_size(config), flops_per_sample, last_eval,
                               comm.allgather(peak_rss_mb()))
     metrics.write(out_dir / "metrics.json", summary)
     metrics.close()
     return summary
+
+
+def baselines(info: dict, train_reader: ShardReader, eval_reader: ShardReader) -> dict:
+    """What a model must beat on the eval split, from the labels alone: a language
+    model the unigram perplexity, a model trained with the mse loss the MSE of
+    predicting the train split's label mean."""
+    if info["task"] != "language_model" and info["loss"] != "mse":
+        return {}
+    label = train_reader.label_name
+    train_labels = train_reader.gather(np.arange(len(train_reader)))[label]
+    eval_labels = eval_reader.gather(np.arange(len(eval_reader)))[label]
+    if info["task"] == "language_model":
+        return {"unigram_perplexity": unigram_perplexity(train_labels, eval_labels, info["num_classes"])}
+    return {"mean_baseline_mse": mean_baseline_mse(train_labels, eval_labels)}
 
 
 def main(argv: list[str] | None = None) -> int:
