@@ -30,8 +30,9 @@ def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
     data, seed = config["data"], config["run"]["seed"]
     dataset = sources.load(data)
     train_rows, eval_rows = split_rows(len(dataset), data["eval_fraction"], seed)
-    stats = standardize.statistics(dataset.features, train_rows) if data["standardize"] else {}
+    stats = {}
     if data["standardize"]:
+        stats = standardize.statistics(dataset.features, train_rows)
         dataset.features = standardize.apply(dataset.features, stats)
         log.info("data.standardize: %s by the train split's mean and std",
                  ", ".join(f"input {name!r}" for name in stats) or "no float input to standardize")
