@@ -117,7 +117,9 @@ def test_report_in_chromium_shows_plots_and_the_numbers_of_the_metrics(report_ru
 
         operators = table("profile.html")
         assert "FusedGemm" in operators or "Gemm" in operators, operators
-        assert sum(float(cells[3].rstrip("%")) for cells in operators.values()) <= 100.01
+        # Shares are rounded to 0.01%: each row is off by at most 0.005 points.
+        shares = [float(cells[3].rstrip("%")) for cells in operators.values()]
+        assert sum(shares) <= 100 + 0.005 * len(shares) + 1e-9
     finally:
         browser.close()
 
