@@ -13,8 +13,9 @@ _single_tensor_adamw): `p *= 1 - lr * weight_decay` with the step's scheduled
 lr, after the gradients are final and before the optimizer step, which then
 applies Adam's update (that update reads the gradient and the moments, not p).
 The decay is a function of the step alone, so a resumed run stays bit-identical.
-Measured against torch.optim.AdamW with two groups (tests/test_weight_decay.py):
-the decay alone is bit for bit torch's; five AdamW steps agree within 2e-7.
+Measured against torch.optim.AdamW with two groups (tests/test_weight_decay.py,
+a tiny GPT): the decay alone is bit for bit torch's; after five AdamW steps at
+changing learning rates no parameter differs by more than 1.7e-7 (asserted: 1e-6).
 
 For SGD, whose ORT graph has no weight decay at all, this is torch.optim.SGD's
 `weight_decay` without momentum: p - lr (g + wd p) = p (1 - lr wd) - lr g.
@@ -40,16 +41,14 @@ def is_excluded(name: str, ndim: int, embeddings: set[str], no_decay: list[str])
     """Does an entry of `no_decay` exempt parameter `name` (of `ndim` dimensions) from weight decay?
     A name pattern matches a name that contains it, ignoring case, with fnmatch's wildcards
     (`*`, `?`, `[...]`): `bias` and `LayerNorm.weight` mean what they mean to transformers' Trainer."""
-    for entry in no_decay:
+    def picks(entry: str) -> bool:
         if entry == ONE_D:
-            if ndim < 2:
-                return True
-        elif entry == EMBEDDING:
-            if name in embeddings:
-                return True
-        elif fnmatchcase(name.lower(), f"*{entry.lower()}*"):
-            return True
-    return False
+            return ndim < 2
+        if entry == EMBEDDING:
+            return name in embeddings
+        return fnmatchcase(name.lower(), f"*{entry.lower()}*")
+
+    return any(picks(entry) for entry in no_decay)
 
 
 class WeightDecay:
