@@ -18,7 +18,8 @@ a tiny GPT): the decay alone is bit for bit torch's; after five AdamW steps at
 changing learning rates no parameter differs by more than 1.7e-7 (asserted: 1e-6).
 
 For SGD, whose ORT graph has no weight decay at all, this is torch.optim.SGD's
-`weight_decay` without momentum: p - lr (g + wd p) = p (1 - lr wd) - lr g.
+`weight_decay` without momentum: p - lr (g + wd p) = p (1 - lr wd) - lr g
+(five steps differ from torch's by at most 1.1e-8, asserted: 1e-7).
 """
 
 from __future__ import annotations
