@@ -7,6 +7,7 @@ LayerNorms and embeddings."""
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -18,7 +19,8 @@ from ortflow import config as config_mod
 from ortflow.data.prepare import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.models import built_in, graphs
-from ortflow.train import gradients, loop
+from ortflow.errors import TrainingError
+from ortflow.train import gradients, loop, weight_decay
 from ortflow.train.stop import StopRequest
 from ortflow.train.weight_decay import WeightDecay, is_excluded
 
@@ -187,3 +189,22 @@ def test_with_zero_gradients_only_the_decayed_parameters_shrink_by_exactly_one_m
         np.testing.assert_array_equal(state.parameters[name].data, reference.detach().numpy(), name)  # bit for bit
     for name in decay.not_decayed:
         np.testing.assert_array_equal(state.parameters[name].data, before[name], name)
+
+
+def test_the_groups_are_logged_and_artifacts_without_embeddings_are_refused(built, caplog):
+    from onnxruntime.training import api
+
+    artifacts, description = built["adamw"]
+    state = api.CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
+    optimizer = settings()["train"]["optimizer"]
+    with caplog.at_level(logging.INFO, logger="ortflow.train"):
+        weight_decay.for_run(state, loop.trainable(state), description, optimizer, np)
+    assert caplog.messages == [
+        "weight decay 0.1 on 4 parameter tensors (blocks.0.attn.proj.weight, blocks.0.attn.qkv.weight, "
+        "blocks.0.mlp.0.weight, blocks.0.mlp.2.weight); none on 12 (train.optimizer.no_decay: "
+        "blocks.0.attn.proj.bias, blocks.0.attn.qkv.bias, blocks.0.ln1.bias, blocks.0.ln1.weight, ... (8 more))"]
+    older = {key: value for key, value in description.items() if key != "embeddings"}
+    with pytest.raises(TrainingError) as error:
+        weight_decay.for_run(state, loop.trainable(state), older, optimizer, np)
+    assert str(error.value) == ("the artifacts' model.json names no embeddings (built by an older ortflow), which "
+                                "train.optimizer.no_decay's <embedding> needs; rebuild them (--forcerun build_artifacts)")
