@@ -150,8 +150,10 @@ def _pytorch_reference(workdir: Path) -> dict:
     model = MLP([64], cfg["model"]["hidden"], [10])
     model.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()}, strict=True)
     opt_cfg = cfg["train"]["optimizer"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt_cfg["lr"], betas=tuple(opt_cfg["betas"]),
-                                  eps=opt_cfg["eps"], weight_decay=opt_cfg["weight_decay"])
+    # train.optimizer.no_decay's default for an MLP: the biases (<1d>) are not decayed.
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": opt_cfg["weight_decay"]},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=opt_cfg["lr"], betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"])
     reader = ShardReader(results / "data/train")
     for step in range(cfg["train"]["steps"]):
         for group in optimizer.param_groups:

@@ -217,7 +217,10 @@ def loss_block(loss: str, label: dict):
 def optimizer_block(optimizer: dict):
     """AdamW as torch.optim.AdamW computes it (ORT's block defaults to the
     Hugging Face variant, adam_mode 1, which puts epsilon and the weight decay
-    differently), or plain SGD. No clip_grad: training clips after the all-reduce."""
+    differently), or plain SGD. No clip_grad: training clips after the all-reduce.
+    No weight decay: ORT's operator has one for every parameter, and training
+    applies it per group, to the parameters `train.optimizer.no_decay` leaves
+    decayed (train/weight_decay.py)."""
     from onnxruntime.training.onnxblock import optim
 
     if optimizer["name"] == "sgd":
@@ -227,8 +230,8 @@ def optimizer_block(optimizer: dict):
         def _build_optimizer_node(self, input_names, output_name, node_name, node_attributes):
             return super()._build_optimizer_node(input_names, output_name, node_name, {**node_attributes, "adam_mode": 0})
 
-    block = optim.AdamW(betas=tuple(optimizer["betas"]), eps=optimizer["eps"], weight_decay=optimizer["weight_decay"])
-    block._adamw = TorchAdamW(betas=tuple(optimizer["betas"]), eps=optimizer["eps"], weight_decay=optimizer["weight_decay"])
+    block = optim.AdamW(betas=tuple(optimizer["betas"]), eps=optimizer["eps"], weight_decay=0.0)
+    block._adamw = TorchAdamW(betas=tuple(optimizer["betas"]), eps=optimizer["eps"], weight_decay=0.0)
     return block
 
 
@@ -336,6 +339,14 @@ def forward_flops(base, manifest: dict) -> int:
     return total
 
 
+def embedding_tables(base, trainable: list[str]) -> list[str]:
+    """The trainable parameters that an embedding lookup reads: the data input of
+    a Gather node, which is what nn.Embedding exports to (for the `<embedding>`
+    rule of train.optimizer.no_decay, which then holds whatever the names are)."""
+    tables = {node.input[0] for node in base.graph.node if node.op_type == "Gather"}
+    return [name for name in trainable if name in tables]
+
+
 def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str) -> dict:
     import onnx
 
@@ -355,6 +366,7 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str) -> d
         "trainable_parameters": sum(sizes[n] for n in trainable),
         "trainable": trainable,
         "frozen": frozen,
+        "embeddings": embedding_tables(base, trainable),
         # Backward is counted as twice the forward (a gradient for the input and
         # one for the weights per multiply-add), the usual estimate.
         "flops_per_sample": {"forward": forward, "backward": 2 * forward},

@@ -1,12 +1,13 @@
 """The training loop that every rank runs, started by `ortflow train` under mpirun or srun.
 
 One optimizer step, on each rank:
-  1. set the learning rate of the schedule for this step;
+  1. the learning rate of the schedule for this step;
   2. forward and backward over `grad_accum_steps` micro-batches of this rank's
      part of the global batch (ORT sums the gradients across the calls);
   3. sum the gradients across ranks in place, scale the sum to the mean over
      every micro-batch of every rank, and clip it to the global norm;
-  4. the optimizer step.
+  4. the optimizer step: the weight decay of the decayed parameters, then the
+     optimizer's update (weight_decay.py).
 Every rank then holds the same parameters, so evaluation is split across ranks
 and checkpoints can be written by all of them.
 """
@@ -31,6 +32,7 @@ from ..evaluation import evaluate, feeds, outputs_of
 from ..sessions import session_options
 from . import comm as comm_mod
 from . import stop as stop_mod
+from . import weight_decay
 from .gradients import average_and_clip, gradients, parameters_on_host
 from .metrics import Metrics, mean_baseline_mse, peak_rss_mb, strict, unigram_perplexity
 from .schedule import learning_rate
@@ -124,9 +126,9 @@ class Checkpointer:
 
 
 def train_step(step: int, comm, module, optimizer, state, batches: list[dict], feed, train_cfg: dict,
-               stop: StopRequest) -> tuple:
-    """One optimizer step (see the top of this file). Returns the mean loss, the
-    gradient norm before clipping, and every rank's stop votes summed."""
+               stop: StopRequest, decay: weight_decay.WeightDecay, lr: float) -> tuple:
+    """One optimizer step (see the top of this file) at learning rate `lr`. Returns
+    the mean loss, the gradient norm before clipping, and every rank's stop votes summed."""
     scale_to_mean = 1.0 / (train_cfg["grad_accum_steps"] * comm.world_size)
     loss_sum = 0.0
     for batch in batches:
@@ -139,6 +141,8 @@ def train_step(step: int, comm, module, optimizer, state, batches: list[dict], f
     loss_sum, *votes = comm.allreduce_sum([loss_sum, *stop.votes()])
     loss = loss_sum * scale_to_mean
     if math.isfinite(loss) and math.isfinite(norm):
+        optimizer.set_learning_rate(lr)
+        decay.apply(lr)  # torch's order: the decay, then the optimizer's update
         optimizer.step()
     module.lazy_reset_grad()
     return loss, norm, votes
@@ -164,6 +168,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
     state = checkpoint.load_state(resume, artifacts) if resume else initial_state(artifacts)
     sessions = Sessions(artifacts, state, comm, train_cfg, out_dir / "profile")
     feed = feeder(sessions.module.input_names(), info["label"]["name"], train_reader.label_name)
+    decay = weight_decay.for_run(state, trainable(state), info, train_cfg["optimizer"], comm.xp)
     if rank == 0:
         log.info("%d ranks, global batch %d (%d x %d accumulated x %d ranks), %s, %d threads per rank", world_size,
                  global_batch, train_cfg["micro_batch_size"], train_cfg["grad_accum_steps"], world_size,
@@ -179,11 +184,10 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
         started = time.perf_counter()
         comm.watchdog.beat(step, "forward")
         lr = learning_rate(step, steps, train_cfg["optimizer"]["lr"], train_cfg["lr_schedule"])
-        optimizer.set_learning_rate(lr)
         batches = train_reader.micro_batches(step, config["run"]["seed"], rank, world_size, train_cfg["micro_batch_size"],
                                              train_cfg["grad_accum_steps"])
         inject_fault(train_cfg["fail_at_step"], step, rank, batches, stop)
-        loss, norm, votes = train_step(step, comm, module, optimizer, state, batches, feed, train_cfg, stop)
+        loss, norm, votes = train_step(step, comm, module, optimizer, state, batches, feed, train_cfg, stop, decay, lr)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             kept = checkpointer.last[1] if checkpointer.last else (resume.path if resume else None)
             raise TrainingError(f"non-finite loss {loss} (gradient norm {norm}) at step {step + 1}; " + (
