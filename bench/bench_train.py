@@ -88,6 +88,20 @@ def run_ortflow(workdir: Path, config: dict, world_size: int, steps: int, one_co
     return metrics["samples_per_s"], metrics["flops_per_s"]
 
 
+def decay_groups(module, opt: dict) -> list[dict]:
+    """torch.optim.AdamW's two parameter groups as ortflow decays (train/weight_decay.py):
+    none on what train.optimizer.no_decay picks out, embeddings being nn.Embedding tables."""
+    import torch
+
+    from ortflow.train.weight_decay import is_excluded
+
+    embeddings = {f"{name}.weight" for name, layer in module.named_modules() if isinstance(layer, torch.nn.Embedding)}
+    groups = {True: [], False: []}
+    for name, parameter in module.named_parameters():
+        groups[is_excluded(name, parameter.ndim, embeddings, opt["no_decay"])].append(parameter)
+    return [{"params": groups[False], "weight_decay": opt["weight_decay"]}, {"params": groups[True], "weight_decay": 0.0}]
+
+
 def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: int, port: int, queue,
                share_cores: bool) -> None:
     """One rank of the PyTorch DDP baseline: same model, data, batch and optimizer.
@@ -112,8 +126,7 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: in
               else built_in(spec, manifest, resolve_loss(spec["loss"], manifest)))
     model = torch.nn.parallel.DistributedDataParallel(module)
     opt = config["train"]["optimizer"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt["lr"], betas=opt["betas"], eps=opt["eps"],
-                                  weight_decay=opt["weight_decay"])
+    optimizer = torch.optim.AdamW(decay_groups(module, opt), lr=opt["lr"], betas=opt["betas"], eps=opt["eps"])
     micro = config["train"]["micro_batch_size"]
     feature, label = reader.feature_names[0], reader.label_name
     times = []
