@@ -144,7 +144,8 @@ def train_step(step: int, comm, module, optimizer, state, batches: list[dict], f
     return loss, norm, votes
 
 
-def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: StopRequest) -> dict:
+def train(config: dict, train_dir: Path, eval_dir: Path, artifacts: Path, out_dir: Path, checkpoints: Path,
+          stop: StopRequest) -> dict:
     train_cfg, steps = config["train"], config["train"]["steps"]
     out_dir.mkdir(parents=True, exist_ok=True)
     comm = comm_mod.create(train_cfg, out_dir / "heartbeat")
@@ -153,12 +154,11 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
         raise TrainingError(f"started with {world_size} ranks but train.world_size is {train_cfg['world_size']}")
     global_batch = config_mod.global_batch_size(config)
     # Checked before the first step: checksums, batch size against the data.
-    train_reader, eval_reader = ShardReader(data_dir / "train"), ShardReader(data_dir / "eval")
+    train_reader, eval_reader = ShardReader(train_dir), ShardReader(eval_dir)
     train_reader.check_batch(global_batch)
     info = json.loads((artifacts / "model.json").read_text())
 
-    checkpointer = Checkpointer(out_dir / "checkpoints", comm, config_mod.training_identity(config), train_cfg,
-                                global_batch)
+    checkpointer = Checkpointer(checkpoints, comm, config_mod.training_identity(config), train_cfg, global_batch)
     resume = checkpointer.find_resume(train_cfg["resume_from"], artifacts)
     start_step = resume.step if resume else 0
     state = checkpoint.load_state(resume, artifacts) if resume else initial_state(artifacts)
@@ -201,7 +201,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
         if checkpointer.due(done) or reason:
             checkpointer.save(done, state, lr, metrics.history)
         if reason:  # every rank knows it from the same all-reduce
-            stop_now(reason, votes, done, checkpointer, metrics)
+            stop_now(reason, votes, done, checkpointer, metrics, out_dir / stop_mod.STOPPED)
 
     return finish(config, sessions.for_eval(), comm, train_reader, eval_reader, info, metrics, last_eval, out_dir)
 
@@ -262,15 +262,16 @@ def initial_state(artifacts: Path):
     return CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
 
 
-def stop_now(reason, votes, done: int, checkpointer: Checkpointer, metrics: Metrics) -> None:
-    """Every rank agreed to stop (`votes`) and the checkpoint of step `done` is written: say so and end."""
+def stop_now(reason, votes, done: int, checkpointer: Checkpointer, metrics: Metrics, stopped: Path) -> None:
+    """Every rank agreed to stop (`votes`) and the checkpoint of step `done` is written: say so (in
+    the log, and in the file `stopped`) and end."""
     where = checkpointer.last[1]
     if checkpointer.comm.rank == 0:
         log.warning("stopping after step %d of %d: %s; checkpoint %s written; rerun to resume from it",
                     done, checkpointer.steps, stop_mod.describe(votes), where)
         # For `ortflow train`, which exits with 128 + the signal (the ranks exit 0:
         # mpirun would call a non-zero exit a failure).
-        atomic.write_text(checkpointer.root.parent / stop_mod.STOPPED, json.dumps({"signal": reason.name, "step": done}))
+        atomic.write_text(stopped, json.dumps({"signal": reason.name, "step": done}))
     metrics.close()
     raise Stopped(reason, done, where)
 
@@ -298,9 +299,11 @@ def finish(config: dict, module, comm, train_reader: ShardReader, eval_reader: S
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one rank of `ortflow train` (start it with mpirun or srun)")
     parser.add_argument("--config-json", required=True)
-    parser.add_argument("--data", required=True, type=Path, help="folder with the train/ and eval/ shards")
+    parser.add_argument("--train", required=True, type=Path, help="folder of the train split's shards")
+    parser.add_argument("--eval", required=True, type=Path, help="folder of the eval split's shards")
     parser.add_argument("--artifacts", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path, help="the run's train/ folder")
+    parser.add_argument("--checkpoints", required=True, type=Path, help="the checkpoints folder")
     args = parser.parse_args(argv)
     stop = StopRequest().install()  # first: a stop request during the imports is kept too
 
@@ -316,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         config = config_mod.validate(json.loads(args.config_json))
         if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
             cuda_libraries.preload()
-        train(config, args.data, args.artifacts, args.out, stop)
+        train(config, args.train, args.eval, args.artifacts, args.out, args.checkpoints, stop)
     except Stopped:
         # Every rank stops here together, without MPI_Abort.
         logging.shutdown()
