@@ -219,7 +219,7 @@ def check_config(args) -> tuple[Check, dict]:
             "config",
             FAIL,
             f"{where}: {'not valid YAML: ' if isinstance(error, yaml.YAMLError) else ''}{error}",
-            f"correct it; every key is described in {config_mod.SCHEMA_PATH.relative_to(config_mod.REPO)}",
+            f"correct it; every key is described in {config_mod.schema_file()}",
         )
         return check, config_mod.validate({})
     return Check("config", OK, f"{where}: valid"), config
