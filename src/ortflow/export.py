@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from . import atomic
+from .artifacts import Artifacts
 from .errors import MissingInputError, ModelError
 from .evaluation import feeds, outputs_of
 from .sessions import inference_session
@@ -207,13 +208,14 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
     from .data.shards import ShardReader
 
     onnxruntime.set_default_logger_severity(3)
-    info = json.loads((artifacts / "model.json").read_text())
+    files = Artifacts(artifacts)
+    info = files.description()
     meta_path = checkpoint_dir / "meta.json"
     if not meta_path.is_file():
         raise MissingInputError(f"{meta_path}: no merged checkpoint (run the merge_checkpoint rule first)")
     meta = json.loads(meta_path.read_text())
     state = CheckpointState.load_checkpoint(str(checkpoint_dir / "checkpoint"))
-    module = Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"))
+    module = Module(str(files.training_model), state, str(files.eval_model))
 
     props = {
         "ortflow.run": config["run"]["name"],

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from . import atomic
+from .artifacts import Artifacts
 from .errors import ModelError
 from .evaluation import batch_totals, eval_results
 from .sessions import inference_session
@@ -274,7 +275,7 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
     from .data.shards import ShardReader
 
     onnxruntime.set_default_logger_severity(3)
-    info = json.loads((artifacts / "model.json").read_text())
+    info = Artifacts(artifacts).description()
     export_cfg = config["export"]
     how = method(export_cfg, onnx.load(str(model), load_external_data=False))
     if how == "none" and int8.exists():

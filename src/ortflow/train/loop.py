@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import atomic, checkpoint, config as config_mod, cuda_libraries, storage
+from ..artifacts import Artifacts
 from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
@@ -62,11 +63,12 @@ def open_sessions(artifacts: Path, state, device: str, threads: int, profile_pre
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = f"{profile_prefix}-train"
-    eval_model = None if profile_prefix else str(artifacts / "eval_model.onnx")
-    module = Module(str(artifacts / "training_model.onnx"), state, eval_model, device=device, session_options=options)
+    files = Artifacts(artifacts)
+    eval_model = None if profile_prefix else str(files.eval_model)
+    module = Module(str(files.training_model), state, eval_model, device=device, session_options=options)
     if profile_prefix:  # sessions copy their options when created
         options.profile_file_prefix = f"{profile_prefix}-optimizer"
-    return module, Optimizer(str(artifacts / "optimizer_model.onnx"), module)
+    return module, Optimizer(str(files.optimizer_model), module)
 
 
 def inject_fault(fault: dict | None, step: int, rank: int, batches: list[dict], stop: StopRequest) -> None:
@@ -156,7 +158,7 @@ def train(config: dict, train_dir: Path, eval_dir: Path, artifacts: Path, out_di
     # Checked before the first step: checksums, batch size against the data.
     train_reader, eval_reader = ShardReader(train_dir), ShardReader(eval_dir)
     train_reader.check_batch(global_batch)
-    info = json.loads((artifacts / "model.json").read_text())
+    info = Artifacts(artifacts).description()
 
     checkpointer = Checkpointer(checkpoints, comm, config_mod.training_identity(config), train_cfg, global_batch)
     resume = checkpointer.find_resume(train_cfg["resume_from"], artifacts)
@@ -259,7 +261,7 @@ def log_step(metrics: Metrics, train_cfg: dict, done: int, parameters, loss: flo
 def initial_state(artifacts: Path):
     from onnxruntime.training.api import CheckpointState
 
-    return CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
+    return CheckpointState.load_checkpoint(str(Artifacts(artifacts).checkpoint))
 
 
 def stop_now(reason, votes, done: int, checkpointer: Checkpointer, metrics: Metrics, stopped: Path) -> None:
