@@ -31,7 +31,7 @@ from . import atomic
 from .artifacts import Artifacts
 from .errors import MissingInputError, ModelError
 from .evaluation import feeds, outputs_of
-from .sessions import inference_session
+from .sessions import inference_session, quiet_logging
 
 log = logging.getLogger("ortflow.export")
 
@@ -201,13 +201,12 @@ def first_disagreement(model, feeds: dict) -> str:
 def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, out: Path) -> dict:
     """Write and check `out` (the inference model); return its metadata properties."""
     import onnx
-    import onnxruntime
     from onnxruntime.training.api import CheckpointState, Module
 
     from . import __version__
     from .data.shards import ShardReader
 
-    onnxruntime.set_default_logger_severity(3)
+    quiet_logging()
     files = Artifacts(artifacts)
     info = files.description()
     meta_path = checkpoint_dir / "meta.json"

@@ -29,6 +29,7 @@ import numpy as np
 from .. import atomic
 from ..artifacts import Artifacts
 from ..errors import MissingInputError, ModelError
+from ..sessions import quiet_logging
 from . import CLASS_LOSSES, LOGITS
 
 log = logging.getLogger("ortflow.build_artifacts")
@@ -233,10 +234,9 @@ def optimizer_block(optimizer: dict):
 
 def generate(base, trainable, frozen, loss, label, optimizer, out: Path) -> None:
     import onnx
-    import onnxruntime
     from onnxruntime.training import artifacts, onnxblock
 
-    onnxruntime.set_default_logger_severity(3)
+    quiet_logging()
     # ORT names the nodes it adds from a process-wide counter; restarting it
     # makes the graphs depend on the model alone, byte for byte.
     onnxblock._graph_utils._GRAPH_TOKEN = 0
@@ -275,12 +275,11 @@ def explain_generation_error(error: Exception, base) -> Exception:
 def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
     """One forward and backward on the first train records, so that a model
     whose output does not fit the loss fails here, not on the training ranks."""
-    import onnxruntime
     from onnxruntime.training import api
 
     from ..data.shards import ShardReader
 
-    onnxruntime.set_default_logger_severity(3)
+    quiet_logging()
     reader = ShardReader(train_dir, verify=False)
     batch = reader.gather(np.arange(min(SMOKE_RECORDS, len(reader))))
     files = Artifacts(out)

@@ -29,7 +29,7 @@ from ..artifacts import Artifacts
 from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
-from ..sessions import session_options
+from ..sessions import quiet_logging, session_options
 from . import comm as comm_mod
 from . import stop as stop_mod
 from .gradients import average_and_clip, gradients, parameters_on_host
@@ -314,9 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = MPI.COMM_WORLD.Get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
-    import onnxruntime
-
-    onnxruntime.set_default_logger_severity(3)
+    quiet_logging()
     try:
         config = config_mod.validate(json.loads(args.config_json))
         if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
