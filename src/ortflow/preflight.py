@@ -175,6 +175,12 @@ def check_cuda_libraries() -> Check:
     return Check(name, OK, f"every library that {provider.name} links against is found")
 
 
+def cuda_checks() -> list[Check]:
+    """What train.device: cuda needs: CuPy, the CUDA provider's libraries, and GPUs (counted through CuPy)."""
+    cupy = check_cupy()
+    return [cupy, check_cuda_libraries(), check_gpus(cupy.status == OK)]
+
+
 def check_gpus(cupy_ok: bool) -> Check:
     if not cupy_ok:
         return Check("GPUs", SKIP, "skipped: needs CuPy")
@@ -251,8 +257,7 @@ def preflight(config: dict, launcher: str = "mpirun", results: Path = Path("resu
         check_training_import(),
     ]
     if train["device"] == "cuda":
-        cupy = check_cupy()
-        checks += [cupy, check_cuda_libraries(), check_gpus(cupy.status == OK)]
+        checks += cuda_checks()
     checks += [check_world_size(train["world_size"], train["device"], launcher), check_disk(results)]
     return [Problem(f"{c.name}: {c.detail}", c.fix, fatal=c.status == FAIL) for c in checks if c.status in (WARN, FAIL)]
 
