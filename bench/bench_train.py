@@ -79,7 +79,8 @@ def run_ortflow(workdir: Path, config: dict, world_size: int, steps: int, one_co
     out = workdir / f"results/{name}/bench-train-w{world_size}"
     pin = ["taskset", "-c", "0"] if one_core else []
     subprocess.run([*pin, "ortflow", "train", "-n", str(world_size), "--config-json", json.dumps(config),
-                    "--data", str(workdir / f"results/{name}/data"),
+                    "--train", str(workdir / f"results/{name}/data/train"),
+                    "--eval", str(workdir / f"results/{name}/data/eval"),
                     "--artifacts", str(workdir / f"results/{name}/artifacts"), "--out", str(out),
                     "--metrics", str(out / "metrics.json")],
                    check=True, cwd=workdir, stderr=subprocess.DEVNULL)

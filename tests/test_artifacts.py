@@ -324,7 +324,7 @@ def test_external_data_in_the_model_folder_is_read(data, tmp_path):
     path, weight = external_data_model(tmp_path / "model", "weight.bin")
     (tmp_path / "model" / "weight.bin").write_bytes(weight.tobytes())
     build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path)})
-    base = onnx.load(str(tmp_path / "out" / graphs.BASE_MODEL))
+    base = onnx.load(str(tmp_path / "out" / "inference_base.onnx"))
     assert np.array_equal(numpy_helper.to_array(base.graph.initializer[0]), weight)
 
 

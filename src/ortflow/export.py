@@ -31,10 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from . import atomic
+from .artifacts import Artifacts
 from .data import standardize
 from .errors import MissingInputError, ModelError
 from .evaluation import feeds, outputs_of
-from .sessions import inference_session
+from .sessions import inference_session, quiet_logging
 
 log = logging.getLogger("ortflow.export")
 
@@ -207,20 +208,20 @@ def first_disagreement(model, feeds: dict) -> str:
 def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, out: Path) -> dict:
     """Write and check `out` (the inference model); return its metadata properties."""
     import onnx
-    import onnxruntime
     from onnxruntime.training.api import CheckpointState, Module
 
     from . import __version__
     from .data.shards import ShardReader
 
-    onnxruntime.set_default_logger_severity(3)
-    info = json.loads((artifacts / "model.json").read_text())
+    quiet_logging()
+    files = Artifacts(artifacts)
+    info = files.description()
     meta_path = checkpoint_dir / "meta.json"
     if not meta_path.is_file():
         raise MissingInputError(f"{meta_path}: no merged checkpoint (run the merge_checkpoint rule first)")
     meta = json.loads(meta_path.read_text())
     state = CheckpointState.load_checkpoint(str(checkpoint_dir / "checkpoint"))
-    module = Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"))
+    module = Module(str(files.training_model), state, str(files.eval_model))
 
     props = {
         "ortflow.run": config["run"]["name"],

@@ -257,14 +257,15 @@ def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchm
 # --- the end-of-run summary --------------------------------------------------------------------------
 
 
-def run_summary(results: str | Path, run_arguments: Sequence[str] = ()) -> str:
-    """A few lines on what exists of a run under `results`: printed when
-    `snakemake` finishes, whichever stages ran. `run_arguments` are those that
-    chose the run (--configfile, --config): the report command needs them too."""
-    results = Path(results)
-    train = read_json(results / "train" / "metrics.json")
-    export = read_json(results / "export" / "metrics.json")
-    model, int8 = results / "export" / "model.onnx", results / "export" / "model.int8.onnx"
+def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
+                int8: str | Path, report: str | Path, run_arguments: Sequence[str] = ()) -> str:
+    """A few lines on what exists of the run in the folder `results`: printed when
+    `snakemake` finishes, whichever stages ran. The files are where the rules
+    write them (the Snakefile passes their outputs); `report` is the report
+    command's page. `run_arguments` are those that chose the run (--configfile,
+    --config): the report command needs them too."""
+    results, model, int8 = Path(results), Path(model), Path(int8)
+    train, export = read_json(Path(train_metrics)), read_json(Path(export_metrics))
     lines = [f"ortflow: run {results.name} in {results}"]
     if model.is_file():
         lines.append(f"  model     {model}" + (f" (int8: {int8})" if int8.is_file() else ""))
@@ -286,7 +287,6 @@ def run_summary(results: str | Path, run_arguments: Sequence[str] = ()) -> str:
                      f"on {len(train['peak_rss_mb'])} ranks")
     if len(lines) == 1:
         lines.append("  nothing trained yet")
-    report = results / "report.html"
     lines.append(f"  report    {shlex.join(['snakemake', '--report', str(report), *run_arguments])}")
     return "\n".join(lines)
 

@@ -26,10 +26,11 @@ from pathlib import Path
 import numpy as np
 
 from .. import atomic, checkpoint, config as config_mod, cuda_libraries, storage
+from ..artifacts import Artifacts
 from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
-from ..sessions import session_options
+from ..sessions import quiet_logging, session_options
 from . import comm as comm_mod
 from . import stop as stop_mod
 from . import weight_decay
@@ -64,11 +65,12 @@ def open_sessions(artifacts: Path, state, device: str, threads: int, profile_pre
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = f"{profile_prefix}-train"
-    eval_model = None if profile_prefix else str(artifacts / "eval_model.onnx")
-    module = Module(str(artifacts / "training_model.onnx"), state, eval_model, device=device, session_options=options)
+    files = Artifacts(artifacts)
+    eval_model = None if profile_prefix else str(files.eval_model)
+    module = Module(str(files.training_model), state, eval_model, device=device, session_options=options)
     if profile_prefix:  # sessions copy their options when created
         options.profile_file_prefix = f"{profile_prefix}-optimizer"
-    return module, Optimizer(str(artifacts / "optimizer_model.onnx"), module)
+    return module, Optimizer(str(files.optimizer_model), module)
 
 
 def inject_fault(fault: dict | None, step: int, rank: int, batches: list[dict], stop: StopRequest) -> None:
@@ -148,7 +150,8 @@ def train_step(step: int, comm, module, optimizer, state, batches: list[dict], f
     return loss, norm, votes
 
 
-def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: StopRequest) -> dict:
+def train(config: dict, train_dir: Path, eval_dir: Path, artifacts: Path, out_dir: Path, checkpoints: Path,
+          stop: StopRequest) -> dict:
     train_cfg, steps = config["train"], config["train"]["steps"]
     out_dir.mkdir(parents=True, exist_ok=True)
     comm = comm_mod.create(train_cfg, out_dir / "heartbeat")
@@ -157,12 +160,11 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
         raise TrainingError(f"started with {world_size} ranks but train.world_size is {train_cfg['world_size']}")
     global_batch = config_mod.global_batch_size(config)
     # Checked before the first step: checksums, batch size against the data.
-    train_reader, eval_reader = ShardReader(data_dir / "train"), ShardReader(data_dir / "eval")
+    train_reader, eval_reader = ShardReader(train_dir), ShardReader(eval_dir)
     train_reader.check_batch(global_batch)
-    info = json.loads((artifacts / "model.json").read_text())
+    info = Artifacts(artifacts).description()
 
-    checkpointer = Checkpointer(out_dir / "checkpoints", comm, config_mod.training_identity(config), train_cfg,
-                                global_batch)
+    checkpointer = Checkpointer(checkpoints, comm, config_mod.training_identity(config), train_cfg, global_batch)
     resume = checkpointer.find_resume(train_cfg["resume_from"], artifacts)
     start_step = resume.step if resume else 0
     state = checkpoint.load_state(resume, artifacts) if resume else initial_state(artifacts)
@@ -205,7 +207,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
         if checkpointer.due(done) or reason:
             checkpointer.save(done, state, lr, metrics.history)
         if reason:  # every rank knows it from the same all-reduce
-            stop_now(reason, votes, done, checkpointer, metrics)
+            stop_now(reason, votes, done, checkpointer, metrics, out_dir / stop_mod.STOPPED)
 
     return finish(config, sessions.for_eval(), comm, train_reader, eval_reader, info, metrics, last_eval, out_dir)
 
@@ -263,18 +265,19 @@ def log_step(metrics: Metrics, train_cfg: dict, done: int, parameters, loss: flo
 def initial_state(artifacts: Path):
     from onnxruntime.training.api import CheckpointState
 
-    return CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
+    return CheckpointState.load_checkpoint(str(Artifacts(artifacts).checkpoint))
 
 
-def stop_now(reason, votes, done: int, checkpointer: Checkpointer, metrics: Metrics) -> None:
-    """Every rank agreed to stop (`votes`) and the checkpoint of step `done` is written: say so and end."""
+def stop_now(reason, votes, done: int, checkpointer: Checkpointer, metrics: Metrics, stopped: Path) -> None:
+    """Every rank agreed to stop (`votes`) and the checkpoint of step `done` is written: say so (in
+    the log, and in the file `stopped`) and end."""
     where = checkpointer.last[1]
     if checkpointer.comm.rank == 0:
         log.warning("stopping after step %d of %d: %s; checkpoint %s written; rerun to resume from it",
                     done, checkpointer.steps, stop_mod.describe(votes), where)
         # For `ortflow train`, which exits with 128 + the signal (the ranks exit 0:
         # mpirun would call a non-zero exit a failure).
-        atomic.write_text(checkpointer.root.parent / stop_mod.STOPPED, json.dumps({"signal": reason.name, "step": done}))
+        atomic.write_text(stopped, json.dumps({"signal": reason.name, "step": done}))
     metrics.close()
     raise Stopped(reason, done, where)
 
@@ -314,9 +317,11 @@ def baselines(info: dict, train_reader: ShardReader, eval_reader: ShardReader) -
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one rank of `ortflow train` (start it with mpirun or srun)")
     parser.add_argument("--config-json", required=True)
-    parser.add_argument("--data", required=True, type=Path, help="folder with the train/ and eval/ shards")
+    parser.add_argument("--train", required=True, type=Path, help="folder of the train split's shards")
+    parser.add_argument("--eval", required=True, type=Path, help="folder of the eval split's shards")
     parser.add_argument("--artifacts", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path, help="the run's train/ folder")
+    parser.add_argument("--checkpoints", required=True, type=Path, help="the checkpoints folder")
     args = parser.parse_args(argv)
     stop = StopRequest().install()  # first: a stop request during the imports is kept too
 
@@ -325,14 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = MPI.COMM_WORLD.Get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
-    import onnxruntime
-
-    onnxruntime.set_default_logger_severity(3)
+    quiet_logging()
     try:
         config = config_mod.validate(json.loads(args.config_json))
         if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
             cuda_libraries.preload()
-        train(config, args.data, args.artifacts, args.out, stop)
+        train(config, args.train, args.eval, args.artifacts, args.out, args.checkpoints, stop)
     except Stopped:
         # Every rank stops here together, without MPI_Abort.
         logging.shutdown()
