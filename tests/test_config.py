@@ -131,7 +131,7 @@ def test_rules_quote_every_path_they_pass_to_the_shell():
     that a space or a shell character in it stays one argument."""
     import re
 
-    rules = sorted((config.REPO / "workflow" / "rules").glob("*.smk"))
+    rules = sorted((REPO / "workflow" / "rules").glob("*.smk"))
     placeholders = [(rule.name, match) for rule in rules
                     for match in re.findall(r"\{(?:input|output|log|params|resources)[^}]*\}", rule.read_text())]
     assert len(placeholders) > 30
