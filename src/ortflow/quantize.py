@@ -258,12 +258,12 @@ def gate(report: dict, export_cfg: dict, model: Path, records: int) -> dict:
         scale = 100 if compared == "accuracy" else 1
         raise QualityGateError(
             f"quality gate: int8 {compared} {report['int8'][compared] * scale:.4g} against fp32 "
-            f"{report['fp32'][compared] * scale:.4g} is a loss of {drop:.3g} {unit}, more than "
+            f"{report['fp32'][compared] * scale:.4g} is a loss of {drop:.4g} {unit}, more than "
             f"export.max_accuracy_drop={allowed}{granularity}; no int8 model is written and "
             f"the fp32 model {model} stays (try export.quantize: static, export.per_channel: true, "
             "a larger export.max_accuracy_drop, or export.quantize: none)"
         )
-    log.info("quality gate passed: int8 loses %.3g %s of %s (allowed: %g)%s", drop, unit, compared, allowed, granularity)
+    log.info("quality gate passed: int8 loses %.4g %s of %s (allowed: %g)%s", drop, unit, compared, allowed, granularity)
     return {"metric": compared, "drop": drop, "unit": unit, "max_accuracy_drop": allowed}
 
 
