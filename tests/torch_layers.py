@@ -41,6 +41,18 @@ class MultiheadAttention(nn.Module):
         return self.attention(x, x, x, key_padding_mask=ids == 0)[0]
 
 
+class EncoderLayer(nn.Module):
+    """nn.TransformerEncoderLayer (batch_first, GELU, pre-norm), padding (id 0) masked: all of the above in one."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.encoder = nn.TransformerEncoderLayer(width, HEADS, 2 * width, dropout=0.0, activation="gelu",
+                                                  batch_first=True, norm_first=True)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x, src_key_padding_mask=ids == 0)
+
+
 class Pointwise(nn.Module):
     """A layer of one input (LayerNorm, GELU) after a Linear, so that it sees varied values."""
 
@@ -61,6 +73,7 @@ def make_layer(layer: str, width: int) -> nn.Module | None:
         "sdpa_causal": lambda: Attention(width, "causal"),
         "sdpa_mask": lambda: Attention(width, "padding"),
         "multihead_attention": lambda: MultiheadAttention(width),
+        "transformer_encoder_layer": lambda: EncoderLayer(width),
     }[layer]()
 
 
@@ -71,7 +84,8 @@ def key_bias(layer: str, width: int = 16) -> tuple[str, slice] | None:
     own size, moves it by float rounding noise alone (~1e-9 gradients), in
     torch and ONNX Runtime alike but in other directions."""
     name = {"sdpa_causal": "layer.qkv.bias", "sdpa_mask": "layer.qkv.bias",
-            "multihead_attention": "layer.attention.in_proj_bias"}.get(layer)
+            "multihead_attention": "layer.attention.in_proj_bias",
+            "transformer_encoder_layer": "layer.encoder.self_attn.in_proj_bias"}.get(layer)
     return (name, slice(width, 2 * width)) if name else None
 
 

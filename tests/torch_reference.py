@@ -16,11 +16,15 @@ from ortflow.data.shards import ShardReader
 from ortflow.train.schedule import learning_rate
 
 
-def load_initial(model: torch.nn.Module, artifacts: Path) -> torch.nn.Module:
-    """`model` with the weights of ortflow's initial checkpoint (every parameter, strictly)."""
-    initial = checkpoint.load_parameters_file(artifacts / "checkpoint")
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()}, strict=True)
+def with_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> torch.nn.Module:
+    """`model` with `weights` (every parameter, strictly)."""
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=True)
     return model
+
+
+def load_initial(model: torch.nn.Module, artifacts: Path) -> torch.nn.Module:
+    """`model` with the weights of ortflow's initial checkpoint."""
+    return with_weights(model, checkpoint.load_parameters_file(artifacts / "checkpoint"))
 
 
 def train_like_ortflow(model: torch.nn.Module, config: dict, train_dir: Path) -> tuple[list[float], dict]:
