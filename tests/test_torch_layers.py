@@ -18,12 +18,14 @@ from onnxruntime.training.api import CheckpointState, Module
 from ortflow import checkpoint, cli
 from ortflow import config as config_mod
 from ortflow.data.shards import ShardReader
+from ortflow.errors import ModelError
 from ortflow.evaluation import feeds, outputs_of
+from ortflow.models import graphs
 from ortflow.sessions import inference_session
 from torch_layers import LayerNet, key_bias
 from torch_reference import load_initial, train_like_ortflow, with_weights
 
-LAYERS = ["embedding", "layer_norm", "gelu", "gelu_tanh", "sdpa_causal", "sdpa_mask", "multihead_attention",
+LAYERS = ["embedding", "embedding_padding_idx", "layer_norm", "gelu", "gelu_tanh", "sdpa_causal", "sdpa_mask", "multihead_attention",
           "transformer_encoder_layer"]
 VOCAB, TIME = 16, 8
 # weight_decay 0: the comparison is about the layers (and does not depend on
@@ -131,3 +133,39 @@ def test_short_training_equals_pytorch_and_export_equals_eval_graph(layer, token
         zeroed = {**trained, name: trained[name].copy()}
         zeroed[name][part] = 0
         assert largest(torch_logits(layer, zeroed, batch["ids"]), in_torch) <= EXPORT_TOLERANCE  # measured 8.9e-8
+
+
+class Bag(torch.nn.Module):
+    """Mean of token embeddings; `functional` calls F.embedding on its own weight."""
+
+    def __init__(self, functional: bool = False, **embedding):
+        super().__init__()
+        self.embed, self.functional = torch.nn.Embedding(VOCAB, 4, **embedding), functional
+
+    def forward(self, ids):
+        if self.functional:
+            return torch.nn.functional.embedding(ids, self.embed.weight, scale_grad_by_freq=True).mean(1)
+        return self.embed(ids).mean(1)
+
+
+def nonzero_padding_row() -> Bag:
+    bag = Bag(padding_idx=3)
+    with torch.no_grad():
+        bag.embed.weight[3] = 1.0
+    return bag
+
+
+@pytest.mark.parametrize("module, message", [
+    (lambda: Bag(scale_grad_by_freq=True), "model.path: Bag.embed (nn.Embedding) has scale_grad_by_freq=True, which "
+     "ONNX cannot express (it scales each token's gradient by its frequency in the batch); set scale_grad_by_freq=False"),
+    (lambda: Bag(functional=True), "model.path: torch.onnx cannot export Bag: embedding with scale_grad_by_freq=True: "
+     "ONNX cannot scale the gradients by the tokens' frequency; set scale_grad_by_freq=False"),
+    (nonzero_padding_row, "model.path: Bag.embed (nn.Embedding): the row of padding_idx 3 is not zero; ortflow keeps "
+     "that row from training by masking it, which needs it zero (as nn.Embedding initialises it): zero it in __init__ "
+     "(with torch.no_grad(): self.embed.weight[3] = 0) or drop padding_idx"),
+], ids=["scale_grad_by_freq", "functional_scale_grad_by_freq", "nonzero_padding_row"])
+def test_embedding_that_cannot_train_as_in_torch_is_refused_in_one_line(module, message, tmp_path):
+    with pytest.raises(ModelError) as error:
+        graphs.export_torch(module(), {"features": [{"name": "ids", "dtype": "int64", "shape": [TIME]}]},
+                            tmp_path / "model.onnx")
+    assert str(error.value) == message

@@ -67,6 +67,7 @@ class Pointwise(nn.Module):
 def make_layer(layer: str, width: int) -> nn.Module | None:
     return {
         "embedding": lambda: None,
+        "embedding_padding_idx": lambda: None,
         "layer_norm": lambda: Pointwise(width, nn.LayerNorm(width)),
         "gelu": lambda: Pointwise(width, nn.GELU()),
         "gelu_tanh": lambda: Pointwise(width, nn.GELU(approximate="tanh")),
@@ -92,7 +93,8 @@ def key_bias(layer: str, width: int = 16) -> tuple[str, slice] | None:
 class LayerNet(nn.Module):
     def __init__(self, layer: str, vocab: int = 16, width: int = 16, classes: int = 3):
         super().__init__()
-        self.embed = nn.Embedding(vocab, width)
+        # Token 0 is padding: "embedding_padding_idx" tells the embedding (its row of 0 gets no gradient).
+        self.embed = nn.Embedding(vocab, width, padding_idx=0 if layer == "embedding_padding_idx" else None)
         self.layer = make_layer(layer, width)
         self.head = nn.Linear(width, classes)
 
