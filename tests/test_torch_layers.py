@@ -8,6 +8,8 @@ batches, AdamW, clipping, schedule), and the exported model equals the eval grap
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +27,8 @@ from ortflow.sessions import inference_session
 from torch_layers import LayerNet, key_bias
 from torch_reference import load_initial, train_like_ortflow, with_weights
 
-LAYERS = ["embedding", "embedding_padding_idx", "layer_norm", "gelu", "gelu_tanh", "sdpa_causal", "sdpa_mask", "multihead_attention",
-          "transformer_encoder_layer"]
+LAYERS = ["embedding", "embedding_padding_idx", "layer_norm", "gelu", "gelu_tanh", "sdpa_causal", "sdpa_mask",
+          "multihead_attention", "transformer_encoder_layer"]
 VOCAB, TIME = 16, 8
 # weight_decay 0: the comparison is about the layers (and does not depend on
 # which parameters a weight-decay policy exempts).
@@ -61,18 +63,20 @@ def tokens(tmp_path_factory) -> Path:
 
 
 def run_ortflow(config: dict, data: Path, out: Path) -> None:
-    """build_artifacts, train, merge_checkpoint and export_model as the workflow's rules run them."""
-    arguments = ["--config-json", json.dumps(config)]
-    stages = [
-        ["build-artifacts", *arguments, "--train", str(data / "train"), "--out", str(out / "artifacts")],
-        ["train", "-n", "1", *arguments, "--data", str(data), "--artifacts", str(out / "artifacts"),
-         "--out", str(out / "train"), "--metrics", str(out / "train/metrics.json")],
-        ["checkpoint", "merge", str(out / "train/checkpoints"), str(out / "checkpoint"), *arguments],
-        ["export-model", *arguments, "--artifacts", str(out / "artifacts"), "--checkpoint", str(out / "checkpoint"),
-         "--eval", str(data / "eval"), "--out", str(out / "model.onnx")],
-    ]
-    for stage in stages:
-        assert cli.main(stage) == 0, stage[0]
+    """build_artifacts, train, merge_checkpoint and export_model as the workflow's
+    rules run them; `ortflow train` in a process of its own, because it takes
+    over SIGINT and SIGTERM to pass them on to its ranks."""
+    arguments, artifacts = ["--config-json", json.dumps(config)], str(out / "artifacts")
+    assert cli.main(["build-artifacts", *arguments, "--train", str(data / "train"), "--out", artifacts]) == 0
+    train = subprocess.run(
+        [sys.executable, "-m", "ortflow.cli", "train", "-n", "1", *arguments, "--data", str(data), "--artifacts",
+         artifacts, "--out", str(out / "train"), "--metrics", str(out / "train/metrics.json")],
+        capture_output=True, text=True,
+    )
+    assert train.returncode == 0, train.stderr[-4000:]
+    assert cli.main(["checkpoint", "merge", str(out / "train/checkpoints"), str(out / "checkpoint"), *arguments]) == 0
+    assert cli.main(["export-model", *arguments, "--artifacts", artifacts, "--checkpoint", str(out / "checkpoint"),
+                     "--eval", str(data / "eval"), "--out", str(out / "model.onnx")]) == 0
 
 
 def largest(a, b) -> float:
@@ -156,8 +160,9 @@ def nonzero_padding_row() -> Bag:
 
 
 @pytest.mark.parametrize("module, message", [
-    (lambda: Bag(scale_grad_by_freq=True), "model.path: Bag.embed (nn.Embedding) has scale_grad_by_freq=True, which "
-     "ONNX cannot express (it scales each token's gradient by its frequency in the batch); set scale_grad_by_freq=False"),
+    (lambda: Bag(scale_grad_by_freq=True), "model.path: Bag.embed (nn.Embedding) has scale_grad_by_freq=True, "
+     "which ONNX cannot express (it scales each token's gradient by its frequency in the batch); "
+     "set scale_grad_by_freq=False"),
     (lambda: Bag(functional=True), "model.path: torch.onnx cannot export Bag: embedding with scale_grad_by_freq=True: "
      "ONNX cannot scale the gradients by the tokens' frequency; set scale_grad_by_freq=False"),
     (nonzero_padding_row, "model.path: Bag.embed (nn.Embedding): the row of padding_idx 3 is not zero; ortflow keeps "
