@@ -38,7 +38,16 @@ rule all:
 onsuccess:
     from ortflow.report import run_summary
 
-    print(run_summary(RESULTS, run_arguments()))
+    summary = run_summary(
+        RESULTS,
+        train_metrics=rules.train.output.metrics,
+        export_metrics=rules.quantize_model.output.metrics,
+        model=rules.export_model.output[0],
+        int8=INT8,
+        report=REPORT,
+        run_arguments=run_arguments(),
+    )
+    print(summary)
 
 
 # Each failed stage's own error message, last on the console: nobody needs to open its log.

@@ -36,11 +36,12 @@ import numpy as np
 def build_artifacts(out: Path, megabytes: int) -> None:
     """An MLP 64 -> h -> h -> 10 with about `megabytes` of float32 parameters."""
     import onnx
-    import onnxruntime
     import torch
     from onnxruntime.training import artifacts
 
-    onnxruntime.set_default_logger_severity(3)
+    from ortflow.sessions import quiet_logging
+
+    quiet_logging()
     hidden = int(((megabytes * 2**20 / 4) ** 0.5))
     model = torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
                                 torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
@@ -64,13 +65,13 @@ def plain_write(path: Path, data: np.ndarray) -> None:
 
 
 def worker(args) -> None:
-    import onnxruntime
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
     from ortflow import checkpoint
+    from ortflow.sessions import quiet_logging
     from ortflow.train.comm import MPIComm
 
-    onnxruntime.set_default_logger_severity(3)
+    quiet_logging()
     comm = MPIComm(args.out / "heartbeat", 600)
     artifacts = args.out / "artifacts"
     state = CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))

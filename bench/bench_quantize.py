@@ -61,8 +61,9 @@ def main() -> None:
     import onnxruntime
 
     from ortflow.quantize import latencies, quantize_file
+    from ortflow.sessions import quiet_logging
 
-    onnxruntime.set_default_logger_severity(3)
+    quiet_logging()
     records = Records()
     export_cfg = {"per_channel": args.per_channel, "calibration_batches": 0}
     with tempfile.TemporaryDirectory() as scratch:

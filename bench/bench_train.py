@@ -79,13 +79,28 @@ def run_ortflow(workdir: Path, config: dict, world_size: int, steps: int, one_co
     out = workdir / f"results/{name}/bench-train-w{world_size}"
     pin = ["taskset", "-c", "0"] if one_core else []
     subprocess.run([*pin, "ortflow", "train", "-n", str(world_size), "--config-json", json.dumps(config),
-                    "--data", str(workdir / f"results/{name}/data"),
+                    "--train", str(workdir / f"results/{name}/data/train"),
+                    "--eval", str(workdir / f"results/{name}/data/eval"),
                     "--artifacts", str(workdir / f"results/{name}/artifacts"), "--out", str(out),
                     "--metrics", str(out / "metrics.json")],
                    check=True, cwd=workdir, stderr=subprocess.DEVNULL)
     metrics = json.loads((out / "metrics.json").read_text())
     subprocess.run(["rm", "-rf", str(out)], check=True)
     return metrics["samples_per_s"], metrics["flops_per_s"]
+
+
+def decay_groups(module, opt: dict) -> list[dict]:
+    """torch.optim.AdamW's two parameter groups as ortflow decays (train/weight_decay.py):
+    none on what train.optimizer.no_decay picks out, embeddings being nn.Embedding tables."""
+    import torch
+
+    from ortflow.train.weight_decay import is_excluded
+
+    embeddings = {f"{name}.weight" for name, layer in module.named_modules() if isinstance(layer, torch.nn.Embedding)}
+    groups = {True: [], False: []}
+    for name, parameter in module.named_parameters():
+        groups[is_excluded(name, parameter.ndim, embeddings, opt["no_decay"])].append(parameter)
+    return [{"params": groups[False], "weight_decay": opt["weight_decay"]}, {"params": groups[True], "weight_decay": 0.0}]
 
 
 def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: int, port: int, queue,
@@ -112,8 +127,7 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: in
               else built_in(spec, manifest, resolve_loss(spec["loss"], manifest)))
     model = torch.nn.parallel.DistributedDataParallel(module)
     opt = config["train"]["optimizer"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt["lr"], betas=opt["betas"], eps=opt["eps"],
-                                  weight_decay=opt["weight_decay"])
+    optimizer = torch.optim.AdamW(decay_groups(module, opt), lr=opt["lr"], betas=opt["betas"], eps=opt["eps"])
     micro = config["train"]["micro_batch_size"]
     feature, label = reader.feature_names[0], reader.label_name
     times = []

@@ -19,6 +19,7 @@ from ortflow import config as config_mod
 from ortflow.data.prepare import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.models import built_in, graphs
+from ortflow.train.weight_decay import WeightDecay
 
 TESTS = Path(__file__).resolve().parent
 OPTIMIZER = {"name": "adamw", "lr": 0.01, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}
@@ -107,6 +108,9 @@ def test_graphs_match_pytorch(kind, data, tmp_path):
 
     optimizer = api.Optimizer(str(out / "optimizer_model.onnx"), module)
     optimizer.set_learning_rate(OPTIMIZER["lr"])
+    # The graph has no weight decay; training applies it, here to every parameter (no_decay: []), as one torch group.
+    shapes = {name: state.parameters[name].data.shape for name in parameters}
+    WeightDecay(state, np, shapes, [], {**OPTIMIZER, "no_decay": []}).apply(OPTIMIZER["lr"])
     optimizer.step()
     torch_optimizer = torch.optim.AdamW(
         parameters.values(),
@@ -183,10 +187,11 @@ def test_user_onnx_model_through_the_rule(tmp_path):
     assert description["trainable"] == ["weight"] and description["parameters"] == 640
     assert description["flops_per_sample"]["forward"] == 2 * 640
 
-    train_only = {**settings, "train": {"steps": 99, "micro_batch_size": 7, "optimizer": {"lr": 0.5}}}
+    train_only = {**settings, "train": {"steps": 99, "micro_batch_size": 7,
+                                        "optimizer": {"lr": 0.5, "weight_decay": 0.5, "no_decay": ["bias"]}}}
     dry = run_snakemake(workdir, train_only, "build_artifacts", "-n")
     assert "Nothing to be done" in dry.stdout + dry.stderr
-    optimizer_change = {**settings, "train": {"optimizer": {"weight_decay": 0.5}}}
+    optimizer_change = {**settings, "train": {"optimizer": {"eps": 1e-6}}}
     dry = run_snakemake(workdir, optimizer_change, "build_artifacts", "-n")
     assert "build_artifacts" in dry.stdout
     model_change = {**settings, "model": {**settings["model"], "loss": "cross_entropy"}}
@@ -319,7 +324,7 @@ def test_external_data_in_the_model_folder_is_read(data, tmp_path):
     path, weight = external_data_model(tmp_path / "model", "weight.bin")
     (tmp_path / "model" / "weight.bin").write_bytes(weight.tobytes())
     build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path)})
-    base = onnx.load(str(tmp_path / "out" / graphs.BASE_MODEL))
+    base = onnx.load(str(tmp_path / "out" / "inference_base.onnx"))
     assert np.array_equal(numpy_helper.to_array(base.graph.initializer[0]), weight)
 
 

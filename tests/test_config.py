@@ -1,7 +1,14 @@
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
 import pytest
 
 from ortflow import config
-from conftest import run_snakemake
+from conftest import REPO, run_snakemake
 
 
 def test_defaults_fill_every_section():
@@ -97,12 +104,34 @@ def test_config_file_that_is_a_directory(tmp_path):
         config.load(tmp_path)
 
 
+def test_the_schema_is_package_data_of_an_installed_ortflow(tmp_path):
+    """The schema ships inside the package (pyproject.toml's package-data): ortflow's wheel
+    holds it, and an ortflow imported from that wheel, not from this checkout, finds it
+    through importlib.resources and validates with it."""
+    source = tmp_path / "source"
+    shutil.copytree(REPO / "src" / "ortflow", source / "src" / "ortflow", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"),
+                    str(source)], check=True, capture_output=True)
+    (wheel,) = (tmp_path / "dist").glob("ortflow-*.whl")
+    installed = tmp_path / "installed"  # what pip puts in site-packages
+    zipfile.ZipFile(wheel).extractall(installed)
+    probe = "from ortflow import config; print(config.schema_file()); print(config.validate({})['train']['steps'])"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(installed)}, check=True)
+    schema, steps = result.stdout.split()
+    assert Path(schema) == installed / "ortflow" / "config.schema.yaml"
+    assert int(steps) == config.validate({})["train"]["steps"]
+    assert config.schema_file() == REPO / "src" / "ortflow" / "config.schema.yaml"  # this checkout's: the same file
+
+
 def test_rules_quote_every_path_they_pass_to_the_shell():
     """A placeholder of a path in a rule's shell command is quoted (`{output:q}`), so
     that a space or a shell character in it stays one argument."""
     import re
 
-    rules = sorted((config.REPO / "workflow" / "rules").glob("*.smk"))
+    rules = sorted((REPO / "workflow" / "rules").glob("*.smk"))
     placeholders = [(rule.name, match) for rule in rules
                     for match in re.findall(r"\{(?:input|output|log|params|resources)[^}]*\}", rule.read_text())]
     assert len(placeholders) > 30

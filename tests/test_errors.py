@@ -9,7 +9,7 @@ from ortflow import cli, errors, report
 
 
 def test_an_expected_failure_is_one_line_without_a_traceback(capsys):
-    assert cli.main(["train", "--config-json", "{train: 1", "--data", "d", "--artifacts", "a", "--out", "o"]) == 1
+    assert cli.main(["train", "--config-json", "{train: 1", "--train", "t", "--eval", "e", "--artifacts", "a", "--out", "o"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("ortflow train: error: --config-json: not valid JSON (Expecting property name")
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -86,12 +86,13 @@ def test_global_norm_is_the_norm_of_all_values_together():
 @pytest.fixture(scope="module")
 def ort_sgd(tmp_path_factory):
     """A one-weight ONNX Runtime training setup (y = x * w, MSE, SGD) after one forward and backward."""
-    import onnxruntime
     from onnx import TensorProto, helper
     from onnxruntime.training import artifacts
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-    onnxruntime.set_default_logger_severity(3)
+    from ortflow.sessions import quiet_logging
+
+    quiet_logging()
     folder = tmp_path_factory.mktemp("sgd")
     graph = helper.make_graph(
         [helper.make_node("Mul", ["x", "w"], ["y"])], "mul",

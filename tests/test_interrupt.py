@@ -143,16 +143,16 @@ def test_rerun_after_a_finished_run_moves_its_checkpoints_aside(tmp_path, capsys
     (out / "tensorboard").mkdir()
     (out / "heartbeat").mkdir()
     (out / launch.FINISHED).write_text("{}")
-    launch.start_attempt(out, resume_from=None)
+    launch.start_attempt(out, out / "checkpoints", resume_from=None)
     assert (out / "previous/checkpoints/step-00000300").is_dir() and (out / "previous/tensorboard").is_dir()
     assert not (out / "checkpoints").exists() and not (out / launch.FINISHED).exists()
     assert not (out / "heartbeat").exists()
     assert f"its checkpoints and TensorBoard events are moved to {out / 'previous'}" in capsys.readouterr().err
     # After an interrupted run, or with train.resume_from, nothing moves.
     (out / "checkpoints").mkdir()
-    launch.start_attempt(out, resume_from=None)
+    launch.start_attempt(out, out / "checkpoints", resume_from=None)
     (out / launch.FINISHED).write_text("{}")
-    launch.start_attempt(out, resume_from=str(out / "checkpoints"))
+    launch.start_attempt(out, out / "checkpoints", resume_from=str(out / "checkpoints"))
     assert (out / "checkpoints").is_dir() and not (out / launch.FINISHED).exists()
 
 

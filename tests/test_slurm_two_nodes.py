@@ -134,7 +134,8 @@ def test_two_nodes_match_one_rank_with_the_same_global_batch(two_node_run, tmp_p
     config = with_train(world_size=1, nodes=1, grad_accum_steps=4)
     subprocess.run(
         [str(BIN / "ortflow"), "train", "--config-json", json.dumps(full_config(config)),
-         "--data", str(workdir / "results/digits/data"), "--artifacts", str(workdir / "results/digits/artifacts"),
+         "--train", str(workdir / "results/digits/data/train"), "--eval", str(workdir / "results/digits/data/eval"),
+         "--artifacts", str(workdir / "results/digits/artifacts"),
          "--out", str(reference)],
         check=True, capture_output=True, text=True,
     )

@@ -18,6 +18,7 @@ import torch
 from onnxruntime.training.api import CheckpointState, Module
 
 from ortflow import checkpoint, cli
+from ortflow.artifacts import Artifacts
 from ortflow import config as config_mod
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
@@ -30,8 +31,8 @@ from torch_reference import load_initial, train_like_ortflow, with_weights
 LAYERS = ["embedding", "embedding_padding_idx", "layer_norm", "gelu", "gelu_tanh", "sdpa_causal", "sdpa_mask",
           "multihead_attention", "transformer_encoder_layer"]
 VOCAB, TIME = 16, 8
-# weight_decay 0: the comparison is about the layers (and does not depend on
-# which parameters a weight-decay policy exempts).
+# weight_decay 0: the comparison is about the layers (tests/test_weight_decay.py
+# compares the weight decay's parameter groups with torch's).
 CONFIG = {
     "run": {"name": "layers", "seed": 7},
     "data": {"features": ["ids"], "label": "y", "eval_fraction": 0.2, "shards": 1},
@@ -69,12 +70,14 @@ def run_ortflow(config: dict, data: Path, out: Path) -> None:
     arguments, artifacts = ["--config-json", json.dumps(config)], str(out / "artifacts")
     assert cli.main(["build-artifacts", *arguments, "--train", str(data / "train"), "--out", artifacts]) == 0
     train = subprocess.run(
-        [sys.executable, "-m", "ortflow.cli", "train", "-n", "1", *arguments, "--data", str(data), "--artifacts",
-         artifacts, "--out", str(out / "train"), "--metrics", str(out / "train/metrics.json")],
+        [sys.executable, "-m", "ortflow.cli", "train", "-n", "1", *arguments, "--train", str(data / "train"),
+         "--eval", str(data / "eval"), "--artifacts", artifacts, "--out", str(out / "train"),
+         "--checkpoints", str(out / "train/checkpoints"), "--metrics", str(out / "train/metrics.json")],
         capture_output=True, text=True,
     )
     assert train.returncode == 0, train.stderr[-4000:]
-    assert cli.main(["checkpoint", "merge", str(out / "train/checkpoints"), str(out / "checkpoint"), *arguments]) == 0
+    assert cli.main(["checkpoint", "merge", str(out / "train/checkpoints"), str(out / "checkpoint"), "--artifacts",
+                     artifacts, *arguments]) == 0
     assert cli.main(["export-model", *arguments, "--artifacts", artifacts, "--checkpoint", str(out / "checkpoint"),
                      "--eval", str(data / "eval"), "--out", str(out / "model.onnx")]) == 0
 
@@ -103,8 +106,9 @@ def torch_logits(layer: str, weights: dict, ids: np.ndarray) -> np.ndarray:
 def eval_logits(out: Path, batch: dict) -> tuple[np.ndarray, np.ndarray]:
     """(exported model's, eval graph's) logits of `batch`, both with the merged checkpoint's weights."""
     exported = inference_session(out / "model.onnx").run(None, {"ids": batch["ids"]})[0]
+    artifacts = Artifacts(out / "artifacts")
     state = CheckpointState.load_checkpoint(str(out / "checkpoint/checkpoint"))
-    module = Module(str(out / "artifacts/training_model.onnx"), state, str(out / "artifacts/eval_model.onnx"))
+    module = Module(str(artifacts.training_model), state, str(artifacts.eval_model))
     module.eval()
     return exported, outputs_of(module(*feeds(batch, module.input_names(), "y", "y")))[1]
 

@@ -143,7 +143,11 @@ def _pytorch_reference(workdir: Path) -> dict:
     cfg = config_mod.load(overrides={"train": {**SHORT["train"], "world_size": 1, "grad_accum_steps": 2}})
     results = workdir / "results/digits"
     model = load_initial(MLP([64], cfg["model"]["hidden"], [10]), results / "artifacts")
-    return train_like_ortflow(model, cfg, results / "data/train")[1]
+    # train.optimizer.no_decay's default for an MLP: the biases (<1d>) are not decayed.
+    decay = cfg["train"]["optimizer"]["weight_decay"]
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": decay},
+              {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
+    return train_like_ortflow(model, cfg, results / "data/train", groups)[1]
 
 
 def test_gpt_learns_text_well_below_the_unigram_baseline(workdir):

@@ -12,6 +12,7 @@ import torch
 
 from ortflow import checkpoint
 from ortflow import config as config_mod
+from ortflow.artifacts import Artifacts
 from ortflow.data.shards import ShardReader
 from ortflow.train.schedule import learning_rate
 
@@ -24,15 +25,18 @@ def with_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> torc
 
 def load_initial(model: torch.nn.Module, artifacts: Path) -> torch.nn.Module:
     """`model` with the weights of ortflow's initial checkpoint."""
-    return with_weights(model, checkpoint.load_parameters_file(artifacts / "checkpoint"))
+    return with_weights(model, checkpoint.load_parameters_file(Artifacts(artifacts).checkpoint))
 
 
-def train_like_ortflow(model: torch.nn.Module, config: dict, train_dir: Path) -> tuple[list[float], dict]:
+def train_like_ortflow(model: torch.nn.Module, config: dict, train_dir: Path,
+                       groups: list[dict] | None = None) -> tuple[list[float], dict]:
     """Train `model` (features in, logits out, cross-entropy) as ortflow trains
-    with `config`; return the loss of each step and the final parameters."""
+    with `config`; return the loss of each step and the final parameters.
+    `groups`: AdamW's parameter groups (each with its weight_decay), by default
+    one group of every parameter with the config's weight decay."""
     train, opt = config["train"], config["train"]["optimizer"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"],
-                                  weight_decay=opt["weight_decay"])
+    optimizer = torch.optim.AdamW(groups or model.parameters(), lr=opt["lr"], betas=tuple(opt["betas"]),
+                                  eps=opt["eps"], weight_decay=opt["weight_decay"])
     reader = ShardReader(train_dir)
     features = [f["name"] for f in reader.manifest["features"]]
     losses = []

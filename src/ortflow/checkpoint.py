@@ -47,6 +47,7 @@ from urllib.parse import quote, unquote
 import numpy as np
 
 from . import atomic, checkpoint_checks as checks
+from .artifacts import Artifacts
 from .ort_checkpoint import (
     CheckpointError,
     TrainingState,
@@ -336,7 +337,7 @@ def read_checkpoint(path: Path, model: Path | None = None) -> Checkpoint:
     parts = [_checked_shard(path / entry["file"], entry, manifest) for entry in entries]
     checks.check_parts(parts, names, path)
     if model is not None:
-        model = Path(model) / "checkpoint" if Path(model).is_dir() else Path(model)
+        model = Artifacts(model).checkpoint if Path(model).is_dir() else Path(model)
         optimizer = (manifest.get("identity") or {}).get("optimizer", {}).get("name")
         checks.check_against_model(parts, read_ort_checkpoint(model), optimizer, path, model)
     return Checkpoint(path, manifest, assemble(parts, path))
@@ -471,7 +472,7 @@ def _model_of(folder: Path, model: Path | None) -> Path | None:
         return Path(model)
     artifacts = folder.parent.parent.parent / "artifacts"
     in_a_run = folder.parent.name == "checkpoints" and folder.parent.parent.name == "train"
-    return artifacts if in_a_run and (artifacts / "checkpoint").is_file() else None
+    return artifacts if in_a_run and Artifacts(artifacts).checkpoint.is_file() else None
 
 
 def load_parameters(path: Path) -> dict:

@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import re
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,21 @@ import yaml
 
 from .errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[2]
-SCHEMA_PATH = REPO / "workflow" / "schemas" / "config.schema.yaml"
-DEFAULT_CONFIG = REPO / "config" / "config.yaml"
+# Where the workflow keeps its config, relative to the folder the commands run
+# in, as Snakemake reads the Snakefile's `configfile:`.
+DEFAULT_CONFIG = Path("config", "config.yaml")
+# Every key, its default and its allowed values: package data of ortflow (pyproject.toml's
+# package-data), so that the workflow and an installed ortflow read the same file.
+SCHEMA = "config.schema.yaml"
+
+
+def schema_file():
+    """The schema file, found through importlib.resources, wherever ortflow is installed."""
+    return resources.files(__package__) / SCHEMA
 
 
 def _schema() -> dict:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
+    return yaml.safe_load(schema_file().read_text())
 
 
 def _with_defaults(validator_class):
@@ -167,7 +176,7 @@ def _check_cross_keys(config: dict) -> None:
 def load(path: str | Path = DEFAULT_CONFIG, overrides: dict | None = None) -> dict:
     path = Path(path)
     if not path.exists():
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} does not exist (run in the workflow's folder, or pass --config FILE)")
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory, not a YAML file")
     try:

@@ -21,9 +21,8 @@ from pathlib import Path
 from . import atomic, config as config_mod, cuda_libraries
 from .errors import OrtflowError
 from .preflight import (
-    FAIL, OK, SKIP, WARN, Check, check_cuda_libraries, check_cupy, check_disk, check_gpus, check_launcher,
-    check_onnxruntime_distributions, check_training_import, check_world_size, host_cores, installed_distributions,
-    requirement,
+    FAIL, OK, SKIP, WARN, Check, check_disk, check_launcher, check_onnxruntime_distributions, check_training_import,
+    check_world_size, cuda_checks, host_cores, installed_distributions, requirement,
 )
 from .train.launch import ROOT_ENV, launcher_command, launcher_env
 
@@ -219,7 +218,7 @@ def check_config(args) -> tuple[Check, dict]:
             "config",
             FAIL,
             f"{where}: {'not valid YAML: ' if isinstance(error, yaml.YAMLError) else ''}{error}",
-            f"correct it; every key is described in {config_mod.SCHEMA_PATH.relative_to(config_mod.REPO)}",
+            f"correct it; every key is described in {config_mod.schema_file()}",
         )
         return check, config_mod.validate({})
     return Check("config", OK, f"{where}: valid"), config
@@ -245,9 +244,9 @@ def diagnose(args) -> list[Check]:
 
     cuda = device == "cuda"
     if cuda:
-        cupy = check_cupy()
-        gpus = check_gpus(cupy.status == OK)
-        checks += [cupy, check_cuda_libraries(), gpus]
+        cuda_rows = cuda_checks()
+        gpus = cuda_rows[-1]
+        checks += cuda_rows
     else:
         checks += [Check(name, SKIP, "skipped: train.device is cpu") for name in ("CuPy", "CUDA libraries", "GPUs")]
     report = None

@@ -12,7 +12,10 @@
    - on a batch of eval records, its logits equal the eval graph's on the same
      weights (within TOLERANCE, scaled to the logits: the two graphs differ only
      in the loss behind the logits), and the loss computed from them (`loss_of`,
-     which quantize_model also uses) equals the eval graph's loss;
+     which quantize_model also uses) equals the eval graph's loss. With
+     `data.standardize` the exported model's first nodes standardize its raw
+     features (data/standardize.py): it is fed the raw features, the eval graph
+     the same records standardized;
    - ONNX's reference evaluator agrees with ONNX Runtime within TOLERANCE. It is
      a second opinion, not a gate: where it disagrees (or fails) while the eval
      graph agrees, the log warns and names the first operator it evaluates
@@ -28,9 +31,11 @@ from pathlib import Path
 import numpy as np
 
 from . import atomic
+from .artifacts import Artifacts
+from .data import standardize
 from .errors import MissingInputError, ModelError
 from .evaluation import feeds, outputs_of
-from .sessions import inference_session
+from .sessions import inference_session, quiet_logging
 
 log = logging.getLogger("ortflow.export")
 
@@ -124,12 +129,15 @@ def compare(name: str, actual: np.ndarray, expected: np.ndarray) -> float:
     return worst
 
 
-def check_outputs(path: Path, module, info: dict, batch: dict, data_label: str) -> None:
-    """The exported model against the eval graph (same weights), then ONNX's reference evaluator."""
+def check_outputs(path: Path, module, info: dict, batch: dict, eval_batch: dict, data_label: str) -> None:
+    """The exported model on `batch` against the eval graph (same weights) on
+    `eval_batch`, the same records as the eval graph takes them (standardized
+    where the exported model standardizes itself), then ONNX's reference evaluator."""
     session = inference_session(path)
     logits = session.run(None, input_feeds(session, batch))[0]
     module.eval()
-    eval_loss, eval_logits = outputs_of(module(*feeds(batch, module.input_names(), info["label"]["name"], data_label)))
+    eval_loss, eval_logits = outputs_of(
+        module(*feeds(eval_batch, module.input_names(), info["label"]["name"], data_label)))
     worst = compare("exported logits vs the eval graph's", logits, eval_logits)
     loss = loss_of(logits, batch[data_label], info["loss"])
     compare("loss from the exported logits vs the eval graph's", np.array(loss), np.array(eval_loss))
@@ -200,20 +208,20 @@ def first_disagreement(model, feeds: dict) -> str:
 def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, out: Path) -> dict:
     """Write and check `out` (the inference model); return its metadata properties."""
     import onnx
-    import onnxruntime
     from onnxruntime.training.api import CheckpointState, Module
 
     from . import __version__
     from .data.shards import ShardReader
 
-    onnxruntime.set_default_logger_severity(3)
-    info = json.loads((artifacts / "model.json").read_text())
+    quiet_logging()
+    files = Artifacts(artifacts)
+    info = files.description()
     meta_path = checkpoint_dir / "meta.json"
     if not meta_path.is_file():
         raise MissingInputError(f"{meta_path}: no merged checkpoint (run the merge_checkpoint rule first)")
     meta = json.loads(meta_path.read_text())
     state = CheckpointState.load_checkpoint(str(checkpoint_dir / "checkpoint"))
-    module = Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"))
+    module = Module(str(files.training_model), state, str(files.eval_model))
 
     props = {
         "ortflow.run": config["run"]["name"],
@@ -221,17 +229,19 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
         "ortflow.identity_digest": meta["identity_digest"],
         "ortflow.version": __version__,
     }
+    reader = ShardReader(eval_dir, raw=True)
     with atomic.file(out) as tmp:
         module.export_model_for_inferencing(str(tmp), [info["outputs"]["logits"]])
         model = onnx.load(str(tmp))
+        standardize.prepend(model, reader.standardized)
         set_metadata(model, props)
         onnx.save(model, str(tmp))
 
         check_interface(model, info, out)
         onnx.checker.check_model(str(tmp), full_check=True)
-        reader = ShardReader(eval_dir)
         batch = reader.gather(np.arange(min(CHECK_RECORDS, len(reader))))
-        check_outputs(tmp, module, info, batch, reader.label_name)
+        # Standardized from the raw features as the exported model does it: both graphs see the same values.
+        check_outputs(tmp, module, info, batch, standardize.apply(batch, reader.standardized), reader.label_name)
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config["run"]["name"], out,
              out.stat().st_size, [i["name"] for i in info["inputs"]], info["outputs"]["logits"])
     return props

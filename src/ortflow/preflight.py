@@ -6,6 +6,7 @@ instead of hanging in a collective or failing inside a rank."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import shutil
@@ -111,19 +112,24 @@ def check_onnxruntime_distributions(distributions: Iterable[str]) -> Check:
     return Check("onnxruntime install", OK, "only onnxruntime-training provides the onnxruntime package")
 
 
-def check_training_import() -> Check:
+def import_check(name: str, module: str, failed: str, fix: str, detail) -> Check:
+    """The row of `name`: FAIL with `failed` (its {} filled with why) and `fix` if `module`
+    does not import, in any way (a broken install fails with more than ImportError);
+    else OK with `detail(module)`."""
     try:
-        import onnxruntime
-
-        from onnxruntime.training.api import CheckpointState, Module, Optimizer  # noqa: F401
+        imported = importlib.import_module(module)
     except Exception as error:  # the import failing, in any way, is the finding
-        return Check(
-            "onnxruntime.training",
-            FAIL,
-            f"import failed: {type(error).__name__}: {error}",
-            f"pip uninstall -y onnxruntime onnxruntime-training && pip install '{requirement('onnxruntime-training')}'",
-        )
-    return Check("onnxruntime.training", OK, f"imports from {Path(onnxruntime.__file__).parent}")
+        return Check(name, FAIL, failed.format(f"{type(error).__name__}: {error}"), fix)
+    return Check(name, OK, detail(imported))
+
+
+def check_training_import() -> Check:
+    """onnxruntime.training.api (Module, Optimizer, CheckpointState), found in onnxruntime/training/api/."""
+    return import_check(
+        "onnxruntime.training", "onnxruntime.training.api", "import failed: {}",
+        f"pip uninstall -y onnxruntime onnxruntime-training && pip install '{requirement('onnxruntime-training')}'",
+        lambda api: f"imports from {Path(api.__file__).parents[2]}",
+    )
 
 
 def check_launcher(launcher: str) -> Check:
@@ -149,16 +155,10 @@ def gpu_count() -> tuple[int, str]:
 
 
 def check_cupy() -> Check:
-    try:
-        import cupy
-    except Exception as error:  # the import failing, in any way, is the finding
-        return Check(
-            "CuPy",
-            FAIL,
-            f"not importable ({error}); train.device: cuda all-reduces gradients with NCCL through CuPy",
-            "pip install 'ortflow[cuda]' (cupy-cuda12x), or set train.device: cpu",
-        )
-    return Check("CuPy", OK, cupy.__version__)
+    return import_check(
+        "CuPy", "cupy", "not importable ({}); train.device: cuda all-reduces gradients with NCCL through CuPy",
+        "pip install 'ortflow[cuda]' (cupy-cuda12x), or set train.device: cpu", lambda cupy: cupy.__version__,
+    )
 
 
 def check_cuda_libraries() -> Check:
@@ -173,6 +173,12 @@ def check_cuda_libraries() -> Check:
         return Check(name, FAIL, f"{provider.name} (ONNX Runtime's CUDA provider) needs {', '.join(missing)}: not found",
                      cuda_libraries.pip_command(missing))
     return Check(name, OK, f"every library that {provider.name} links against is found")
+
+
+def cuda_checks() -> list[Check]:
+    """What train.device: cuda needs: CuPy, the CUDA provider's libraries, and GPUs (counted through CuPy)."""
+    cupy = check_cupy()
+    return [cupy, check_cuda_libraries(), check_gpus(cupy.status == OK)]
 
 
 def check_gpus(cupy_ok: bool) -> Check:
@@ -251,8 +257,7 @@ def preflight(config: dict, launcher: str = "mpirun", results: Path = Path("resu
         check_training_import(),
     ]
     if train["device"] == "cuda":
-        cupy = check_cupy()
-        checks += [cupy, check_cuda_libraries(), check_gpus(cupy.status == OK)]
+        checks += cuda_checks()
     checks += [check_world_size(train["world_size"], train["device"], launcher), check_disk(results)]
     return [Problem(f"{c.name}: {c.detail}", c.fix, fatal=c.status == FAIL) for c in checks if c.status in (WARN, FAIL)]
 

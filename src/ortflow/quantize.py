@@ -32,9 +32,10 @@ from pathlib import Path
 import numpy as np
 
 from . import atomic
+from .artifacts import Artifacts
 from .errors import ModelError
 from .evaluation import batch_totals, eval_results
-from .sessions import inference_session
+from .sessions import inference_session, quiet_logging
 from .export import input_feeds, loss_of, set_metadata
 
 log = logging.getLogger("ortflow.quantize")
@@ -269,19 +270,18 @@ def gate(report: dict, export_cfg: dict, model: Path, records: int) -> dict:
 def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: Path, metrics: Path) -> dict:
     """Quantize `model` into `int8` (unless export.quantize is none) and write the report to `metrics`."""
     import onnx
-    import onnxruntime
 
     from .data.shards import ShardReader
 
-    onnxruntime.set_default_logger_severity(3)
-    info = json.loads((artifacts / "model.json").read_text())
+    quiet_logging()
+    info = Artifacts(artifacts).description()
     export_cfg = config["export"]
     how = method(export_cfg, onnx.load(str(model), load_external_data=False))
     if how == "none" and int8.exists():
         # A user who turns quantization off expects no int8 model, not one left from an earlier run.
         int8.unlink()
         log.info("export.quantize is none: removed %s from an earlier run", int8)
-    reader = ShardReader(eval_dir)
+    reader = ShardReader(eval_dir, raw=True)  # the exported model standardizes raw features itself
     batch_size = config["train"]["eval_batch_size"]
     report: dict = {"quantize": how, "per_channel": export_cfg["per_channel"], "threads": 1}
     if how == "static":

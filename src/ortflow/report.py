@@ -59,6 +59,14 @@ def quality(results: dict) -> tuple[str, str]:
     return "loss", fmt(results["loss"], "float")
 
 
+def mean_baseline(train: dict | None) -> str | None:
+    """The shown `mean_baseline_mse` of a model trained with the mse loss (train/metrics.json):
+    the eval MSE of predicting the train split's label mean, the bar its loss must clear."""
+    if train is None or "mean_baseline_mse" not in train["eval"]:
+        return None
+    return f"mean_baseline_mse {fmt(train['eval']['mean_baseline_mse'], 'float')} (predicting the train mean)"
+
+
 def speedup(export: dict) -> float | None:
     """How many times faster int8 runs than fp32 at batch 64 (median latency)."""
     if "int8" not in export:
@@ -164,6 +172,8 @@ def summary_rows(train: dict | None, export: dict | None) -> list[tuple]:
     elif train:
         name, shown = quality(train["eval"])
         rows.append(("eval", f"{name} (eval at the last step)", shown))
+    if mean_baseline(train):
+        rows.append(("mean_baseline_mse", "baseline (eval split)", mean_baseline(train)))
     if train:
         rows += [
             ("steps", "optimizer steps", str(train["steps"])),
@@ -247,14 +257,15 @@ def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchm
 # --- the end-of-run summary --------------------------------------------------------------------------
 
 
-def run_summary(results: str | Path, run_arguments: Sequence[str] = ()) -> str:
-    """A few lines on what exists of a run under `results`: printed when
-    `snakemake` finishes, whichever stages ran. `run_arguments` are those that
-    chose the run (--configfile, --config): the report command needs them too."""
-    results = Path(results)
-    train = read_json(results / "train" / "metrics.json")
-    export = read_json(results / "export" / "metrics.json")
-    model, int8 = results / "export" / "model.onnx", results / "export" / "model.int8.onnx"
+def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
+                int8: str | Path, report: str | Path, run_arguments: Sequence[str] = ()) -> str:
+    """A few lines on what exists of the run in the folder `results`: printed when
+    `snakemake` finishes, whichever stages ran. The files are where the rules
+    write them (the Snakefile passes their outputs); `report` is the report
+    command's page. `run_arguments` are those that chose the run (--configfile,
+    --config): the report command needs them too."""
+    results, model, int8 = Path(results), Path(model), Path(int8)
+    train, export = read_json(Path(train_metrics)), read_json(Path(export_metrics))
     lines = [f"ortflow: run {results.name} in {results}"]
     if model.is_file():
         lines.append(f"  model     {model}" + (f" (int8: {int8})" if int8.is_file() else ""))
@@ -267,6 +278,8 @@ def run_summary(results: str | Path, run_arguments: Sequence[str] = ()) -> str:
     elif train:
         name, shown = quality(train["eval"])
         lines.append(f"  {name:<9} {shown} (eval at step {train['steps']})")
+    if mean_baseline(train):
+        lines.append(f"  baseline  {mean_baseline(train)}")
     if train:
         this_attempt = train.get("steps_this_attempt", train["steps"])
         lines.append(f"  training  {train['steps']} steps ({this_attempt} in this attempt) in "
@@ -274,7 +287,6 @@ def run_summary(results: str | Path, run_arguments: Sequence[str] = ()) -> str:
                      f"on {len(train['peak_rss_mb'])} ranks")
     if len(lines) == 1:
         lines.append("  nothing trained yet")
-    report = results / "report.html"
     lines.append(f"  report    {shlex.join(['snakemake', '--report', str(report), *run_arguments])}")
     return "\n".join(lines)
 

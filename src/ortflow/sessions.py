@@ -1,9 +1,21 @@
-"""ONNX Runtime session options in one place, for training's Module and Optimizer
-and for the inference sessions of export and quantize."""
+"""ONNX Runtime's session options and logging in one place, for training's Module
+and Optimizer, for the inference sessions of export and quantize, and for the
+graph builder."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+# ONNX Runtime's logger prints warnings a user has nothing to do about (initializers
+# it removes while optimizing, nodes it places on the CPU); errors still print.
+LOG_SEVERITY_ERROR = 3
+
+
+def quiet_logging() -> None:
+    """ONNX Runtime's default logger, for every session created after this call, at errors only."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(LOG_SEVERITY_ERROR)
 
 
 def session_options(threads: int | None = None):

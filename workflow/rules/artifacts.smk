@@ -1,5 +1,6 @@
-# The optimizer graph bakes in the optimizer's name, betas, eps and weight
-# decay; the learning rate is set by training at run time, so it and the other
+# The optimizer graph bakes in the optimizer's name, betas and eps; the learning
+# rate is set by training at run time and the weight decay (with its groups,
+# train.optimizer.no_decay) is applied by training, so they and the other
 # train.* keys are left out of params and do not rebuild the artifacts.
 rule build_artifacts:
     input:
@@ -20,7 +21,6 @@ rule build_artifacts:
             "train.optimizer.name",
             "train.optimizer.betas",
             "train.optimizer.eps",
-            "train.optimizer.weight_decay",
         ),
     shell:
         "ortflow build-artifacts --config-json {params.config:q}"

@@ -1,6 +1,7 @@
 rule merge_checkpoint:
     input:
         metrics=rules.train.output.metrics,
+        artifacts=rules.build_artifacts.output[0],
     output:
         # `checkpoint` (ONNX Runtime's format, with optimizer state), `checkpoint.h5`, `meta.json`
         directory(f"{RESULTS}/checkpoint"),
@@ -13,7 +14,7 @@ rule merge_checkpoint:
     params:
         # The training identity picks this run's newest checkpoint among those of earlier configs.
         config=config_json("run", "data", "model", "train"),
-        root=f"{RESULTS}/train/checkpoints",
+        checkpoints=rules.train.params.checkpoints,
     shell:
-        "ortflow checkpoint merge {params.root:q} {output:q}"
+        "ortflow checkpoint merge {params.checkpoints:q} {output:q} --artifacts {input.artifacts:q}"
         " --config-json {params.config:q} > {log:q} 2>&1"

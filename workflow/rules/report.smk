@@ -2,6 +2,8 @@
 # own pages: plots of training, and tables of the run. Each stage writes its
 # runtime and memory to {RESULTS}/benchmarks/<rule>.tsv (its `benchmark:`).
 BENCHMARKS = f"{RESULTS}/benchmarks"
+# The page `snakemake --report` writes; the end-of-run summary prints that command.
+REPORT = f"{RESULTS}/report.html"
 
 
 rule plot_training:

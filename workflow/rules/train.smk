@@ -23,9 +23,10 @@ rule train:
         gpu=config["train"]["world_size"] if config["train"]["device"] == "cuda" else 0,
     params:
         config=config_json("run", "data", "model", "train"),
-        data=lambda wildcards, input: os.path.dirname(input.train),
         out=lambda wildcards, output: os.path.dirname(output.metrics),
+        # Read by merge_checkpoint (rules.train.params.checkpoints).
+        checkpoints=f"{RESULTS}/train/checkpoints",
     shell:
         "ortflow train --mpi {resources.mpi:q} -n {resources.tasks} --config-json {params.config:q}"
-        " --data {params.data:q} --artifacts {input.artifacts:q} --out {params.out:q}"
-        " --metrics {output.metrics:q} > {log:q} 2>&1"
+        " --train {input.train:q} --eval {input.eval:q} --artifacts {input.artifacts:q}"
+        " --out {params.out:q} --checkpoints {params.checkpoints:q} --metrics {output.metrics:q} > {log:q} 2>&1"

@@ -1,4 +1,5 @@
-"""The prepare_data stage: read `data.source`, split it by `run.seed`, write shards."""
+"""The prepare_data stage: read `data.source`, split it by `run.seed`, standardize
+float inputs if `data.standardize` (standardize.py), write shards."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import sources
+from . import sources, standardize
 from .shards import write_split
 
 log = logging.getLogger("ortflow.prepare_data")
@@ -29,9 +30,16 @@ def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
     data, seed = config["data"], config["run"]["seed"]
     dataset = sources.load(data)
     train_rows, eval_rows = split_rows(len(dataset), data["eval_fraction"], seed)
+    stats = {}
+    if data["standardize"]:
+        stats = standardize.statistics(dataset.features, train_rows)
+        dataset.features = standardize.apply(dataset.features, stats)
+        log.info("data.standardize: %s by the train split's mean and std",
+                 ", ".join(f"input {name!r}" for name in stats) or "no float input to standardize")
     manifests = {}
     for split, rows, out in (("train", train_rows, train_dir), ("eval", eval_rows, eval_dir)):
-        manifests[split] = write_split(dataset, rows, Path(out), split, data["shards"], {"data": data, "seed": seed})
+        manifests[split] = write_split(dataset, rows, Path(out), split, data["shards"], {"data": data, "seed": seed},
+                                       stats)
         log.info(
             "%s: %d records in %d shards of %d-byte records -> %s",
             split,

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import atomic
+from . import standardize
 from .sources import DataError, Dataset
 
 FORMAT = "ortflow-shards/1"
@@ -44,10 +45,12 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return digest.hexdigest()
 
 
-def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, num_shards: int, source: dict) -> dict:
+def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, num_shards: int, source: dict,
+                standardized: dict | None = None) -> dict:
     """Write `rows` of `dataset` as `num_shards` shards plus a manifest into
     `out_dir`, atomically: everything goes to a temporary folder that is
-    renamed into place only when complete."""
+    renamed into place only when complete. `standardized`: the statistics the
+    features were standardized with (standardize.statistics), kept in the manifest."""
     with atomic.folder(out_dir) as tmp:
         dtype = record_dtype(dataset)
         records = np.empty(len(rows), dtype=dtype)
@@ -75,6 +78,7 @@ def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, n
             "task": dataset.task,
             "num_classes": dataset.num_classes,
             "source": source,
+            "standardize": standardized or {},
             "shards": shards,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -82,10 +86,12 @@ def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, n
 
 
 class ShardReader:
-    """Memory-maps the shards of one split after checking their checksums."""
+    """Memory-maps the shards of one split after checking their checksums. With
+    `raw`, batches hold the raw features of standardized inputs (data.standardize):
+    what the exported model, which standardizes them itself, is fed."""
 
-    def __init__(self, split_dir: str | Path, verify: bool = True):
-        self.dir = Path(split_dir)
+    def __init__(self, split_dir: str | Path, verify: bool = True, raw: bool = False):
+        self.dir, self.raw = Path(split_dir), raw
         manifest_path = self.dir / MANIFEST
         if not manifest_path.is_file():
             raise DataError(f"{manifest_path}: no shard manifest (run the prepare_data rule first)")
@@ -99,6 +105,7 @@ class ShardReader:
         self._item = np.dtype((np.void, self.dtype.itemsize))
         self.feature_names = [f["name"] for f in self.manifest["features"]]
         self.label_name = label["name"]
+        self.standardized = self.manifest.get("standardize", {})
         self.shards = []
         for shard in self.manifest["shards"]:
             path = self.dir / shard["file"]
@@ -150,7 +157,8 @@ class ShardReader:
                 np.take(shard, indices[begin:end] - offset, axis=0, out=items[begin:end], mode="clip")
         if order is not None:
             records[order] = records.copy()
-        return {name: np.ascontiguousarray(records[name]) for name in self.dtype.names}
+        batch = {name: np.ascontiguousarray(records[name]) for name in self.dtype.names}
+        return standardize.invert(batch, self.standardized) if self.raw else batch
 
     def steps_per_epoch(self, global_batch_size: int) -> int:
         return self.num_records // global_batch_size

@@ -126,7 +126,8 @@ def _check_float32_range(path: str, what: str, array: np.ndarray) -> None:
         problem = f"so large that its square overflows float32 (largest usable {FLOAT32_SQUARE_MAX:.3g})"
     else:
         return
-    raise DataError(f"{path}: {what} has a value of {largest:.4g}, {problem}; rescale it (e.g. standardize)")
+    raise DataError(f"{path}: {what} has a value of {largest:.4g}, {problem}; rescale it in the file "
+                    "(data.standardize scales values only after they are read)")
 
 
 def _check_classes(path: str, name: str, label: np.ndarray) -> None:

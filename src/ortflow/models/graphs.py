@@ -27,14 +27,14 @@ from pathlib import Path
 import numpy as np
 
 from .. import atomic
+from ..artifacts import Artifacts
 from ..errors import MissingInputError, ModelError
+from ..sessions import quiet_logging
 from . import CLASS_LOSSES, LOGITS
 
 log = logging.getLogger("ortflow.build_artifacts")
 
 OPSET = 16
-MODEL_JSON = "model.json"
-BASE_MODEL = "inference_base.onnx"
 SMOKE_RECORDS = 4
 # ORT's loss blocks by config name; bce_with_logits is ortflow's own (losses.py).
 LOSS_BLOCKS = {"cross_entropy": "CrossEntropyLoss", "mse": "MSELoss", "l1": "L1Loss"}
@@ -221,7 +221,10 @@ def loss_block(loss: str, label: dict):
 def optimizer_block(optimizer: dict):
     """AdamW as torch.optim.AdamW computes it (ORT's block defaults to the
     Hugging Face variant, adam_mode 1, which puts epsilon and the weight decay
-    differently), or plain SGD. No clip_grad: training clips after the all-reduce."""
+    differently), or plain SGD. No clip_grad: training clips after the all-reduce.
+    No weight decay: ORT's operator has one for every parameter, and training
+    applies it per group, to the parameters `train.optimizer.no_decay` leaves
+    decayed (train/weight_decay.py)."""
     from onnxruntime.training.onnxblock import optim
 
     if optimizer["name"] == "sgd":
@@ -231,17 +234,16 @@ def optimizer_block(optimizer: dict):
         def _build_optimizer_node(self, input_names, output_name, node_name, node_attributes):
             return super()._build_optimizer_node(input_names, output_name, node_name, {**node_attributes, "adam_mode": 0})
 
-    block = optim.AdamW(betas=tuple(optimizer["betas"]), eps=optimizer["eps"], weight_decay=optimizer["weight_decay"])
-    block._adamw = TorchAdamW(betas=tuple(optimizer["betas"]), eps=optimizer["eps"], weight_decay=optimizer["weight_decay"])
+    block = optim.AdamW(betas=tuple(optimizer["betas"]), eps=optimizer["eps"], weight_decay=0.0)
+    block._adamw = TorchAdamW(betas=tuple(optimizer["betas"]), eps=optimizer["eps"], weight_decay=0.0)
     return block
 
 
 def generate(base, trainable, frozen, loss, label, optimizer, out: Path) -> None:
     import onnx
-    import onnxruntime
     from onnxruntime.training import artifacts, onnxblock
 
-    onnxruntime.set_default_logger_severity(3)
+    quiet_logging()
     # ORT names the nodes it adds from a process-wide counter; restarting it
     # makes the graphs depend on the model alone, byte for byte.
     onnxblock._graph_utils._GRAPH_TOKEN = 0
@@ -257,8 +259,7 @@ def generate(base, trainable, frozen, loss, label, optimizer, out: Path) -> None
         )
     except Exception as error:
         raise explain_generation_error(error, base) from error
-    for name in ("training_model.onnx", "eval_model.onnx", "optimizer_model.onnx"):
-        path = out / name
+    for path in Artifacts(out).graphs:
         if onnx.load(str(path), load_external_data=False).ir_version > 10:
             raise ModelError(f"{path}: written with IR version > 10, which ORT 1.19 refuses; is onnx==1.17 installed?")
 
@@ -281,16 +282,16 @@ def explain_generation_error(error: Exception, base) -> Exception:
 def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
     """One forward and backward on the first train records, so that a model
     whose output does not fit the loss fails here, not on the training ranks."""
-    import onnxruntime
     from onnxruntime.training import api
 
     from ..data.shards import ShardReader
 
-    onnxruntime.set_default_logger_severity(3)
+    quiet_logging()
     reader = ShardReader(train_dir, verify=False)
     batch = reader.gather(np.arange(min(SMOKE_RECORDS, len(reader))))
-    state = api.CheckpointState.load_checkpoint(str(out / "checkpoint"))
-    module = api.Module(str(out / "training_model.onnx"), state, str(out / "eval_model.onnx"))
+    files = Artifacts(out)
+    state = api.CheckpointState.load_checkpoint(str(files.checkpoint))
+    module = api.Module(str(files.training_model), state, str(files.eval_model))
     module.train()
     try:
         loss, logits = module(*[batch[name] for name in module.input_names()])
@@ -340,10 +341,18 @@ def forward_flops(base, manifest: dict) -> int:
     return total
 
 
+def embedding_tables(base, trainable: list[str]) -> list[str]:
+    """The trainable parameters that an embedding lookup reads: the data input of
+    a Gather node, which is what nn.Embedding exports to (for the `<embedding>`
+    rule of train.optimizer.no_decay, which then holds whatever the names are)."""
+    tables = {node.input[0] for node in base.graph.node if node.op_type == "Gather"}
+    return [name for name in trainable if name in tables]
+
+
 def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str) -> dict:
     import onnx
 
-    training = onnx.load(str(out / "training_model.onnx"), load_external_data=False)
+    training = onnx.load(str(Artifacts(out).training_model), load_external_data=False)
     sizes = float_initializers(base)
     forward = forward_flops(base, manifest)
     label = manifest["label"]
@@ -359,6 +368,7 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str) -> d
         "trainable_parameters": sum(sizes[n] for n in trainable),
         "trainable": trainable,
         "frozen": frozen,
+        "embeddings": embedding_tables(base, trainable),
         # Backward is counted as twice the forward (a gradient for the input and
         # one for the weights per multiply-add), the usual estimate.
         "flops_per_sample": {"forward": forward, "backward": 2 * forward},
@@ -374,7 +384,7 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
     model = config["model"]
     loss = resolve_loss(model["loss"], manifest)
     with atomic.folder(out) as tmp:
-        base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], tmp / BASE_MODEL)
+        base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], Artifacts(tmp).base_model)
         check_interface(base, manifest)
         trainable, frozen = split_parameters(base, model, torch_trainable)
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
@@ -382,7 +392,7 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
         generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp)
         smoke_step(tmp, train_dir, manifest)
         description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"])
-        (tmp / MODEL_JSON).write_text(json.dumps(description, indent=2) + "\n")
+        Artifacts(tmp).model_json.write_text(json.dumps(description, indent=2) + "\n")
     log.info(
         "%d parameters (%d trainable), %d forward FLOPs per sample -> %s",
         description["parameters"],

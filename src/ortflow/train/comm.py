@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import atomic
 from ..errors import DeviceError
+from ..preflight import FAIL, check_cupy, check_gpus
 from .gradients import allreduce_in_buckets
 
 log = logging.getLogger("ortflow.train")
@@ -174,19 +175,13 @@ class NCCLComm(MPIComm):
 
 
 def require_cupy():
-    try:
-        import cupy
-    except ImportError:
-        raise DeviceError(
-            "train.device is cuda but CuPy is not installed: pip install -e '.[cuda]' "
-            "(cupy-cuda12x), or set train.device: cpu"
-        ) from None
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as error:
-        raise DeviceError(f"train.device is cuda but no CUDA GPU is usable here ({error}); set train.device: cpu") from None
-    if count == 0:
-        raise DeviceError("train.device is cuda but this node has no GPU; set train.device: cpu")
+    """CuPy, where it imports and sees a GPU; else a DeviceError with the preflight check's finding and fix."""
+    found = check_cupy()
+    failed = found if found.status == FAIL else check_gpus(cupy_ok=True)
+    if failed.status == FAIL:
+        raise DeviceError(f"train.device is cuda: {failed.name}: {failed.detail}; fix: {failed.fix}")
+    import cupy
+
     return cupy
 
 

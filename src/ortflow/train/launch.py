@@ -32,6 +32,7 @@ from .stop import GRACE_S, STOP_SIGNALS, STOPPED
 HELP = "train the artifacts on the shards with W ranks (mpirun or srun)"
 LOCK = "attempt.lock"  # in the run's train/ folder: held while an attempt runs
 FINISHED = "FINISHED"  # in the run's train/ folder: the last attempt trained to the end
+CHECKPOINTS = "checkpoints"  # in the run's train/ folder, unless --checkpoints names another
 PREVIOUS = "previous"  # in the run's train/ folder: a finished run's checkpoints, moved aside by a rerun
 
 # Open MPI refuses to start as root (containers and CI often run as root) unless both are set.
@@ -65,9 +66,11 @@ def add_arguments(parser) -> None:
     config_mod.add_config_arguments(parser)
     parser.add_argument("--mpi", default="mpirun", help="MPI launcher: mpirun, mpiexec or srun")
     parser.add_argument("-n", "--world-size", type=int, help="ranks (default: train.world_size)")
-    parser.add_argument("--data", required=True, type=Path, help="folder with the train/ and eval/ shards")
+    parser.add_argument("--train", required=True, type=Path, help="folder of the train split's shards")
+    parser.add_argument("--eval", required=True, type=Path, help="folder of the eval split's shards")
     parser.add_argument("--artifacts", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path, help="the run's train/ folder")
+    parser.add_argument("--checkpoints", type=Path, help="the checkpoints folder (default: checkpoints/ in --out)")
     parser.add_argument("--metrics", type=Path, help="check that the ranks wrote this file")
 
 
@@ -83,12 +86,14 @@ def run(args) -> int:
     lock = lock_attempt(args.out)
     if lock is None:
         return 1
-    start_attempt(args.out, config["train"]["resume_from"])
+    checkpoints = args.checkpoints or args.out / CHECKPOINTS
+    start_attempt(args.out, checkpoints, config["train"]["resume_from"])
     mpi = shutil.which(args.mpi) or args.mpi
     command = launcher_command(mpi, world_size, host_cores()) + [
         sys.executable, "-m", "ortflow.train.loop",
         "--config-json", json.dumps(config),
-        "--data", str(args.data), "--artifacts", str(args.artifacts), "--out", str(args.out),
+        "--train", str(args.train), "--eval", str(args.eval), "--artifacts", str(args.artifacts),
+        "--out", str(args.out), "--checkpoints", str(checkpoints),
     ]
     print(f"ortflow train: {' '.join(command[:command.index(sys.executable)])} ...", file=sys.stderr, flush=True)
     code = supervise(command, launcher_env(os.environ), lock)
@@ -143,18 +148,18 @@ def lock_attempt(out: Path):
     return lock
 
 
-def start_attempt(out: Path, resume_from: str | None) -> None:
+def start_attempt(out: Path, checkpoints: Path, resume_from: str | None) -> None:
     """Before the ranks start: if the last attempt finished, a rerun trains from step
     0 (unless train.resume_from says where to start), so the finished run's
     checkpoints and TensorBoard events move to train/previous/."""
     finished = out / FINISHED
-    if finished.exists() and not resume_from and (out / "checkpoints").exists():
+    if finished.exists() and not resume_from and checkpoints.exists():
         previous = out / PREVIOUS
         shutil.rmtree(previous, ignore_errors=True)
         previous.mkdir()
-        for name in ("checkpoints", "tensorboard"):
-            if (out / name).exists():
-                os.replace(out / name, previous / name)
+        for folder, name in ((checkpoints, CHECKPOINTS), (out / "tensorboard", "tensorboard")):
+            if folder.exists():
+                shutil.move(folder, previous / name)  # --checkpoints may be on another file system
         print(f"ortflow train: the previous run in {out} trained to the end; its checkpoints and TensorBoard "
               f"events are moved to {previous}, and training starts at step 0", file=sys.stderr, flush=True)
     finished.unlink(missing_ok=True)

@@ -1,12 +1,13 @@
 """The training loop that every rank runs, started by `ortflow train` under mpirun or srun.
 
 One optimizer step, on each rank:
-  1. set the learning rate of the schedule for this step;
+  1. the learning rate of the schedule for this step;
   2. forward and backward over `grad_accum_steps` micro-batches of this rank's
      part of the global batch (ORT sums the gradients across the calls);
   3. sum the gradients across ranks in place, scale the sum to the mean over
      every micro-batch of every rank, and clip it to the global norm;
-  4. the optimizer step.
+  4. the optimizer step: the weight decay of the decayed parameters, then the
+     optimizer's update (weight_decay.py).
 Every rank then holds the same parameters, so evaluation is split across ranks
 and checkpoints can be written by all of them.
 """
@@ -25,14 +26,16 @@ from pathlib import Path
 import numpy as np
 
 from .. import atomic, checkpoint, config as config_mod, cuda_libraries, storage
+from ..artifacts import Artifacts
 from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
-from ..sessions import session_options
+from ..sessions import quiet_logging, session_options
 from . import comm as comm_mod
 from . import stop as stop_mod
+from . import weight_decay
 from .gradients import average_and_clip, gradients, parameters_on_host
-from .metrics import Metrics, peak_rss_mb, strict, unigram_perplexity
+from .metrics import Metrics, mean_baseline_mse, peak_rss_mb, strict, unigram_perplexity
 from .schedule import learning_rate
 from .stop import StopRequest, Stopped
 
@@ -62,11 +65,12 @@ def open_sessions(artifacts: Path, state, device: str, threads: int, profile_pre
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = f"{profile_prefix}-train"
-    eval_model = None if profile_prefix else str(artifacts / "eval_model.onnx")
-    module = Module(str(artifacts / "training_model.onnx"), state, eval_model, device=device, session_options=options)
+    files = Artifacts(artifacts)
+    eval_model = None if profile_prefix else str(files.eval_model)
+    module = Module(str(files.training_model), state, eval_model, device=device, session_options=options)
     if profile_prefix:  # sessions copy their options when created
         options.profile_file_prefix = f"{profile_prefix}-optimizer"
-    return module, Optimizer(str(artifacts / "optimizer_model.onnx"), module)
+    return module, Optimizer(str(files.optimizer_model), module)
 
 
 def inject_fault(fault: dict | None, step: int, rank: int, batches: list[dict], stop: StopRequest) -> None:
@@ -124,9 +128,9 @@ class Checkpointer:
 
 
 def train_step(step: int, comm, module, optimizer, state, batches: list[dict], feed, train_cfg: dict,
-               stop: StopRequest) -> tuple:
-    """One optimizer step (see the top of this file). Returns the mean loss, the
-    gradient norm before clipping, and every rank's stop votes summed."""
+               stop: StopRequest, decay: weight_decay.WeightDecay, lr: float) -> tuple:
+    """One optimizer step (see the top of this file) at learning rate `lr`. Returns
+    the mean loss, the gradient norm before clipping, and every rank's stop votes summed."""
     scale_to_mean = 1.0 / (train_cfg["grad_accum_steps"] * comm.world_size)
     loss_sum = 0.0
     for batch in batches:
@@ -139,12 +143,15 @@ def train_step(step: int, comm, module, optimizer, state, batches: list[dict], f
     loss_sum, *votes = comm.allreduce_sum([loss_sum, *stop.votes()])
     loss = loss_sum * scale_to_mean
     if math.isfinite(loss) and math.isfinite(norm):
+        optimizer.set_learning_rate(lr)
+        decay.apply(lr)  # torch's order: the decay, then the optimizer's update
         optimizer.step()
     module.lazy_reset_grad()
     return loss, norm, votes
 
 
-def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: StopRequest) -> dict:
+def train(config: dict, train_dir: Path, eval_dir: Path, artifacts: Path, out_dir: Path, checkpoints: Path,
+          stop: StopRequest) -> dict:
     train_cfg, steps = config["train"], config["train"]["steps"]
     out_dir.mkdir(parents=True, exist_ok=True)
     comm = comm_mod.create(train_cfg, out_dir / "heartbeat")
@@ -153,17 +160,17 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
         raise TrainingError(f"started with {world_size} ranks but train.world_size is {train_cfg['world_size']}")
     global_batch = config_mod.global_batch_size(config)
     # Checked before the first step: checksums, batch size against the data.
-    train_reader, eval_reader = ShardReader(data_dir / "train"), ShardReader(data_dir / "eval")
+    train_reader, eval_reader = ShardReader(train_dir), ShardReader(eval_dir)
     train_reader.check_batch(global_batch)
-    info = json.loads((artifacts / "model.json").read_text())
+    info = Artifacts(artifacts).description()
 
-    checkpointer = Checkpointer(out_dir / "checkpoints", comm, config_mod.training_identity(config), train_cfg,
-                                global_batch)
+    checkpointer = Checkpointer(checkpoints, comm, config_mod.training_identity(config), train_cfg, global_batch)
     resume = checkpointer.find_resume(train_cfg["resume_from"], artifacts)
     start_step = resume.step if resume else 0
     state = checkpoint.load_state(resume, artifacts) if resume else initial_state(artifacts)
     sessions = Sessions(artifacts, state, comm, train_cfg, out_dir / "profile")
     feed = feeder(sessions.module.input_names(), info["label"]["name"], train_reader.label_name)
+    decay = weight_decay.for_run(state, trainable(state), info, train_cfg["optimizer"], comm.xp)
     if rank == 0:
         log.info("%d ranks, global batch %d (%d x %d accumulated x %d ranks), %s, %d threads per rank", world_size,
                  global_batch, train_cfg["micro_batch_size"], train_cfg["grad_accum_steps"], world_size,
@@ -179,11 +186,10 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
         started = time.perf_counter()
         comm.watchdog.beat(step, "forward")
         lr = learning_rate(step, steps, train_cfg["optimizer"]["lr"], train_cfg["lr_schedule"])
-        optimizer.set_learning_rate(lr)
         batches = train_reader.micro_batches(step, config["run"]["seed"], rank, world_size, train_cfg["micro_batch_size"],
                                              train_cfg["grad_accum_steps"])
         inject_fault(train_cfg["fail_at_step"], step, rank, batches, stop)
-        loss, norm, votes = train_step(step, comm, module, optimizer, state, batches, feed, train_cfg, stop)
+        loss, norm, votes = train_step(step, comm, module, optimizer, state, batches, feed, train_cfg, stop, decay, lr)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             kept = checkpointer.last[1] if checkpointer.last else (resume.path if resume else None)
             raise TrainingError(f"non-finite loss {loss} (gradient norm {norm}) at step {step + 1}; " + (
@@ -201,7 +207,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
         if checkpointer.due(done) or reason:
             checkpointer.save(done, state, lr, metrics.history)
         if reason:  # every rank knows it from the same all-reduce
-            stop_now(reason, votes, done, checkpointer, metrics)
+            stop_now(reason, votes, done, checkpointer, metrics, out_dir / stop_mod.STOPPED)
 
     return finish(config, sessions.for_eval(), comm, train_reader, eval_reader, info, metrics, last_eval, out_dir)
 
@@ -259,18 +265,19 @@ def log_step(metrics: Metrics, train_cfg: dict, done: int, parameters, loss: flo
 def initial_state(artifacts: Path):
     from onnxruntime.training.api import CheckpointState
 
-    return CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
+    return CheckpointState.load_checkpoint(str(Artifacts(artifacts).checkpoint))
 
 
-def stop_now(reason, votes, done: int, checkpointer: Checkpointer, metrics: Metrics) -> None:
-    """Every rank agreed to stop (`votes`) and the checkpoint of step `done` is written: say so and end."""
+def stop_now(reason, votes, done: int, checkpointer: Checkpointer, metrics: Metrics, stopped: Path) -> None:
+    """Every rank agreed to stop (`votes`) and the checkpoint of step `done` is written: say so (in
+    the log, and in the file `stopped`) and end."""
     where = checkpointer.last[1]
     if checkpointer.comm.rank == 0:
         log.warning("stopping after step %d of %d: %s; checkpoint %s written; rerun to resume from it",
                     done, checkpointer.steps, stop_mod.describe(votes), where)
         # For `ortflow train`, which exits with 128 + the signal (the ranks exit 0:
         # mpirun would call a non-zero exit a failure).
-        atomic.write_text(checkpointer.root.parent / stop_mod.STOPPED, json.dumps({"signal": reason.name, "step": done}))
+        atomic.write_text(stopped, json.dumps({"signal": reason.name, "step": done}))
     metrics.close()
     raise Stopped(reason, done, where)
 
@@ -283,10 +290,8 @@ def finish(config: dict, module, comm, train_reader: ShardReader, eval_reader: S
     if not last_eval:  # resumed at the end: nothing trained, still report the model's quality
         last_eval = evaluate(module, eval_reader, comm, info, train_cfg["eval_batch_size"], data_label)
         metrics.eval(train_cfg["steps"], last_eval)
-    if info["task"] == "language_model" and comm.rank == 0:  # only rank 0 writes metrics.json
-        last_eval["unigram_perplexity"] = unigram_perplexity(
-            train_reader.gather(np.arange(len(train_reader)))[data_label],
-            eval_reader.gather(np.arange(len(eval_reader)))[data_label], info["num_classes"])
+    if comm.rank == 0:  # only rank 0 writes metrics.json
+        last_eval.update(baselines(info, train_reader, eval_reader))
     flops_per_sample = sum(info["flops_per_sample"].values())
     summary = metrics.summary(train_cfg["steps"], config_mod.global_batch_size(config), flops_per_sample, last_eval,
                               comm.allgather(peak_rss_mb()))
@@ -295,12 +300,28 @@ def finish(config: dict, module, comm, train_reader: ShardReader, eval_reader: S
     return summary
 
 
+def baselines(info: dict, train_reader: ShardReader, eval_reader: ShardReader) -> dict:
+    """What a model must beat on the eval split, from the labels alone: a language
+    model the unigram perplexity, a model trained with the mse loss the MSE of
+    predicting the train split's label mean."""
+    if info["task"] != "language_model" and info["loss"] != "mse":
+        return {}
+    label = train_reader.label_name
+    train_labels = train_reader.gather(np.arange(len(train_reader)))[label]
+    eval_labels = eval_reader.gather(np.arange(len(eval_reader)))[label]
+    if info["task"] == "language_model":
+        return {"unigram_perplexity": unigram_perplexity(train_labels, eval_labels, info["num_classes"])}
+    return {"mean_baseline_mse": mean_baseline_mse(train_labels, eval_labels)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="one rank of `ortflow train` (start it with mpirun or srun)")
     parser.add_argument("--config-json", required=True)
-    parser.add_argument("--data", required=True, type=Path, help="folder with the train/ and eval/ shards")
+    parser.add_argument("--train", required=True, type=Path, help="folder of the train split's shards")
+    parser.add_argument("--eval", required=True, type=Path, help="folder of the eval split's shards")
     parser.add_argument("--artifacts", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path, help="the run's train/ folder")
+    parser.add_argument("--checkpoints", required=True, type=Path, help="the checkpoints folder")
     args = parser.parse_args(argv)
     stop = StopRequest().install()  # first: a stop request during the imports is kept too
 
@@ -309,14 +330,12 @@ def main(argv: list[str] | None = None) -> int:
     rank = MPI.COMM_WORLD.Get_rank()
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
-    import onnxruntime
-
-    onnxruntime.set_default_logger_severity(3)
+    quiet_logging()
     try:
         config = config_mod.validate(json.loads(args.config_json))
         if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
             cuda_libraries.preload()
-        train(config, args.data, args.artifacts, args.out, stop)
+        train(config, args.train, args.eval, args.artifacts, args.out, args.checkpoints, stop)
     except Stopped:
         # Every rank stops here together, without MPI_Abort.
         logging.shutdown()

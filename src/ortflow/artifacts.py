@@ -1,0 +1,37 @@
+"""The layout of the artifacts folder, build_artifacts' output, in one place: the
+graph builder writes it; training, export, quantize and the checkpoint tools read it.
+
+    inference_base.onnx   the forward model the graphs are built from
+    training_model.onnx   forward, loss and gradients
+    eval_model.onnx       forward and loss
+    optimizer_model.onnx  the optimizer step
+    checkpoint            the initial weights and optimizer state, in ONNX Runtime's format
+    model.json            inputs, label, outputs, loss, parameters and FLOPs (graphs.describe)
+
+ONNX Runtime's generate_artifacts names the graphs and the checkpoint itself; the
+names here are its names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+class Artifacts:
+    """The files of the artifacts folder `folder`."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.base_model = self.folder / "inference_base.onnx"
+        self.training_model = self.folder / "training_model.onnx"
+        self.eval_model = self.folder / "eval_model.onnx"
+        self.optimizer_model = self.folder / "optimizer_model.onnx"
+        self.checkpoint = self.folder / "checkpoint"
+        self.model_json = self.folder / "model.json"
+        # The three graphs ONNX Runtime's training engine runs.
+        self.graphs = (self.training_model, self.eval_model, self.optimizer_model)
+
+    def description(self) -> dict:
+        """model.json, as graphs.describe wrote it."""
+        return json.loads(self.model_json.read_text())

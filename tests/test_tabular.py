@@ -1,0 +1,118 @@
+"""Tabular data as users have it: scikit-learn's own data sets (shipped inside
+its package) written to CSV unscaled. `data.standardize` (the train split's
+statistics in the manifest and the shards, baked into the exported model) and
+the predict-the-mean baseline of a regression run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from conftest import run_snakemake
+from ortflow.data import standardize
+from ortflow.data.prepare import split_rows
+from ortflow.data.shards import ShardReader
+from ortflow.export import TOLERANCE, loss_of
+from ortflow.report import fmt, summary_rows
+
+SEED = 1234  # run.seed of config/config.yaml
+
+
+def write_csv(workdir: Path, bunch) -> tuple[pd.DataFrame, list[str]]:
+    """A scikit-learn data set as a CSV file `<workdir>/data.csv`, as it comes (no scaling); label column `target`."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    frame = pd.DataFrame(bunch.data, columns=[f"f{i}" for i in range(bunch.data.shape[1])])
+    frame["target"] = bunch.target
+    frame.to_csv(workdir / "data.csv", index=False)
+    return frame, list(frame.columns[:-1])
+
+
+def test_statistics_skip_integer_inputs_and_let_constant_columns_pass():
+    rng = np.random.default_rng(0)
+    x = np.column_stack([rng.normal(500, 40, 50), np.full(50, 7.0)]).astype(np.float32)
+    ids = rng.integers(0, 100, (50, 4))
+    rows = np.arange(0, 50, 2)
+    stats = standardize.statistics({"x": x, "ids": ids}, rows)
+    assert list(stats) == ["x"]  # token ids are never standardized
+    assert np.allclose(stats["x"]["mean"], x[rows].astype(np.float64).mean(axis=0), rtol=1e-12, atol=0)
+    assert stats["x"]["std"] == [x[rows, 0].astype(np.float64).std(), 1.0]  # the constant column: std 0 -> 1
+    scaled = standardize.apply({"x": x, "ids": ids}, stats)
+    assert scaled["ids"] is ids
+    assert np.all(scaled["x"][:, 1] == 0)
+    assert abs(scaled["x"][rows, 0].mean()) < 1e-5 and abs(scaled["x"][rows, 0].std() - 1) < 1e-5
+    assert np.allclose(standardize.invert(scaled, stats)["x"], x, rtol=1e-6)
+
+
+def test_wine_standardized_trains_and_the_export_takes_raw_features(workdir):
+    """178 wines, 13 unscaled features (proline up to 1680), 3 classes: through the whole pipeline."""
+    import onnx
+    import onnxruntime as ort
+    from sklearn.datasets import load_wine
+
+    frame, features = write_csv(workdir, load_wine())
+    config = {"run": {"name": "wine"}, "data": {"source": "data.csv", "features": features, "label": "target",
+                                                 "standardize": True},
+              "train": {"steps": 100, "eval_every": 50, "checkpoint_every": 50}}
+    run_snakemake(workdir, config)
+    results = workdir / "results" / "wine"
+
+    # The manifest's statistics are numpy's over the train split only, in float64.
+    raw = frame[features].to_numpy(np.float32)
+    train_rows, eval_rows = split_rows(len(frame), 0.2, SEED)
+    expected_mean = raw[train_rows].astype(np.float64).mean(axis=0)
+    expected_std = raw[train_rows].astype(np.float64).std(axis=0)
+    for split in ("train", "eval"):
+        stats = ShardReader(results / "data" / split).manifest["standardize"]
+        assert np.allclose(stats["x"]["mean"], expected_mean, rtol=1e-12, atol=0)
+        assert np.allclose(stats["x"]["std"], expected_std, rtol=1e-12, atol=0)
+    # The shards hold the standardized features, the exported model takes the raw ones.
+    eval_reader = ShardReader(results / "data" / "eval")
+    mean, std = expected_mean.astype(np.float32), expected_std.astype(np.float32)
+    assert np.array_equal(eval_reader.gather(np.arange(len(eval_rows)))["x"], (raw[eval_rows] - mean) / std)
+
+    train = json.loads((results / "train" / "metrics.json").read_text())
+    labels = frame["target"].to_numpy()[eval_rows]
+    for name in ("model.onnx", "model.int8.onnx"):
+        path = results / "export" / name
+        first = onnx.load(str(path)).graph.node[:2]
+        assert [(n.op_type, n.input[0]) for n in first] == [("Sub", "x"), ("Div", first[0].output[0])], name
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        logits = session.run(None, {"x": raw[eval_rows]})[0]
+        accuracy = float((logits.argmax(axis=1) == labels).mean())
+        assert accuracy > 0.8, (name, accuracy)  # chance: 40% (the largest class); measured 91.7%
+        if name == "model.onnx":
+            # The exported model on the raw CSV rows is the eval graph on the standardized shards.
+            assert accuracy == train["eval"]["accuracy"]
+            loss = loss_of(logits, labels, "cross_entropy")
+            assert abs(loss - train["eval"]["loss"]) <= TOLERANCE["relative"] * train["eval"]["loss"] + 1e-6
+    assert "logits within" in (workdir / "logs" / "wine" / "export_model.log").read_text()
+
+
+def test_regression_reports_the_predict_the_mean_baseline(workdir):
+    """442 diabetes patients, 10 unscaled features, a float target (25..346): trained with the mse loss."""
+    from sklearn.datasets import load_diabetes
+
+    frame, features = write_csv(workdir, load_diabetes(scaled=False))
+    config = {"run": {"name": "diabetes"}, "data": {"source": "data.csv", "features": features, "label": "target",
+                                                     "standardize": True},
+              "model": {"hidden": [64]},
+              "train": {"steps": 200, "eval_every": 100, "checkpoint_every": 100,
+                        "optimizer": {"name": "adamw", "lr": 0.05, "weight_decay": 0.0}}}
+    result = run_snakemake(workdir, config, "train")
+    train = json.loads((workdir / "results" / "diabetes" / "train" / "metrics.json").read_text())
+
+    target = frame["target"].to_numpy(np.float32).astype(np.float64)  # labels are stored as float32
+    train_rows, eval_rows = split_rows(len(frame), 0.2, SEED)
+    expected = float(((target[eval_rows] - target[train_rows].mean()) ** 2).mean())
+    baseline = train["eval"]["mean_baseline_mse"]
+    assert abs(baseline - expected) <= 1e-9 * expected, (baseline, expected)
+    # The model clears the bar: its eval MSE is well below predicting the mean.
+    assert train["eval"]["loss"] < 0.75 * baseline, train["eval"]
+    shown = f"mean_baseline_mse {fmt(baseline, 'float')}"
+    assert f"  baseline  {shown}" in result.stdout
+    assert f"  loss      {fmt(train['eval']['loss'], 'float')}" in result.stdout
+    assert ("mean_baseline_mse", "baseline (eval split)", f"{shown} (predicting the train mean)") in summary_rows(
+        train, None)
