@@ -49,7 +49,8 @@ def train_like_ortflow(model: torch.nn.Module, config: dict, train_dir: Path,
         loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(batch[reader.label_name]))
         optimizer.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train["clip_grad_norm"])
+        if train["clip_grad_norm"] is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train["clip_grad_norm"])
         optimizer.step()
         losses.append(loss.item())
     return losses, {k: v.detach().numpy() for k, v in model.state_dict().items()}
