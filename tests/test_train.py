@@ -135,36 +135,19 @@ def test_watchdog_names_the_stalled_rank(digits_workdir):
 
 
 def _pytorch_reference(workdir: Path) -> dict:
-    """The same training in plain single-process PyTorch: same initial weights,
-    same global batches, torch.optim.AdamW, global-norm clipping, same schedule."""
-    import torch
-
+    """The same training in plain single-process PyTorch (tests/torch_reference.py)."""
     from ortflow import config as config_mod
-    from ortflow.data.shards import ShardReader
     from ortflow.models.mlp import MLP
-    from ortflow.train.schedule import learning_rate
+    from torch_reference import load_initial, train_like_ortflow
 
     cfg = config_mod.load(overrides={"train": {**SHORT["train"], "world_size": 1, "grad_accum_steps": 2}})
     results = workdir / "results/digits"
-    initial = checkpoint.load_parameters_file(results / "artifacts/checkpoint")
-    model = MLP([64], cfg["model"]["hidden"], [10])
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()}, strict=True)
-    opt_cfg = cfg["train"]["optimizer"]
+    model = load_initial(MLP([64], cfg["model"]["hidden"], [10]), results / "artifacts")
     # train.optimizer.no_decay's default for an MLP: the biases (<1d>) are not decayed.
-    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": opt_cfg["weight_decay"]},
+    decay = cfg["train"]["optimizer"]["weight_decay"]
+    groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": decay},
               {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=opt_cfg["lr"], betas=tuple(opt_cfg["betas"]), eps=opt_cfg["eps"])
-    reader = ShardReader(results / "data/train")
-    for step in range(cfg["train"]["steps"]):
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, cfg["train"]["steps"], opt_cfg["lr"], cfg["train"]["lr_schedule"])
-        batch = reader.gather(reader.global_batch(step, cfg["run"]["seed"], 64))
-        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(batch["x"])), torch.from_numpy(batch["y"]))
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["train"]["clip_grad_norm"])
-        optimizer.step()
-    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    return train_like_ortflow(model, cfg, results / "data/train", groups)[1]
 
 
 def test_gpt_learns_text_well_below_the_unigram_baseline(workdir):

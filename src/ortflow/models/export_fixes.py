@@ -16,6 +16,18 @@ training, found by exporting GPT-2 and BERT and reading the graphs:
    `give_dropout_its_mask` rewrites it as torch's own `aten::dropout` symbolic
    writes a training-mode dropout: `Dropout(weights, ratio, True) -> (y, mask)`.
    ONNX Runtime's eval graph then turns it off like every other Dropout.
+
+And one gap for every torch module with token ids, found by training
+nn.Embedding(padding_idx=0) against torch (tests/test_torch_layers.py):
+
+4. torch's `aten::embedding` symbolic writes a bare Gather (with a warning that
+   ONNX cannot keep the padding row from updating), so ONNX Runtime trains the
+   padding row that torch never updates, and the two trainings part at the
+   second step. `_embedding` multiplies the gathered rows by (ids !=
+   padding_idx): the padding row gets a zero gradient, as in torch, and the
+   outputs stay torch's because that row is zero (nn.Embedding zeroes it and a
+   zero gradient keeps it zero; `check_embeddings` refuses a module whose
+   padding row is not zero).
 """
 
 from __future__ import annotations
@@ -60,11 +72,56 @@ def _cumsum(g, input, dim, dtype):
     return g.op("CumSum", input, g.op("Constant", value_t=torch.tensor(dim, dtype=torch.int64)))
 
 
+def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
+    """torch.nn.functional.embedding: Gather, times (indices != padding_idx) when there is a padding_idx."""
+    import onnx
+    import torch
+    from torch.onnx import symbolic_helper
+    from torch.onnx.errors import SymbolicValueError
+
+    if symbolic_helper._get_const(scale_grad_by_freq, "b", "scale_grad_by_freq"):
+        raise SymbolicValueError("embedding with scale_grad_by_freq=True: ONNX cannot scale the gradients by the "
+                                 "tokens' frequency; set scale_grad_by_freq=False", weight)
+    rows = g.op("Gather", weight, indices)
+    padding_idx = symbolic_helper._get_const(padding_idx, "i", "padding_idx")
+    if padding_idx < 0:  # torch's "no padding_idx"; nn.Embedding makes a negative padding_idx positive
+        return rows
+    index_type = symbolic_helper._try_get_scalar_type(indices)
+    index_dtype = index_type.dtype() if index_type else torch.int64
+    padding = g.op("Constant", value_t=torch.tensor(padding_idx, dtype=index_dtype))
+    keep = g.op("Not", g.op("Equal", indices, padding))
+    keep = g.op("Unsqueeze", keep, g.op("Constant", value_t=torch.tensor([-1], dtype=torch.int64)))
+    # Cast, not CastLike: ONNX Runtime has no gradient for CastLike.
+    weight_type = symbolic_helper._try_get_scalar_type(weight)
+    to = weight_type.onnx_type() if weight_type else onnx.TensorProto.FLOAT
+    return g.op("Mul", rows, g.op("Cast", keep, to_i=to))
+
+
+def check_embeddings(module) -> None:
+    """Refuse an nn.Embedding that `_embedding` cannot train as torch does, naming it."""
+    import torch
+
+    for name, layer in module.named_modules():
+        if not isinstance(layer, torch.nn.Embedding):
+            continue
+        where = f"model.path: {type(module).__name__}.{name} (nn.Embedding)"
+        if layer.scale_grad_by_freq:
+            raise ModelError(f"{where} has scale_grad_by_freq=True, which ONNX cannot express (it scales each "
+                             "token's gradient by its frequency in the batch); set scale_grad_by_freq=False")
+        if layer.padding_idx is not None and bool(layer.weight[layer.padding_idx].any()):
+            raise ModelError(
+                f"{where}: the row of padding_idx {layer.padding_idx} is not zero; ortflow keeps that row from "
+                "training by masking it, which needs it zero (as nn.Embedding initialises it): zero it in __init__ "
+                f"(with torch.no_grad(): self.{name}.weight[{layer.padding_idx}] = 0) or drop padding_idx"
+            )
+
+
 def register_symbolics(opset: int) -> None:
     from torch.onnx import register_custom_op_symbolic
 
     register_custom_op_symbolic("aten::diff", _diff, opset)
     register_custom_op_symbolic("aten::cumsum", _cumsum, opset)
+    register_custom_op_symbolic("aten::embedding", _embedding, opset)
 
 
 def give_dropout_its_mask(model) -> int:

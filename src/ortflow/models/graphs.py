@@ -67,13 +67,14 @@ def resolve_loss(loss: str, manifest: dict) -> str:
 def export_torch(module, manifest: dict, path: Path) -> None:
     """torch -> ONNX with the batch dimension dynamic, in training mode and
     without constant folding, so that every parameter stays an initializer;
-    with export_fixes' two repairs (torch.diff, the attention's dropout)."""
+    with export_fixes' repairs (torch.diff, cumsum, the attention's dropout, the embedding's padding row)."""
     import onnx
     import torch
 
     from . import export_fixes
 
     export_fixes.register_symbolics(OPSET)
+    export_fixes.check_embeddings(module)
     features = manifest["features"]
     example = tuple(torch.zeros([2, *f["shape"]], dtype=getattr(torch, f["dtype"])) for f in features)
     names = [f["name"] for f in features]
@@ -92,6 +93,9 @@ def export_torch(module, manifest: dict, path: Path) -> None:
         )
     except torch.onnx.errors.UnsupportedOperatorError as error:
         raise export_fixes.unsupported_operator(error, type(module).__name__, OPSET) from None
+    except torch.onnx.errors.SymbolicValueError as error:  # its message goes on with the traced graph
+        problem = str(error).splitlines()[0].split("  [Caused by")[0].strip()
+        raise ModelError(f"model.path: torch.onnx cannot export {type(module).__name__}: {problem}") from None
     exported = onnx.load(str(path))
     if export_fixes.give_dropout_its_mask(exported):
         onnx.save(exported, str(path))

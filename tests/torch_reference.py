@@ -1,0 +1,56 @@
+"""ortflow's training done again in plain single-process PyTorch, to compare with
+(tests/test_train.py, tests/test_torch_layers.py): the same initial weights (the
+build_artifacts checkpoint), the same global batches, torch.optim.AdamW with the
+config's optimizer, clipping to the global gradient norm, ortflow's schedule."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ortflow import checkpoint
+from ortflow import config as config_mod
+from ortflow.artifacts import Artifacts
+from ortflow.data.shards import ShardReader
+from ortflow.train.schedule import learning_rate
+
+
+def with_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> torch.nn.Module:
+    """`model` with `weights` (every parameter, strictly)."""
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=True)
+    return model
+
+
+def load_initial(model: torch.nn.Module, artifacts: Path) -> torch.nn.Module:
+    """`model` with the weights of ortflow's initial checkpoint."""
+    return with_weights(model, checkpoint.load_parameters_file(Artifacts(artifacts).checkpoint))
+
+
+def train_like_ortflow(model: torch.nn.Module, config: dict, train_dir: Path,
+                       groups: list[dict] | None = None) -> tuple[list[float], dict]:
+    """Train `model` (features in, logits out, cross-entropy) as ortflow trains
+    with `config`; return the loss of each step and the final parameters.
+    `groups`: AdamW's parameter groups (each with its weight_decay), by default
+    one group of every parameter with the config's weight decay."""
+    train, opt = config["train"], config["train"]["optimizer"]
+    optimizer = torch.optim.AdamW(groups or model.parameters(), lr=opt["lr"], betas=tuple(opt["betas"]),
+                                  eps=opt["eps"], weight_decay=opt["weight_decay"])
+    reader = ShardReader(train_dir)
+    features = [f["name"] for f in reader.manifest["features"]]
+    losses = []
+    for step in range(train["steps"]):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, train["steps"], opt["lr"], train["lr_schedule"])
+        indices = reader.global_batch(step, config["run"]["seed"], config_mod.global_batch_size(config))
+        batch = reader.gather(np.sort(indices))
+        logits = model(*(torch.from_numpy(batch[name]) for name in features))
+        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(batch[reader.label_name]))
+        optimizer.zero_grad()
+        loss.backward()
+        if train["clip_grad_norm"] is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train["clip_grad_norm"])
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach().numpy() for k, v in model.state_dict().items()}
