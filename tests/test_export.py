@@ -149,7 +149,8 @@ def test_gate_fails_with_both_numbers_and_keeps_the_fp32_model(user_run):
                       r"more than export.max_accuracy_drop=1.0", log)
     assert match, log[-3000:]
     int8, fp32, drop = map(float, match.groups())
-    assert fp32 >= 90 and drop == pytest.approx(fp32 - int8, abs=0.01) and drop > 1.0
+    # All three are printed to 4 digits (0.01 points here): the printed difference may be 0.015 off.
+    assert fp32 >= 90 and drop == pytest.approx(fp32 - int8, abs=0.015 + 1e-9) and drop > 1.0
     assert (_export(workdir, "user") / "model.onnx").is_file()
     assert not (_export(workdir, "user") / "model.int8.onnx").exists()
     assert not (_export(workdir, "user") / "metrics.json").exists()
