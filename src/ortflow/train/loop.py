@@ -257,7 +257,7 @@ def log_step(metrics: Metrics, train_cfg: dict, done: int, parameters, loss: flo
              samples_per_s: float) -> None:
     """The log line (every train.log_every steps) and the histograms of `parameters()` (every train.histogram_every)."""
     if is_time(done, train_cfg["log_every"], train_cfg["steps"]):
-        metrics.train(done - 1, loss, lr, norm, samples_per_s)
+        metrics.train(done, loss, lr, norm, samples_per_s)
     if done % train_cfg["histogram_every"] == 0 and metrics.enabled:
         metrics.histograms(done, parameters())
 

@@ -44,18 +44,19 @@ class Metrics:
         self.step_times.append(seconds)
 
     def train(self, step: int, loss: float, lr: float, grad_norm: float, samples_per_s: float) -> None:
+        """`step`: steps done, counted from 1 as everywhere in metrics, logs and checkpoints."""
         if not self.enabled:
             return
-        done = step + 1 - self.start_step
-        remaining = (self.total_steps - step - 1) * (time.perf_counter() - self.started) / max(done, 1)
+        done_here = step - self.start_step
+        remaining = (self.total_steps - step) * (time.perf_counter() - self.started) / max(done_here, 1)
         log.info(
             "step %d/%d loss %.4f lr %.3g grad_norm %.3f %.0f samples/s eta %s",
-            step + 1, self.total_steps, loss, lr, grad_norm, samples_per_s, tqdm.format_interval(remaining),
+            step, self.total_steps, loss, lr, grad_norm, samples_per_s, tqdm.format_interval(remaining),
         )
-        self.history["train"].append({"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        self.history["train"].append({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                                       "samples_per_s": samples_per_s})
         for name, value in (("loss", loss), ("lr", lr), ("grad_norm", grad_norm), ("samples_per_s", samples_per_s)):
-            self.writer.add_scalar(f"train/{name}", value, step + 1)
+            self.writer.add_scalar(f"train/{name}", value, step)
 
     def eval(self, step: int, results: dict) -> None:
         if not self.enabled:
