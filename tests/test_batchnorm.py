@@ -1,0 +1,177 @@
+"""User torch modules with BatchNorm and Dropout: running statistics update in
+training as torch's do, live in the checkpoints, are used by evaluation and
+baked into the export; dropout drops in training only."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import batchnorm_models
+from conftest import run_snakemake
+from ortflow import checkpoint, config as config_mod
+from ortflow.data.prepare import prepare
+from ortflow.data.shards import ShardReader
+from ortflow.errors import ModelError
+from ortflow.models import graphs
+from ortflow.sessions import inference_session
+
+TESTS = Path(__file__).resolve().parent
+STEPS = 8
+MICRO_BATCH = 32
+# Measured against torch on both models below, 8 AdamW steps: losses within 3.3e-7
+# relative, weights and running statistics within 4.8e-7 absolute (float32 sums
+# in another order); the tolerances leave a factor of about 10.
+LOSS_RTOL = 5e-6
+STATE_ATOL = 5e-6
+
+
+def config(model: str, **model_kwargs) -> dict:
+    return config_mod.validate({
+        "run": {"seed": 3},
+        "model": {"kind": "torch", "path": f"batchnorm_models:{model}", "kwargs": model_kwargs},
+        "train": {"world_size": 1, "steps": STEPS, "micro_batch_size": MICRO_BATCH, "log_every": 1,
+                  "eval_every": STEPS, "checkpoint_every": STEPS, "optimizer": {"lr": 0.01},
+                  "lr_schedule": {"name": "constant", "warmup_steps": 0}},
+    })
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory) -> Path:
+    """The default digits split into data/train and data/eval."""
+    root = tmp_path_factory.mktemp("digits")
+    prepare(config("BatchNormMLP"), root / "data" / "train", root / "data" / "eval")
+    return root / "data"
+
+
+def torch_training(cfg: dict, initial: dict, reader: ShardReader):
+    """The same training in PyTorch: the module in train mode, the artifacts'
+    initial weights and statistics, the same batches, torch.optim.AdamW, the
+    same global-norm clipping. Returns the module and its losses."""
+    module = getattr(batchnorm_models, cfg["model"]["path"].split(":")[1])(**cfg["model"]["kwargs"])
+    missing = module.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()}, strict=False).missing_keys
+    assert all(k.endswith("num_batches_tracked") for k in missing), missing
+    opt = cfg["train"]["optimizer"]
+    optimizer = torch.optim.AdamW(module.parameters(), lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"],
+                                  weight_decay=opt["weight_decay"])
+    module.train()
+    losses = []
+    for step in range(STEPS):
+        (batch,) = reader.micro_batches(step, cfg["run"]["seed"], 0, 1, MICRO_BATCH, 1)
+        loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(batch["x"])), torch.from_numpy(batch["y"]))
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg["train"]["clip_grad_norm"])
+        optimizer.step()
+        losses.append(loss.item())
+    return module.eval(), losses
+
+
+@pytest.mark.parametrize("model", ["BatchNormCNN", "BatchNormMLP"])
+def test_short_training_equals_pytorch(model, digits, tmp_path, monkeypatch):
+    """ortflow's training loop on one rank (in this process) against torch: the
+    losses, the weights and the running statistics after 8 steps; then the
+    export of that checkpoint against torch's module in eval mode."""
+    from ortflow import export
+    from ortflow.train import loop
+    from ortflow.train.stop import StopRequest
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    cfg = config(model)
+    artifacts, out = tmp_path / "artifacts", tmp_path / "train"
+    description = graphs.build(cfg, digits / "train", artifacts)
+    assert len(description["running_stats"]) == {"BatchNormCNN": 6, "BatchNormMLP": 2}[model]
+    loop.train(cfg, digits, artifacts, out, StopRequest())
+
+    initial = checkpoint.load_parameters_file(artifacts / "checkpoint")
+    reference, torch_losses = torch_training(cfg, initial, ShardReader(digits / "train"))
+    losses = [entry["loss"] for entry in json.loads((out / "metrics.json").read_text())["history"]["train"]]
+    np.testing.assert_allclose(losses, torch_losses, rtol=LOSS_RTOL)
+    final = checkpoint.read_checkpoint(checkpoint.step_dir(out / "checkpoints", STEPS)).state.parameters
+    expected = {k: v.numpy() for k, v in reference.state_dict().items() if not k.endswith("num_batches_tracked")}
+    assert sorted(final) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(final[name].reshape(value.shape), value, rtol=0, atol=STATE_ATOL, err_msg=name)
+    for name in description["running_stats"].values():  # the statistics moved from their init (0 and 1)
+        assert np.abs(final[name] - initial[name]).max() > 0.05, name
+
+    # The export (written from the eval graph, checked against it by export.export) is
+    # torch's module in eval mode: normalized with the running statistics, no dropout.
+    merged = checkpoint.merge(checkpoint.step_dir(out / "checkpoints", STEPS), tmp_path / "merged")
+    export.export(cfg, artifacts, merged, digits / "eval", tmp_path / "model.onnx")
+    batch = ShardReader(digits / "eval").gather(np.arange(64))
+    logits = inference_session(tmp_path / "model.onnx").run(None, {"x": batch["x"]})[0]
+    with torch.no_grad():
+        np.testing.assert_allclose(logits, reference(torch.from_numpy(batch["x"])).numpy(), rtol=0, atol=1e-4)
+
+
+def test_dropout_drops_in_training_only(digits, tmp_path, monkeypatch):
+    """With Dropout(0.5): two training forwards of one batch differ, the eval
+    graph's logits are the same twice and equal torch's module in eval mode."""
+    from onnxruntime.training import api
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    cfg = config("BatchNormMLP", dropout=0.5)
+    graphs.build(cfg, digits / "train", tmp_path)
+    state = api.CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    module = api.Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    batch = ShardReader(digits / "train").gather(np.arange(MICRO_BATCH))
+    first, second = (module(batch["x"], batch["y"])[1] for _ in range(2))
+    assert np.abs(first - second).max() > 0.1
+    module.eval()
+    first, second = (module(batch["x"], batch["y"])[1] for _ in range(2))
+    np.testing.assert_array_equal(first, second)
+    reference = batchnorm_models.BatchNormMLP(dropout=0.5).eval()
+    reference.load_state_dict({k: torch.from_numpy(v.data) for k, v in state.parameters}, strict=False)
+    with torch.no_grad():
+        np.testing.assert_allclose(first, reference(torch.from_numpy(batch["x"])).numpy(), rtol=0, atol=1e-5)
+
+
+def test_batchnorm_with_momentum_none_is_refused(digits, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    with pytest.raises(ModelError) as refused:
+        graphs.build(config("CumulativeBatchNorm"), digits / "train", tmp_path / "out")
+    assert str(refused.value) == (
+        "model.path: CumulativeBatchNorm.norm (BatchNorm1d) has momentum=None, a cumulative average that ortflow's "
+        "graphs cannot update; give it a momentum (torch's default is 0.1)"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def test_cnn_with_batchnorm_and_dropout_through_the_workflow(digits_workdir, monkeypatch):
+    """2 ranks, through export and static int8 quantization. Each rank evaluates
+    its half of the eval split with its own running statistics, and the merged
+    checkpoint takes each statistic from the one rank that wrote it: the export's
+    fp32 loss on the whole split equals training's only if the ranks agree."""
+    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    steps = 40
+    settings = {
+        "model": {"kind": "torch", "path": "batchnorm_models:BatchNormCNN", "kwargs": {"dropout": 0.2}},
+        "train": {"world_size": 2, "steps": steps, "micro_batch_size": 16, "log_every": 1, "eval_every": steps,
+                  "checkpoint_every": steps, "optimizer": {"lr": 0.01},
+                  "lr_schedule": {"name": "constant", "warmup_steps": 0}},
+    }
+    run_snakemake(digits_workdir, settings, "quantize_model")
+    results = digits_workdir / "results" / "digits"
+    trained = json.loads((results / "train" / "metrics.json").read_text())
+    losses = [entry["loss"] for entry in trained["history"]["train"]]
+    assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5]), losses
+    assert trained["eval"]["accuracy"] > 0.5  # chance is 0.1
+
+    stats = json.loads((results / "artifacts" / "model.json").read_text())["running_stats"]
+    initial = checkpoint.load_parameters_file(results / "artifacts" / "checkpoint")
+    merged = checkpoint.load_parameters_file(results / "checkpoint" / "checkpoint")
+    for name in stats.values():
+        assert np.abs(merged[name] - initial[name]).max() > 0.05, name
+    shards = sorted((results / "train" / "checkpoints" / f"step-{steps:08d}").glob("shard-*.h5"))
+    assert len(shards) == 2
+
+    quantized = json.loads((results / "export" / "metrics.json").read_text())
+    assert quantized["fp32"]["loss"] == pytest.approx(trained["eval"]["loss"], rel=1e-5)
+    assert quantized["fp32"]["accuracy"] == trained["eval"]["accuracy"]
+    assert quantized["quantize"] == "static" and quantized["gate"]["drop"] <= 1.0, quantized
