@@ -5,7 +5,6 @@ baked into the export; dropout drops in training only."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 import batchnorm_models
-from conftest import run_snakemake
+from conftest import run_on_ranks, run_snakemake
 from ortflow import checkpoint, config as config_mod
 from ortflow.data.prepare import prepare
 from ortflow.data.shards import ShardReader
@@ -89,6 +88,8 @@ def test_short_training_equals_pytorch(model, digits, tmp_path, monkeypatch):
     loop.train(cfg, digits, artifacts, out, StopRequest())
 
     initial = checkpoint.load_parameters_file(artifacts / "checkpoint")
+    for name in description["running_stats"].values():  # the module's own init (0 and 1), not moved by the export
+        assert (initial[name] == (1.0 if name.endswith("running_var") else 0.0)).all(), (name, initial[name])
     reference, torch_losses = torch_training(cfg, initial, ShardReader(digits / "train"))
     losses = [entry["loss"] for entry in json.loads((out / "metrics.json").read_text())["history"]["train"]]
     np.testing.assert_allclose(losses, torch_losses, rtol=LOSS_RTOL)
@@ -172,6 +173,28 @@ def test_cnn_with_batchnorm_and_dropout_through_the_workflow(digits_workdir, mon
     assert len(shards) == 2
 
     quantized = json.loads((results / "export" / "metrics.json").read_text())
+    print("batchnorm workflow: losses", losses[:3], losses[-3:], "eval", trained["eval"], "export", quantized)
     assert quantized["fp32"]["loss"] == pytest.approx(trained["eval"]["loss"], rel=1e-5)
     assert quantized["fp32"]["accuracy"] == trained["eval"]["accuracy"]
     assert quantized["quantize"] == "static" and quantized["gate"]["drop"] <= 1.0, quantized
+
+
+def test_ranks_end_each_step_with_the_mean_of_their_statistics(tmp_path):
+    """Two real MPI ranks keep different updated statistics from their forwards;
+    after the step's all-reduce both hold the same ones, their mean."""
+    result = run_on_ranks(
+        tmp_path,
+        "import numpy as np\n"
+        "from types import SimpleNamespace as NS\n"
+        "from ortflow.train import comm\n"
+        "from ortflow.train.running_stats import RunningStats\n"
+        f"c = comm.MPIComm({str(tmp_path / 'hb')!r}, 30)\n"
+        "arrays = {'bn.running_mean': np.zeros(3, np.float32), 'bn.running_var': np.ones(3, np.float32)}\n"
+        "state = NS(_state=NS(get_parameter=lambda n: NS(data=NS(numpy=lambda: arrays[n]))))\n"
+        "stats = RunningStats(state, ['loss', 'logits', 'm', 'v'], {'m': 'bn.running_mean', 'v': 'bn.running_var'}, c)\n"
+        "stats.keep([0.5, None, np.arange(3, dtype=np.float32) * (c.rank + 1), np.full(3, c.rank, np.float32)])\n"
+        "stats.set_mean(c.allreduce_sum(stats.local()))\n"
+        "print(c.rank, arrays['bn.running_mean'].tolist(), arrays['bn.running_var'].tolist())\n",
+        2,
+    )
+    assert sorted(result.stdout.splitlines()) == ["0 [0.0, 1.5, 3.0] [0.5, 0.5, 0.5]", "1 [0.0, 1.5, 3.0] [0.5, 0.5, 0.5]"]
