@@ -22,19 +22,21 @@ from ortflow.sessions import inference_session
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 8
-MICRO_BATCH = 32
-# Measured against torch on both models below, 8 AdamW steps: losses within 3.3e-7
-# relative, weights and running statistics within 4.8e-7 absolute (float32 sums
-# in another order); the tolerances leave a factor of about 10.
+GLOBAL_BATCH = 32
+# Measured against torch, 8 AdamW steps of these models, with and without gradient
+# accumulation: losses within 3.3e-7 relative, weights and running statistics
+# within 4.8e-7 absolute (float32 sums in another order); the tolerances leave a
+# factor of about 10.
 LOSS_RTOL = 5e-6
 STATE_ATOL = 5e-6
 
 
-def config(model: str, **model_kwargs) -> dict:
+def config(model: str, accumulate: int = 1, **model_kwargs) -> dict:
     return config_mod.validate({
         "run": {"seed": 3},
         "model": {"kind": "torch", "path": f"batchnorm_models:{model}", "kwargs": model_kwargs},
-        "train": {"world_size": 1, "steps": STEPS, "micro_batch_size": MICRO_BATCH, "log_every": 1,
+        "train": {"world_size": 1, "steps": STEPS, "micro_batch_size": GLOBAL_BATCH // accumulate,
+                  "grad_accum_steps": accumulate, "log_every": 1,
                   "eval_every": STEPS, "checkpoint_every": STEPS, "optimizer": {"lr": 0.01},
                   "lr_schedule": {"name": "constant", "warmup_steps": 0}},
     })
@@ -50,8 +52,9 @@ def digits(tmp_path_factory) -> Path:
 
 def torch_training(cfg: dict, initial: dict, reader: ShardReader):
     """The same training in PyTorch: the module in train mode, the artifacts'
-    initial weights and statistics, the same batches, torch.optim.AdamW, the
-    same global-norm clipping. Returns the module and its losses."""
+    initial weights and statistics, the same micro-batches (a forward each, so
+    the statistics update on each), torch.optim.AdamW, the same global-norm
+    clipping. Returns the module and its losses."""
     module = getattr(batchnorm_models, cfg["model"]["path"].split(":")[1])(**cfg["model"]["kwargs"])
     missing = module.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()}, strict=False).missing_keys
     assert all(k.endswith("num_batches_tracked") for k in missing), missing
@@ -60,28 +63,32 @@ def torch_training(cfg: dict, initial: dict, reader: ShardReader):
                                   weight_decay=opt["weight_decay"])
     module.train()
     losses = []
+    accumulate, micro_batch = cfg["train"]["grad_accum_steps"], cfg["train"]["micro_batch_size"]
     for step in range(STEPS):
-        (batch,) = reader.micro_batches(step, cfg["run"]["seed"], 0, 1, MICRO_BATCH, 1)
-        loss = torch.nn.functional.cross_entropy(module(torch.from_numpy(batch["x"])), torch.from_numpy(batch["y"]))
         optimizer.zero_grad()
-        loss.backward()
+        losses.append(0.0)
+        for batch in reader.micro_batches(step, cfg["run"]["seed"], 0, 1, micro_batch, accumulate):
+            logits = module(torch.from_numpy(batch["x"]))
+            loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(batch["y"])) / accumulate
+            loss.backward()
+            losses[-1] += loss.item()
         torch.nn.utils.clip_grad_norm_(module.parameters(), cfg["train"]["clip_grad_norm"])
         optimizer.step()
-        losses.append(loss.item())
     return module.eval(), losses
 
 
-@pytest.mark.parametrize("model", ["BatchNormCNN", "BatchNormMLP"])
-def test_short_training_equals_pytorch(model, digits, tmp_path, monkeypatch):
+@pytest.mark.parametrize("model, accumulate", [("BatchNormCNN", 1), ("BatchNormMLP", 2)])
+def test_short_training_equals_pytorch(model, accumulate, digits, tmp_path, monkeypatch):
     """ortflow's training loop on one rank (in this process) against torch: the
-    losses, the weights and the running statistics after 8 steps; then the
-    export of that checkpoint against torch's module in eval mode."""
+    losses, the weights and the running statistics after 8 steps (of 2
+    micro-batches each for the MLP); then the export of that checkpoint against
+    torch's module in eval mode."""
     from ortflow import export
     from ortflow.train import loop
     from ortflow.train.stop import StopRequest
 
     monkeypatch.syspath_prepend(str(TESTS))
-    cfg = config(model)
+    cfg = config(model, accumulate)
     artifacts, out = tmp_path / "artifacts", tmp_path / "train"
     description = graphs.build(cfg, digits / "train", artifacts)
     assert len(description["running_stats"]) == {"BatchNormCNN": 6, "BatchNormMLP": 2}[model]
@@ -121,7 +128,7 @@ def test_dropout_drops_in_training_only(digits, tmp_path, monkeypatch):
     graphs.build(cfg, digits / "train", tmp_path)
     state = api.CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
     module = api.Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
-    batch = ShardReader(digits / "train").gather(np.arange(MICRO_BATCH))
+    batch = ShardReader(digits / "train").gather(np.arange(GLOBAL_BATCH))
     first, second = (module(batch["x"], batch["y"])[1] for _ in range(2))
     assert np.abs(first - second).max() > 0.1
     module.eval()
