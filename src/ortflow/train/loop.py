@@ -3,9 +3,11 @@
 One optimizer step, on each rank:
   1. set the learning rate of the schedule for this step;
   2. forward and backward over `grad_accum_steps` micro-batches of this rank's
-     part of the global batch (ORT sums the gradients across the calls);
+     part of the global batch (ORT sums the gradients across the calls; each
+     forward updates BatchNorm's running statistics, running_stats.py);
   3. sum the gradients across ranks in place, scale the sum to the mean over
-     every micro-batch of every rank, and clip it to the global norm;
+     every micro-batch of every rank, and clip it to the global norm; the
+     running statistics become their mean over the ranks;
   4. the optimizer step.
 Every rank then holds the same parameters, so evaluation is split across ranks
 and checkpoints can be written by all of them.
