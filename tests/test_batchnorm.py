@@ -151,6 +151,19 @@ def test_batchnorm_with_momentum_none_is_refused(digits, tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_running_statistic_named_trainable_is_refused(digits, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    cfg = config("BatchNormMLP")
+    cfg["model"]["trainable"] = ["body.0.weight", "body.1.running_mean", "head.weight"]
+    with pytest.raises(ModelError) as refused:
+        graphs.build(cfg, digits / "train", tmp_path / "out")
+    assert str(refused.value) == (
+        "model.trainable: 'body.1.running_mean' is the running mean of BatchNormalization node "
+        "'/body/body.1/BatchNormalization', which training updates from the batches, not by gradients; "
+        "leave it out of model.trainable"
+    )
+
+
 def test_cnn_with_batchnorm_and_dropout_through_the_workflow(digits_workdir, monkeypatch):
     """2 ranks, through export and static int8 quantization. Each rank evaluates
     its half of the eval split with its own running statistics, and the merged

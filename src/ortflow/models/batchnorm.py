@@ -70,6 +70,21 @@ def restore_buffers(model, buffers: dict) -> int:
     return restored
 
 
+def check_trainable(base, trainable: list[str]) -> None:
+    """A running statistic has no gradient (ONNX Runtime's gradient builder would
+    fail without naming it): refuse one named in `model.trainable`."""
+    for node in base.graph.node:
+        if node.op_type != "BatchNormalization":
+            continue
+        for statistic, name in zip(("mean", "variance"), node.input[3:5]):
+            if name in trainable:
+                raise ModelError(
+                    f"model.trainable: {name!r} is the running {statistic} of BatchNormalization node "
+                    f"{node.name or node.output[0]!r}, which training updates from the batches, not by gradients; "
+                    "leave it out of model.trainable"
+                )
+
+
 def inference_mode(eval_model) -> int:
     """Keep only y of every BatchNormalization that ONNX Runtime's eval graph put
     in inference mode; returns how many were changed."""

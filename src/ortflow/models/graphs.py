@@ -378,6 +378,7 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
         base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], tmp / BASE_MODEL)
         check_interface(base, manifest)
         trainable, frozen = split_parameters(base, model, torch_trainable)
+        batchnorm.check_trainable(base, trainable)
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
                  len(frozen))
         generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp)
