@@ -104,10 +104,12 @@ def expose_running_stats(training_model) -> dict[str, str]:
     (divided by n, the elements per channel), torch with the unbiased one (n - 1).
     The kernel's updated variance is corrected by (1 - momentum) x biased / (n - 1),
     the biased variance read back from the kernel's saved 1 / sqrt(var + epsilon).
-    (The kernel writes its outputs onto the running statistics' own buffers when
-    nothing else reads them; as graph outputs they are copies, and training
-    writes the corrected ones back.) A BatchNorm whose statistics are not
-    parameters (torch's track_running_stats=False) keeps none, as in torch."""
+    (ONNX Runtime declares the kernel's running statistics aliases of its inputs:
+    left unread, they overwrite the checkpoint's statistics with the biased
+    update; as graph outputs they came out as buffers of their own, and either
+    way training writes the corrected values back after the forward.) A BatchNorm
+    whose statistics are not parameters (torch's track_running_stats=False)
+    keeps none, as in torch."""
     inputs = {i.name: i for i in training_model.graph.input}
     stats = {}
     for node in list(training_model.graph.node):
