@@ -37,13 +37,13 @@ class BatchNormMLP(nn.Module):
         return self.head(self.body(x))
 
 
-class CumulativeBatchNorm(nn.Module):
-    """BatchNorm1d with momentum=None (a cumulative average), which ortflow refuses."""
+class RefusedBatchNorm(nn.Module):
+    """BatchNorm1d with momentum=None (a cumulative average) or track_running_stats=False, which ortflow refuses."""
 
-    def __init__(self):
+    def __init__(self, **norm):
         super().__init__()
         self.body = nn.Linear(64, 8)
-        self.norm = nn.BatchNorm1d(8, momentum=None)
+        self.norm = nn.BatchNorm1d(8, **norm)
         self.head = nn.Linear(8, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

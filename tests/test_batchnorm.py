@@ -140,14 +140,17 @@ def test_dropout_drops_in_training_only(digits, tmp_path, monkeypatch):
         np.testing.assert_allclose(first, reference(torch.from_numpy(batch["x"])).numpy(), rtol=0, atol=1e-5)
 
 
-def test_batchnorm_with_momentum_none_is_refused(digits, tmp_path, monkeypatch):
+@pytest.mark.parametrize("norm, refusal", [
+    ({"momentum": None}, "has momentum=None, a cumulative average that ortflow's graphs cannot update; give it a "
+                         "momentum (torch's default is 0.1)"),
+    ({"track_running_stats": False}, "has track_running_stats=False, which torch.onnx cannot export with a dynamic "
+                                     "batch dimension; keep running statistics (track_running_stats=True)"),
+])
+def test_batchnorm_that_cannot_train_is_refused(norm, refusal, digits, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     with pytest.raises(ModelError) as refused:
-        graphs.build(config("CumulativeBatchNorm"), digits / "train", tmp_path / "out")
-    assert str(refused.value) == (
-        "model.path: CumulativeBatchNorm.norm (BatchNorm1d) has momentum=None, a cumulative average that ortflow's "
-        "graphs cannot update; give it a momentum (torch's default is 0.1)"
-    )
+        graphs.build(config("RefusedBatchNorm", **norm), digits / "train", tmp_path / "out")
+    assert str(refused.value) == f"model.path: RefusedBatchNorm.norm (BatchNorm1d) {refusal}"
     assert not (tmp_path / "out").exists()
 
 

@@ -41,17 +41,21 @@ def buffers_before_export(module) -> dict:
     """The module's buffers (name -> numpy copy), taken before torch.onnx.export
     runs it in training mode: that run updates every BatchNorm's running statistics
     once (from the example batch of zeros) and exports the updated values.
-    A BatchNorm with momentum=None (a cumulative average over all batches, which
-    the exported graph cannot express) is refused."""
+    Refused: a BatchNorm with momentum=None (a cumulative average over all
+    batches, which the exported graph cannot express), and one with
+    track_running_stats=False (torch.onnx asserts on it with a dynamic batch)."""
     import torch
 
     for name, layer in module.named_modules():
-        if isinstance(layer, torch.nn.modules.batchnorm._BatchNorm) and layer.momentum is None and \
-                layer.track_running_stats:
-            raise ModelError(
-                f"model.path: {type(module).__name__}.{name} ({type(layer).__name__}) has momentum=None, a "
-                "cumulative average that ortflow's graphs cannot update; give it a momentum (torch's default is 0.1)"
-            )
+        if not isinstance(layer, torch.nn.modules.batchnorm._BatchNorm):
+            continue
+        where = f"model.path: {type(module).__name__}.{name} ({type(layer).__name__})"
+        if not layer.track_running_stats:
+            raise ModelError(f"{where} has track_running_stats=False, which torch.onnx cannot export with a dynamic "
+                             "batch dimension; keep running statistics (track_running_stats=True)")
+        if layer.momentum is None:
+            raise ModelError(f"{where} has momentum=None, a cumulative average that ortflow's graphs cannot update; "
+                             "give it a momentum (torch's default is 0.1)")
     return {name: buffer.detach().cpu().numpy().copy() for name, buffer in module.named_buffers()}
 
 
@@ -108,8 +112,7 @@ def expose_running_stats(training_model) -> dict[str, str]:
     left unread, they overwrite the checkpoint's statistics with the biased
     update; as graph outputs they came out as buffers of their own, and either
     way training writes the corrected values back after the forward.) A BatchNorm
-    whose statistics are not parameters (torch's track_running_stats=False)
-    keeps none, as in torch."""
+    whose statistics are not parameters (computed in the graph) keeps none."""
     inputs = {i.name: i for i in training_model.graph.input}
     stats = {}
     for node in list(training_model.graph.node):
