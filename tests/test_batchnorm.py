@@ -5,6 +5,7 @@ baked into the export; dropout drops in training only."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -138,6 +139,33 @@ def test_dropout_drops_in_training_only(digits, tmp_path, monkeypatch):
     reference.load_state_dict({k: torch.from_numpy(v.data) for k, v in state.parameters}, strict=False)
     with torch.no_grad():
         np.testing.assert_allclose(first, reference(torch.from_numpy(batch["x"])).numpy(), rtol=0, atol=1e-5)
+
+
+def test_dropout_repeats_and_resumes_bit_for_bit(digits, tmp_path, monkeypatch):
+    """Dropout's masks depend on the seed, step, rank and micro-batch only: a
+    second run repeats the first exactly, and a run resumed from its step-2
+    checkpoint ends with the same bytes; another seed drops differently."""
+    from ortflow.train import loop
+    from ortflow.train.stop import StopRequest
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    cfg = config("BatchNormMLP", dropout=0.5)
+    cfg["train"] |= {"steps": 4, "checkpoint_every": 2, "eval_every": 4}
+    graphs.build(cfg, digits / "train", tmp_path / "artifacts")
+
+    def final(out: Path, config: dict) -> dict:
+        loop.train(config, digits, tmp_path / "artifacts", out, StopRequest())
+        return checkpoint.read_checkpoint(checkpoint.step_dir(out / "checkpoints", 4)).state.parameters
+
+    first = final(tmp_path / "first", cfg)
+    shutil.rmtree(checkpoint.step_dir(tmp_path / "first" / "checkpoints", 4))
+    resumed = final(tmp_path / "first", cfg)
+    again = final(tmp_path / "again", cfg)
+    other = final(tmp_path / "other", config_mod.validate({**cfg, "run": {**cfg["run"], "seed": 4}}))
+    for name in first:
+        np.testing.assert_array_equal(resumed[name], first[name], err_msg=name)
+        np.testing.assert_array_equal(again[name], first[name], err_msg=name)
+    assert np.abs(other["head.weight"] - first["head.weight"]).max() > 1e-3
 
 
 @pytest.mark.parametrize("norm, refusal", [

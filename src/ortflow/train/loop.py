@@ -4,7 +4,8 @@ One optimizer step, on each rank:
   1. set the learning rate of the schedule for this step;
   2. forward and backward over `grad_accum_steps` micro-batches of this rank's
      part of the global batch (ORT sums the gradients across the calls; each
-     forward updates BatchNorm's running statistics, running_stats.py);
+     forward updates BatchNorm's running statistics, running_stats.py, and
+     draws Dropout's masks from a generator seeded by its position);
   3. sum the gradients across ranks in place, scale the sum to the mean over
      every micro-batch of every rank, and clip it to the global norm; the
      running statistics become their mean over the ranks;
@@ -126,15 +127,26 @@ class Checkpointer:
         return folder
 
 
+def seed_random_operators(seed: int, step: int, rank: int, micro_batch: int) -> None:
+    """ONNX Runtime's random operators (Dropout) draw from one generator per
+    process. Seeded before every forward from (run.seed, step, rank, micro-batch),
+    their masks depend only on where training is: a run repeats exactly, a resumed
+    run is bit-identical to one that never stopped, and the ranks drop differently."""
+    from onnxruntime.capi._pybind_state import set_seed
+
+    set_seed(int(np.random.SeedSequence([seed, step, rank, micro_batch]).generate_state(1)[0]))
+
+
 def train_step(step: int, comm, sessions: Sessions, state, batches: list[dict], feed, train_cfg: dict,
-               stop: StopRequest) -> tuple:
+               stop: StopRequest, seed: int) -> tuple:
     """One optimizer step (see the top of this file) with the sessions' Module and
     Optimizer. Returns the mean loss, the gradient norm before clipping, and every
     rank's stop votes summed."""
     module, optimizer, running_stats = sessions.module, sessions.optimizer, sessions.running_stats
     scale_to_mean = 1.0 / (train_cfg["grad_accum_steps"] * comm.world_size)
     loss_sum = 0.0
-    for batch in batches:
+    for micro_batch, batch in enumerate(batches):
+        seed_random_operators(seed, step, comm.rank, micro_batch)
         outputs = module(*feed(batch))
         running_stats.keep(outputs)
         loss, _ = outputs_of(outputs)
@@ -194,7 +206,7 @@ def train(config: dict, data_dir: Path, artifacts: Path, out_dir: Path, stop: St
         batches = train_reader.micro_batches(step, config["run"]["seed"], rank, world_size, train_cfg["micro_batch_size"],
                                              train_cfg["grad_accum_steps"])
         inject_fault(train_cfg["fail_at_step"], step, rank, batches, stop)
-        loss, norm, votes = train_step(step, comm, sessions, state, batches, feed, train_cfg, stop)
+        loss, norm, votes = train_step(step, comm, sessions, state, batches, feed, train_cfg, stop, config["run"]["seed"])
         if not (math.isfinite(loss) and math.isfinite(norm)):
             kept = checkpointer.last[1] if checkpointer.last else (resume.path if resume else None)
             raise TrainingError(f"non-finite loss {loss} (gradient norm {norm}) at step {step + 1}; " + (
