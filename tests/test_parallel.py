@@ -4,12 +4,12 @@ schedules, the cuda path's errors where there is no GPU."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from conftest import run_on_ranks
 from ortflow.errors import DeviceError
 from ortflow.train import comm, gradients, launch, loop, schedule
 
@@ -79,8 +79,8 @@ def test_buckets_cover_every_gradient_once(monkeypatch):
 
 def test_bucketed_allreduce_with_real_ranks(tmp_path):
     """Three real MPI ranks: sums in place, across bucket boundaries, in every tensor."""
-    script = tmp_path / "allreduce.py"
-    script.write_text(
+    result = run_on_ranks(
+        tmp_path,
         "import numpy as np, sys\n"
         "from ortflow.train import comm, gradients\n"
         "gradients.BUCKET_BYTES = 64\n"
@@ -89,13 +89,9 @@ def test_bucketed_allreduce_with_real_ranks(tmp_path):
         "views = [g[:] for g in grads]\n"
         "c.allreduce_gradients(views)\n"
         "assert all((g == 6).all() for g in grads), [g[:3] for g in grads]\n"
-        "print('ok', c.rank, c.world_size)\n"
+        "print('ok', c.rank, c.world_size)\n",
+        3,
     )
-    result = subprocess.run(
-        launch.launcher_command("mpirun", 3, 2) + [sys.executable, str(script)],
-        env=launch.launcher_env(__import__("os").environ), capture_output=True, text=True, timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
     assert sorted(result.stdout.split("\n")[:-1]) == ["ok 0 3", "ok 1 3", "ok 2 3"]
 
 

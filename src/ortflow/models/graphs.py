@@ -10,9 +10,11 @@ graphs and initial checkpoint that ONNX Runtime's training engine runs out.
    gradients (`eval_model.onnx`), the optimizer (`optimizer_model.onnx`, no
    gradient clipping: training clips globally after the all-reduce) and the
    initial weights (`checkpoint`). Both training and eval graphs return
-   (loss, logits).
+   (loss, logits); the training graph then BatchNorm's updated running
+   statistics, and the eval graph normalizes with them (batchnorm.py).
 3. One training step on a few train records proves that the graphs fit the data.
-4. `model.json` describes the inputs, label, outputs, parameters and FLOPs.
+4. `model.json` describes the inputs, label, outputs, parameters, FLOPs and
+   running statistics (`running_stats`: training graph output -> parameter).
 
 Everything is written to `<out>.tmp` and renamed to `<out>` when complete (atomic.folder).
 """
@@ -30,7 +32,7 @@ from .. import atomic
 from ..artifacts import Artifacts
 from ..errors import MissingInputError, ModelError
 from ..sessions import quiet_logging
-from . import CLASS_LOSSES, LOGITS
+from . import CLASS_LOSSES, LOGITS, batchnorm
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -67,7 +69,8 @@ def resolve_loss(loss: str, manifest: dict) -> str:
 def export_torch(module, manifest: dict, path: Path) -> None:
     """torch -> ONNX with the batch dimension dynamic, in training mode and
     without constant folding, so that every parameter stays an initializer;
-    with export_fixes' repairs (torch.diff, cumsum, the attention's dropout, the embedding's padding row)."""
+    with export_fixes' repairs (torch.diff, cumsum, the attention's dropout, the embedding's padding row),
+    and the buffers (BatchNorm's running statistics) as they were before the export ran the module."""
     import onnx
     import torch
 
@@ -78,6 +81,7 @@ def export_torch(module, manifest: dict, path: Path) -> None:
     features = manifest["features"]
     example = tuple(torch.zeros([2, *f["shape"]], dtype=getattr(torch, f["dtype"])) for f in features)
     names = [f["name"] for f in features]
+    buffers = batchnorm.buffers_before_export(module)
     try:
         torch.onnx.export(
             module,
@@ -97,7 +101,7 @@ def export_torch(module, manifest: dict, path: Path) -> None:
         problem = str(error).splitlines()[0].split("  [Caused by")[0].strip()
         raise ModelError(f"model.path: torch.onnx cannot export {type(module).__name__}: {problem}") from None
     exported = onnx.load(str(path))
-    if export_fixes.give_dropout_its_mask(exported):
+    if export_fixes.give_dropout_its_mask(exported) + batchnorm.restore_buffers(exported, buffers):
         onnx.save(exported, str(path))
 
 
@@ -294,7 +298,8 @@ def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
     module = api.Module(str(files.training_model), state, str(files.eval_model))
     module.train()
     try:
-        loss, logits = module(*[batch[name] for name in module.input_names()])
+        # (loss, logits), then BatchNorm's updated running statistics if the model has any
+        loss, logits = module(*[batch[name] for name in module.input_names()])[:2]
     except Exception as error:
         raise ModelError(
             f"the model's output does not fit model.loss with the data's label {manifest['label']} "
@@ -387,11 +392,15 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
         base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], Artifacts(tmp).base_model)
         check_interface(base, manifest)
         trainable, frozen = split_parameters(base, model, torch_trainable)
+        batchnorm.check_trainable(base, trainable)
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
                  len(frozen))
         generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp)
+        running_stats = batchnorm.adapt(tmp)
         smoke_step(tmp, train_dir, manifest)
-        description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"])
+        description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"]) | {
+            "running_stats": running_stats
+        }
         Artifacts(tmp).model_json.write_text(json.dumps(description, indent=2) + "\n")
     log.info(
         "%d parameters (%d trainable), %d forward FLOPs per sample -> %s",

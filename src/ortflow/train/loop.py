@@ -3,9 +3,12 @@
 One optimizer step, on each rank:
   1. the learning rate of the schedule for this step;
   2. forward and backward over `grad_accum_steps` micro-batches of this rank's
-     part of the global batch (ORT sums the gradients across the calls);
+     part of the global batch (ORT sums the gradients across the calls; each
+     forward updates BatchNorm's running statistics, running_stats.py, and
+     draws Dropout's masks from a generator seeded by its position);
   3. sum the gradients across ranks in place, scale the sum to the mean over
-     every micro-batch of every rank, and clip it to the global norm;
+     every micro-batch of every rank, and clip it to the global norm; the
+     running statistics become their mean over the ranks;
   4. the optimizer step: the weight decay of the decayed parameters, then the
      optimizer's update (weight_decay.py).
 Every rank then holds the same parameters, so evaluation is split across ranks
@@ -36,6 +39,7 @@ from . import stop as stop_mod
 from . import weight_decay
 from .gradients import average_and_clip, gradients, parameters_on_host
 from .metrics import Metrics, mean_baseline_mse, peak_rss_mb, strict, unigram_perplexity
+from .running_stats import RunningStats
 from .schedule import learning_rate
 from .stop import StopRequest, Stopped
 
@@ -127,20 +131,39 @@ class Checkpointer:
         return folder
 
 
-def train_step(step: int, comm, module, optimizer, state, batches: list[dict], feed, train_cfg: dict,
-               stop: StopRequest, decay: weight_decay.WeightDecay, lr: float) -> tuple:
-    """One optimizer step (see the top of this file) at learning rate `lr`. Returns
-    the mean loss, the gradient norm before clipping, and every rank's stop votes summed."""
+def seed_random_operators(seed: int, step: int, rank: int, micro_batch: int) -> None:
+    """ONNX Runtime's random operators (Dropout) draw from one generator per
+    process. Seeded before every forward from (run.seed, step, rank, micro-batch),
+    their masks depend only on where training is: a run repeats exactly, a resumed
+    run is bit-identical to one that never stopped, and the ranks drop differently."""
+    from onnxruntime.capi._pybind_state import set_seed
+
+    set_seed(int(np.random.SeedSequence([seed, step, rank, micro_batch]).generate_state(1)[0]))
+
+
+def train_step(step: int, comm, sessions: Sessions, state, batches: list[dict], feed, train_cfg: dict,
+               stop: StopRequest, seed: int, decay: weight_decay.WeightDecay, lr: float) -> tuple:
+    """One optimizer step (see the top of this file) with the sessions' Module and
+    Optimizer, at learning rate `lr`. Returns the mean loss, the gradient norm before clipping, and every
+    rank's stop votes summed."""
+    module, optimizer, running_stats = sessions.module, sessions.optimizer, sessions.running_stats
     scale_to_mean = 1.0 / (train_cfg["grad_accum_steps"] * comm.world_size)
     loss_sum = 0.0
-    for batch in batches:
-        loss, _ = outputs_of(module(*feed(batch)))
+    for micro_batch, batch in enumerate(batches):
+        seed_random_operators(seed, step, comm.rank, micro_batch)
+        outputs = module(*feed(batch))
+        running_stats.keep(outputs)
+        loss, _ = outputs_of(outputs)
         loss_sum += loss
     comm.watchdog.beat(step, "allreduce")
     norm = average_and_clip(comm, gradients(state, trainable(state), comm.xp), scale_to_mean,
                             train_cfg["clip_grad_norm"])
-    # The stop votes ride along with the loss: agreeing to stop costs no collective of its own.
-    loss_sum, *votes = comm.allreduce_sum([loss_sum, *stop.votes()])
+    # The stop votes and BatchNorm's running statistics ride along with the loss:
+    # neither costs a collective of its own.
+    votes = stop.votes()
+    summed = comm.allreduce_sum(np.concatenate([[loss_sum], votes, running_stats.local()]))
+    loss_sum, votes = float(summed[0]), list(summed[1:1 + len(votes)])
+    running_stats.set_mean(summed[1 + len(votes):])
     loss = loss_sum * scale_to_mean
     if math.isfinite(loss) and math.isfinite(norm):
         optimizer.set_learning_rate(lr)
@@ -163,33 +186,33 @@ def train(config: dict, train_dir: Path, eval_dir: Path, artifacts: Path, out_di
     train_reader, eval_reader = ShardReader(train_dir), ShardReader(eval_dir)
     train_reader.check_batch(global_batch)
     info = Artifacts(artifacts).description()
-
     checkpointer = Checkpointer(checkpoints, comm, config_mod.training_identity(config), train_cfg, global_batch)
     resume = checkpointer.find_resume(train_cfg["resume_from"], artifacts)
     start_step = resume.step if resume else 0
     state = checkpoint.load_state(resume, artifacts) if resume else initial_state(artifacts)
-    sessions = Sessions(artifacts, state, comm, train_cfg, out_dir / "profile")
+    sessions = Sessions(artifacts, state, comm, train_cfg, out_dir / "profile",
+                        info.get("running_stats", {}))  # absent from artifacts built before BatchNorm support
     feed = feeder(sessions.module.input_names(), info["label"]["name"], train_reader.label_name)
     decay = weight_decay.for_run(state, trainable(state), info, train_cfg["optimizer"], comm.xp)
+    placement = comm.placement()  # a collective: every rank takes part
     if rank == 0:
         log.info("%d ranks, global batch %d (%d x %d accumulated x %d ranks), %s, %d threads per rank", world_size,
                  global_batch, train_cfg["micro_batch_size"], train_cfg["grad_accum_steps"], world_size,
                  f"resuming at step {start_step} from {resume.path}" if resume else "starting at step 0",
                  sessions.threads)
-    placement = comm.placement()
-    if rank == 0:
         log.info("ranks per node: %s", placement)
     metrics = Metrics(out_dir, rank == 0, start_step, steps, checkpoint.read_history(resume) if resume else None)
     last_eval: dict = {}
     for step in range(start_step, steps):
-        module, optimizer = sessions.at_step(step)
+        sessions.at_step(step)
         started = time.perf_counter()
         comm.watchdog.beat(step, "forward")
         lr = learning_rate(step, steps, train_cfg["optimizer"]["lr"], train_cfg["lr_schedule"])
         batches = train_reader.micro_batches(step, config["run"]["seed"], rank, world_size, train_cfg["micro_batch_size"],
                                              train_cfg["grad_accum_steps"])
         inject_fault(train_cfg["fail_at_step"], step, rank, batches, stop)
-        loss, norm, votes = train_step(step, comm, module, optimizer, state, batches, feed, train_cfg, stop, decay, lr)
+        loss, norm, votes = train_step(step, comm, sessions, state, batches, feed, train_cfg, stop, config["run"]["seed"],
+                                       decay, lr)
         if not (math.isfinite(loss) and math.isfinite(norm)):
             kept = checkpointer.last[1] if checkpointer.last else (resume.path if resume else None)
             raise TrainingError(f"non-finite loss {loss} (gradient norm {norm}) at step {step + 1}; " + (
@@ -214,9 +237,10 @@ def train(config: dict, train_dir: Path, eval_dir: Path, artifacts: Path, out_di
 
 class Sessions:
     """The Module and Optimizer of this rank, reopened with ONNX Runtime's
-    profiler on for the steps of `train.profile_steps` (traces of this run only)."""
+    profiler on for the steps of `train.profile_steps` (traces of this run only),
+    and the running statistics among the Module's outputs (`model.json` `running_stats`)."""
 
-    def __init__(self, artifacts: Path, state, comm, train_cfg: dict, profile_dir: Path):
+    def __init__(self, artifacts: Path, state, comm, train_cfg: dict, profile_dir: Path, running_stats: dict):
         self.artifacts, self.state, self.rank = artifacts, state, comm.rank
         self.device = f"cuda:{comm_mod.gpu_for(comm.local_rank, os.environ)}" if train_cfg["device"] == "cuda" \
             else "cpu"
@@ -225,6 +249,7 @@ class Sessions:
         for old in profile_dir.glob(f"rank{self.rank}-*"):
             old.unlink()
         self.module, self.optimizer = open_sessions(artifacts, state, self.device, self.threads)
+        self.running_stats = RunningStats(state, self.module.output_names(), running_stats, comm)
 
     def at_step(self, step: int) -> tuple:
         """(module, optimizer) for training step `step`."""
