@@ -96,7 +96,7 @@ def test_short_training_equals_pytorch(model, accumulate, digits, tmp_path, monk
     artifacts, out = tmp_path / "artifacts", tmp_path / "train"
     description = graphs.build(cfg, digits / "train", artifacts)
     assert len(description["running_stats"]) == {"BatchNormCNN": 6, "BatchNormMLP": 2}[model]
-    loop.train(cfg, digits, artifacts, out, StopRequest())
+    loop.train(cfg, digits / "train", digits / "eval", artifacts, out, out / "checkpoints", StopRequest())
 
     initial = checkpoint.load_parameters_file(artifacts / "checkpoint")
     for name in description["running_stats"].values():  # the module's own init (0 and 1), not moved by the export
@@ -157,7 +157,8 @@ def test_dropout_repeats_and_resumes_bit_for_bit(digits, tmp_path, monkeypatch):
     graphs.build(cfg, digits / "train", tmp_path / "artifacts")
 
     def final(out: Path, config: dict) -> dict:
-        loop.train(config, digits, tmp_path / "artifacts", out, StopRequest())
+        loop.train(config, digits / "train", digits / "eval", tmp_path / "artifacts", out, out / "checkpoints",
+                   StopRequest())
         return checkpoint.read_checkpoint(checkpoint.step_dir(out / "checkpoints", 4)).state.parameters
 
     first = final(tmp_path / "first", cfg)

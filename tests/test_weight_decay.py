@@ -21,6 +21,7 @@ from ortflow.data.shards import ShardReader
 from ortflow.models import built_in, graphs
 from ortflow.errors import TrainingError
 from ortflow.train import gradients, loop, weight_decay
+from ortflow.train.running_stats import RunningStats
 from ortflow.train.stop import StopRequest
 from ortflow.train.weight_decay import WeightDecay, is_excluded
 
@@ -121,7 +122,7 @@ def torch_training(train_dir: Path, state, decay: WeightDecay, optimizer: str):
 class OneRank:
     """The communicator of a world of one rank: the sums are the values themselves."""
 
-    xp, world_size, watchdog = np, 1, SimpleNamespace(beat=lambda step, phase: None)
+    xp, rank, world_size, watchdog = np, 0, 1, SimpleNamespace(beat=lambda step, phase: None)
 
     def allreduce_gradients(self, grads: list) -> None:
         pass
@@ -147,11 +148,14 @@ def test_training_steps_equal_torch_with_two_parameter_groups(built, train_dir, 
     reader = ShardReader(train_dir)
     feed = loop.feeder(module.input_names(), "y", reader.label_name)
     train_cfg = {"grad_accum_steps": 1, "clip_grad_norm": None}
+    # The model has no BatchNorm: no running statistics among the Module's outputs.
+    sessions = SimpleNamespace(module=module, optimizer=optimizer,
+                               running_stats=RunningStats(state, module.output_names(), {}, OneRank()))
     worst = 0.0
     for step, lr in enumerate(RATES):
         batch = reader.gather(np.arange(8 * step, 8 * step + 8))
-        loss, _, _ = loop.train_step(step, OneRank(), module, optimizer, state, [batch], feed, train_cfg,
-                                     StopRequest(), decay, lr)
+        loss, _, _ = loop.train_step(step, OneRank(), sessions, state, [batch], feed, train_cfg,
+                                     StopRequest(), 0, decay, lr)
         torch_loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(batch["x"])), torch.from_numpy(batch["y"]))
         torch_optimizer.zero_grad()
         torch_loss.backward()
