@@ -427,18 +427,61 @@ def test_old_opset_that_cannot_be_converted_is_explained(data, tmp_path):
         build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path)})
 
 
-def test_fixed_batch_the_graph_depends_on_is_explained(data, tmp_path):
-    """A model fixed at batch 1 that reshapes to [1, ...] inside cannot be made dynamic."""
-    weight = numpy_helper.from_array(np.zeros((64, 10), np.float32), "weight")
-    shape = numpy_helper.from_array(np.array([1, 10], np.int64), "one_row")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "weight"], ["scores"]), helper.make_node("Reshape", ["scores", "one_row"], ["out"])],
-        "fixed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
-        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 10])], [weight, shape])
+def fixed_batch_model(path: Path, mixing: bool) -> Path:
+    """A model zoo's shape: a fixed batch of 1, a residual `Sum` (no gradient in
+    ONNX Runtime), an initializer no node reads, and a Reshape to [1, 10] before
+    the output. `mixing`: the scores minus their mean over the batch, which makes
+    each record's output depend on the others."""
+    random = np.random.default_rng(0)
+    initializers = [numpy_helper.from_array(random.normal(size=(64, 10)).astype(np.float32), "weight"),
+                    numpy_helper.from_array(random.normal(size=10).astype(np.float32), "bias"),
+                    numpy_helper.from_array(np.array([1, 10], np.int64), "one_row"),
+                    numpy_helper.from_array(np.zeros(3, np.float32), "unused")]
+    nodes = [helper.make_node("MatMul", ["x", "weight"], ["scores"]),
+             helper.make_node("Sum", ["scores", "bias", "scores"], ["summed"])]
+    if mixing:
+        nodes += [helper.make_node("ReduceMean", ["summed"], ["mean"], axes=[0], keepdims=1),
+                  helper.make_node("Sub", ["summed", "mean"], ["centred"])]
+    nodes.append(helper.make_node("Reshape", ["centred" if mixing else "summed", "one_row"], ["out"]))
+    graph = helper.make_graph(nodes, "fixed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 10])], initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
     model.ir_version = 8
-    onnx.save(model, str(tmp_path / "fixed.onnx"))
+    onnx.save(model, str(path))
+    return path
+
+
+def test_fixed_batch_model_is_adapted_and_trains(data, tmp_path):
+    """The Reshape to [1, 10] reshapes to [-1, 10], the Sum becomes Adds, the
+    unread initializer goes, and the model trains on batches of any size."""
+    import onnxruntime as ort
+    from onnxruntime.training import api
+
+    original = onnx.load(str(fixed_batch_model(tmp_path / "fixed.onnx", mixing=False)))
+    description = build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(tmp_path / "fixed.onnx")})
+    assert sorted(description["trainable"]) == ["bias", "weight"]
+    base = onnx.load(str(tmp_path / "out" / "inference_base.onnx"))
+    assert [n.op_type for n in base.graph.node] == ["MatMul", "Add", "Add", "Reshape"]
+    initializers = {t.name: numpy_helper.to_array(t) for t in base.graph.initializer}
+    assert "unused" not in initializers and initializers["one_row"].tolist() == [-1, 10]
+    # Record by record, the adapted model computes what the file computes.
+    batch = batch_of(data["digits"])
+    file_session = ort.InferenceSession(original.SerializeToString(), providers=["CPUExecutionProvider"])
+    adapted = ort.InferenceSession(base.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": batch["x"]})[0]
+    for row in range(len(batch["x"])):
+        np.testing.assert_allclose(adapted[row], file_session.run(None, {"x": batch["x"][row:row + 1]})[0][0], rtol=1e-6)
+    state = api.CheckpointState.load_checkpoint(str(tmp_path / "out" / "checkpoint"))
+    module = api.Module(str(tmp_path / "out" / "training_model.onnx"), state, str(tmp_path / "out" / "eval_model.onnx"))
+    module.train()
+    loss, _ = module(batch["x"], batch["y"])
+    assert np.isfinite(loss) and np.abs(state.parameters["bias"].grad).max() > 0
+
+
+def test_fixed_batch_the_graph_depends_on_is_explained(data, tmp_path):
+    """A model fixed at batch 1 that mixes the records of a batch cannot be made dynamic."""
+    fixed_batch_model(tmp_path / "fixed.onnx", mixing=True)
     with pytest.raises(ValueError, match=r"fixed.onnx has a fixed batch dimension \('x' \[1, 64\], 'out' \[1, 10\]\) "
-                                         r"that its graph depends on: on a batch of 2 records it fails: .*Reshape.*; "
-                                         r"re-export the model with a dynamic batch axis"):
+                                         r"that its graph depends on: on a batch of 2 records its outputs for one record "
+                                         r"depend on the other; re-export the model with a dynamic batch axis"):
         build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(tmp_path / "fixed.onnx")})

@@ -81,27 +81,53 @@ def torch_training(cfg: dict, initial: dict, reader: ShardReader):
     return module.eval(), losses
 
 
-@pytest.mark.parametrize("model, accumulate", [("BatchNormCNN", 1), ("BatchNormMLP", 2)])
-def test_short_training_equals_pytorch(model, accumulate, digits, tmp_path, monkeypatch):
+def eval_mode_onnx_file(path: Path) -> dict:
+    """BatchNormCNN as a model zoo ships a model: exported by torch in eval mode
+    (BatchNormalization in inference mode) at opset 13 (before BatchNormalization
+    had a training mode), with running statistics of its own. Returns them.
+    The BatchNorms' scales and shifts are drawn too: torch's eval-mode export
+    would merge equal initializers (all ones, all zeros) into one."""
+    module = batchnorm_models.BatchNormCNN()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in module.modules():
+            if isinstance(layer, torch.nn.BatchNorm2d):
+                for tensor in (layer.weight, layer.bias, layer.running_mean, layer.running_var):
+                    tensor.copy_(torch.rand(tensor.shape, generator=generator) + 0.5)
+    torch.onnx.export(module.eval(), torch.zeros(2, 64), str(path), input_names=["x"], output_names=["logits"],
+                      dynamic_axes={"x": {0: "batch"}, "logits": {0: "batch"}}, opset_version=13,
+                      do_constant_folding=False, training=torch.onnx.TrainingMode.PRESERVE, dynamo=False)
+    return {name: buffer.numpy() for name, buffer in module.named_buffers() if not name.endswith("num_batches_tracked")}
+
+
+@pytest.mark.parametrize("model, accumulate, kind", [("BatchNormCNN", 1, "torch"), ("BatchNormMLP", 2, "torch"),
+                                                      ("BatchNormCNN", 1, "onnx")])
+def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path, monkeypatch):
     """ortflow's training loop on one rank (in this process) against torch: the
     losses, the weights and the running statistics after 8 steps (of 2
     micro-batches each for the MLP); then the export of that checkpoint against
-    torch's module in eval mode."""
+    torch's module in eval mode. `onnx`: the module as an ONNX file exported in
+    eval mode, whose BatchNorms ortflow switches to training mode."""
     from ortflow import export
     from ortflow.train import loop
     from ortflow.train.stop import StopRequest
 
     monkeypatch.syspath_prepend(str(TESTS))
     cfg = config(model, accumulate)
+    statistics = None  # torch modules: their own init, 0 and 1
+    if kind == "onnx":
+        statistics = eval_mode_onnx_file(tmp_path / "user.onnx")
+        cfg = config_mod.validate({**cfg, "model": {"kind": "onnx", "path": str(tmp_path / "user.onnx")}})
     artifacts, out = tmp_path / "artifacts", tmp_path / "train"
     description = graphs.build(cfg, digits / "train", artifacts)
     assert len(description["running_stats"]) == {"BatchNormCNN": 6, "BatchNormMLP": 2}[model]
     loop.train(cfg, digits / "train", digits / "eval", artifacts, out, out / "checkpoints", StopRequest())
 
     initial = checkpoint.load_parameters_file(artifacts / "checkpoint")
-    for name in description["running_stats"].values():  # the module's own init (0 and 1), not moved by the export
-        assert (initial[name] == (1.0 if name.endswith("running_var") else 0.0)).all(), (name, initial[name])
-    reference, torch_losses = torch_training(cfg, initial, ShardReader(digits / "train"))
+    for name in description["running_stats"].values():  # not moved by the export
+        expected = statistics[name] if statistics else (1.0 if name.endswith("running_var") else 0.0)
+        assert (initial[name] == expected).all(), (name, initial[name])
+    reference, torch_losses = torch_training(config(model, accumulate), initial, ShardReader(digits / "train"))
     losses = [entry["loss"] for entry in json.loads((out / "metrics.json").read_text())["history"]["train"]]
     np.testing.assert_allclose(losses, torch_losses, rtol=LOSS_RTOL)
     final = checkpoint.read_checkpoint(checkpoint.step_dir(out / "checkpoints", STEPS)).state.parameters

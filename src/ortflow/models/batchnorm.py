@@ -19,18 +19,27 @@ ONNX Runtime's generate_artifacts then leaves two things to do:
   `expose_running_stats` makes them graph outputs, which training copies into
   the checkpoint state after every forward (train/running_stats.py).
 
+An ONNX file (`model.kind: onnx`) usually holds BatchNorms in inference mode, as
+the model zoo and torch's eval-mode export write them: `to_training_mode` switches
+those whose running statistics are initializers to training mode, so that they
+train as the same model does in torch's train mode, and `running_statistics`
+keeps the statistics out of the trainable parameters.
+
 Dropout needs nothing here: torch writes it with `training_mode` True, and the
 eval graph's generation empties that input, so it drops in training only.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+from ..artifacts import Artifacts
 from ..errors import ModelError
 
-TRAINING_GRAPH = "training_model.onnx"
-EVAL_GRAPH = "eval_model.onnx"
+log = logging.getLogger("ortflow.build_artifacts")
+# BatchNormalization has had a training_mode attribute since this opset.
+TRAINING_MODE_OPSET = 14
 
 
 def _training_mode(node) -> int:
@@ -72,6 +81,36 @@ def restore_buffers(model, buffers: dict) -> int:
             model.graph.initializer[index].CopyFrom(numpy_helper.from_array(before, tensor.name))
             restored += 1
     return restored
+
+
+def running_statistics(model) -> set[str]:
+    """The initializers that BatchNormalization nodes read as running mean and variance."""
+    initializers = {t.name for t in model.graph.initializer}
+    return {name for node in model.graph.node if node.op_type == "BatchNormalization"
+            for name in node.input[3:5] if name in initializers}
+
+
+def to_training_mode(model, where: str) -> int:
+    """Switch every BatchNormalization in inference mode whose running statistics
+    are initializers to training mode, with the running mean and variance as its
+    outputs (ONNX's form, which torch's train-mode export writes); returns how many.
+    The model must be at opset TRAINING_MODE_OPSET or later."""
+    import onnx
+
+    statistics, changed = running_statistics(model), 0
+    for node in model.graph.node:
+        if node.op_type != "BatchNormalization" or _training_mode(node) or not set(node.input[3:5]) <= statistics:
+            continue
+        kept = [a for a in node.attribute if a.name != "training_mode"]
+        del node.attribute[:]
+        node.attribute.extend([*kept, onnx.helper.make_attribute("training_mode", 1)])
+        del node.output[1:]
+        node.output.extend([f"{node.output[0]}.running_mean", f"{node.output[0]}.running_var"])
+        changed += 1
+    if changed:
+        log.info("%s: %d BatchNormalization nodes switched to training mode: their running statistics update as "
+                 "in torch's train mode, and evaluation and the export use them", where, changed)
+    return changed
 
 
 def check_trainable(base, trainable: list[str]) -> None:
@@ -168,7 +207,7 @@ def adapt(folder: Path) -> dict[str, str]:
     running statistics {training graph output: parameter} (empty without BatchNorm)."""
     import onnx
 
-    eval_path, training_path = Path(folder) / EVAL_GRAPH, Path(folder) / TRAINING_GRAPH
+    eval_path, training_path = Artifacts(folder).eval_model, Artifacts(folder).training_model
     eval_model = onnx.load(str(eval_path))
     if inference_mode(eval_model):
         onnx.save(eval_model, str(eval_path))

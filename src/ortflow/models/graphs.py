@@ -149,7 +149,9 @@ def split_parameters(base, model: dict, torch_trainable: list[str] | None) -> tu
         if both:
             raise ModelError(f"model.trainable and model.frozen both name {both}")
     else:
-        candidates = torch_trainable if torch_trainable is not None else parameters
+        # An ONNX file's BatchNorm statistics are float initializers, but no parameters to train.
+        statistics = batchnorm.running_statistics(base)
+        candidates = torch_trainable if torch_trainable is not None else [n for n in parameters if n not in statistics]
         trainable = [n for n in candidates if n in parameters and n not in model["frozen"]]
     if not trainable:
         raise ModelError("model: no parameter is left to train (check model.trainable and model.frozen)")
@@ -325,7 +327,8 @@ def forward_flops(base, manifest: dict) -> int:
     shapes = {t.name: list(t.dims) for t in model.graph.initializer}
     for value in [*model.graph.input, *model.graph.value_info, *model.graph.output]:
         dims = value.type.tensor_type.shape.dim
-        if all(d.HasField("dim_value") for d in dims):
+        # A value whose shape inference could not tell has no shape at all (not that of a scalar).
+        if value.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
             shapes[value.name] = [d.dim_value for d in dims]
     total, unknown = 0, []
     for node in model.graph.node:

@@ -1,8 +1,9 @@
 """Bring your own model: `model.kind: onnx` (a file) or `torch` (an import path).
 
 An ONNX file as the model zoo ships it is adapted on loading (`load_onnx`): an
-IR version above 10 lowered, an opset below 12 converted, initializers listed as
-inputs (IR < 4) made initializers only, a fixed batch dimension made dynamic.
+IR version above 10 lowered, an opset below 12 (14 with BatchNormalization)
+converted, initializers listed as inputs (IR < 4) made initializers only, a fixed
+batch dimension made dynamic, BatchNormalization switched to training mode.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ModelError
+from . import batchnorm
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -45,7 +47,10 @@ def load_onnx(path: str):
         downgrade_ir(model, str(file))
     model = upgrade_opset(model, str(file))
     drop_initializer_inputs(model, str(file))
+    drop_unused_initializers(model, str(file))
+    sums_to_adds(model, str(file))
     dynamic_batch(model, str(file))
+    batchnorm.to_training_mode(model, str(file))
     warn_probabilities(model, str(file))
     return model
 
@@ -90,13 +95,18 @@ def default_opset(model) -> int:
 
 
 def upgrade_opset(model, where: str):
-    """A model older than MIN_OPSET converted by onnx's version converter (it
+    """A model older than MIN_OPSET, or with BatchNormalization older than the opset
+    where it got its training mode, converted by onnx's version converter (it
     needs IR < 4 models as they are, initializers still listed as inputs)."""
     import onnx
     from onnx import version_converter
 
     opset = default_opset(model)
-    if opset >= MIN_OPSET:
+    if any(node.op_type == "BatchNormalization" for node in model.graph.node):
+        minimum, why = batchnorm.TRAINING_MODE_OPSET, "BatchNormalization trains in training mode, added at opset 14"
+    else:
+        minimum, why = MIN_OPSET, "the cross-entropy loss needs SoftmaxCrossEntropyLoss"
+    if opset >= minimum:
         return model
     try:
         converted = version_converter.convert_version(model, CONVERTED_OPSET)
@@ -105,13 +115,13 @@ def upgrade_opset(model, where: str):
         if unknown:
             error = f"node {unknown[0].name or unknown[0].output[0]!r} has operator {unknown[0].op_type}, not an ONNX operator"
         raise ModelError(
-            f"model.path: {where} is at ONNX opset {opset}, below {MIN_OPSET} (the cross-entropy loss needs "
-            f"SoftmaxCrossEntropyLoss), and onnx's version converter cannot convert it to opset {CONVERTED_OPSET} "
-            f"({str(error).strip()[:200]}); re-export the model at opset {CONVERTED_OPSET}"
+            f"model.path: {where} is at ONNX opset {opset}, below {minimum} ({why}), and onnx's version converter "
+            f"cannot convert it to opset {CONVERTED_OPSET} ({str(error).strip()[:200]}); re-export the model at opset "
+            f"{CONVERTED_OPSET}"
         ) from None
     converted.ir_version = max(converted.ir_version, onnx.helper.find_min_ir_version_for(converted.opset_import))
-    log.warning("%s: ONNX opset %d converted to %d by onnx's version converter (ortflow needs opset >= %d)",
-                where, opset, CONVERTED_OPSET, MIN_OPSET)
+    log.warning("%s: ONNX opset %d converted to %d by onnx's version converter (ortflow needs opset >= %d: %s)",
+                where, opset, CONVERTED_OPSET, minimum, why)
     return converted
 
 
@@ -127,6 +137,52 @@ def drop_initializer_inputs(model, where: str) -> None:
         model.graph.input.extend(inputs)
 
 
+def drop_unused_initializers(model, where: str) -> None:
+    """Initializers that no node reads (left over from a conversion, such as the
+    data-queue blobs in Caffe2 models) would be parameters without a gradient,
+    which ONNX Runtime's gradient builder cannot place: remove them."""
+    read = set(graph_inputs_read(model.graph)) | {o.name for o in model.graph.output}
+    unused = [t.name for t in model.graph.initializer if t.name not in read]
+    if unused:
+        kept = [t for t in model.graph.initializer if t.name in read]
+        del model.graph.initializer[:]
+        model.graph.initializer.extend(kept)
+        log.warning("%s: %d initializer(s) that no node reads removed: %s", where, len(unused), unused[:5])
+
+
+def sums_to_adds(model, where: str) -> None:
+    """ONNX Runtime has no gradient for Sum, which converted Caffe2 models use for
+    their residual connections: a Sum of n inputs becomes n - 1 Adds (the same
+    broadcasting), which have one."""
+    import onnx
+
+    sums = [n for n in model.graph.node if n.op_type == "Sum" and n.domain in ("", "ai.onnx") and len(n.input) >= 2]
+    if not sums:
+        return
+    nodes = []
+    for node in model.graph.node:
+        if node not in sums:
+            nodes.append(node)
+            continue
+        total = node.input[0]
+        for index, addend in enumerate(node.input[1:], start=1):
+            output = node.output[0] if index == len(node.input) - 1 else f"{node.output[0]}.sum{index}"
+            nodes.append(onnx.helper.make_node("Add", [total, addend], [output], name=f"{node.name}.add{index}"))
+            total = output
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    log.info("%s: %d Sum node(s) written as Add (ONNX Runtime has a gradient for Add, none for Sum)", where, len(sums))
+
+
+def graph_inputs_read(graph):
+    """The names that the nodes of `graph` and of its subgraphs (If, Loop, Scan) read."""
+    for node in graph.node:
+        yield from node.input
+        for attribute in node.attribute:
+            for subgraph in [attribute.g, *attribute.graphs] if attribute.type in (5, 10) else []:
+                yield from graph_inputs_read(subgraph)
+
+
 def dynamic_batch(model, where: str) -> None:
     """A fixed first dimension of the inputs and outputs (model-zoo files often
     fix a batch of 1) becomes the dynamic `batch`; the shapes recorded inside
@@ -140,25 +196,58 @@ def dynamic_batch(model, where: str) -> None:
     if fixed:
         del model.graph.value_info[:]
         log.warning("%s: fixed batch dimension of %s made dynamic (%r)", where, ", ".join(fixed), BATCH)
+        reshapes = batch_reshapes(model)
+        if reshapes:
+            log.warning("%s: Reshape node(s) %s to a fixed batch of 1 now reshape to the batch (-1)", where, reshapes[:5])
         check_batch_of_two(model, where, ", ".join(fixed))
 
 
+def batch_reshapes(model) -> list[str]:
+    """Model-zoo files with a fixed batch of 1 reshape to it (ResNet-50's
+    `Reshape(x, [1, 2048])` before its classifier): a constant shape that starts
+    with 1 and has no -1 gets -1 there, so the batch is inferred. A tensor that
+    does not carry the batch still gets 1 (its size is fixed); check_batch_of_two
+    then proves that records stay independent. Returns the nodes changed."""
+    import numpy as np
+    from onnx import numpy_helper
+
+    initializers = {t.name: t for t in model.graph.initializer}
+    changed = []
+    for node in model.graph.node:
+        shape = initializers.get(node.input[1]) if node.op_type == "Reshape" and len(node.input) > 1 else None
+        if shape is None:
+            continue
+        dims = numpy_helper.to_array(shape)
+        if dims.ndim == 1 and dims.size and dims[0] == 1 and -1 not in dims:
+            dims = dims.copy()
+            dims[0] = -1
+            shape.CopyFrom(numpy_helper.from_array(dims.astype(np.int64), shape.name))
+            changed.append(node.name or node.output[0])
+    return changed
+
+
 def check_batch_of_two(model, where: str, fixed: str) -> None:
-    """A model whose graph computes with its fixed batch (a Reshape to [1, -1],
-    say) cannot take other batch sizes: run it on two records of zeros to know."""
+    """A model whose graph computes with its fixed batch (a Reshape to [1, 10]
+    that mixes records, say) cannot take other batch sizes: run it on two records
+    and on each alone, and the two must give a batch of 2 and the same outputs."""
     import numpy as np
     import onnx
     import onnxruntime as ort
 
+    random = np.random.default_rng(0)
     feeds = {}
     for value in model.graph.input:
         tensor = value.type.tensor_type
         shape = [2, *(d.dim_value or 1 for d in tensor.shape.dim[1:])]
-        feeds[value.name] = np.zeros(shape, onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type))
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
+        feeds[value.name] = random.normal(size=shape).astype(dtype) if dtype.kind == "f" else np.zeros(shape, dtype)
     try:
         session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        batch = session.run(None, feeds)[0].shape[:1]
-        problem = None if list(batch) == [2] else f"it returns a batch of {list(batch)}"
+        both = session.run(None, feeds)[0]
+        alone = np.concatenate([session.run(None, {k: v[i:i + 1] for k, v in feeds.items()})[0] for i in (0, 1)])
+        problem = None if both.shape[:1] == (2,) else f"it returns a batch of {list(both.shape[:1])}"
+        if problem is None and not np.allclose(both, alone, rtol=1e-4, atol=1e-5 * (1 + float(np.abs(alone).max()))):
+            problem = "its outputs for one record depend on the other"
     except Exception as error:  # whatever ORT raises, the model cannot run at another batch size
         problem = f"it fails: {str(error).strip().splitlines()[0][:300]}"
     if problem:
