@@ -1,6 +1,7 @@
 """Models as users bring them, through the real workflow: an ONNX file from the
 model zoo exactly as shipped (the small SqueezeNet in the onnx package's own test
-data: opset 9, IR version 3, initializers listed as inputs, a fixed batch of 1)."""
+data: opset 9, IR version 3, initializers listed as inputs, a fixed batch of 1),
+and the light ResNet-50 beside it, which ONNX Runtime cannot differentiate."""
 
 from __future__ import annotations
 
@@ -53,3 +54,40 @@ def test_model_zoo_squeezenet_trains_as_shipped(workdir):
     assert max(moved) > 0.1 and max(moved) <= 8 * 0.05 + 1e-3, moved  # AdamW moves at most lr per step
     exported = onnx.load(str(workdir / "results/zoo/export/model.onnx"))
     assert exported.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+
+
+def test_model_zoo_resnet50_is_adapted_then_stops_in_ort_backward(tmp_path):
+    """The light ResNet-50 of onnx's test data (Caffe2's: opset 9, BatchNorms in
+    inference mode, residual Sums, a data-queue initializer no node reads, a
+    Reshape to [1, 2048]) gets through every adaptation; then ONNX Runtime
+    1.19.2's backward pass fails on it, and the stage says so in one line naming
+    the node, instead of blaming the loss."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "images.npz", **{"gpu_0/data_0": rng.random((8, 3, 224, 224), dtype=np.float32),
+                                          "y": np.arange(8) % 2})
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump({
+        "data": {"source": "images.npz", "features": ["gpu_0/data_0"], "shards": 1},
+        "model": {"kind": "onnx", "path": str(SQUEEZENET.with_name("light_resnet50.onnx"))},
+    }))
+
+    def ortflow(*arguments: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ortflow.cli", *arguments, "--config", "config.yaml"],
+                              cwd=tmp_path, capture_output=True, text=True)
+
+    assert ortflow("prepare-data", "--train", "data/train", "--eval", "data/eval").returncode == 0
+    built = ortflow("build-artifacts", "--train", "data/train", "--out", "artifacts")
+    assert built.returncode == 1 and not (tmp_path / "artifacts").exists()
+    for change in ("1 initializer(s) that no node reads removed: ['gpu_0/imagenet1k_blobs_queue_",
+                   "16 Sum node(s) written as Add", "Reshape node(s) ['n173'] to a fixed batch of 1 now reshape",
+                   "7 BatchNormalization nodes switched to training mode"):
+        assert change in built.stderr, change
+    error = built.stderr.strip().splitlines()[-1]
+    assert error.startswith("ortflow build-artifacts: error: ONNX Runtime's backward pass fails at its node "
+                            "'AccumulateGrad_r161_grad' (Sum) on a batch of 4 records: "), error
+    assert error.endswith("freeze the parameters before that node (model.frozen) or replace the operator it "
+                          "differentiates"), error

@@ -303,12 +303,27 @@ def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
         # (loss, logits), then BatchNorm's updated running statistics if the model has any
         loss, logits = module(*[batch[name] for name in module.input_names()])[:2]
     except Exception as error:
-        raise ModelError(
-            f"the model's output does not fit model.loss with the data's label {manifest['label']} "
-            f"on a batch of {len(batch[manifest['label']['name']])} records: {str(error).strip()[:600]}"
-        ) from None
+        raise smoke_step_error(error, manifest, len(batch[manifest["label"]["name"]])) from None
     log.info("one training step on %d train records: loss %.6g, logits %s", SMOKE_RECORDS, float(loss), list(logits.shape))
     return float(loss)
+
+
+def smoke_step_error(error: Exception, manifest: dict, records: int) -> ModelError:
+    """What failed in the smoke step: a node of the backward pass (ONNX Runtime's
+    gradient nodes are named `<node>_Grad/...` and `AccumulateGrad_...`), or the
+    forward pass and loss, where the model's output most often does not fit the label."""
+    import re
+
+    text = str(error).strip()
+    node = re.search(r"running (\w+) node\. Name:'([^']*)' Status Message: (.*)", text)
+    if node and ("_Grad/" in node[2] or node[2].startswith("AccumulateGrad")):
+        return ModelError(
+            f"ONNX Runtime's backward pass fails at its node {node[2]!r} ({node[1]}) on a batch of {records} records: "
+            f"{node[3][:300]}; freeze the parameters before that node (model.frozen) or replace the operator "
+            "it differentiates"
+        )
+    return ModelError(f"the model's output does not fit model.loss with the data's label {manifest['label']} "
+                      f"on a batch of {records} records: {text[:600]}")
 
 
 def forward_flops(base, manifest: dict) -> int:
