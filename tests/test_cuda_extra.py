@@ -118,6 +118,7 @@ def test_the_doctor_then_reports_only_the_missing_gpu(cuda_venv, tmp_path):
     config = json.dumps({"train": {"device": "cuda", "world_size": 1}})
     result = subprocess.run([str(python), "-m", "ortflow.cli", "doctor", "--timeout", "120", "--config-json", config],
                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
+    assert "\n---" in result.stdout, result.stderr[-3000:]  # the doctor's table, or why it did not print one
     rows = parse_table(result.stdout)
     assert rows["CuPy"][0] == "ok" and rows["execution providers"][0] == "ok", result.stdout
     assert rows["CUDA libraries"] == ("ok", "every library that libonnxruntime_providers_cuda.so links against is found")

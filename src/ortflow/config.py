@@ -18,7 +18,7 @@ import yaml
 from .errors import ConfigError
 
 # Where the workflow keeps its config, relative to the folder the commands run
-# in, as Snakemake reads the Snakefile's `configfile:`.
+# in, as Snakemake reads the Snakefile's `configfile:` (config.load's default).
 DEFAULT_CONFIG = Path("config", "config.yaml")
 # Every key, its default and its allowed values: package data of ortflow (pyproject.toml's
 # package-data), so that the workflow and an installed ortflow read the same file.
@@ -173,10 +173,15 @@ def _check_cross_keys(config: dict) -> None:
         raise ConfigError(f"config key 'train.profile_steps': first {profile[0]} is after last {profile[1]}")
 
 
-def load(path: str | Path = DEFAULT_CONFIG, overrides: dict | None = None) -> dict:
-    path = Path(path)
+def load(path: str | Path | None = None, overrides: dict | None = None) -> dict:
+    """The config file `path` with `overrides` merged in, validated. Without a
+    path: config/config.yaml in the working folder if there is one (the
+    workflow's), else the schema's defaults, which that file holds too."""
+    if path is None and not DEFAULT_CONFIG.is_file():
+        return validate(expand_dotted(overrides or {}))
+    path = Path(path or DEFAULT_CONFIG)
     if not path.exists():
-        raise ConfigError(f"config file {path} does not exist (run in the workflow's folder, or pass --config FILE)")
+        raise ConfigError(f"config file {path} does not exist")
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory, not a YAML file")
     try:
@@ -191,7 +196,8 @@ def load(path: str | Path = DEFAULT_CONFIG, overrides: dict | None = None) -> di
 def add_config_arguments(parser) -> None:
     """`--config FILE` or `--config-json JSON`: how every stage command takes its config."""
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--config", default=str(DEFAULT_CONFIG), help="config file (YAML)")
+    source.add_argument("--config", help=f"config file (YAML; default: {DEFAULT_CONFIG} in the working folder if "
+                                          "there is one, else the defaults)")
     source.add_argument("--config-json", help="the config as JSON (what the workflow passes)")
 
 

@@ -245,7 +245,7 @@ def diagnose(args) -> list[Check]:
     cuda = device == "cuda"
     if cuda:
         cuda_rows = cuda_checks()
-        gpus = cuda_rows[-1]
+        cupy, gpus = cuda_rows[0], cuda_rows[-1]
         checks += cuda_rows
     else:
         checks += [Check(name, SKIP, "skipped: train.device is cpu") for name in ("CuPy", "CUDA libraries", "GPUs")]
