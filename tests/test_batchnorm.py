@@ -121,7 +121,8 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
     artifacts, out = tmp_path / "artifacts", tmp_path / "train"
     description = graphs.build(cfg, digits / "train", artifacts)
     assert len(description["running_stats"]) == {"BatchNormCNN": 6, "BatchNormMLP": 2}[model]
-    loop.train(cfg, digits / "train", digits / "eval", artifacts, out, out / "checkpoints", StopRequest())
+    loop.train(cfg, digits / "train", digits / "eval", artifacts, out, out / "checkpoints", out / "profile",
+               StopRequest())
 
     initial = checkpoint.load_parameters_file(artifacts / "checkpoint")
     for name in description["running_stats"].values():  # not moved by the export
@@ -184,7 +185,7 @@ def test_dropout_repeats_and_resumes_bit_for_bit(digits, tmp_path, monkeypatch):
 
     def final(out: Path, config: dict) -> dict:
         loop.train(config, digits / "train", digits / "eval", tmp_path / "artifacts", out, out / "checkpoints",
-                   StopRequest())
+                   out / "profile", StopRequest())
         return checkpoint.read_checkpoint(checkpoint.step_dir(out / "checkpoints", 4)).state.parameters
 
     first = final(tmp_path / "first", cfg)

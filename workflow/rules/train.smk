@@ -26,7 +26,10 @@ rule train:
         out=lambda wildcards, output: os.path.dirname(output.metrics),
         # Read by merge_checkpoint (rules.train.params.checkpoints).
         checkpoints=f"{RESULTS}/train/checkpoints",
+        # ONNX Runtime's traces of train.profile_steps, read by report_tables (rules.train.params.profile).
+        profile=f"{RESULTS}/train/profile",
     shell:
         "ortflow train --mpi {resources.mpi:q} -n {resources.tasks} --config-json {params.config:q}"
         " --train {input.train:q} --eval {input.eval:q} --artifacts {input.artifacts:q}"
-        " --out {params.out:q} --checkpoints {params.checkpoints:q} --metrics {output.metrics:q} > {log:q} 2>&1"
+        " --out {params.out:q} --checkpoints {params.checkpoints:q} --profile {params.profile:q}"
+        " --metrics {output.metrics:q} > {log:q} 2>&1"

@@ -33,6 +33,7 @@ HELP = "train the artifacts on the shards with W ranks (mpirun or srun)"
 LOCK = "attempt.lock"  # in the run's train/ folder: held while an attempt runs
 FINISHED = "FINISHED"  # in the run's train/ folder: the last attempt trained to the end
 CHECKPOINTS = "checkpoints"  # in the run's train/ folder, unless --checkpoints names another
+PROFILE = "profile"  # in the run's train/ folder, unless --profile names another
 PREVIOUS = "previous"  # in the run's train/ folder: a finished run's checkpoints, moved aside by a rerun
 
 # Open MPI refuses to start as root (containers and CI often run as root) unless both are set.
@@ -71,6 +72,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--artifacts", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path, help="the run's train/ folder")
     parser.add_argument("--checkpoints", type=Path, help="the checkpoints folder (default: checkpoints/ in --out)")
+    parser.add_argument("--profile", type=Path, help="the folder of ONNX Runtime's profiler traces, for the steps of "
+                                                     "train.profile_steps (default: profile/ in --out)")
     parser.add_argument("--metrics", type=Path, help="check that the ranks wrote this file")
 
 
@@ -94,6 +97,7 @@ def run(args) -> int:
         "--config-json", json.dumps(config),
         "--train", str(args.train), "--eval", str(args.eval), "--artifacts", str(args.artifacts),
         "--out", str(args.out), "--checkpoints", str(checkpoints),
+        "--profile", str(args.profile or args.out / PROFILE),
     ]
     print(f"ortflow train: {' '.join(command[:command.index(sys.executable)])} ...", file=sys.stderr, flush=True)
     code = supervise(command, launcher_env(os.environ), lock)

@@ -174,7 +174,7 @@ def train_step(step: int, comm, sessions: Sessions, state, batches: list[dict], 
 
 
 def train(config: dict, train_dir: Path, eval_dir: Path, artifacts: Path, out_dir: Path, checkpoints: Path,
-          stop: StopRequest) -> dict:
+          profile: Path, stop: StopRequest) -> dict:
     train_cfg, steps = config["train"], config["train"]["steps"]
     out_dir.mkdir(parents=True, exist_ok=True)
     comm = comm_mod.create(train_cfg, out_dir / "heartbeat")
@@ -190,7 +190,7 @@ def train(config: dict, train_dir: Path, eval_dir: Path, artifacts: Path, out_di
     resume = checkpointer.find_resume(train_cfg["resume_from"], artifacts)
     start_step = resume.step if resume else 0
     state = checkpoint.load_state(resume, artifacts) if resume else initial_state(artifacts)
-    sessions = Sessions(artifacts, state, comm, train_cfg, out_dir / "profile",
+    sessions = Sessions(artifacts, state, comm, train_cfg, profile,
                         info.get("running_stats", {}))  # absent from artifacts built before BatchNorm support
     feed = feeder(sessions.module.input_names(), info["label"]["name"], train_reader.label_name)
     decay = weight_decay.for_run(state, trainable(state), info, train_cfg["optimizer"], comm.xp)
@@ -347,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--artifacts", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path, help="the run's train/ folder")
     parser.add_argument("--checkpoints", required=True, type=Path, help="the checkpoints folder")
+    parser.add_argument("--profile", required=True, type=Path, help="the folder of ONNX Runtime's profiler traces")
     args = parser.parse_args(argv)
     stop = StopRequest().install()  # first: a stop request during the imports is kept too
 
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         config = config_mod.validate(json.loads(args.config_json))
         if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
             cuda_libraries.preload()
-        train(config, args.train, args.eval, args.artifacts, args.out, args.checkpoints, stop)
+        train(config, args.train, args.eval, args.artifacts, args.out, args.checkpoints, args.profile, stop)
     except Stopped:
         # Every rank stops here together, without MPI_Abort.
         logging.shutdown()
