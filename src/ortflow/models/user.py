@@ -156,12 +156,15 @@ def sums_to_adds(model, where: str) -> None:
     broadcasting), which have one."""
     import onnx
 
-    sums = [n for n in model.graph.node if n.op_type == "Sum" and n.domain in ("", "ai.onnx") and len(n.input) >= 2]
+    def is_sum(node) -> bool:
+        return node.op_type == "Sum" and node.domain in ("", "ai.onnx") and len(node.input) >= 2
+
+    sums = sum(map(is_sum, model.graph.node))
     if not sums:
         return
     nodes = []
     for node in model.graph.node:
-        if node not in sums:
+        if not is_sum(node):
             nodes.append(node)
             continue
         total = node.input[0]
@@ -171,16 +174,21 @@ def sums_to_adds(model, where: str) -> None:
             total = output
     del model.graph.node[:]
     model.graph.node.extend(nodes)
-    log.info("%s: %d Sum node(s) written as Add (ONNX Runtime has a gradient for Add, none for Sum)", where, len(sums))
+    log.info("%s: %d Sum node(s) written as Add (ONNX Runtime has a gradient for Add, none for Sum)", where, sums)
 
 
 def graph_inputs_read(graph):
     """The names that the nodes of `graph` and of its subgraphs (If, Loop, Scan) read."""
+    from onnx import AttributeProto
+
     for node in graph.node:
         yield from node.input
         for attribute in node.attribute:
-            for subgraph in [attribute.g, *attribute.graphs] if attribute.type in (5, 10) else []:
-                yield from graph_inputs_read(subgraph)
+            if attribute.type == AttributeProto.GRAPH:
+                yield from graph_inputs_read(attribute.g)
+            elif attribute.type == AttributeProto.GRAPHS:
+                for subgraph in attribute.graphs:
+                    yield from graph_inputs_read(subgraph)
 
 
 def dynamic_batch(model, where: str) -> None:

@@ -37,10 +37,15 @@ def gradients(state, names: list[str], xp) -> list:
     return live_arrays([state._state.get_parameter(name).grad for name in names], xp)
 
 
+def parameters(state, names: list[str], xp) -> list:
+    """The live value buffers of the parameters `names` (an in-place change is what the next forward reads)."""
+    return live_arrays([state._state.get_parameter(name).data for name in names], xp)
+
+
 def parameters_on_host(state, names: list[str], xp) -> dict[str, numpy.ndarray]:
     """{name: parameter values} as numpy arrays, copied from the device where they live there."""
     to_numpy = getattr(xp, "asnumpy", numpy.asarray)
-    arrays = live_arrays([state._state.get_parameter(name).data for name in names], xp)
+    arrays = parameters(state, names, xp)
     return {name: to_numpy(array) for name, array in zip(names, arrays)}
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gradients import live_arrays
+from .gradients import parameters
 
 
 class RunningStats:
@@ -32,7 +32,7 @@ class RunningStats:
 
     def _live(self) -> list:
         """The parameters' own buffers (ORT keeps them in the state; looked up each time, which is cheap)."""
-        return live_arrays([self.state._state.get_parameter(p).data for _, p in self.outputs], self.xp)
+        return parameters(self.state, [parameter for _, parameter in self.outputs], self.xp)
 
     def keep(self, outputs) -> None:
         """Copy the updated statistics of one forward's `outputs` into their parameters."""

@@ -28,7 +28,7 @@ import logging
 from fnmatch import fnmatchcase
 
 from ..errors import TrainingError
-from .gradients import live_arrays
+from .gradients import parameters
 
 log = logging.getLogger("ortflow.train")
 
@@ -79,7 +79,7 @@ class WeightDecay:
         if not self.weight_decay or not self.decayed:
             return
         factor = 1.0 - lr * self.weight_decay  # in double, as torch; the multiply rounds it to the parameters' dtype
-        for array in live_arrays([self.state._state.get_parameter(name).data for name in self.decayed], self.xp):
+        for array in parameters(self.state, self.decayed, self.xp):
             array *= factor
 
 
@@ -89,7 +89,7 @@ def for_run(state, names: list[str], info: dict, optimizer: dict, xp) -> WeightD
     if EMBEDDING in optimizer["no_decay"] and "embeddings" not in info:
         raise TrainingError("the artifacts' model.json names no embeddings (built by an older ortflow), which "
                             "train.optimizer.no_decay's <embedding> needs; rebuild them (--forcerun build_artifacts)")
-    arrays = live_arrays([state._state.get_parameter(name).data for name in names], xp)
+    arrays = parameters(state, names, xp)
     decay = WeightDecay(state, xp, {name: tuple(array.shape) for name, array in zip(names, arrays)},
                         info.get("embeddings", []), optimizer)
     log.info("%s", decay.describe())  # rank 0's: the other ranks log warnings only
