@@ -4,7 +4,7 @@ Builds training artifacts for an MLP (AdamW) of about `--megabytes` of parameter
 then starts `--ranks` MPI ranks. Each rank takes one optimizer step (so that the
 AdamW moments exist), then, `--repeats` times, with a barrier before each:
 
-- save: `ortflow.checkpoint.save`, the call the training loop makes (ONNX Runtime
+- save: `ortflow.checkpoints.store.save`, the call the training loop makes (ONNX Runtime
   writes its checkpoint to /dev/shm, this rank's part is read out of it, built
   as HDF5 in memory, hashed, written, fsynced, renamed; then the manifest and
   the COMPLETE marker by rank 0);
@@ -69,7 +69,7 @@ def worker(args) -> None:
 
     from ortflow import checkpoint
     from ortflow.sessions import quiet_logging
-    from ortflow.train.comm import MPIComm
+    from ortflow.training.comm import MPIComm
 
     quiet_logging()
     comm = MPIComm(args.out / "heartbeat", 600)
@@ -115,7 +115,7 @@ def main() -> None:
         worker(args)
         return
 
-    from ortflow.train.launch import launcher_command, launcher_env
+    from ortflow.training import launcher_command, launcher_env
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         out = Path(tmp)

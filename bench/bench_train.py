@@ -94,7 +94,7 @@ def decay_groups(module, opt: dict) -> list[dict]:
     none on what train.optimizer.no_decay picks out, embeddings being nn.Embedding tables."""
     import torch
 
-    from ortflow.train.weight_decay import is_excluded
+    from ortflow.training.weight_decay import is_excluded
 
     embeddings = {f"{name}.weight" for name, layer in module.named_modules() if isinstance(layer, torch.nn.Embedding)}
     groups = {True: [], False: []}
@@ -113,7 +113,7 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: in
 
     from ortflow.data.shards import ShardReader
     from ortflow.models import built_in, user
-    from ortflow.models.graphs import resolve_loss
+    from ortflow.build_artifacts import resolve_loss
 
     if share_cores:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))

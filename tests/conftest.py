@@ -42,13 +42,13 @@ def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, t
 def run_on_ranks(folder: Path, code: str, ranks: int) -> subprocess.CompletedProcess:
     """Run the Python `code` on `ranks` real MPI ranks (mpirun, as training starts
     them); fails the test unless every rank exits 0. Returns the CompletedProcess."""
-    from ortflow.train import launch
+    from ortflow import train
 
     script = folder / "ranks.py"
     script.write_text(code)
     result = subprocess.run(
-        launch.launcher_command("mpirun", ranks, 2) + [sys.executable, str(script)],
-        env=launch.launcher_env(os.environ), capture_output=True, text=True, timeout=120,
+        train.launcher_command("mpirun", ranks, 2) + [sys.executable, str(script)],
+        env=train.launcher_env(os.environ), capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result

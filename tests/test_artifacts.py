@@ -16,10 +16,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import run_snakemake
 from ortflow import config as config_mod
-from ortflow.data.prepare import prepare
+from ortflow.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.models import built_in, graphs
-from ortflow.train.weight_decay import WeightDecay
+from ortflow.training.weight_decay import WeightDecay
 
 TESTS = Path(__file__).resolve().parent
 OPTIMIZER = {"name": "adamw", "lr": 0.01, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": 0.1}

@@ -14,11 +14,12 @@ import torch
 
 import batchnorm_models
 from conftest import run_on_ranks, run_snakemake
-from ortflow import checkpoint, config as config_mod
-from ortflow.data.prepare import prepare
+from ortflow import config as config_mod, merge_checkpoint
+from ortflow.checkpoints import store
+from ortflow.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
-from ortflow.models import graphs
+from ortflow import build_artifacts
 from ortflow.sessions import inference_session
 
 TESTS = Path(__file__).resolve().parent
@@ -108,9 +109,9 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
     micro-batches each for the MLP); then the export of that checkpoint against
     torch's module in eval mode. `onnx`: the module as an ONNX file exported in
     eval mode, whose BatchNorms ortflow switches to training mode."""
-    from ortflow import export
-    from ortflow.train import loop
-    from ortflow.train.stop import StopRequest
+    from ortflow import export_model
+    from ortflow.training import trainer
+    from ortflow.training.stop import StopRequest
 
     monkeypatch.syspath_prepend(str(TESTS))
     cfg = config(model, accumulate)
@@ -119,19 +120,19 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
         statistics = eval_mode_onnx_file(tmp_path / "user.onnx")
         cfg = config_mod.validate({**cfg, "model": {"kind": "onnx", "path": str(tmp_path / "user.onnx")}})
     artifacts, out = tmp_path / "artifacts", tmp_path / "train"
-    description = graphs.build(cfg, digits / "train", artifacts)
+    description = build_artifacts.build(cfg, digits / "train", artifacts)
     assert len(description["running_stats"]) == {"BatchNormCNN": 6, "BatchNormMLP": 2}[model]
-    loop.train(cfg, digits / "train", digits / "eval", artifacts, out, out / "checkpoints", out / "profile",
+    trainer.train(cfg, digits / "train", digits / "eval", artifacts, out, out / "checkpoints", out / "profile",
                StopRequest())
 
-    initial = checkpoint.load_parameters_file(artifacts / "checkpoint")
+    initial = store.load_parameters_file(artifacts / "checkpoint")
     for name in description["running_stats"].values():  # not moved by the export
         expected = statistics[name] if statistics else (1.0 if name.endswith("running_var") else 0.0)
         assert (initial[name] == expected).all(), (name, initial[name])
     reference, torch_losses = torch_training(config(model, accumulate), initial, ShardReader(digits / "train"))
     losses = [entry["loss"] for entry in json.loads((out / "metrics.json").read_text())["history"]["train"]]
     np.testing.assert_allclose(losses, torch_losses, rtol=LOSS_RTOL)
-    final = checkpoint.read_checkpoint(checkpoint.step_dir(out / "checkpoints", STEPS)).state.parameters
+    final = store.read_checkpoint(store.step_dir(out / "checkpoints", STEPS)).state.parameters
     expected = {k: v.numpy() for k, v in reference.state_dict().items() if not k.endswith("num_batches_tracked")}
     assert sorted(final) == sorted(expected)
     for name, value in expected.items():
@@ -139,10 +140,10 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
     for name in description["running_stats"].values():  # the statistics moved from their init (0 and 1)
         assert np.abs(final[name] - initial[name]).max() > 0.05, name
 
-    # The export (written from the eval graph, checked against it by export.export) is
+    # The export (written from the eval graph, checked against it by export_model.export) is
     # torch's module in eval mode: normalized with the running statistics, no dropout.
-    merged = checkpoint.merge(checkpoint.step_dir(out / "checkpoints", STEPS), tmp_path / "merged")
-    export.export(cfg, artifacts, merged, digits / "eval", tmp_path / "model.onnx")
+    merged = merge_checkpoint.merge(store.step_dir(out / "checkpoints", STEPS), tmp_path / "merged")
+    export_model.export(cfg, artifacts, merged, digits / "eval", tmp_path / "model.onnx")
     batch = ShardReader(digits / "eval").gather(np.arange(64))
     logits = inference_session(tmp_path / "model.onnx").run(None, {"x": batch["x"]})[0]
     with torch.no_grad():
@@ -156,7 +157,7 @@ def test_dropout_drops_in_training_only(digits, tmp_path, monkeypatch):
 
     monkeypatch.syspath_prepend(str(TESTS))
     cfg = config("BatchNormMLP", dropout=0.5)
-    graphs.build(cfg, digits / "train", tmp_path)
+    build_artifacts.build(cfg, digits / "train", tmp_path)
     state = api.CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
     module = api.Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
     batch = ShardReader(digits / "train").gather(np.arange(GLOBAL_BATCH))
@@ -175,21 +176,21 @@ def test_dropout_repeats_and_resumes_bit_for_bit(digits, tmp_path, monkeypatch):
     """Dropout's masks depend on the seed, step, rank and micro-batch only: a
     second run repeats the first exactly, and a run resumed from its step-2
     checkpoint ends with the same bytes; another seed drops differently."""
-    from ortflow.train import loop
-    from ortflow.train.stop import StopRequest
+    from ortflow.training import trainer
+    from ortflow.training.stop import StopRequest
 
     monkeypatch.syspath_prepend(str(TESTS))
     cfg = config("BatchNormMLP", dropout=0.5)
     cfg["train"] |= {"steps": 4, "checkpoint_every": 2, "eval_every": 4}
-    graphs.build(cfg, digits / "train", tmp_path / "artifacts")
+    build_artifacts.build(cfg, digits / "train", tmp_path / "artifacts")
 
     def final(out: Path, config: dict) -> dict:
-        loop.train(config, digits / "train", digits / "eval", tmp_path / "artifacts", out, out / "checkpoints",
+        trainer.train(config, digits / "train", digits / "eval", tmp_path / "artifacts", out, out / "checkpoints",
                    out / "profile", StopRequest())
-        return checkpoint.read_checkpoint(checkpoint.step_dir(out / "checkpoints", 4)).state.parameters
+        return store.read_checkpoint(store.step_dir(out / "checkpoints", 4)).state.parameters
 
     first = final(tmp_path / "first", cfg)
-    shutil.rmtree(checkpoint.step_dir(tmp_path / "first" / "checkpoints", 4))
+    shutil.rmtree(store.step_dir(tmp_path / "first" / "checkpoints", 4))
     resumed = final(tmp_path / "first", cfg)
     again = final(tmp_path / "again", cfg)
     other = final(tmp_path / "other", config_mod.validate({**cfg, "run": {**cfg["run"], "seed": 4}}))
@@ -208,7 +209,7 @@ def test_dropout_repeats_and_resumes_bit_for_bit(digits, tmp_path, monkeypatch):
 def test_batchnorm_that_cannot_train_is_refused(norm, refusal, digits, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     with pytest.raises(ModelError) as refused:
-        graphs.build(config("RefusedBatchNorm", **norm), digits / "train", tmp_path / "out")
+        build_artifacts.build(config("RefusedBatchNorm", **norm), digits / "train", tmp_path / "out")
     assert str(refused.value) == f"model.path: RefusedBatchNorm.norm (BatchNorm1d) {refusal}"
     assert not (tmp_path / "out").exists()
 
@@ -218,7 +219,7 @@ def test_running_statistic_named_trainable_is_refused(digits, tmp_path, monkeypa
     cfg = config("BatchNormMLP")
     cfg["model"]["trainable"] = ["body.0.weight", "body.1.running_mean", "head.weight"]
     with pytest.raises(ModelError) as refused:
-        graphs.build(cfg, digits / "train", tmp_path / "out")
+        build_artifacts.build(cfg, digits / "train", tmp_path / "out")
     assert str(refused.value) == (
         "model.trainable: 'body.1.running_mean' is the running mean of BatchNormalization node "
         "'/body/body.1/BatchNormalization', which training updates from the batches, not by gradients; "
@@ -247,8 +248,8 @@ def test_cnn_with_batchnorm_and_dropout_through_the_workflow(digits_workdir, mon
     assert trained["eval"]["accuracy"] > 0.5  # chance is 0.1
 
     stats = json.loads((results / "artifacts" / "model.json").read_text())["running_stats"]
-    initial = checkpoint.load_parameters_file(results / "artifacts" / "checkpoint")
-    merged = checkpoint.load_parameters_file(results / "checkpoint" / "checkpoint")
+    initial = store.load_parameters_file(results / "artifacts" / "checkpoint")
+    merged = store.load_parameters_file(results / "checkpoint" / "checkpoint")
     for name in stats.values():
         assert np.abs(merged[name] - initial[name]).max() > 0.05, name
     shards = sorted((results / "train" / "checkpoints" / f"step-{steps:08d}").glob("shard-*.h5"))
@@ -269,7 +270,7 @@ def test_ranks_end_each_step_with_the_mean_of_their_statistics(tmp_path):
         "import numpy as np\n"
         "from types import SimpleNamespace as NS\n"
         "from ortflow.train import comm\n"
-        "from ortflow.train.running_stats import RunningStats\n"
+        "from ortflow.training.running_stats import RunningStats\n"
         f"c = comm.MPIComm({str(tmp_path / 'hb')!r}, 30)\n"
         "arrays = {'bn.running_mean': np.zeros(3, np.float32), 'bn.running_var': np.ones(3, np.float32)}\n"
         "state = NS(_state=NS(get_parameter=lambda n: NS(data=NS(numpy=lambda: arrays[n]))))\n"

@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 from conftest import run_snakemake
-from ortflow import checkpoint, config as config_mod, ort_checkpoint
-from ortflow.train.schedule import learning_rate
+from ortflow import config as config_mod, ort_checkpoint
+from ortflow.checkpoints.ort_format import CheckpointError
+from ortflow.checkpoints import resume, store
+from ortflow.training.schedule import learning_rate
 
 # A global batch of 48 splits over 1, 2 and 3 ranks: 16 x 3 accumulated, 24 x 1 x 2, 16 x 1 x 3.
 TRAIN = {"steps": 40, "micro_batch_size": 24, "grad_accum_steps": 1, "world_size": 2, "checkpoint_every": 10,
@@ -39,7 +41,7 @@ def _log(workdir: Path) -> str:
 
 
 def _state(folder: Path) -> ort_checkpoint.TrainingState:
-    return checkpoint.read_checkpoint(folder).state
+    return store.read_checkpoint(folder).state
 
 
 def _max_difference(a: ort_checkpoint.TrainingState, b: ort_checkpoint.TrainingState) -> float:
@@ -92,13 +94,13 @@ def test_each_rank_writes_its_shard(reference):
     sizes = [f.stat().st_size for f in files]
     assert max(sizes) < 0.52 * sum(sizes), sizes
     owned = [e["parameters"] for e in manifest["shards"]]
-    initial = checkpoint.load_parameters_file(reference / RUN / "artifacts/checkpoint")
+    initial = store.load_parameters_file(reference / RUN / "artifacts/checkpoint")
     assert set(owned[0]) | set(owned[1]) == set(initial)
     for name, array in initial.items():
         ranges = sorted(tuple(part[name]) for part in owned if name in part)
         assert ranges[0][0] == 0 and ranges[-1][1] == array.size, (name, ranges)
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), (name, ranges)
-    attrs, part = checkpoint.read_shard(files[1])
+    attrs, part = store.read_shard(files[1])
     assert (attrs["rank"], attrs["world_size"], attrs["step"]) == (1, 2, 40)
     assert attrs["identity_digest"] == manifest["identity_digest"]
     assert attrs["checkpoint_id"] == manifest["checkpoint_id"]
@@ -120,7 +122,7 @@ def test_merged_checkpoint_loads_and_trains_in_a_new_module(reference):
     assert meta["step"] == 40 and meta["identity_digest"] == json.loads(
         (_root(reference) / "step-00000040/manifest.json").read_text())["identity_digest"]
     _assert_identical(ort_checkpoint.read_ort_checkpoint(merged / "checkpoint"), shards)
-    _assert_identical(checkpoint.assemble([checkpoint.read_shard(merged / "checkpoint.h5")[1]], merged), shards)
+    _assert_identical(store.assemble([store.read_shard(merged / "checkpoint.h5")[1]], merged), shards)
 
     artifacts = reference / RUN / "artifacts"
     state = CheckpointState.load_checkpoint(str(merged / "checkpoint"))
@@ -177,7 +179,7 @@ def _process(workdir: Path, command: str, rank: int | None = None):
 
 
 def _rank_process(workdir: Path, rank: int):
-    return _process(workdir, "ortflow.train.loop", rank)
+    return _process(workdir, "ortflow.training.trainer", rank)
 
 
 def _stalled_at_step_25(workdir: Path) -> tuple[threading.Thread, dict]:
@@ -208,7 +210,7 @@ def test_kill_9_one_rank_then_rerun_is_bit_identical(reference, tmp_path):
     runner.join(timeout=240)
     assert result["run"].returncode != 0
     root = _root(workdir)
-    assert checkpoint.latest(root).step == 20
+    assert resume.latest(root).step == 20
     # A checkpoint the crash left half-written must be skipped.
     shutil.copytree(root / "step-00000020", root / "step-00000030")
     (root / "step-00000030/COMPLETE").unlink()
@@ -244,7 +246,7 @@ def test_sigterm_stops_with_a_checkpoint_at_the_step_reached(reference, tmp_path
     assert f"stopping after step 26 of 40: {seen}" in log
     assert f"checkpoint {RUN}/train/checkpoints/step-00000026 written; rerun to resume from it" in log
     assert "ortflow train: stopped by SIGTERM after step 26, with a checkpoint" in log
-    assert checkpoint.latest(_root(workdir)).step == 26
+    assert resume.latest(_root(workdir)).step == 26
     _assert_resumes_at_26_bit_identically(workdir, reference)
 
 
@@ -255,7 +257,7 @@ def test_kill_9_of_snakemake_leaves_no_rank_behind(reference, tmp_path):
     runner.join(timeout=60)
     deadline = time.monotonic() + 10
     # Snakemake stays a zombie until the test reaps it, after the rule's shell ends: still seen as gone.
-    while left := [c for c in ("-m ortflow.train.loop", "bin/ortflow train", "bin/prterun") if _process(workdir, c)]:
+    while left := [c for c in ("-m ortflow.training.trainer", "bin/ortflow train", "bin/prterun") if _process(workdir, c)]:
         assert time.monotonic() < deadline, f"outlived Snakemake by 10 s: {left}"
         time.sleep(0.2)
     log = _log(workdir)
@@ -301,7 +303,7 @@ def test_rerun_after_a_finished_run_trains_from_step_0(reference, tmp_path):
         metrics = json.loads((workdir / RUN / "train/metrics.json").read_text())
         assert metrics["steps"] == metrics["steps_this_attempt"] == steps
         assert metrics["history"]["train"][-1]["step"] == steps
-        assert checkpoint.latest(root).step == steps
+        assert resume.latest(root).step == steps
 
 
 def test_user_onnx_file_replaced_in_place_retrains(digits_workdir, tmp_path):
@@ -376,7 +378,7 @@ def test_another_identity_is_skipped_and_refused(reference, tmp_path):
 
 
 def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ortflow.checkpoint", *map(str, args)], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ortflow.cli", "checkpoint", *map(str, args)], capture_output=True,
                           text=True, timeout=120)
 
 
@@ -403,8 +405,8 @@ def test_bad_checkpoints_are_refused_and_nothing_is_overwritten(reference, tmp_p
         assert reason in result.stderr, result.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     # Training refuses it the same way (the ranks call this before the first step).
-    with pytest.raises(checkpoint.CheckpointError, match="shard .*shard-00001-of-00002.h5"):
-        checkpoint.load_state(checkpoint.Resume(folder, 40, {}))
+    with pytest.raises(CheckpointError, match="shard .*shard-00001-of-00002.h5"):
+        resume.load_state(resume.Resume(folder, 40, {}))
 
 
 def test_reshard_and_inspect(reference, tmp_path):

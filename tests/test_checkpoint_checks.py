@@ -1,5 +1,5 @@
 """A checkpoint folder from someone else: checked before anything large is read or
-handed to ONNX Runtime (ortflow.checkpoint_checks). Fast: synthetic checkpoints
+handed to ONNX Runtime (ortflow.checkpoints.checks). Fast: synthetic checkpoints
 written with ortflow's own shard writer, no training."""
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import h5py
 import numpy as np
 import pytest
 
-from ortflow import checkpoint
-from ortflow.ort_checkpoint import TrainingState, ort_checkpoint_bytes
+from ortflow import merge_checkpoint
+from ortflow.checkpoints import checks, resume, store
+from ortflow.checkpoints.ort_format import CheckpointError, TrainingState, ort_checkpoint_bytes
 
 SHAPES = {"w": (4, 3), "b": (3,)}
 IDENTITY = {"optimizer": {"name": "adamw"}}
@@ -38,12 +39,12 @@ def write_checkpoint(folder: Path, world_size: int = 2) -> Path:
     state = training_state()
     folder.mkdir(parents=True)
     entries = []
-    for rank, ranges in enumerate(checkpoint.partition(state, world_size)):
-        attrs = checkpoint._shard_attrs("40-abc", 40, rank, world_size, IDENTITY, "d" * 64, state.version)
-        entries.append(checkpoint._write_shard(folder, state.part(ranges), attrs))
-    checkpoint._write_json(folder / checkpoint.MANIFEST, checkpoint._manifest(
+    for rank, ranges in enumerate(store.partition(state, world_size)):
+        attrs = store.shard_attrs("40-abc", 40, rank, world_size, IDENTITY, "d" * 64, state.version)
+        entries.append(store.write_shard(folder, state.part(ranges), attrs))
+    store.write_json(folder / store.MANIFEST, store.new_manifest(
         "40-abc", 40, world_size, IDENTITY, "d" * 64, state.properties, entries))
-    (folder / checkpoint.COMPLETE).write_bytes(b"")
+    (folder / store.COMPLETE).write_bytes(b"")
     return folder
 
 
@@ -64,9 +65,9 @@ def model(tmp_path) -> Path:
 
 
 def edit_manifest(folder: Path, edit) -> None:
-    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())
+    manifest = json.loads((folder / store.MANIFEST).read_text())
     edit(manifest)
-    (folder / checkpoint.MANIFEST).write_text(json.dumps(manifest))
+    (folder / store.MANIFEST).write_text(json.dumps(manifest))
 
 
 def rewrite_shards(folder: Path, edit) -> None:
@@ -117,19 +118,21 @@ def outside(paths: list[str], folder: Path) -> list[str]:
 
 
 def refused(folder: Path, model: Path | None = None) -> str:
-    with pytest.raises(checkpoint.CheckpointError) as error:
-        checkpoint.read_checkpoint(folder, model)
+    with pytest.raises(CheckpointError) as error:
+        store.read_checkpoint(folder, model)
     assert len(str(error.value).splitlines()) == 1
     return str(error.value)
 
 
 def test_an_intact_checkpoint_passes_every_check(folder, model):
-    read = checkpoint.read_checkpoint(folder, model)
+    read = store.read_checkpoint(folder, model)
     expected = training_state()
     for name in SHAPES:
         assert np.array_equal(read.state.parameters[name], expected.parameters[name])
         assert np.array_equal(read.state.optimizer_states[name]["momentum1"], expected.optimizer_states[name]["momentum1"])
-    report = checkpoint.inspect(folder)  # finds the run's artifacts beside train/
+    # The model is what --artifacts names: nothing guesses it from the checkpoint's path.
+    assert "not checked against a model" in merge_checkpoint.inspect(folder)
+    report = merge_checkpoint.inspect(folder, model)
     assert f"checked against the model {model}: parameter names, shapes, dtypes, trainable flags" in report
 
 
@@ -165,7 +168,7 @@ def test_a_shard_must_be_a_regular_file(folder, kind):
 
 def test_sizes_are_checked_before_hashing(folder, monkeypatch):
     edit_manifest(folder, lambda m: m["shards"][0].update(bytes=1 << 40))
-    monkeypatch.setattr(checkpoint.checks, "sha256_of", lambda *a: pytest.fail("hashed before the size was checked"))
+    monkeypatch.setattr(checks, "sha256_of", lambda *a: pytest.fail("hashed before the size was checked"))
     message = refused(folder)
     shard = folder / "shard-00000-of-00002.h5"
     assert f"shard {shard}: {shard.stat().st_size} bytes, manifest.json says {1 << 40}: the file is damaged" in message
@@ -204,10 +207,10 @@ def test_datasets_must_match_the_model(folder, model, change, monkeypatch):
     if change == "renamed":
         edit_manifest(folder, lambda m: [e["parameters"].__setitem__("bias", e["parameters"].pop("b"))
                                          for e in m["shards"] if "b" in e["parameters"]])
-    checkpoint.read_checkpoint(folder)  # consistent in itself: only the model tells
-    monkeypatch.setattr(checkpoint, "ort_state", lambda state: pytest.fail("reached ONNX Runtime"))
-    with pytest.raises(checkpoint.CheckpointError) as error:
-        checkpoint.load_state(checkpoint.Resume(folder, 40, {}), model)
+    store.read_checkpoint(folder)  # consistent in itself: only the model tells
+    monkeypatch.setattr(resume, "ort_state", lambda state: pytest.fail("reached ONNX Runtime"))
+    with pytest.raises(CheckpointError) as error:
+        resume.load_state(resume.Resume(folder, 40, {}), model)
     expected = {
         "transposed": f"checkpoint {folder}: parameter 'w' is float32 of shape [3, 4]; the model "
                       f"{model / 'checkpoint'} has float32 of shape [4, 3]",
@@ -274,10 +277,10 @@ def test_links_and_external_storage_are_refused(folder, tmp_path):
 
 def test_inspect_reports_the_checks(folder, model, tmp_path):
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "ortflow.checkpoint", *map(str, args)], capture_output=True,
+        return subprocess.run([sys.executable, "-m", "ortflow.cli", "checkpoint", *map(str, args)], capture_output=True,
                               text=True, timeout=120)
 
-    report = cli("inspect", folder)
+    report = cli("inspect", folder, "--artifacts", model)
     assert report.returncode == 0, report.stderr
     assert "step 40, 2 shards (checksums verified)" in report.stdout
     assert "checked: shards named in manifest.json as plain files of the folder, regular files (no links)" in report.stdout

@@ -15,8 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortflow import checkpoint, storage
-from ortflow.ort_checkpoint import TrainingState, ort_state
+from ortflow import storage
+from ortflow.checkpoints import resume, store
+from ortflow.checkpoints.ort_format import TrainingState, ort_state
 
 BIN = Path(sys.executable).parent
 IDENTITY = {"optimizer": {"name": "adamw"}}
@@ -60,7 +61,7 @@ def state_of(megabytes: float):
 
 
 def save(root: Path, step: int, state) -> Path:
-    return checkpoint.save(root, step, state, OneRank(), IDENTITY, DIGEST, {"step": step, "lr": 0.1}, keep=2)
+    return store.save(root, step, state, OneRank(), IDENTITY, DIGEST, {"step": step, "lr": 0.1}, keep=2)
 
 
 def test_full_disk_then_read_only_while_checkpointing(mount):
@@ -77,8 +78,8 @@ def test_full_disk_then_read_only_while_checkpointing(mount):
     assert f"MB free in {shard.parent}); free space on that file system, or run where there is more" in line
     assert sorted(p.name for p in (root / "step-00000020").iterdir()) == []  # nothing half-written, no COMPLETE
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
-    assert checkpoint.latest(root, DIGEST).step == 10
-    checkpoint.read_checkpoint(first)
+    assert resume.latest(root, DIGEST).step == 10
+    store.read_checkpoint(first)
 
     subprocess.run(["mount", "-o", "remount,ro", str(root.parent)], check=True)
     with pytest.raises(OSError) as error:

@@ -27,11 +27,11 @@ def test_any_other_exception_keeps_its_traceback(monkeypatch, tmp_path):
 def test_the_expected_failures_share_one_base_and_keep_their_names():
     from ortflow.config import ConfigError
     from ortflow.data.sources import DataError
-    from ortflow.export import ExportError
-    from ortflow.ort_checkpoint import CheckpointError
-    from ortflow.quantize import QualityGateError
-    from ortflow.train.comm import DeviceError
-    from ortflow.train.loop import TrainingError
+    from ortflow.export_model import ExportError
+    from ortflow.checkpoints.ort_format import CheckpointError
+    from ortflow.quantize_model import QualityGateError
+    from ortflow.training.comm import DeviceError
+    from ortflow.training.trainer import TrainingError
 
     for error in (ConfigError, DataError, ExportError, CheckpointError, QualityGateError, DeviceError, TrainingError,
                   errors.PreflightError, errors.MissingInputError, errors.ModelError):

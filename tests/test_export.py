@@ -190,7 +190,7 @@ def test_400_steps_export_within_the_scaled_tolerance(digits_workdir):
 
 
 def test_scaled_tolerance_names_the_allowance():
-    from ortflow.export import ExportError, compare
+    from ortflow.export_model import ExportError, compare
 
     large = np.array([[100.0, -20.0]], np.float32)
     assert compare("logits", large + np.float32(5e-3), large) == pytest.approx(5e-3, rel=1e-3)  # allowed 0.010001
@@ -208,7 +208,7 @@ def test_reference_evaluator_failure_warns_and_names_the_operator(tmp_path, capl
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from ortflow.export import check_reference
+    from ortflow.export_model import check_reference
 
     indices = numpy_helper.from_array(np.array([[[5, 70, 99], [0, 1, 2]]], np.int64), "picked")
     graph = helper.make_graph(
@@ -261,20 +261,20 @@ def test_dynamic_quantization_keeps_conv_fp32_and_survives_preprocessing(tmp_pat
     import onnx
     import onnxruntime as ort
 
-    from ortflow import quantize
+    from ortflow import quantize_model
 
     source = tmp_path / "conv.onnx"
     write_conv_model(source, shaped_input=False)
     x = np.random.default_rng(6).random((16, 64), dtype=np.float32)
     fp32 = ort.InferenceSession(str(source)).run(None, {"x": x})[0]
     export_cfg = {"per_channel": False}
-    assert quantize.method({"quantize": "auto"}, onnx.load(str(source))) == "static"
+    assert quantize_model.method({"quantize": "auto"}, onnx.load(str(source))) == "static"
     for known in (("Conv",), ()):
-        monkeypatch.setattr(quantize, "NO_DYNAMIC_INT8_KERNEL", known)
+        monkeypatch.setattr(quantize_model, "NO_DYNAMIC_INT8_KERNEL", known)
         target = tmp_path / f"int8-{len(known)}.onnx"
         caplog.clear()
         with caplog.at_level("INFO", logger="ortflow.quantize"):
-            quantize.quantize_file(source, target, "dynamic", export_cfg, None, 16)
+            quantize_model.quantize_file(source, target, "dynamic", export_cfg, None, 16)
         ops = {n.op_type for n in onnx.load(str(target)).graph.node}
         assert "Conv" in ops and "ConvInteger" not in ops and "MatMulInteger" in ops, ops
         int8 = ort.InferenceSession(str(target)).run(None, {"x": x})[0]
@@ -287,7 +287,7 @@ def test_dynamic_quantization_keeps_conv_fp32_and_survives_preprocessing(tmp_pat
 
 
 def test_gate_on_a_tiny_eval_split_says_what_one_record_is_worth():
-    from ortflow.quantize import QualityGateError, gate
+    from ortflow.quantize_model import QualityGateError, gate
 
     report = {"fp32": {"loss": 0.1, "accuracy": 0.95}, "int8": {"loss": 0.2, "accuracy": 0.90}}
     with pytest.raises(QualityGateError, match=r"is a loss of 5 points, more than export.max_accuracy_drop=1.0 "

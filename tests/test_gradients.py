@@ -1,4 +1,4 @@
-"""The gradient code that both devices run (ortflow.train.gradients), on numpy:
+"""The gradient code that both devices run (ortflow.training.gradients), on numpy:
 views of ORT's live buffers, the bucketed in-place all-reduce, averaging, the
 global norm and clipping against torch.nn.utils.clip_grad_norm_."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from ortflow.train import gradients
+from ortflow.training import gradients
 
 
 class Ranks:

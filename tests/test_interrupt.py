@@ -12,11 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortflow import checkpoint, config as config_mod
-from ortflow.ort_checkpoint import TrainingState
-from ortflow.train import launch, stop
-from ortflow.train.loop import is_time
-from ortflow.train.metrics import strict
+from ortflow import config as config_mod
+from ortflow.checkpoints import resume, store
+from ortflow.checkpoints.ort_format import CheckpointError, TrainingState
+from ortflow import train
+from ortflow.training import stop
+from ortflow.training.trainer import is_time
+from ortflow.training.metrics import strict
 
 IDENTITY = {"seed": 1}
 DIGEST = config_mod.digest(IDENTITY)
@@ -47,12 +49,12 @@ class _OneRank:
 
 
 def _save(root: Path, step: int, monkeypatch, history: dict | None = None) -> Path:
-    """A real checkpoint folder of one small parameter, written by checkpoint.save on one rank."""
-    monkeypatch.setattr(checkpoint, "training_state", lambda state: state)
+    """A real checkpoint folder of one small parameter, written by store.save on one rank."""
+    monkeypatch.setattr(store, "training_state", lambda state: state)
     weight = np.arange(6, dtype=np.float32).reshape(2, 3) + step
     state = TrainingState({"w": weight}, {"w": True}, {"w": {"momentum0": weight * 0, "momentum1": weight * 0}},
                           {"group_name": "g", "step": step, "initial_learning_rate": 0.1}, {})
-    return checkpoint.save(root, step, state, _OneRank(), IDENTITY, DIGEST, {"step": step}, keep=10,
+    return store.save(root, step, state, _OneRank(), IDENTITY, DIGEST, {"step": step}, keep=10,
                            history=history or {"train": [{"step": step}], "eval": []})
 
 
@@ -82,13 +84,13 @@ def test_a_damaged_newest_checkpoint_is_skipped_naming_the_file(tmp_path, monkey
         _flip_byte(newest / "history.json")
         reason = f"{newest / 'history.json'}: missing or damaged"
     with caplog.at_level(logging.WARNING, logger="ortflow.checkpoint"):
-        resume = checkpoint.find_resume(root, IDENTITY, DIGEST, None, steps=100)
-    assert resume.path == root / "step-00000010"
-    assert checkpoint.read_history(resume) == {"train": [{"step": 10}], "eval": []}
+        found = resume.find_resume(root, IDENTITY, DIGEST, None, steps=100)
+    assert found.path == root / "step-00000010"
+    assert resume.read_history(found) == {"train": [{"step": 10}], "eval": []}
     assert f"skipping {reason}" in caplog.text
     # Named explicitly, a damaged checkpoint is refused, naming the file.
-    with pytest.raises(checkpoint.CheckpointError, match=reason.split(":")[0].split(" is")[0]):
-        checkpoint.find_resume(root, IDENTITY, DIGEST, str(newest), steps=100)
+    with pytest.raises(CheckpointError, match=reason.split(":")[0].split(" is")[0]):
+        resume.find_resume(root, IDENTITY, DIGEST, str(newest), steps=100)
 
 
 def test_a_checkpoint_beyond_train_steps_is_not_used(tmp_path, monkeypatch, caplog):
@@ -96,11 +98,11 @@ def test_a_checkpoint_beyond_train_steps_is_not_used(tmp_path, monkeypatch, capl
     for step in (10, 20, 30):
         _save(root, step, monkeypatch)
     with caplog.at_level(logging.INFO, logger="ortflow.checkpoint"):
-        assert checkpoint.find_resume(root, IDENTITY, DIGEST, None, steps=25).step == 20
+        assert resume.find_resume(root, IDENTITY, DIGEST, None, steps=25).step == 20
     assert "skipping checkpoint " + str(root / "step-00000030") + ": step 30 is beyond train.steps 25" in caplog.text
-    with pytest.raises(checkpoint.CheckpointError, match="step 30 is beyond train.steps 25"):
-        checkpoint.find_resume(root, IDENTITY, DIGEST, str(root / "step-00000030"), steps=25)
-    assert checkpoint.find_resume(root, {"seed": 2}, config_mod.digest({"seed": 2}), None, steps=100) is None
+    with pytest.raises(CheckpointError, match="step 30 is beyond train.steps 25"):
+        resume.find_resume(root, IDENTITY, DIGEST, str(root / "step-00000030"), steps=25)
+    assert resume.find_resume(root, {"seed": 2}, config_mod.digest({"seed": 2}), None, steps=100) is None
 
 
 def test_identity_has_the_steps_where_the_schedule_spreads_over_them():
@@ -127,7 +129,7 @@ def test_identity_knows_user_files_by_content_not_path(tmp_path, monkeypatch):
     assert first == identity("b.onnx")  # moved or copied: the same model
     assert first["data"]["source"].startswith("sha256:")
     (tmp_path / "a.onnx").write_bytes(b"model two")  # replaced in place
-    assert checkpoint._differences(first, identity("a.onnx")) == [
+    assert resume._differences(first, identity("a.onnx")) == [
         f"model.path: {first['model']['path']!r} in the checkpoint, {identity('a.onnx')['model']['path']!r} now"]
 
 
@@ -142,27 +144,27 @@ def test_rerun_after_a_finished_run_moves_its_checkpoints_aside(tmp_path, capsys
     (out / "checkpoints" / "step-00000300").mkdir(parents=True)
     (out / "tensorboard").mkdir()
     (out / "heartbeat").mkdir()
-    (out / launch.FINISHED).write_text("{}")
-    launch.start_attempt(out, out / "checkpoints", resume_from=None)
+    (out / train.FINISHED).write_text("{}")
+    train.start_attempt(out, out / "checkpoints", resume_from=None)
     assert (out / "previous/checkpoints/step-00000300").is_dir() and (out / "previous/tensorboard").is_dir()
-    assert not (out / "checkpoints").exists() and not (out / launch.FINISHED).exists()
+    assert not (out / "checkpoints").exists() and not (out / train.FINISHED).exists()
     assert not (out / "heartbeat").exists()
     assert f"its checkpoints and TensorBoard events are moved to {out / 'previous'}" in capsys.readouterr().err
     # After an interrupted run, or with train.resume_from, nothing moves.
     (out / "checkpoints").mkdir()
-    launch.start_attempt(out, out / "checkpoints", resume_from=None)
-    (out / launch.FINISHED).write_text("{}")
-    launch.start_attempt(out, out / "checkpoints", resume_from=str(out / "checkpoints"))
-    assert (out / "checkpoints").is_dir() and not (out / launch.FINISHED).exists()
+    train.start_attempt(out, out / "checkpoints", resume_from=None)
+    (out / train.FINISHED).write_text("{}")
+    train.start_attempt(out, out / "checkpoints", resume_from=str(out / "checkpoints"))
+    assert (out / "checkpoints").is_dir() and not (out / train.FINISHED).exists()
 
 
 def test_a_second_live_attempt_is_refused_in_one_line(tmp_path, capsys):
     out = tmp_path / "train"
-    first = launch.lock_attempt(out)
+    first = train.lock_attempt(out)
     assert first is not None
-    assert launch.lock_attempt(out) is None
+    assert train.lock_attempt(out) is None
     error = capsys.readouterr().err
     assert error.count("\n") == 1
     assert f"ortflow train: error: another attempt of this run is still training in {out} (ortflow train pid" in error
     first.close()
-    assert launch.lock_attempt(out) is not None
+    assert train.lock_attempt(out) is not None

@@ -11,7 +11,8 @@ import pytest
 
 from conftest import run_on_ranks
 from ortflow.errors import DeviceError
-from ortflow.train import comm, gradients, launch, loop, schedule
+from ortflow import train
+from ortflow.training import comm, gradients, schedule, trainer
 
 
 @pytest.mark.parametrize(
@@ -25,7 +26,7 @@ from ortflow.train import comm, gradients, launch, loop, schedule
     ],
 )
 def test_threads_per_rank(local_size, affinity, environ, expected):
-    assert loop.threads_per_rank(local_size, affinity, environ) == expected
+    assert trainer.threads_per_rank(local_size, affinity, environ) == expected
 
 
 @pytest.mark.parametrize(
@@ -61,11 +62,11 @@ def test_cuda_without_a_gpu_fails_clearly():
 
 
 def test_launcher_commands():
-    assert launch.launcher_command("/x/mpirun", 2, 2) == ["/x/mpirun", "-n", "2", "--bind-to", "none"]
-    assert launch.launcher_command("mpirun", 3, 2)[-1] == "--oversubscribe"
-    assert launch.launcher_command("srun", 4, 2) == ["srun", "--mpi=pmix", "-n", "4"]
+    assert train.launcher_command("/x/mpirun", 2, 2) == ["/x/mpirun", "-n", "2", "--bind-to", "none"]
+    assert train.launcher_command("mpirun", 3, 2)[-1] == "--oversubscribe"
+    assert train.launcher_command("srun", 4, 2) == ["srun", "--mpi=pmix", "-n", "4"]
     with pytest.raises(ValueError, match="unknown MPI launcher 'torchrun'"):
-        launch.launcher_command("torchrun", 2, 2)
+        train.launcher_command("torchrun", 2, 2)
 
 
 def test_buckets_cover_every_gradient_once(monkeypatch):

@@ -7,7 +7,7 @@ import pytest
 from onnx import TensorProto
 
 from ortflow import cli
-from ortflow.data.pb import read_pb
+from ortflow.shards_to_pb import read_pb
 from ortflow.data.shards import ShardReader
 from ortflow.data.sources import DataError
 

@@ -22,7 +22,7 @@ import yaml
 from conftest import BIN, REPO, run_snakemake
 from test_slurm import PROFILE, SLURM_ARGS, slurm_cluster, slurm_jobs  # noqa: F401 - the fixture
 
-from ortflow import checkpoint
+from ortflow.checkpoints import resume, store
 
 PARTITION = "twonodes"
 # 4 ranks on 2 nodes of 2 CPUs: 2 ranks per node. A small MLP and few steps;
@@ -91,7 +91,7 @@ def train_job(workdir: Path) -> tuple[dict, list[dict]]:
 
 
 def final_weights(train_dir: Path) -> dict[str, np.ndarray]:
-    return checkpoint.load_parameters(checkpoint.latest(train_dir / "checkpoints").path)
+    return store.load_parameters(resume.latest(train_dir / "checkpoints").path)
 
 
 def full_config(overrides: dict) -> dict:
@@ -120,7 +120,7 @@ def test_shards_written_on_two_nodes_form_one_checkpoint(two_node_run):
     workdir, _ = two_node_run
     folder = workdir / TRAIN_DIR / "checkpoints" / "step-00000030"
     # read_checkpoint checks every shard against the manifest (sizes, digests, step).
-    read = checkpoint.read_checkpoint(folder)
+    read = store.read_checkpoint(folder)
     assert read.manifest["world_size"] == 4
     assert sorted(p.name for p in folder.glob("shard-*")) == [f"shard-0000{r}-of-00004.h5" for r in range(4)]
     assert json.loads((workdir / TRAIN_DIR / "metrics.json").read_text())["steps"] == 30

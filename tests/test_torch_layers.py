@@ -17,13 +17,14 @@ import pytest
 import torch
 from onnxruntime.training.api import CheckpointState, Module
 
-from ortflow import checkpoint, cli
+from ortflow import cli
+from ortflow.checkpoints import store
 from ortflow.artifacts import Artifacts
 from ortflow import config as config_mod
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.evaluation import feeds, outputs_of
-from ortflow.models import graphs
+from ortflow import build_artifacts
 from ortflow.sessions import inference_session
 from torch_layers import LayerNet, key_bias
 from torch_reference import load_initial, train_like_ortflow, with_weights
@@ -120,7 +121,7 @@ def test_short_training_equals_pytorch_and_export_equals_eval_graph(layer, token
     run_ortflow(config, tokens, tmp_path)
     history = json.loads((tmp_path / "train/metrics.json").read_text())["history"]["train"]
     losses = [entry["loss"] for entry in history]
-    trained = checkpoint.load_parameters_file(tmp_path / "checkpoint/checkpoint")
+    trained = store.load_parameters_file(tmp_path / "checkpoint/checkpoint")
     torch_losses, torch_trained = train_like_ortflow(load_initial(LayerNet(layer), tmp_path / "artifacts"), config,
                                                      tokens / "train")
     assert len(losses) == len(torch_losses) == config["train"]["steps"]
@@ -175,6 +176,6 @@ def nonzero_padding_row() -> Bag:
 ], ids=["scale_grad_by_freq", "functional_scale_grad_by_freq", "nonzero_padding_row"])
 def test_embedding_that_cannot_train_as_in_torch_is_refused_in_one_line(module, message, tmp_path):
     with pytest.raises(ModelError) as error:
-        graphs.export_torch(module(), {"features": [{"name": "ids", "dtype": "int64", "shape": [TIME]}]},
+        build_artifacts.export_torch(module(), {"features": [{"name": "ids", "dtype": "int64", "shape": [TIME]}]},
                             tmp_path / "model.onnx")
     assert str(error.value) == message

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import run_snakemake
-from ortflow import checkpoint
+from ortflow.checkpoints import resume, store
 
 SHORT = {"train": {"steps": 30, "log_every": 5, "eval_every": 15, "checkpoint_every": 10}}
 
@@ -69,7 +69,7 @@ def test_keeps_the_last_checkpoints(default_run):
 
 
 def _final_parameters(workdir: Path) -> dict:
-    return checkpoint.load_parameters(checkpoint.latest(workdir / "results/digits/train/checkpoints").path)
+    return store.load_parameters(resume.latest(workdir / "results/digits/train/checkpoints").path)
 
 
 def test_world_size_and_accumulation_are_equivalent(digits_workdir, tmp_path):
@@ -107,7 +107,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(digits_workdir):
     assert result.returncode != 0
     assert "non-finite loss nan" in _log(workdir) and "at step 13" in _log(workdir)
     assert "the last good checkpoint, " in _log(workdir) and "step-00000010, is kept" in _log(workdir)
-    assert checkpoint.latest(workdir / "results/digits/train/checkpoints").step == 10
+    assert resume.latest(workdir / "results/digits/train/checkpoints").step == 10
 
 
 def test_corrupt_shard_stops_before_the_first_step(digits_workdir):

@@ -19,7 +19,7 @@ import torch
 
 from conftest import run_snakemake
 from ortflow.errors import ModelError
-from ortflow.models import graphs
+from ortflow import build_artifacts
 
 TESTS = Path(__file__).resolve().parent
 FEATURE = [{"name": "x", "dtype": "float32", "shape": [6]}]
@@ -27,7 +27,7 @@ FEATURE = [{"name": "x", "dtype": "float32", "shape": [6]}]
 
 def _export(module, features, tmp_path) -> onnx.ModelProto:
     path = tmp_path / "model.onnx"
-    graphs.export_torch(module, {"features": features}, path)
+    build_artifacts.export_torch(module, {"features": features}, path)
     return onnx.load(str(path))
 
 

@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from ortflow import config as config_mod
-from ortflow.data.prepare import prepare
+from ortflow.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.models import built_in, graphs
 from ortflow.errors import TrainingError
-from ortflow.train import gradients, loop, weight_decay
-from ortflow.train.running_stats import RunningStats
-from ortflow.train.stop import StopRequest
-from ortflow.train.weight_decay import WeightDecay, is_excluded
+from ortflow.training import gradients, trainer, weight_decay
+from ortflow.training.running_stats import RunningStats
+from ortflow.training.stop import StopRequest
+from ortflow.training.weight_decay import WeightDecay, is_excluded
 
 MODEL = {"kind": "gpt", "layers": 1, "heads": 2, "width": 8}
 WEIGHT_DECAY = 0.1
@@ -95,9 +95,9 @@ def open_training(artifacts: Path, description: dict, name: str = "adamw"):
     from onnxruntime.training import api
 
     state = api.CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
-    module, optimizer = loop.open_sessions(artifacts, state, "cpu", 1)
+    module, optimizer = trainer.open_sessions(artifacts, state, "cpu", 1)
     module.train()
-    shapes = {parameter: state.parameters[parameter].data.shape for parameter in loop.trainable(state)}
+    shapes = {parameter: state.parameters[parameter].data.shape for parameter in trainer.trainable(state)}
     decay = WeightDecay(state, np, shapes, description["embeddings"], settings(name)["train"]["optimizer"])
     return state, module, optimizer, decay
 
@@ -146,7 +146,7 @@ def test_training_steps_equal_torch_with_two_parameter_groups(built, train_dir, 
         decay.not_decayed)
     model, parameters, torch_optimizer = torch_training(train_dir, state, decay, kind)
     reader = ShardReader(train_dir)
-    feed = loop.feeder(module.input_names(), "y", reader.label_name)
+    feed = trainer.feeder(module.input_names(), "y", reader.label_name)
     train_cfg = {"grad_accum_steps": 1, "clip_grad_norm": None}
     # The model has no BatchNorm: no running statistics among the Module's outputs.
     sessions = SimpleNamespace(module=module, optimizer=optimizer,
@@ -154,7 +154,7 @@ def test_training_steps_equal_torch_with_two_parameter_groups(built, train_dir, 
     worst = 0.0
     for step, lr in enumerate(RATES):
         batch = reader.gather(np.arange(8 * step, 8 * step + 8))
-        loss, _, _ = loop.train_step(step, OneRank(), sessions, state, [batch], feed, train_cfg,
+        loss, _, _ = trainer.train_step(step, OneRank(), sessions, state, [batch], feed, train_cfg,
                                      StopRequest(), 0, decay, lr)
         torch_loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(batch["x"])), torch.from_numpy(batch["y"]))
         torch_optimizer.zero_grad()
@@ -172,11 +172,11 @@ def test_training_steps_equal_torch_with_two_parameter_groups(built, train_dir, 
 def test_with_zero_gradients_only_the_decayed_parameters_shrink_by_exactly_one_minus_lr_wd_per_step(built):
     artifacts, description = built["adamw"]
     state, module, optimizer, decay = open_training(artifacts, description)
-    before = {name: state.parameters[name].data.copy() for name in loop.trainable(state)}  # .data is a live view
+    before = {name: state.parameters[name].data.copy() for name in trainer.trainable(state)}  # .data is a live view
     module(*[np.zeros((2, 8), np.int64)] * 2)  # gradient buffers exist after a first backward
     factor = np.float32(1 - RATES[0] * WEIGHT_DECAY)  # torch rounds 1 - lr * wd to the parameters' dtype
     for _ in range(3):
-        for g in gradients.gradients(state, loop.trainable(state), np):
+        for g in gradients.gradients(state, trainer.trainable(state), np):
             g[...] = 0.0  # Adam's update of a zero gradient is zero: what changes is the decay alone
         optimizer.set_learning_rate(RATES[0])
         decay.apply(RATES[0])
@@ -202,13 +202,13 @@ def test_the_groups_are_logged_and_artifacts_without_embeddings_are_refused(buil
     state = api.CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
     optimizer = settings()["train"]["optimizer"]
     with caplog.at_level(logging.INFO, logger="ortflow.train"):
-        weight_decay.for_run(state, loop.trainable(state), description, optimizer, np)
+        weight_decay.for_run(state, trainer.trainable(state), description, optimizer, np)
     assert caplog.messages == [
         "weight decay 0.1 on 4 parameter tensors (blocks.0.attn.proj.weight, blocks.0.attn.qkv.weight, "
         "blocks.0.mlp.0.weight, blocks.0.mlp.2.weight); none on 12 (train.optimizer.no_decay: "
         "blocks.0.attn.proj.bias, blocks.0.attn.qkv.bias, blocks.0.ln1.bias, blocks.0.ln1.weight, ... (8 more))"]
     older = {key: value for key, value in description.items() if key != "embeddings"}
     with pytest.raises(TrainingError) as error:
-        weight_decay.for_run(state, loop.trainable(state), older, optimizer, np)
+        weight_decay.for_run(state, trainer.trainable(state), older, optimizer, np)
     assert str(error.value) == ("the artifacts' model.json names no embeddings (built by an older ortflow), which "
                                 "train.optimizer.no_decay's <embedding> needs; rebuild them (--forcerun build_artifacts)")

@@ -19,14 +19,14 @@ from . import storage
 from .errors import OrtflowError
 
 COMMANDS = {
-    "prepare-data": "ortflow.data.prepare",
-    "shards-to-pb": "ortflow.data.pb",
-    "build-artifacts": "ortflow.models.graphs",
+    "prepare-data": "ortflow.prepare_data",
+    "shards-to-pb": "ortflow.shards_to_pb",
+    "build-artifacts": "ortflow.build_artifacts",
     "doctor": "ortflow.doctor",
-    "train": "ortflow.train.launch",
-    "export-model": "ortflow.export",
-    "quantize-model": "ortflow.quantize",
-    "checkpoint": "ortflow.checkpoint",
+    "train": "ortflow.train",
+    "export-model": "ortflow.export_model",
+    "quantize-model": "ortflow.quantize_model",
+    "checkpoint": "ortflow.merge_checkpoint",
     "report": "ortflow.report",
 }
 

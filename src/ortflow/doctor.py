@@ -24,7 +24,7 @@ from .preflight import (
     FAIL, OK, SKIP, WARN, Check, check_disk, check_launcher, check_onnxruntime_distributions, check_training_import,
     check_world_size, cuda_checks, host_cores, installed_distributions, requirement,
 )
-from .train.launch import ROOT_ENV, launcher_command, launcher_env
+from .train import ROOT_ENV, launcher_command, launcher_env
 
 log = logging.getLogger("ortflow.doctor")
 
@@ -103,7 +103,7 @@ def rank_check(heartbeats: Path, timeout_s: float, nccl: bool) -> None:
     the outcome."""
     import numpy as np
 
-    from .train import comm as comm_mod
+    from .training import comm as comm_mod
 
     comm = comm_mod.MPIComm(heartbeats, timeout_s)
     rank, size = comm.rank, comm.world_size
@@ -131,7 +131,7 @@ def nccl_check(comm_mod, mpi, heartbeats: Path, timeout_s: float, expected: floa
     try:
         import onnxruntime
 
-        from .train.gradients import live_arrays
+        from .training.gradients import live_arrays
 
         cuda_libraries.preload()  # as a training rank does, before ONNX Runtime loads its CUDA provider
         comm = comm_mod.NCCLComm(heartbeats, timeout_s)

@@ -85,7 +85,7 @@ def plot_training(metrics: dict, config: dict, out_dir: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .train.schedule import learning_rate
+    from .training.schedule import learning_rate
 
     train, evals = metrics["history"]["train"], metrics["history"]["eval"]
     steps = [row["step"] for row in train]

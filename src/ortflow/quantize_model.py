@@ -36,7 +36,7 @@ from .artifacts import Artifacts
 from .errors import ModelError
 from .evaluation import batch_totals, eval_results
 from .sessions import inference_session, quiet_logging
-from .export import input_feeds, loss_of, set_metadata
+from .export_model import input_feeds, loss_of, set_metadata
 
 log = logging.getLogger("ortflow.quantize")
 

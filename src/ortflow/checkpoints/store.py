@@ -1,4 +1,4 @@
-"""Sharded checkpoints of a training run: save, resume, merge, reshard, inspect.
+"""The sharded checkpoint format: write a checkpoint from every rank, read and check one.
 
 A checkpoint is a folder `step-XXXXXXXX` (optimizer steps done) under the run's
 `train/checkpoints/`:
@@ -28,8 +28,6 @@ ONNX Runtime reads and writes only its own checkpoint file, a flatbuffer whose
 schema ships in the wheel. Saving writes that file to memory (/dev/shm) and
 reads this rank's part out of it; resuming builds one from the shards. Either
 way the same bytes reach the optimizer, so a resumed run is bit-identical.
-
-    python -m ortflow.checkpoint inspect|merge|reshard ...   (also `ortflow checkpoint ...`)
 """
 
 from __future__ import annotations
@@ -46,34 +44,18 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 
-from . import atomic, checkpoint_checks as checks
-from .artifacts import Artifacts
-from .ort_checkpoint import (
-    CheckpointError,
-    TrainingState,
-    ort_checkpoint_bytes,
-    ort_state,
-    read_ort_checkpoint,
-    training_state,
-)
+from .. import atomic
+from ..artifacts import Artifacts
+from . import checks
+from .ort_format import CheckpointError, TrainingState, read_ort_checkpoint, training_state
 
 log = logging.getLogger("ortflow.checkpoint")
 
-HELP = "inspect, merge or reshard the sharded checkpoints of a run"
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
 HISTORY = "history.json"  # the run's logged metrics up to the checkpoint's step
-META = "meta.json"  # of a merged checkpoint; export reads its step and identity_digest
 FORMAT = "ortflow-checkpoint-shard/1"
 MAX_SHARDS = 99999  # shard names have five digits
-
-
-@dataclass
-class Resume:
-    path: Path  # the checkpoint folder
-    step: int
-    meta: dict  # its manifest
-    checkpoint: Checkpoint | None = field(default=None, repr=False)  # its shards, once read and checked
 
 
 @dataclass
@@ -83,9 +65,6 @@ class Checkpoint:
     path: Path
     manifest: dict
     state: TrainingState = field(repr=False)
-
-
-# --- shards -------------------------------------------------------------------------------------
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -220,17 +199,17 @@ def assemble(parts: list[TrainingState], where: Path) -> TrainingState:
     return TrainingState(parameters, requires_grad, states, first.optimizer, first.properties, first.version)
 
 
-def _write_json(path: Path, obj: dict) -> None:
+def write_json(path: Path, obj: dict) -> None:
     atomic.write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
-def _shard_attrs(checkpoint_id: str, step: int, rank: int, world_size: int, identity: dict, identity_digest: str,
+def shard_attrs(checkpoint_id: str, step: int, rank: int, world_size: int, identity: dict, identity_digest: str,
                  version: int) -> dict:
     return {"format": FORMAT, "checkpoint_id": checkpoint_id, "step": step, "rank": rank, "world_size": world_size,
             "identity": identity, "identity_digest": identity_digest, "ort_checkpoint_version": version}
 
 
-def _write_shard(folder: Path, state: TrainingState, attrs: dict) -> dict:
+def write_shard(folder: Path, state: TrainingState, attrs: dict) -> dict:
     """Write one shard into `folder`; its manifest entry."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -244,7 +223,7 @@ def _write_shard(folder: Path, state: TrainingState, attrs: dict) -> dict:
             "parameters": {n: [start, start + state.parameters[n].size] for n, (_, start) in state.slices.items()}}
 
 
-def _manifest(checkpoint_id: str, step: int, world_size: int, identity: dict, identity_digest: str,
+def new_manifest(checkpoint_id: str, step: int, world_size: int, identity: dict, identity_digest: str,
               properties: dict, shards: list[dict]) -> dict:
     return {"checkpoint_id": checkpoint_id, "step": step, "world_size": world_size, "identity": identity,
             "identity_digest": identity_digest, "properties": properties, "shards": shards}
@@ -258,7 +237,7 @@ def save(root: Path, step: int, state, comm, identity: dict, identity_digest: st
     checkpoint_id = None
     if comm.rank == 0:
         # A folder of this step that is already here is a crashed attempt (or an older run's): replace it.
-        if (final / COMPLETE).exists() and _digest_of(final) != identity_digest:
+        if (final / COMPLETE).exists() and digest_of(final) != identity_digest:
             log.info("replacing checkpoint %s of another training identity", final)
         shutil.rmtree(final, ignore_errors=True)
         final.mkdir(parents=True)
@@ -269,15 +248,15 @@ def save(root: Path, step: int, state, comm, identity: dict, identity_digest: st
         state.properties[key] = value
     full = training_state(state)
     part = full.part(partition(full, comm.world_size)[comm.rank])
-    attrs = _shard_attrs(checkpoint_id, step, comm.rank, comm.world_size, identity, identity_digest, full.version)
-    entries = comm.allgather(_write_shard(final, part, attrs))
+    attrs = shard_attrs(checkpoint_id, step, comm.rank, comm.world_size, identity, identity_digest, full.version)
+    entries = comm.allgather(write_shard(final, part, attrs))
     if comm.rank == 0:
-        manifest = _manifest(checkpoint_id, step, comm.world_size, identity, identity_digest, full.properties, entries)
+        manifest = new_manifest(checkpoint_id, step, comm.world_size, identity, identity_digest, full.properties, entries)
         if history is not None:
             data = (json.dumps(history, allow_nan=False) + "\n").encode()
             atomic.write_bytes(final / HISTORY, data)
             manifest["history"] = {"file": HISTORY, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        _write_json(final / MANIFEST, manifest)
+        write_json(final / MANIFEST, manifest)
         atomic.write_bytes(final / COMPLETE, b"")
         _prune(root, identity_digest, keep)
     return final
@@ -287,7 +266,7 @@ def _prune(root: Path, identity_digest: str, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints of this training identity (those of
     another are left alone); incomplete ones older than those are leftovers of crashes."""
     folders = sorted(p for p in Path(root).glob("step-*") if p.is_dir())
-    ours = [p for p in folders if (p / COMPLETE).exists() and _digest_of(p) == identity_digest]
+    ours = [p for p in folders if (p / COMPLETE).exists() and digest_of(p) == identity_digest]
     kept = ours[-keep:]
     for folder in folders:
         incomplete = not (folder / COMPLETE).exists()
@@ -295,17 +274,14 @@ def _prune(root: Path, identity_digest: str, keep: int) -> None:
             shutil.rmtree(folder, ignore_errors=True)
 
 
-def _digest_of(folder: Path) -> str | None:
+def digest_of(folder: Path) -> str | None:
     try:
         return json.loads((folder / MANIFEST).read_text())["identity_digest"]
     except (OSError, ValueError, KeyError):
         return None
 
 
-# --- reading and checking a checkpoint ----------------------------------------------------------
-
-
-def _manifest_of(path: Path) -> dict:
+def manifest_of(path: Path) -> dict:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path}: not a folder")
@@ -323,7 +299,7 @@ def read_checkpoint(path: Path, model: Path | None = None) -> Checkpoint:
     against the parameters of `model`, an artifacts folder or its initial `checkpoint`
     file, if given) before anything large is read, merged. See checkpoint_checks."""
     path = Path(path)
-    manifest = _manifest_of(path)
+    manifest = manifest_of(path)
     world_size = manifest.get("world_size") if isinstance(manifest, dict) else None
     if not (isinstance(world_size, int) and 1 <= world_size <= MAX_SHARDS):
         raise CheckpointError(f"{path / MANIFEST}: world_size {world_size!r} is not a shard count (1..{MAX_SHARDS})")
@@ -375,106 +351,6 @@ def _refuse_changed_shard(handle, file: Path, manifest: dict, damaged: str) -> N
     raise CheckpointError(damaged)
 
 
-def load_state(resume: Resume, model: Path | None = None):
-    """The CheckpointState to train on from the checkpoint `resume` (any world size),
-    checked against the parameters of `model` (the artifacts) before ONNX Runtime sees it."""
-    return ort_state((resume.checkpoint or read_checkpoint(resume.path, model)).state)
-
-
-def read_history(resume: Resume) -> dict | None:
-    """The metrics logged up to the checkpoint `resume`, checked against its manifest (None if it has none)."""
-    entry = resume.meta.get("history")
-    if not entry:
-        return None
-    file = resume.path / entry["file"]
-    data = file.read_bytes() if file.is_file() else b""
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise CheckpointError(f"{file}: missing or damaged (its checksum does not match {MANIFEST})")
-    return json.loads(data)
-
-
-def find_resume(root: Path, identity: dict, identity_digest: str, resume_from: str | None,
-                steps: int, model: Path | None = None) -> Resume | None:
-    """The checkpoint to resume from: `resume_from` if given (refused if it belongs to
-    another training identity, is damaged or lies beyond `steps`), else the newest
-    intact one of this identity at or before `steps`; damaged ones are skipped with a warning."""
-    if resume_from:
-        manifest = _manifest_of(Path(resume_from))
-        if manifest["identity_digest"] != identity_digest:
-            raise CheckpointError(
-                f"train.resume_from: checkpoint {resume_from} belongs to another training identity; differs: "
-                + ", ".join(_differences(manifest["identity"], identity))
-            )
-        resume = _resume_at(Path(resume_from), identity, identity_digest, steps, model)
-        if isinstance(resume, str):
-            raise CheckpointError(f"train.resume_from: checkpoint {resume_from}: {resume}")
-        return resume
-    for path in sorted(Path(root).glob("step-*"), reverse=True):
-        try:
-            resume = _resume_at(path, identity, identity_digest, steps, model)
-        except CheckpointError as error:
-            log.warning("skipping %s", error)
-            continue
-        if isinstance(resume, str):
-            log.info("skipping checkpoint %s: %s", path, resume)
-            continue
-        return resume
-    return None
-
-
-def _resume_at(path: Path, identity: dict, identity_digest: str, steps: int, model: Path | None) -> Resume | str:
-    """The checkpoint `path`, every file checked, or why it does not belong to this training.
-    Raises CheckpointError if it is incomplete or damaged."""
-    manifest = _manifest_of(path)
-    if manifest["identity_digest"] != identity_digest:
-        return f"another training identity ({', '.join(_differences(manifest['identity'], identity))})"
-    if manifest["step"] > steps:
-        return f"step {manifest['step']} is beyond train.steps {steps}"
-    resume = Resume(path, manifest["step"], manifest, read_checkpoint(path, model))
-    read_history(resume)  # checked now, so that a damaged one is skipped like a damaged shard
-    return resume
-
-
-def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
-    out = []
-    for key in sorted(set(old) | set(new)):
-        a, b = old.get(key), new.get(key)
-        if isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(a, b, f"{prefix}{key}.")
-        elif a != b:
-            out.append(f"{prefix}{key}: {a!r} in the checkpoint, {b!r} now")
-    return out
-
-
-def latest(root: Path, identity_digest: str | None = None) -> Resume:
-    """The newest complete checkpoint under `root` (of this training identity, if given)."""
-    for path in sorted(Path(root).glob("step-*"), reverse=True):
-        if (path / COMPLETE).exists() and identity_digest in (None, _digest_of(path)):
-            manifest = _manifest_of(path)
-            return Resume(path, manifest["step"], manifest)
-    of = f" of training identity {identity_digest}" if identity_digest else ""
-    raise CheckpointError(f"no complete checkpoint{of} under {root}")
-
-
-def _checkpoint_folder(path: Path, identity_digest: str | None = None) -> Path:
-    """A checkpoint folder as given, or the newest complete one of a checkpoints root."""
-    path = Path(path)
-    if (path / MANIFEST).exists() or path.name.startswith("step-"):
-        return path
-    return latest(path, identity_digest).path
-
-
-def _model_of(folder: Path, model: Path | None) -> Path | None:
-    """The model to check a checkpoint against: `model` if given, else the artifacts of
-    the run the checkpoint folder belongs to (results/<run>/train/checkpoints/step-X
-    -> results/<run>/artifacts), if they are there."""
-    if model is not None:
-        return Path(model)
-    artifacts = folder.parent.parent.parent / "artifacts"
-    in_a_run = folder.parent.name == "checkpoints" and folder.parent.parent.name == "train"
-    return artifacts if in_a_run and Artifacts(artifacts).checkpoint.is_file() else None
-
-
 def load_parameters(path: Path) -> dict:
     """{name: array} of every parameter of the checkpoint folder `path`."""
     return read_checkpoint(Path(path)).state.parameters
@@ -484,144 +360,3 @@ def load_parameters_file(path: Path) -> dict:
     """{name: array} of every parameter of an ONNX Runtime checkpoint file."""
     return {name: array.copy() for name, array in read_ort_checkpoint(path).parameters.items()}
 
-
-# --- merge, reshard, inspect --------------------------------------------------------------------
-
-
-def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model: Path | None = None) -> Path:
-    """Merge a checkpoint (a folder, or the newest complete one under a checkpoints root,
-    of the training identity `identity_digest` if given) into `out_dir`: `checkpoint`
-    (ONNX Runtime's format, with optimizer state), `checkpoint.h5` (every shard in one)
-    and `meta.json`."""
-    folder = _checkpoint_folder(source, identity_digest)
-    checkpoint = read_checkpoint(folder, _model_of(folder, model))
-    manifest = checkpoint.manifest
-    attrs = _shard_attrs(manifest["checkpoint_id"], manifest["step"], 0, 1, manifest["identity"],
-                         manifest["identity_digest"], checkpoint.state.version)
-    state = checkpoint.state
-    meta = {key: manifest[key] for key in ("checkpoint_id", "step", "world_size", "identity", "identity_digest",
-                                           "properties")}
-    out_dir = Path(out_dir)
-    with atomic.folder(out_dir) as tmp:
-        (tmp / "checkpoint").write_bytes(ort_checkpoint_bytes(checkpoint.state))
-        (tmp / "checkpoint.h5").write_bytes(shard_bytes(state.part(partition(state, 1)[0]), attrs))
-        (tmp / META).write_text(json.dumps({**meta, "merged_from": str(checkpoint.path)}, indent=2,
-                                           sort_keys=True) + "\n")
-    log.info("merged %s (%d shards, step %d) -> %s", checkpoint.path, manifest["world_size"], manifest["step"], out_dir)
-    return out_dir
-
-
-def reshard(source: Path, out_dir: Path, world_size: int, model: Path | None = None) -> Path:
-    """Write a checkpoint as a checkpoint folder of `world_size` shards (training can
-    resume from any world size anyway; this is for tools that want the other layout)."""
-    folder = _checkpoint_folder(source)
-    checkpoint = read_checkpoint(folder, _model_of(folder, model))
-    manifest, state = checkpoint.manifest, checkpoint.state
-    out_dir = Path(out_dir)
-    with atomic.folder(out_dir) as tmp:
-        entries = []
-        for rank, ranges in enumerate(partition(state, world_size)):
-            attrs = _shard_attrs(manifest["checkpoint_id"], manifest["step"], rank, world_size,
-                                 manifest["identity"], manifest["identity_digest"], state.version)
-            entries.append(_write_shard(tmp, state.part(ranges), attrs))
-        _write_json(tmp / MANIFEST, _manifest(manifest["checkpoint_id"], manifest["step"], world_size,
-                                              manifest["identity"], manifest["identity_digest"],
-                                              manifest["properties"], entries))
-        atomic.write_bytes(tmp / COMPLETE, b"")
-    log.info("resharded %s (%d shards) -> %s (%d shards)", checkpoint.path, manifest["world_size"], out_dir,
-             world_size)
-    return out_dir
-
-
-def inspect(source: Path, model: Path | None = None) -> str:
-    """A readable summary of a checkpoint, after checking every shard."""
-    from tabulate import tabulate
-
-    folder = _checkpoint_folder(source)
-    model = _model_of(folder, model)
-    checkpoint = read_checkpoint(folder, model)
-    manifest, state = checkpoint.manifest, checkpoint.state
-    where: dict[str, list[str]] = {}
-    for entry in manifest["shards"]:
-        for name in entry["parameters"]:
-            where.setdefault(name, []).append(entry["file"])
-    rows = [(name, "x".join(map(str, state.parameters[name].shape)) or "scalar", str(state.parameters[name].dtype),
-             "yes" if state.requires_grad[name] else "frozen", ", ".join(sorted(state.optimizer_states.get(name, {}))),
-             ", ".join(where[name])) for name in sorted(state.parameters)]
-    shards = [(e["file"], e["bytes"], e["sha256"][:16], len(e["parameters"])) for e in manifest["shards"]]
-    return "\n".join([
-        f"checkpoint {checkpoint.path}: step {manifest['step']}, {manifest['world_size']} shards (checksums verified)",
-        "checked: shards named in manifest.json as plain files of the folder, regular files (no links) of the "
-        "listed sizes; their sha256; every dataset a flat float array stored in its shard, of the listed length; "
-        "each parameter's shape covered exactly by its shards",
-        f"checked against the model {model}: parameter names, shapes, dtypes, trainable flags, optimizer state"
-        if model else "not checked against a model (no artifacts beside the checkpoints; give --artifacts)",
-        f"training identity {manifest['identity_digest']}",
-        f"optimizer {json.dumps(state.optimizer, sort_keys=True)}",
-        f"properties {json.dumps(state.properties, sort_keys=True)}",
-        "",
-        tabulate(shards, headers=["shard", "bytes", "sha256", "parameters"]),
-        "",
-        tabulate(rows, headers=["parameter", "shape", "dtype", "trained", "optimizer state", "shard"]),
-    ])
-
-
-def add_arguments(parser) -> None:
-    sub = parser.add_subparsers(dest="action", required=True)
-    source_help = "a checkpoint folder (step-XXXXXXXX), or a checkpoints root (its newest complete checkpoint)"
-    inspect_parser = sub.add_parser("inspect", help="check every shard and list what the checkpoint holds")
-    inspect_parser.add_argument("source", type=Path, help=source_help)
-    model_help = ("the run's artifacts folder (or its initial `checkpoint` file): check the checkpoint's parameter "
-                  "names, shapes and dtypes against the model's; default: results/<run>/artifacts of the run the "
-                  "checkpoint belongs to, if there")
-    inspect_parser.add_argument("--artifacts", type=Path, help=model_help)
-    merge_parser = sub.add_parser("merge", help="one ONNX Runtime checkpoint + one HDF5 file from the shards")
-    merge_parser.add_argument("source", type=Path, help=source_help)
-    merge_parser.add_argument("out", type=Path, help="output folder")
-    merge_parser.add_argument("--artifacts", type=Path, help=model_help)
-    merge_parser.add_argument("--config-json", help="the run's config: take the newest checkpoint of its training "
-                              "identity (a checkpoints root can hold checkpoints of several)")
-    reshard_parser = sub.add_parser("reshard", help="rewrite a checkpoint as N shards")
-    reshard_parser.add_argument("source", type=Path, help=source_help)
-    reshard_parser.add_argument("out", type=Path, help="output checkpoint folder")
-    reshard_parser.add_argument("-n", "--world-size", type=int, required=True, help="number of shards")
-    reshard_parser.add_argument("--artifacts", type=Path, help=model_help)
-
-
-def run(args) -> int:
-    import sys
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    try:
-        if args.action == "inspect":
-            print(inspect(args.source, args.artifacts))
-        elif args.action == "merge":
-            merge(args.source, args.out, _identity_digest(args.config_json), args.artifacts)
-        else:
-            if not 1 <= args.world_size <= MAX_SHARDS:
-                raise CheckpointError(f"reshard: --world-size must be 1..{MAX_SHARDS}, got {args.world_size}")
-            reshard(args.source, args.out, args.world_size, args.artifacts)
-    except CheckpointError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _identity_digest(config_json: str | None) -> str | None:
-    if not config_json:
-        return None
-    from . import config as config_mod
-
-    return config_mod.digest(config_mod.training_identity(config_mod.validate(json.loads(config_json))))
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m ortflow.checkpoint", description=HELP)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -28,11 +28,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import atomic
-from ..artifacts import Artifacts
-from ..errors import MissingInputError, ModelError
-from ..sessions import quiet_logging
-from . import CLASS_LOSSES, LOGITS, batchnorm
+from . import atomic
+from .artifacts import Artifacts
+from .errors import MissingInputError, ModelError
+from .sessions import quiet_logging
+from .models import CLASS_LOSSES, LOGITS, batchnorm
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -74,7 +74,7 @@ def export_torch(module, manifest: dict, path: Path) -> None:
     import onnx
     import torch
 
-    from . import export_fixes
+    from .models import export_fixes
 
     export_fixes.register_symbolics(OPSET)
     export_fixes.check_embeddings(module)
@@ -111,7 +111,7 @@ def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
     import onnx
     import torch
 
-    from . import built_in, user
+    from .models import built_in, user
 
     if model["kind"] == "onnx":
         base = user.load_onnx(model["path"])
@@ -199,7 +199,7 @@ def loss_block(loss: str, label: dict):
     import onnx
     from onnxruntime.training import onnxblock
 
-    from . import losses
+    from .models import losses
 
     class LabelledLoss(onnxblock.Block):
         def __init__(self):
@@ -290,7 +290,7 @@ def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
     whose output does not fit the loss fails here, not on the training ranks."""
     from onnxruntime.training import api
 
-    from ..data.shards import ShardReader
+    from .data.shards import ShardReader
 
     quiet_logging()
     reader = ShardReader(train_dir, verify=False)
@@ -434,7 +434,7 @@ HELP = "export or load the model and build its training, eval and optimizer grap
 
 
 def add_arguments(parser) -> None:
-    from ..config import add_config_arguments
+    from .config import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--train", required=True, help="the prepared train split (its manifest names the features)")
@@ -442,6 +442,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    from ..config import load_config
+    from .config import load_config
 
     build(load_config(args), Path(args.train), Path(args.out))

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import atomic, checkpoint, config as config_mod, cuda_libraries, storage
+from .. import atomic, config as config_mod, cuda_libraries, storage
 from ..artifacts import Artifacts
+from ..checkpoints import resume as resume_mod, store
 from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
@@ -116,8 +117,8 @@ class Checkpointer:
         return is_time(done, self.every, self.steps)
 
     def find_resume(self, resume_from: str | None, artifacts: Path):
-        """The checkpoint to go on from (see checkpoint.find_resume), or None to start at step 0."""
-        return checkpoint.find_resume(self.root, self.identity, self.identity_digest, resume_from, self.steps,
+        """The checkpoint to go on from (see resume_mod.find_resume), or None to start at step 0."""
+        return resume_mod.find_resume(self.root, self.identity, self.identity_digest, resume_from, self.steps,
                                       artifacts)
 
     def save(self, done: int, state, lr: float, history: dict) -> Path:
@@ -125,7 +126,7 @@ class Checkpointer:
             return self.last[1]
         self.comm.watchdog.beat(done - 1, "checkpoint")
         properties = {"step": done, "lr": lr, "samples_seen": done * self.global_batch}
-        folder = checkpoint.save(self.root, done, state, self.comm, self.identity, self.identity_digest,
+        folder = store.save(self.root, done, state, self.comm, self.identity, self.identity_digest,
                                  properties, self.keep, strict(history))
         self.last = (done, folder)
         return folder
@@ -189,7 +190,7 @@ def train(config: dict, train_dir: Path, eval_dir: Path, artifacts: Path, out_di
     checkpointer = Checkpointer(checkpoints, comm, config_mod.training_identity(config), train_cfg, global_batch)
     resume = checkpointer.find_resume(train_cfg["resume_from"], artifacts)
     start_step = resume.step if resume else 0
-    state = checkpoint.load_state(resume, artifacts) if resume else initial_state(artifacts)
+    state = resume_mod.load_state(resume, artifacts) if resume else initial_state(artifacts)
     sessions = Sessions(artifacts, state, comm, train_cfg, profile,
                         info.get("running_stats", {}))  # absent from artifacts built before BatchNorm support
     feed = feeder(sessions.module.input_names(), info["label"]["name"], train_reader.label_name)
@@ -201,7 +202,7 @@ def train(config: dict, train_dir: Path, eval_dir: Path, artifacts: Path, out_di
                  f"resuming at step {start_step} from {resume.path}" if resume else "starting at step 0",
                  sessions.threads)
         log.info("ranks per node: %s", placement)
-    metrics = Metrics(out_dir, rank == 0, start_step, steps, checkpoint.read_history(resume) if resume else None)
+    metrics = Metrics(out_dir, rank == 0, start_step, steps, resume_mod.read_history(resume) if resume else None)
     last_eval: dict = {}
     for step in range(start_step, steps):
         sessions.at_step(step)

@@ -35,7 +35,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from .ort_checkpoint import CheckpointError, TrainingState
+from .ort_format import CheckpointError, TrainingState
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 MAX_DIMS = 32

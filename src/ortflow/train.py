@@ -24,10 +24,10 @@ import sys
 import time
 from pathlib import Path
 
-from .. import atomic, config as config_mod
-from ..errors import ConfigError
-from ..preflight import host_cores, preflight, raise_if_problems
-from .stop import GRACE_S, STOP_SIGNALS, STOPPED
+from . import atomic, config as config_mod
+from .errors import ConfigError
+from .preflight import host_cores, preflight, raise_if_problems
+from .training.stop import GRACE_S, STOP_SIGNALS, STOPPED
 
 HELP = "train the artifacts on the shards with W ranks (mpirun or srun)"
 LOCK = "attempt.lock"  # in the run's train/ folder: held while an attempt runs
@@ -93,7 +93,7 @@ def run(args) -> int:
     start_attempt(args.out, checkpoints, config["train"]["resume_from"])
     mpi = shutil.which(args.mpi) or args.mpi
     command = launcher_command(mpi, world_size, host_cores()) + [
-        sys.executable, "-m", "ortflow.train.loop",
+        sys.executable, "-m", "ortflow.training.trainer",
         "--config-json", json.dumps(config),
         "--train", str(args.train), "--eval", str(args.eval), "--artifacts", str(args.artifacts),
         "--out", str(args.out), "--checkpoints", str(checkpoints),
