@@ -67,7 +67,7 @@ def plain_write(path: Path, data: np.ndarray) -> None:
 def worker(args) -> None:
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
 
-    from ortflow import checkpoint
+    from ortflow.checkpoints import store
     from ortflow.sessions import quiet_logging
     from ortflow.training.comm import MPIComm
 
@@ -86,9 +86,9 @@ def worker(args) -> None:
     for repeat in range(args.repeats):
         comm.barrier()
         started = time.perf_counter()
-        folder = checkpoint.save(root, repeat + 1, state, comm, {"bench": True}, "bench", {"step": repeat + 1}, 1)
+        folder = store.save(root, repeat + 1, state, comm, {"bench": True}, "bench", {"step": repeat + 1}, 1)
         save_s.append(time.perf_counter() - started)
-    shard = folder / checkpoint.shard_name(comm.rank, comm.world_size)
+    shard = folder / store.shard_name(comm.rank, comm.world_size)
     shard_bytes = shard.stat().st_size
     payload = np.random.default_rng(0).integers(0, 255, shard_bytes, dtype=np.uint8)
     for repeat in range(args.repeats):

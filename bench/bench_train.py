@@ -73,6 +73,8 @@ def prepare(workdir: Path, name: str) -> dict:
 def run_ortflow(workdir: Path, config: dict, world_size: int, steps: int, one_core: bool = False) -> float:
     """Steady-state samples/s and FLOP/s of `ortflow train`; `one_core` pins the
     run to one core (the resources of one rank of a 2-rank run)."""
+    from ortflow.training.run_folder import TrainFolder
+
     name = config["run"]["name"]
     config = json.loads(json.dumps(config))
     config["train"].update(world_size=world_size, steps=steps)
@@ -81,10 +83,9 @@ def run_ortflow(workdir: Path, config: dict, world_size: int, steps: int, one_co
     subprocess.run([*pin, "ortflow", "train", "-n", str(world_size), "--config-json", json.dumps(config),
                     "--train", str(workdir / f"results/{name}/data/train"),
                     "--eval", str(workdir / f"results/{name}/data/eval"),
-                    "--artifacts", str(workdir / f"results/{name}/artifacts"), "--out", str(out),
-                    "--metrics", str(out / "metrics.json")],
+                    "--artifacts", str(workdir / f"results/{name}/artifacts"), "--out", str(out)],
                    check=True, cwd=workdir, stderr=subprocess.DEVNULL)
-    metrics = json.loads((out / "metrics.json").read_text())
+    metrics = json.loads(TrainFolder(out).metrics.read_text())
     subprocess.run(["rm", "-rf", str(out)], check=True)
     return metrics["samples_per_s"], metrics["flops_per_s"]
 

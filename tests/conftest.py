@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,10 +18,16 @@ BIN = Path(sys.executable).parent
 os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
 
 
-def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, timeout: int = 900):
+def fault(step: int, rank: int, mode: str) -> dict:
+    """The environment that breaks rank `rank` at step `step` (ortflow.training.faults)."""
+    return {"ORTFLOW_FAULT": json.dumps({"step": step, "rank": rank, "mode": mode})}
+
+
+def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, timeout: int = 900,
+                  env: dict | None = None):
     """Run the repository's Snakefile in `workdir` with `config` layered over
-    config/config.yaml. Returns the CompletedProcess; its output is kept for
-    assertions and shown when `check` fails."""
+    config/config.yaml, and `env` added to the environment. Returns the
+    CompletedProcess; its output is kept for assertions and shown when `check` fails."""
     workdir.mkdir(parents=True, exist_ok=True)
     configfile = workdir / "test-config.yaml"
     configfile.write_text(yaml.safe_dump(config))
@@ -32,7 +39,7 @@ def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, t
         "--cores", "2",
         *args,
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
     if check and result.returncode != 0:
         logs = "\n".join(f"--- {p}\n{p.read_text()[-4000:]}" for p in sorted(workdir.glob("logs/**/*.log")))
         pytest.fail(f"snakemake failed ({result.returncode}):\n{result.stderr[-6000:]}\n{logs}")

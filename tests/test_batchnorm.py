@@ -110,8 +110,10 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
     torch's module in eval mode. `onnx`: the module as an ONNX file exported in
     eval mode, whose BatchNorms ortflow switches to training mode."""
     from ortflow import export_model
-    from ortflow.training import trainer
+    from ortflow.artifacts import Artifacts
+    from ortflow.training.run_folder import TrainFolder
     from ortflow.training.stop import StopRequest
+    from ortflow.training.trainer import Trainer
 
     monkeypatch.syspath_prepend(str(TESTS))
     cfg = config(model, accumulate)
@@ -122,8 +124,7 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
     artifacts, out = tmp_path / "artifacts", tmp_path / "train"
     description = build_artifacts.build(cfg, digits / "train", artifacts)
     assert len(description["running_stats"]) == {"BatchNormCNN": 6, "BatchNormMLP": 2}[model]
-    trainer.train(cfg, digits / "train", digits / "eval", artifacts, out, out / "checkpoints", out / "profile",
-               StopRequest())
+    Trainer(cfg, digits / "train", digits / "eval", Artifacts(artifacts), TrainFolder(out), StopRequest()).run()
 
     initial = store.load_parameters_file(artifacts / "checkpoint")
     for name in description["running_stats"].values():  # not moved by the export
@@ -176,8 +177,10 @@ def test_dropout_repeats_and_resumes_bit_for_bit(digits, tmp_path, monkeypatch):
     """Dropout's masks depend on the seed, step, rank and micro-batch only: a
     second run repeats the first exactly, and a run resumed from its step-2
     checkpoint ends with the same bytes; another seed drops differently."""
-    from ortflow.training import trainer
+    from ortflow.artifacts import Artifacts
+    from ortflow.training.run_folder import TrainFolder
     from ortflow.training.stop import StopRequest
+    from ortflow.training.trainer import Trainer
 
     monkeypatch.syspath_prepend(str(TESTS))
     cfg = config("BatchNormMLP", dropout=0.5)
@@ -185,8 +188,8 @@ def test_dropout_repeats_and_resumes_bit_for_bit(digits, tmp_path, monkeypatch):
     build_artifacts.build(cfg, digits / "train", tmp_path / "artifacts")
 
     def final(out: Path, config: dict) -> dict:
-        trainer.train(config, digits / "train", digits / "eval", tmp_path / "artifacts", out, out / "checkpoints",
-                   out / "profile", StopRequest())
+        Trainer(config, digits / "train", digits / "eval", Artifacts(tmp_path / "artifacts"), TrainFolder(out),
+                StopRequest()).run()
         return store.read_checkpoint(store.step_dir(out / "checkpoints", 4)).state.parameters
 
     first = final(tmp_path / "first", cfg)
@@ -269,7 +272,7 @@ def test_ranks_end_each_step_with_the_mean_of_their_statistics(tmp_path):
         tmp_path,
         "import numpy as np\n"
         "from types import SimpleNamespace as NS\n"
-        "from ortflow.train import comm\n"
+        "from ortflow.training import comm\n"
         "from ortflow.training.running_stats import RunningStats\n"
         f"c = comm.MPIComm({str(tmp_path / 'hb')!r}, 30)\n"
         "arrays = {'bn.running_mean': np.zeros(3, np.float32), 'bn.running_var': np.ones(3, np.float32)}\n"

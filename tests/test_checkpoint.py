@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_snakemake
+from conftest import fault, run_snakemake
 from ortflow import config as config_mod, ort_checkpoint
 from ortflow.checkpoints.ort_format import CheckpointError
 from ortflow.checkpoints import resume, store
@@ -185,9 +185,10 @@ def _rank_process(workdir: Path, rank: int):
 def _stalled_at_step_25(workdir: Path) -> tuple[threading.Thread, dict]:
     """Start `snakemake train` in `workdir`; return once rank 1 waits at step 25 (after
     the checkpoint of step 20) until it is killed or asked to stop."""
-    stall = _config(fail_at_step={"step": 25, "rank": 1, "mode": "stall"}, collective_timeout_s=600)
+    stall = _config(collective_timeout_s=600)
     result: dict = {}
-    runner = threading.Thread(target=lambda: result.update(run=run_snakemake(workdir, stall, "train", check=False)))
+    runner = threading.Thread(target=lambda: result.update(
+        run=run_snakemake(workdir, stall, "train", check=False, env=fault(25, 1, "stall"))))
     runner.start()
     heartbeat = workdir / RUN / "train/heartbeat/rank-1.json"
     deadline = time.monotonic() + 240

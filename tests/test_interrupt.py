@@ -17,7 +17,8 @@ from ortflow.checkpoints import resume, store
 from ortflow.checkpoints.ort_format import CheckpointError, TrainingState
 from ortflow import train
 from ortflow.training import stop
-from ortflow.training.trainer import is_time
+from ortflow.training.run_folder import TrainFolder
+from ortflow.training.schedule import is_time
 from ortflow.training.metrics import strict
 
 IDENTITY = {"seed": 1}
@@ -140,26 +141,27 @@ def test_metrics_are_strict_json():
 
 
 def test_rerun_after_a_finished_run_moves_its_checkpoints_aside(tmp_path, capsys):
-    out = tmp_path / "train"
-    (out / "checkpoints" / "step-00000300").mkdir(parents=True)
-    (out / "tensorboard").mkdir()
-    (out / "heartbeat").mkdir()
-    (out / train.FINISHED).write_text("{}")
-    train.start_attempt(out, out / "checkpoints", resume_from=None)
-    assert (out / "previous/checkpoints/step-00000300").is_dir() and (out / "previous/tensorboard").is_dir()
-    assert not (out / "checkpoints").exists() and not (out / train.FINISHED).exists()
-    assert not (out / "heartbeat").exists()
-    assert f"its checkpoints and TensorBoard events are moved to {out / 'previous'}" in capsys.readouterr().err
+    folder = TrainFolder(tmp_path / "train")
+    (folder.checkpoints / "step-00000300").mkdir(parents=True)
+    folder.tensorboard.mkdir()
+    folder.heartbeat.mkdir()
+    folder.finished.write_text("{}")
+    train.start_attempt(folder, resume_from=None)
+    previous = TrainFolder(folder.previous)
+    assert (previous.checkpoints / "step-00000300").is_dir() and previous.tensorboard.is_dir()
+    assert not folder.checkpoints.exists() and not folder.finished.exists()
+    assert not folder.heartbeat.exists()
+    assert f"its checkpoints and TensorBoard events are moved to {folder.previous}" in capsys.readouterr().err
     # After an interrupted run, or with train.resume_from, nothing moves.
-    (out / "checkpoints").mkdir()
-    train.start_attempt(out, out / "checkpoints", resume_from=None)
-    (out / train.FINISHED).write_text("{}")
-    train.start_attempt(out, out / "checkpoints", resume_from=str(out / "checkpoints"))
-    assert (out / "checkpoints").is_dir() and not (out / train.FINISHED).exists()
+    folder.checkpoints.mkdir()
+    train.start_attempt(folder, resume_from=None)
+    folder.finished.write_text("{}")
+    train.start_attempt(folder, resume_from=str(folder.checkpoints))
+    assert folder.checkpoints.is_dir() and not folder.finished.exists()
 
 
 def test_a_second_live_attempt_is_refused_in_one_line(tmp_path, capsys):
-    out = tmp_path / "train"
+    out = TrainFolder(tmp_path / "train")
     first = train.lock_attempt(out)
     assert first is not None
     assert train.lock_attempt(out) is None

@@ -12,7 +12,7 @@ import pytest
 from conftest import run_on_ranks
 from ortflow.errors import DeviceError
 from ortflow import train
-from ortflow.training import comm, gradients, schedule, trainer
+from ortflow.training import comm, engine, gradients, schedule
 
 
 @pytest.mark.parametrize(
@@ -26,7 +26,7 @@ from ortflow.training import comm, gradients, schedule, trainer
     ],
 )
 def test_threads_per_rank(local_size, affinity, environ, expected):
-    assert trainer.threads_per_rank(local_size, affinity, environ) == expected
+    assert engine.threads_per_rank(local_size, affinity, environ) == expected
 
 
 @pytest.mark.parametrize(
@@ -83,7 +83,7 @@ def test_bucketed_allreduce_with_real_ranks(tmp_path):
     result = run_on_ranks(
         tmp_path,
         "import numpy as np, sys\n"
-        "from ortflow.train import comm, gradients\n"
+        "from ortflow.training import comm, gradients\n"
         "gradients.BUCKET_BYTES = 64\n"
         f"c = comm.MPIComm({str(tmp_path / 'hb')!r}, 30)\n"
         "grads = [np.full(n, c.rank + 1, dtype=np.float32) for n in (3, 40, 7, 1)]\n"

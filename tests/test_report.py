@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from chromium import Chromium
-from conftest import run_snakemake
+from conftest import fault, run_snakemake
 from ortflow.report import fmt, quality, run_summary, speedup
 
 # A run other than the default one: its own run.name, from its own --configfile.
@@ -184,10 +184,9 @@ def test_a_failed_stage_shows_its_own_error_last_on_the_console(workdir):
 
 
 def test_a_failed_rank_shows_its_error_above_the_launchers(digits_workdir):
-    failing = {"train": {"steps": 20, "fail_at_step": {"step": 5, "rank": 1, "mode": "raise"}}}
-    result = run_snakemake(digits_workdir, failing, "train", check=False)
+    result = run_snakemake(digits_workdir, {"train": {"steps": 20}}, "train", check=False, env=fault(5, 1, "raise"))
     assert result.returncode != 0
     tail = console_tail(result.stderr)
     assert tail[1] == "ortflow: stage train failed; from logs/digits/train.log:"
-    assert tail[2].endswith("[rank 1] ERROR rank 1 failed: injected failure on rank 1 at step 5 (train.fail_at_step)")
+    assert tail[2].endswith("[rank 1] ERROR rank 1 failed: injected failure on rank 1 at step 5 (ORTFLOW_FAULT)")
     assert tail[3].startswith("  ortflow train: error: the ranks exited with code ")

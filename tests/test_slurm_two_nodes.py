@@ -9,6 +9,7 @@ fail with the setup script's output, they do not skip."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from conftest import BIN, REPO, run_snakemake
+from conftest import BIN, REPO, fault, run_snakemake
 from test_slurm import PROFILE, SLURM_ARGS, slurm_cluster, slurm_jobs  # noqa: F401 - the fixture
 
 from ortflow.checkpoints import resume, store
@@ -193,10 +194,10 @@ def test_a_failed_node_ends_the_job_and_the_rerun_on_the_other_resumes(
     uninterrupted run."""
     workdir = workdir_with_inputs(inputs, tmp_path / "work")
     train_dir = workdir / TRAIN_DIR
-    config = with_train(fail_at_step={"step": 15, "rank": 2, "mode": "stall"}, collective_timeout_s=10)
+    config = with_train(collective_timeout_s=10)
     # The profile's retry would ask for 2 nodes again (excluding the failed
     # ones): this partition has no others, and the job would wait forever.
-    run = start_snakemake(workdir, config, two_node_profile, "--retries", "0")
+    run = start_snakemake(workdir, config, two_node_profile, "--retries", "0", env=fault(15, 2, "stall"))
     try:
         wait_for("rank 2 at step 15", lambda: heartbeat(train_dir, 2).get("step") == 15)
         assert (train_dir / "checkpoints" / "step-00000010" / "COMPLETE").exists()
@@ -224,14 +225,15 @@ def test_a_failed_node_ends_the_job_and_the_rerun_on_the_other_resumes(
     assert difference <= REDUCTION_ORDER_TOLERANCE, difference
 
 
-def start_snakemake(workdir: Path, config: dict, profile: Path, *args: str) -> subprocess.Popen:
-    """`train` through `profile`, in the background: the test acts while it runs."""
+def start_snakemake(workdir: Path, config: dict, profile: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    """`train` through `profile`, in the background, with `env` added to the
+    environment (sbatch passes it on to the job): the test acts while it runs."""
     configfile = workdir / "test-config.yaml"
     configfile.write_text(yaml.safe_dump(config))
     return subprocess.Popen(
         [str(BIN / "snakemake"), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
          "--configfile", str(configfile), "--cores", "2", "train", *slurm_args(profile), *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
     )
 
 
@@ -251,8 +253,7 @@ def test_a_job_stopped_by_a_signal_comes_back_and_resumes(two_node_run, two_node
     assert shipped["retries"] >= 1 and "--signal=USR1@" in shipped["set-resources"]["train"]["slurm_extra"]
     workdir = workdir_with_inputs(inputs, tmp_path / "work")
     train_dir = workdir / TRAIN_DIR
-    config = with_train(fail_at_step={"step": 15, "rank": 2, "mode": "stall"})
-    run = start_snakemake(workdir, config, two_node_profile)
+    run = start_snakemake(workdir, CONFIG, two_node_profile, env=fault(15, 2, "stall"))
     try:
         wait_for("rank 2 at step 15", lambda: heartbeat(train_dir, 2).get("step") == 15)
         job_id = subprocess.run(["squeue", "-h", "-p", PARTITION, "-t", "RUNNING", "-o", "%i"],

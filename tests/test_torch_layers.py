@@ -24,6 +24,7 @@ from ortflow import config as config_mod
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.evaluation import feeds, outputs_of
+from ortflow.training.run_folder import TrainFolder
 from ortflow import build_artifacts
 from ortflow.sessions import inference_session
 from torch_layers import LayerNet, key_bias
@@ -72,12 +73,11 @@ def run_ortflow(config: dict, data: Path, out: Path) -> None:
     assert cli.main(["build-artifacts", *arguments, "--train", str(data / "train"), "--out", artifacts]) == 0
     train = subprocess.run(
         [sys.executable, "-m", "ortflow.cli", "train", "-n", "1", *arguments, "--train", str(data / "train"),
-         "--eval", str(data / "eval"), "--artifacts", artifacts, "--out", str(out / "train"),
-         "--checkpoints", str(out / "train/checkpoints"), "--metrics", str(out / "train/metrics.json")],
+         "--eval", str(data / "eval"), "--artifacts", artifacts, "--out", str(out / "train")],
         capture_output=True, text=True,
     )
     assert train.returncode == 0, train.stderr[-4000:]
-    assert cli.main(["checkpoint", "merge", str(out / "train/checkpoints"), str(out / "checkpoint"), "--artifacts",
+    assert cli.main(["checkpoint", "merge", str(TrainFolder(out / "train").checkpoints), str(out / "checkpoint"), "--artifacts",
                      artifacts, *arguments]) == 0
     assert cli.main(["export-model", *arguments, "--artifacts", artifacts, "--checkpoint", str(out / "checkpoint"),
                      "--eval", str(data / "eval"), "--out", str(out / "model.onnx")]) == 0

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_snakemake
+from conftest import fault, run_snakemake
 from ortflow.checkpoints import resume, store
 
 SHORT = {"train": {"steps": 30, "log_every": 5, "eval_every": 15, "checkpoint_every": 10}}
@@ -90,9 +90,7 @@ def test_world_size_and_accumulation_are_equivalent(digits_workdir, tmp_path):
 
 def test_failing_rank_ends_the_job(digits_workdir):
     workdir = digits_workdir
-    fault = {"step": 5, "rank": 1, "mode": "raise"}
-    result = run_snakemake(workdir, {"train": {**SHORT["train"], "fail_at_step": fault}}, "train",
-                           check=False, timeout=180)
+    result = run_snakemake(workdir, SHORT, "train", check=False, timeout=180, env=fault(5, 1, "raise"))
     assert result.returncode != 0
     log = _log(workdir)
     assert "injected failure on rank 1 at step 5" in log
@@ -102,8 +100,7 @@ def test_failing_rank_ends_the_job(digits_workdir):
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(digits_workdir):
     workdir = digits_workdir
-    fault = {"step": 12, "rank": 0, "mode": "nan"}
-    result = run_snakemake(workdir, {"train": {**SHORT["train"], "fail_at_step": fault}}, "train", check=False)
+    result = run_snakemake(workdir, SHORT, "train", check=False, env=fault(12, 0, "nan"))
     assert result.returncode != 0
     assert "non-finite loss nan" in _log(workdir) and "at step 13" in _log(workdir)
     assert "the last good checkpoint, " in _log(workdir) and "step-00000010, is kept" in _log(workdir)
@@ -125,9 +122,8 @@ def test_corrupt_shard_stops_before_the_first_step(digits_workdir):
 
 def test_watchdog_names_the_stalled_rank(digits_workdir):
     workdir = digits_workdir
-    fault = {"step": 3, "rank": 1, "mode": "stall"}
-    config = {"train": {**SHORT["train"], "fail_at_step": fault, "collective_timeout_s": 4}}
-    result = run_snakemake(workdir, config, "train", check=False, timeout=180)
+    config = {"train": {**SHORT["train"], "collective_timeout_s": 4}}
+    result = run_snakemake(workdir, config, "train", check=False, timeout=180, env=fault(3, 1, "stall"))
     assert result.returncode != 0
     log = _log(workdir)
     assert "did not finish within train.collective_timeout_s=4s" in log

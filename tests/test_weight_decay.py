@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,11 +17,14 @@ import torch
 from ortflow import config as config_mod
 from ortflow.prepare_data import prepare
 from ortflow.data.shards import ShardReader
-from ortflow.models import built_in, graphs
+from ortflow import build_artifacts
+from ortflow.models import built_in
 from ortflow.errors import TrainingError
-from ortflow.training import gradients, trainer, weight_decay
-from ortflow.training.running_stats import RunningStats
+from ortflow.artifacts import Artifacts
+from ortflow.training import engine, gradients, weight_decay
+from ortflow.training.run_folder import TrainFolder
 from ortflow.training.stop import StopRequest
+from ortflow.training.trainer import Trainer
 from ortflow.training.weight_decay import WeightDecay, is_excluded
 
 MODEL = {"kind": "gpt", "layers": 1, "heads": 2, "width": 8}
@@ -53,7 +55,7 @@ def built(train_dir, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     found = {}
     for optimizer in ("adamw", "sgd"):
         out = tmp_path_factory.mktemp(optimizer) / "artifacts"
-        found[optimizer] = out, graphs.build(settings(optimizer), train_dir, out)
+        found[optimizer] = out, build_artifacts.build(settings(optimizer), train_dir, out)
     return found
 
 
@@ -92,12 +94,10 @@ def test_artifacts_name_the_embedding_tables(built):
 
 def open_training(artifacts: Path, description: dict, name: str = "adamw"):
     """ORT's Module and Optimizer on the initial checkpoint, and the run's WeightDecay."""
-    from onnxruntime.training import api
-
-    state = api.CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
-    module, optimizer = trainer.open_sessions(artifacts, state, "cpu", 1)
+    state = engine.initial_state(Artifacts(artifacts))
+    module, optimizer = engine.open_sessions(Artifacts(artifacts), state, "cpu", 1)
     module.train()
-    shapes = {parameter: state.parameters[parameter].data.shape for parameter in trainer.trainable(state)}
+    shapes = {parameter: state.parameters[parameter].data.shape for parameter in engine.trainable(state)}
     decay = WeightDecay(state, np, shapes, description["embeddings"], settings(name)["train"]["optimizer"])
     return state, module, optimizer, decay
 
@@ -119,26 +119,19 @@ def torch_training(train_dir: Path, state, decay: WeightDecay, optimizer: str):
     return model, parameters, torch.optim.AdamW(groups, lr=RATES[0], betas=cfg["betas"], eps=cfg["eps"])
 
 
-class OneRank:
-    """The communicator of a world of one rank: the sums are the values themselves."""
-
-    xp, rank, world_size, watchdog = np, 0, 1, SimpleNamespace(beat=lambda step, phase: None)
-
-    def allreduce_gradients(self, grads: list) -> None:
-        pass
-
-    def allreduce_sum(self, values: list) -> list:
-        return values
-
-
 # Five steps at changing learning rates, as a schedule gives them.
 RATES = [0.01, 0.02, 0.015, 0.005, 0.01]
 
 
 @pytest.mark.parametrize("kind, tolerance", [("adamw", 1e-6), ("sgd", 1e-7)])
-def test_training_steps_equal_torch_with_two_parameter_groups(built, train_dir, kind, tolerance):
+def test_training_steps_equal_torch_with_two_parameter_groups(built, train_dir, kind, tolerance, tmp_path):
     artifacts, description = built[kind]
-    state, module, optimizer, decay = open_training(artifacts, description, kind)
+    # ortflow's Trainer on one rank (this process), stepped by hand at the schedule's rates.
+    config = config_mod.validate({**settings(kind), "train": {**settings(kind)["train"], "world_size": 1,
+                                                                "micro_batch_size": 8, "clip_grad_norm": None}})
+    trainer = Trainer(config, train_dir, train_dir.parent / "eval", Artifacts(artifacts), TrainFolder(tmp_path),
+                      StopRequest())
+    state, decay = trainer.state, trainer.decay
     # The head is tied to the token embedding, which is an embedding table.
     assert sorted(decay.decayed) == ["blocks.0.attn.proj.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.0.weight",
                                      "blocks.0.mlp.2.weight"]
@@ -146,16 +139,10 @@ def test_training_steps_equal_torch_with_two_parameter_groups(built, train_dir, 
         decay.not_decayed)
     model, parameters, torch_optimizer = torch_training(train_dir, state, decay, kind)
     reader = ShardReader(train_dir)
-    feed = trainer.feeder(module.input_names(), "y", reader.label_name)
-    train_cfg = {"grad_accum_steps": 1, "clip_grad_norm": None}
-    # The model has no BatchNorm: no running statistics among the Module's outputs.
-    sessions = SimpleNamespace(module=module, optimizer=optimizer,
-                               running_stats=RunningStats(state, module.output_names(), {}, OneRank()))
     worst = 0.0
     for step, lr in enumerate(RATES):
         batch = reader.gather(np.arange(8 * step, 8 * step + 8))
-        loss, _, _ = trainer.train_step(step, OneRank(), sessions, state, [batch], feed, train_cfg,
-                                     StopRequest(), 0, decay, lr)
+        loss, _, _ = trainer.train_step(step, [batch], lr)
         torch_loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(batch["x"])), torch.from_numpy(batch["y"]))
         torch_optimizer.zero_grad()
         torch_loss.backward()
@@ -172,11 +159,11 @@ def test_training_steps_equal_torch_with_two_parameter_groups(built, train_dir, 
 def test_with_zero_gradients_only_the_decayed_parameters_shrink_by_exactly_one_minus_lr_wd_per_step(built):
     artifacts, description = built["adamw"]
     state, module, optimizer, decay = open_training(artifacts, description)
-    before = {name: state.parameters[name].data.copy() for name in trainer.trainable(state)}  # .data is a live view
+    before = {name: state.parameters[name].data.copy() for name in engine.trainable(state)}  # .data is a live view
     module(*[np.zeros((2, 8), np.int64)] * 2)  # gradient buffers exist after a first backward
     factor = np.float32(1 - RATES[0] * WEIGHT_DECAY)  # torch rounds 1 - lr * wd to the parameters' dtype
     for _ in range(3):
-        for g in gradients.gradients(state, trainer.trainable(state), np):
+        for g in gradients.gradients(state, engine.trainable(state), np):
             g[...] = 0.0  # Adam's update of a zero gradient is zero: what changes is the decay alone
         optimizer.set_learning_rate(RATES[0])
         decay.apply(RATES[0])
@@ -202,13 +189,13 @@ def test_the_groups_are_logged_and_artifacts_without_embeddings_are_refused(buil
     state = api.CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
     optimizer = settings()["train"]["optimizer"]
     with caplog.at_level(logging.INFO, logger="ortflow.train"):
-        weight_decay.for_run(state, trainer.trainable(state), description, optimizer, np)
+        weight_decay.for_run(state, engine.trainable(state), description, optimizer, np)
     assert caplog.messages == [
         "weight decay 0.1 on 4 parameter tensors (blocks.0.attn.proj.weight, blocks.0.attn.qkv.weight, "
         "blocks.0.mlp.0.weight, blocks.0.mlp.2.weight); none on 12 (train.optimizer.no_decay: "
         "blocks.0.attn.proj.bias, blocks.0.attn.qkv.bias, blocks.0.ln1.bias, blocks.0.ln1.weight, ... (8 more))"]
     older = {key: value for key, value in description.items() if key != "embeddings"}
     with pytest.raises(TrainingError) as error:
-        weight_decay.for_run(state, trainer.trainable(state), older, optimizer, np)
+        weight_decay.for_run(state, engine.trainable(state), older, optimizer, np)
     assert str(error.value) == ("the artifacts' model.json names no embeddings (built by an older ortflow), which "
                                 "train.optimizer.no_decay's <embedding> needs; rebuild them (--forcerun build_artifacts)")

@@ -18,7 +18,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from . import atomic, config as config_mod, cuda_libraries
+from . import atomic, config as config_mod, cuda_libraries, ort_private
 from .errors import OrtflowError
 from .preflight import (
     FAIL, OK, SKIP, WARN, Check, check_disk, check_launcher, check_onnxruntime_distributions, check_training_import,
@@ -138,7 +138,7 @@ def nccl_check(comm_mod, mpi, heartbeats: Path, timeout_s: float, expected: floa
         value = onnxruntime.OrtValue.ortvalue_from_numpy(
             np.full(1024, comm.rank + 1, dtype=np.float32), "cuda", comm_mod.gpu_for(comm.local_rank, os.environ)
         )
-        comm.allreduce_gradients(live_arrays([value._ortvalue], comm.xp))
+        comm.allreduce_gradients(live_arrays([ort_private.c_ortvalue(value)], comm.xp))
         error = "" if np.all(value.numpy() == expected) else "wrong sum"
     except Exception as exc:  # any failure of NCCL is the finding
         error = f"{type(exc).__name__}: {exc}"

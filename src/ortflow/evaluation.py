@@ -46,13 +46,14 @@ def eval_results(totals, task: str) -> dict:
     return results
 
 
-def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, data_label: str) -> dict:
-    """Mean loss over the whole eval split, and accuracy (classification) or
-    perplexity (language model); each rank evaluates its part."""
+def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, data_label: str,
+             records: int | None = None) -> dict:
+    """Mean loss over the eval split (or `records` of it, spread over the split), and
+    accuracy (classification) or perplexity (language model); each rank evaluates its part."""
     module.eval()
     names = module.input_names()
     totals = np.zeros(3)
-    for batch in reader.eval_batches(comm.rank, comm.world_size, batch_size):
+    for batch in reader.eval_batches(comm.rank, comm.world_size, batch_size, records):
         loss, logits = outputs_of(module(*feeds(batch, names, info["label"]["name"], data_label)))
         totals += batch_totals(loss, logits, batch[data_label], info["task"])
     module.train()

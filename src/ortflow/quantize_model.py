@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import atomic
+from . import atomic, ort_private
 from .artifacts import Artifacts
 from .errors import ModelError
 from .evaluation import batch_totals, eval_results
@@ -106,11 +106,9 @@ def unloadable_node(path: Path) -> str | None:
     """The name of the node that ONNX Runtime's CPU provider has no kernel for, or None if the model loads."""
     import re
 
-    from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
-
     try:
         inference_session(path)
-    except NotImplementedByOrt as error:
+    except ort_private.not_implemented_error() as error:
         match = re.search(r"node with name '([^']*)'", str(error))
         if match:
             return match.group(1)

@@ -27,14 +27,10 @@ from pathlib import Path
 from . import atomic, config as config_mod
 from .errors import ConfigError
 from .preflight import host_cores, preflight, raise_if_problems
-from .training.stop import GRACE_S, STOP_SIGNALS, STOPPED
+from .training.run_folder import TrainFolder
+from .training.stop import GRACE_S, STOP_SIGNALS
 
 HELP = "train the artifacts on the shards with W ranks (mpirun or srun)"
-LOCK = "attempt.lock"  # in the run's train/ folder: held while an attempt runs
-FINISHED = "FINISHED"  # in the run's train/ folder: the last attempt trained to the end
-CHECKPOINTS = "checkpoints"  # in the run's train/ folder, unless --checkpoints names another
-PROFILE = "profile"  # in the run's train/ folder, unless --profile names another
-PREVIOUS = "previous"  # in the run's train/ folder: a finished run's checkpoints, moved aside by a rerun
 
 # Open MPI refuses to start as root (containers and CI often run as root) unless both are set.
 ROOT_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
@@ -70,11 +66,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--train", required=True, type=Path, help="folder of the train split's shards")
     parser.add_argument("--eval", required=True, type=Path, help="folder of the eval split's shards")
     parser.add_argument("--artifacts", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path, help="the run's train/ folder")
-    parser.add_argument("--checkpoints", type=Path, help="the checkpoints folder (default: checkpoints/ in --out)")
-    parser.add_argument("--profile", type=Path, help="the folder of ONNX Runtime's profiler traces, for the steps of "
-                                                     "train.profile_steps (default: profile/ in --out)")
-    parser.add_argument("--metrics", type=Path, help="check that the ranks wrote this file")
+    parser.add_argument("--out", required=True, type=TrainFolder,
+                        help="the training folder (results/<run>/train): checkpoints, metrics.json, TensorBoard events")
 
 
 def run(args) -> int:
@@ -84,26 +77,24 @@ def run(args) -> int:
     world_size = config["train"]["world_size"]
     # Cheap checks first: a missing launcher or GPU is reported with its fix
     # in a second, rather than as a hang or a traceback from inside a rank.
-    raise_if_problems(preflight(config, args.mpi, args.out.parent))
+    folder = args.out
+    raise_if_problems(preflight(config, args.mpi, folder.folder.parent))
     append_to_log()
-    lock = lock_attempt(args.out)
+    lock = lock_attempt(folder)
     if lock is None:
         return 1
-    checkpoints = args.checkpoints or args.out / CHECKPOINTS
-    start_attempt(args.out, checkpoints, config["train"]["resume_from"])
+    start_attempt(folder, config["train"]["resume_from"])
     mpi = shutil.which(args.mpi) or args.mpi
     command = launcher_command(mpi, world_size, host_cores()) + [
         sys.executable, "-m", "ortflow.training.trainer",
         "--config-json", json.dumps(config),
         "--train", str(args.train), "--eval", str(args.eval), "--artifacts", str(args.artifacts),
-        "--out", str(args.out), "--checkpoints", str(checkpoints),
-        "--profile", str(args.profile or args.out / PROFILE),
+        "--out", str(folder),
     ]
     print(f"ortflow train: {' '.join(command[:command.index(sys.executable)])} ...", file=sys.stderr, flush=True)
     code = supervise(command, launcher_env(os.environ), lock)
-    stopped = args.out / STOPPED
-    if stopped.exists():  # the ranks stopped on a signal, after writing a checkpoint
-        stop = json.loads(stopped.read_text())
+    if folder.stopped.exists():  # the ranks stopped on a signal, after writing a checkpoint
+        stop = json.loads(folder.stopped.read_text())
         reason = signal.Signals(code - 128) if code > 128 else signal.Signals[stop["signal"]]
         print(f"ortflow train: stopped by {reason.name} after step {stop['step']}, with a checkpoint; "
               "rerun to resume from it", file=sys.stderr)
@@ -112,10 +103,10 @@ def run(args) -> int:
         print(f"ortflow train: error: the ranks exited with code {code}; the failing rank's error is above",
               file=sys.stderr)
         return code
-    if args.metrics and not args.metrics.exists():
-        print(f"ortflow train: error: the ranks finished but wrote no {args.metrics}", file=sys.stderr)
+    if not folder.metrics.exists():
+        print(f"ortflow train: error: the ranks finished but wrote no {folder.metrics}", file=sys.stderr)
         return 1
-    atomic.write_text(args.out / FINISHED, json.dumps({"steps": config["train"]["steps"]}) + "\n")
+    atomic.write_text(folder.finished, json.dumps({"steps": config["train"]["steps"]}) + "\n")
     return 0
 
 
@@ -130,17 +121,17 @@ def append_to_log() -> None:
             pass
 
 
-def lock_attempt(out: Path):
-    """The open lock file of the run's train/ folder, locked for this attempt, or None
+def lock_attempt(folder: TrainFolder):
+    """The open lock file of the training folder, locked for this attempt, or None
     (said in one line) if another attempt holds it. mpirun inherits the lock, so
     that it stays held while ranks live even if this launcher is killed."""
-    out.mkdir(parents=True, exist_ok=True)
-    lock = open(out / LOCK, "a+")
+    folder.folder.mkdir(parents=True, exist_ok=True)
+    lock = open(folder.lock, "a+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
-        print(f"ortflow train: error: another attempt of this run is still training in {out} "
+        print(f"ortflow train: error: another attempt of this run is still training in {folder} "
               f"({lock.read().strip() or 'holder unknown'}); wait for it to end, or stop it, and rerun",
               file=sys.stderr)
         return None
@@ -152,23 +143,22 @@ def lock_attempt(out: Path):
     return lock
 
 
-def start_attempt(out: Path, checkpoints: Path, resume_from: str | None) -> None:
+def start_attempt(folder: TrainFolder, resume_from: str | None) -> None:
     """Before the ranks start: if the last attempt finished, a rerun trains from step
     0 (unless train.resume_from says where to start), so the finished run's
-    checkpoints and TensorBoard events move to train/previous/."""
-    finished = out / FINISHED
-    if finished.exists() and not resume_from and checkpoints.exists():
-        previous = out / PREVIOUS
-        shutil.rmtree(previous, ignore_errors=True)
-        previous.mkdir()
-        for folder, name in ((checkpoints, CHECKPOINTS), (out / "tensorboard", "tensorboard")):
-            if folder.exists():
-                shutil.move(folder, previous / name)  # --checkpoints may be on another file system
-        print(f"ortflow train: the previous run in {out} trained to the end; its checkpoints and TensorBoard "
+    checkpoints and TensorBoard events move to the training folder's previous/."""
+    if folder.finished.exists() and not resume_from and folder.checkpoints.exists():
+        previous = TrainFolder(folder.previous)
+        shutil.rmtree(previous.folder, ignore_errors=True)
+        previous.folder.mkdir()
+        for source, target in ((folder.checkpoints, previous.checkpoints), (folder.tensorboard, previous.tensorboard)):
+            if source.exists():
+                shutil.move(source, target)
+        print(f"ortflow train: the previous run in {folder} trained to the end; its checkpoints and TensorBoard "
               f"events are moved to {previous}, and training starts at step 0", file=sys.stderr, flush=True)
-    finished.unlink(missing_ok=True)
-    (out / STOPPED).unlink(missing_ok=True)
-    shutil.rmtree(out / "heartbeat", ignore_errors=True)  # only this attempt's ranks beat
+    folder.finished.unlink(missing_ok=True)
+    folder.stopped.unlink(missing_ok=True)
+    shutil.rmtree(folder.heartbeat, ignore_errors=True)  # only this attempt's ranks beat
 
 
 def _die_with_parent() -> None:

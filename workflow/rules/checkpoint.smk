@@ -14,7 +14,7 @@ rule merge_checkpoint:
     params:
         # The training identity picks this run's newest checkpoint among those of earlier configs.
         config=config_json("run", "data", "model", "train"),
-        checkpoints=rules.train.params.checkpoints,
+        checkpoints=str(TRAIN.checkpoints),
     shell:
         "ortflow checkpoint merge {params.checkpoints:q} {output:q} --artifacts {input.artifacts:q}"
         " --config-json {params.config:q} > {log:q} 2>&1"

@@ -3,6 +3,7 @@ import os
 from pathlib import Path
 
 from ortflow import config as ortflow_config
+from ortflow.training.run_folder import TrainFolder
 
 # Validate before any job runs: a typo or a bad value fails here, naming the key.
 try:
@@ -15,6 +16,8 @@ config.update(_validated)
 RUN = config["run"]["name"]
 RESULTS = f"results/{RUN}"
 LOGS = f"logs/{RUN}"
+# The training folder's layout is ortflow's (src/ortflow/training/run_folder.py).
+TRAIN = TrainFolder(f"{RESULTS}/train")
 
 
 def config_json(*keys):

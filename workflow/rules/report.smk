@@ -48,7 +48,7 @@ rule report_tables:
     params:
         config=config_json("run", "data", "model", "train", "export"),
         benchmarks=BENCHMARKS,
-        profile=rules.train.params.profile,
+        profile=str(TRAIN.profile),
         out=lambda wildcards, output: os.path.dirname(output.summary),
     shell:
         "ortflow report tables --config-json {params.config:q} --train-metrics {input.train:q}"

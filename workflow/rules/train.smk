@@ -6,7 +6,7 @@ rule train:
     output:
         # Checkpoints and TensorBoard events live beside metrics.json but are not
         # outputs: Snakemake deletes a failed job's outputs, and a rerun resumes from them.
-        metrics=f"{RESULTS}/train/metrics.json",
+        metrics=str(TRAIN.metrics),
     log:
         f"{LOGS}/train.log",
     benchmark:
@@ -23,13 +23,9 @@ rule train:
         gpu=config["train"]["world_size"] if config["train"]["device"] == "cuda" else 0,
     params:
         config=config_json("run", "data", "model", "train"),
-        out=lambda wildcards, output: os.path.dirname(output.metrics),
-        # Read by merge_checkpoint (rules.train.params.checkpoints).
-        checkpoints=f"{RESULTS}/train/checkpoints",
-        # ONNX Runtime's traces of train.profile_steps, read by report_tables (rules.train.params.profile).
-        profile=f"{RESULTS}/train/profile",
+        # A function: Snakemake's lint refuses a string param that is a prefix of an output.
+        folder=lambda wildcards: str(TRAIN),
     shell:
         "ortflow train --mpi {resources.mpi:q} -n {resources.tasks} --config-json {params.config:q}"
         " --train {input.train:q} --eval {input.eval:q} --artifacts {input.artifacts:q}"
-        " --out {params.out:q} --checkpoints {params.checkpoints:q} --profile {params.profile:q}"
-        " --metrics {output.metrics:q} > {log:q} 2>&1"
+        " --out {params.folder:q} > {log:q} 2>&1"

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError
+from ..ort_private import checkpoint_schema
 
 ORT_IDENTIFIER = b"ODTC"  # the file identifier of ONNX Runtime's checkpoint flatbuffer
 
@@ -65,7 +66,7 @@ def read_ort_checkpoint(path: Path) -> TrainingState:
     file mapped into memory (no copy; they stay valid after the file is deleted)."""
     import mmap
 
-    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs.Checkpoint import Checkpoint as Fbs
+    Fbs = checkpoint_schema("Checkpoint").Checkpoint
 
     with open(path, "rb") as f:
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -116,7 +117,7 @@ def ort_checkpoint_bytes(state: TrainingState) -> bytearray:
     a flatbuffer of the parameters, the optimizer state and the properties, built in that order."""
     import flatbuffers
 
-    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import Checkpoint as C
+    C = checkpoint_schema("Checkpoint")
 
     total = sum(state.nbytes(n) for n in state.parameters)
     builder = flatbuffers.Builder(total + 4096 * (len(state.parameters) + 1))
@@ -134,7 +135,7 @@ def ort_checkpoint_bytes(state: TrainingState) -> bytearray:
 
 def _tensor(builder, name: str, array: np.ndarray) -> int:
     from onnx.helper import np_dtype_to_tensor_dtype
-    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import Tensor
+    Tensor = checkpoint_schema("Tensor")
 
     name_offset = builder.CreateString(name)
     raw = builder.CreateNumpyVector(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
@@ -156,7 +157,7 @@ def _vector(builder, start, offsets: list[int]) -> int:
 
 def _module_state(builder, state: TrainingState) -> int:
     """The trainable and the frozen parameters."""
-    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import ModuleState
+    ModuleState = checkpoint_schema("ModuleState")
 
     names = sorted(state.parameters)
     trainable = _vector(builder, ModuleState.StartRequiresGradParamsVector,
@@ -171,9 +172,8 @@ def _module_state(builder, state: TrainingState) -> int:
 
 def _optimizer_groups(builder, state: TrainingState) -> int:
     """The vector of optimizer groups: none, or one with every parameter's moments."""
-    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import (
-        Checkpoint as C, OptimizerGroup, ParameterOptimizerState,
-    )
+    C, OptimizerGroup, ParameterOptimizerState = map(
+        checkpoint_schema, ("Checkpoint", "OptimizerGroup", "ParameterOptimizerState"))
 
     groups = []
     if state.optimizer:
@@ -200,9 +200,8 @@ def _optimizer_groups(builder, state: TrainingState) -> int:
 
 def _property_bag(builder, properties: dict) -> int:
     """The properties, each in the table of its type (int, float or string)."""
-    from onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs import (
-        FloatProperty, IntProperty, PropertyBag, StringProperty,
-    )
+    FloatProperty, IntProperty, PropertyBag, StringProperty = map(
+        checkpoint_schema, ("FloatProperty", "IntProperty", "PropertyBag", "StringProperty"))
 
     props = {int: [], float: [], str: []}
     for name in sorted(properties):

@@ -194,8 +194,13 @@ class ShardReader:
             for m in range(first, first + grad_accum_steps)
         ]
 
-    def eval_batches(self, rank: int, world_size: int, batch_size: int):
-        """This rank's contiguous part of the split, in batches; parts differ by at most one record."""
-        part = np.array_split(np.arange(self.num_records), world_size)[rank]
+    def eval_batches(self, rank: int, world_size: int, batch_size: int, records: int | None = None):
+        """This rank's contiguous part of the split, in batches; parts differ by at most one record.
+        With `records`, of that many records spread evenly over the split (the split keeps the
+        source's order, so its first records alone could all be of one kind)."""
+        chosen = np.arange(self.num_records)
+        if records is not None and records < self.num_records:
+            chosen = np.linspace(0, self.num_records, records, endpoint=False).astype(np.int64)
+        part = np.array_split(chosen, world_size)[rank]
         for start in range(0, len(part), batch_size):
             yield self.gather(part[start : start + batch_size])

@@ -17,6 +17,8 @@ import math
 
 import numpy
 
+from .. import ort_private
+
 # Gradients are packed into buckets of about this size, so that a step makes a
 # few large all-reduce calls rather than one per tensor (PyTorch DDP uses 25 MB).
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -34,12 +36,12 @@ def live_arrays(values: list, xp) -> list:
 
 def gradients(state, names: list[str], xp) -> list:
     """The live gradient buffers of the parameters `names` (an in-place change is what Optimizer.step() applies)."""
-    return live_arrays([state._state.get_parameter(name).grad for name in names], xp)
+    return live_arrays([ort_private.parameter(state, name).grad for name in names], xp)
 
 
 def parameters(state, names: list[str], xp) -> list:
     """The live value buffers of the parameters `names` (an in-place change is what the next forward reads)."""
-    return live_arrays([state._state.get_parameter(name).data for name in names], xp)
+    return live_arrays([ort_private.parameter(state, name).data for name in names], xp)
 
 
 def parameters_on_host(state, names: list[str], xp) -> dict[str, numpy.ndarray]:

@@ -14,6 +14,7 @@ import numpy as np
 from tqdm import tqdm
 
 from .. import atomic
+from .schedule import is_time
 
 log = logging.getLogger("ortflow.train")
 
@@ -27,9 +28,15 @@ def peak_rss_mb() -> float:
 
 
 class Metrics:
-    def __init__(self, out_dir: Path, enabled: bool, start_step: int, total_steps: int, history: dict | None = None):
+    """Decides when to log (train.log_every, train.histogram_every) and keeps the
+    run's history; rank 0 (`enabled`) writes it to the log, TensorBoard and metrics.json."""
+
+    def __init__(self, tensorboard: Path, enabled: bool, start_step: int, train_cfg: dict, global_batch: int,
+                 history: dict | None = None):
         """`history`: what the run logged before `start_step` (kept in the checkpoint resumed from)."""
-        self.enabled, self.start_step, self.total_steps = enabled, start_step, total_steps
+        self.enabled, self.start_step, self.total_steps = enabled, start_step, train_cfg["steps"]
+        self.global_batch = global_batch
+        self.log_every, self.histogram_every = train_cfg["log_every"], train_cfg["histogram_every"]
         self.step_times: list[float] = []  # of this attempt
         self.history: dict[str, list] = history or {"train": [], "eval": []}
         self.started = time.perf_counter()
@@ -38,10 +45,18 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter
 
             # purge_step drops events a crashed run wrote past the step we resume from.
-            self.writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start_step or None)
+            self.writer = SummaryWriter(str(tensorboard), purge_step=start_step or None)
 
     def step_time(self, seconds: float) -> None:
         self.step_times.append(seconds)
+
+    def log_step(self, done: int, loss: float, lr: float, grad_norm: float, parameters) -> None:
+        """After step `done`: the log line (every train.log_every steps) and the histograms
+        of `parameters()` (every train.histogram_every), with this step's throughput."""
+        if is_time(done, self.log_every, self.total_steps):
+            self.train(done, loss, lr, grad_norm, self.global_batch / self.step_times[-1])
+        if done % self.histogram_every == 0 and self.enabled:
+            self.histograms(done, parameters())
 
     def train(self, step: int, loss: float, lr: float, grad_norm: float, samples_per_s: float) -> None:
         """`step`: steps done, counted from 1 as everywhere in metrics, logs and checkpoints."""
@@ -71,14 +86,13 @@ class Metrics:
             for name, value in parameters.items():
                 self.writer.add_histogram(f"parameters/{name}", value, step)
 
-    def summary(self, steps: int, global_batch_size: int, flops_per_sample: float, eval_results: dict,
-                peak_rss_per_rank: list[float]) -> dict:
+    def summary(self, flops_per_sample: float, eval_results: dict, peak_rss_per_rank: list[float]) -> dict:
         steady = self.step_times[WARMUP_STEPS:] or self.step_times
         p50, p95 = (float(np.percentile(steady, q)) for q in (50, 95)) if steady else (math.nan, math.nan)
-        samples_per_s = global_batch_size / float(np.mean(steady)) if steady else math.nan
+        samples_per_s = self.global_batch / float(np.mean(steady)) if steady else math.nan
         train_loss = self.history["train"][-1]["loss"] if self.history["train"] else math.nan
         return {
-            "steps": steps,
+            "steps": self.total_steps,
             "steps_this_attempt": len(self.step_times),
             "train_loss": train_loss,
             "eval": eval_results,
@@ -87,7 +101,7 @@ class Metrics:
             "step_time_p95_s": p95,
             "flops_per_s": samples_per_s * flops_per_sample,
             "peak_rss_mb": peak_rss_per_rank,
-            "global_batch_size": global_batch_size,
+            "global_batch_size": self.global_batch,
             "wall_time_s": time.perf_counter() - self.started,
             "history": self.history,
         }

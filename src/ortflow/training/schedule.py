@@ -30,3 +30,9 @@ def learning_rate(step: int, total_steps: int, base_lr: float, schedule: dict) -
     else:
         raise ValueError(f"train.lr_schedule.name: unknown schedule {name!r}")
     return min_lr + (base_lr - min_lr) * factor
+
+
+def is_time(done: int, period: int, steps: int) -> bool:
+    """Is it time for something done every `period` steps (logging, evaluating,
+    checkpointing) after `done` of `steps` steps? Also after the last step."""
+    return done % period == 0 or done == steps

@@ -1,18 +1,19 @@
 """The training loop that every rank runs, started by `ortflow train` under mpirun or srun.
 
-One optimizer step, on each rank:
-  1. the learning rate of the schedule for this step;
-  2. forward and backward over `grad_accum_steps` micro-batches of this rank's
+One optimizer step, on each rank (Trainer.train_step):
+  1. forward and backward over `grad_accum_steps` micro-batches of this rank's
      part of the global batch (ORT sums the gradients across the calls; each
      forward updates BatchNorm's running statistics, running_stats.py, and
      draws Dropout's masks from a generator seeded by its position);
-  3. sum the gradients across ranks in place, scale the sum to the mean over
+  2. sum the gradients across ranks in place, scale the sum to the mean over
      every micro-batch of every rank, and clip it to the global norm; the
      running statistics become their mean over the ranks;
-  4. the optimizer step: the weight decay of the decayed parameters, then the
-     optimizer's update (weight_decay.py).
+  3. the optimizer step at the schedule's learning rate: the weight decay of
+     the decayed parameters, then the optimizer's update (weight_decay.py).
 Every rank then holds the same parameters, so evaluation is split across ranks
-and checkpoints can be written by all of them.
+and checkpoints can be written by all of them. Around the step (Trainer.step):
+the log (metrics.py decides when), evaluation, the checkpoint (checkpointer.py
+decides when), and a stop that a signal asked for (stop.py).
 """
 
 from __future__ import annotations
@@ -30,300 +31,170 @@ import numpy as np
 
 from .. import atomic, config as config_mod, cuda_libraries, storage
 from ..artifacts import Artifacts
-from ..checkpoints import resume as resume_mod, store
+from ..checkpoints import resume as resume_mod
 from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
-from ..sessions import quiet_logging, session_options
+from ..sessions import quiet_logging
 from . import comm as comm_mod
 from . import stop as stop_mod
 from . import weight_decay
+from .checkpointer import Checkpointer
+from .engine import Sessions, initial_state, seed_random_operators, trainable
+from .faults import Fault
 from .gradients import average_and_clip, gradients, parameters_on_host
-from .metrics import Metrics, mean_baseline_mse, peak_rss_mb, strict, unigram_perplexity
-from .running_stats import RunningStats
-from .schedule import learning_rate
+from .metrics import Metrics, mean_baseline_mse, peak_rss_mb, unigram_perplexity
+from .run_folder import TrainFolder
+from .schedule import is_time, learning_rate
 from .stop import StopRequest, Stopped
 
 log = logging.getLogger("ortflow.train")
 
 
-def threads_per_rank(local_size: int, affinity: int, environ: dict) -> int:
-    """Each rank gets its share of the node's cores. Where Slurm already pinned
-    each task to its own CPUs (--cpus-per-task), the affinity is that share."""
-    cpus_per_task = environ.get("SLURM_CPUS_PER_TASK")
-    if cpus_per_task and affinity <= int(cpus_per_task):
-        return affinity
-    return max(1, affinity // local_size)
+class Trainer:
+    """One rank's training run, built once from the config, the data's split
+    folders, the artifacts and the training folder. It holds its components:
+    the communicator, ONNX Runtime's sessions over the live state, the
+    checkpointer, the metrics, the weight decay and the stop request."""
 
+    def __init__(self, config: dict, train_data: Path, eval_data: Path, artifacts: Artifacts, folder: TrainFolder,
+                 stop: StopRequest):
+        self.config, self.train_cfg, self.folder, self.stop_request = config, config["train"], folder, stop
+        self.steps, self.seed = self.train_cfg["steps"], config["run"]["seed"]
+        folder.folder.mkdir(parents=True, exist_ok=True)
+        self.comm = comm_mod.create(self.train_cfg, folder.heartbeat)
+        if self.comm.world_size != self.train_cfg["world_size"]:
+            raise TrainingError(f"started with {self.comm.world_size} ranks but train.world_size is "
+                                f"{self.train_cfg['world_size']}")
+        # Checked before the first step: checksums, batch size against the data.
+        self.train_data, self.eval_data = ShardReader(train_data), ShardReader(eval_data)
+        self.train_data.check_batch(config_mod.global_batch_size(config))
+        self.artifacts, self.info = artifacts, artifacts.description()
+        self.checkpointer = Checkpointer(folder.checkpoints, self.comm, config)
+        resume = self.checkpointer.find_resume(self.train_cfg["resume_from"], artifacts.folder)
+        self.start_step, self.resumed_from = (resume.step, resume.path) if resume else (0, None)
+        self.state = resume_mod.load_state(resume, artifacts.folder) if resume else initial_state(artifacts)
+        self.sessions = Sessions(artifacts, self.state, self.comm, self.train_cfg, folder.profile)
+        self.input_names = self.sessions.module.input_names()
+        self.trainable = trainable(self.state)
+        self.decay = weight_decay.for_run(self.state, self.trainable, self.info, self.train_cfg["optimizer"],
+                                          self.comm.xp)
+        self.metrics = Metrics(folder.tensorboard, self.comm.rank == 0, self.start_step, self.train_cfg,
+                               config_mod.global_batch_size(config),
+                               resume_mod.read_history(resume) if resume else None)
+        self.fault = Fault()
+        self.last_eval: dict = {}
+        self.log_start()
 
-def open_sessions(artifacts: Path, state, device: str, threads: int, profile_prefix: Path | None = None):
-    """The Module and the Optimizer over `state`. They can be reopened at any step:
-    parameters, gradients and optimizer moments live in `state`, so training goes
-    on bit for bit. With `profile_prefix`, ONNX Runtime's profiler traces both
-    sessions until they are dropped, into `<prefix>-train_<time>.json` and
-    `<prefix>-optimizer_<time>.json`. A traced Module has no eval graph: its
-    session would take the same prefix and second as the training graph's, and
-    the two traces would write over each other."""
-    from onnxruntime.training.api import Module, Optimizer
+    def run(self) -> dict:
+        """Train from the start step (0, or the checkpoint's) to train.steps; then metrics.json."""
+        for step in range(self.start_step, self.steps):
+            self.step(step)
+        return self.finish()
 
-    options = session_options(threads)
-    if profile_prefix:
-        options.enable_profiling = True
-        options.profile_file_prefix = f"{profile_prefix}-train"
-    files = Artifacts(artifacts)
-    eval_model = None if profile_prefix else str(files.eval_model)
-    module = Module(str(files.training_model), state, eval_model, device=device, session_options=options)
-    if profile_prefix:  # sessions copy their options when created
-        options.profile_file_prefix = f"{profile_prefix}-optimizer"
-    return module, Optimizer(str(files.optimizer_model), module)
-
-
-def inject_fault(fault: dict | None, step: int, rank: int, batches: list[dict], stop: StopRequest) -> None:
-    """`train.fail_at_step` lets tests break one rank on purpose."""
-    if not fault or fault["step"] != step or fault["rank"] != rank:
-        return
-    if fault["mode"] == "raise":
-        raise TrainingError(f"injected failure on rank {rank} at step {step} (train.fail_at_step)")
-    if fault["mode"] == "stall":  # for an hour, or until asked to stop
-        log.warning("rank %d stalls at step %d (train.fail_at_step)", rank, step)
-        until = time.monotonic() + 3600
-        while stop.reason is None and time.monotonic() < until:
-            time.sleep(0.1)
-    if fault["mode"] == "nan":
-        for batch in batches:
-            for value in batch.values():
-                if value.dtype.kind == "f":
-                    value[...] = np.nan
-
-
-def is_time(done: int, period: int, steps: int) -> bool:
-    """Is it time for something done every `period` steps and after the last step?"""
-    return done % period == 0 or done == steps
-
-
-class Checkpointer:
-    """Decides when the ranks write a checkpoint together, and writes it: every
-    `train.checkpoint_every` steps, after the last step, and when the run stops."""
-
-    def __init__(self, root: Path, comm, identity: dict, train_cfg: dict, global_batch: int):
-        self.root, self.comm, self.identity = root, comm, identity
-        self.identity_digest = config_mod.digest(identity)
-        self.every, self.steps, self.keep = train_cfg["checkpoint_every"], train_cfg["steps"], \
-            train_cfg["keep_checkpoints"]
-        self.global_batch = global_batch
-        self.last: tuple[int, Path] | None = None  # (step, folder) of the newest one written
-
-    def due(self, done: int) -> bool:
-        return is_time(done, self.every, self.steps)
-
-    def find_resume(self, resume_from: str | None, artifacts: Path):
-        """The checkpoint to go on from (see resume_mod.find_resume), or None to start at step 0."""
-        return resume_mod.find_resume(self.root, self.identity, self.identity_digest, resume_from, self.steps,
-                                      artifacts)
-
-    def save(self, done: int, state, lr: float, history: dict) -> Path:
-        if self.last and self.last[0] == done:
-            return self.last[1]
-        self.comm.watchdog.beat(done - 1, "checkpoint")
-        properties = {"step": done, "lr": lr, "samples_seen": done * self.global_batch}
-        folder = store.save(self.root, done, state, self.comm, self.identity, self.identity_digest,
-                                 properties, self.keep, strict(history))
-        self.last = (done, folder)
-        return folder
-
-
-def seed_random_operators(seed: int, step: int, rank: int, micro_batch: int) -> None:
-    """ONNX Runtime's random operators (Dropout) draw from one generator per
-    process. Seeded before every forward from (run.seed, step, rank, micro-batch),
-    their masks depend only on where training is: a run repeats exactly, a resumed
-    run is bit-identical to one that never stopped, and the ranks drop differently."""
-    from onnxruntime.capi._pybind_state import set_seed
-
-    set_seed(int(np.random.SeedSequence([seed, step, rank, micro_batch]).generate_state(1)[0]))
-
-
-def train_step(step: int, comm, sessions: Sessions, state, batches: list[dict], feed, train_cfg: dict,
-               stop: StopRequest, seed: int, decay: weight_decay.WeightDecay, lr: float) -> tuple:
-    """One optimizer step (see the top of this file) with the sessions' Module and
-    Optimizer, at learning rate `lr`. Returns the mean loss, the gradient norm before clipping, and every
-    rank's stop votes summed."""
-    module, optimizer, running_stats = sessions.module, sessions.optimizer, sessions.running_stats
-    scale_to_mean = 1.0 / (train_cfg["grad_accum_steps"] * comm.world_size)
-    loss_sum = 0.0
-    for micro_batch, batch in enumerate(batches):
-        seed_random_operators(seed, step, comm.rank, micro_batch)
-        outputs = module(*feed(batch))
-        running_stats.keep(outputs)
-        loss, _ = outputs_of(outputs)
-        loss_sum += loss
-    comm.watchdog.beat(step, "allreduce")
-    norm = average_and_clip(comm, gradients(state, trainable(state), comm.xp), scale_to_mean,
-                            train_cfg["clip_grad_norm"])
-    # The stop votes and BatchNorm's running statistics ride along with the loss:
-    # neither costs a collective of its own.
-    votes = stop.votes()
-    summed = comm.allreduce_sum(np.concatenate([[loss_sum], votes, running_stats.local()]))
-    loss_sum, votes = float(summed[0]), list(summed[1:1 + len(votes)])
-    running_stats.set_mean(summed[1 + len(votes):])
-    loss = loss_sum * scale_to_mean
-    if math.isfinite(loss) and math.isfinite(norm):
-        optimizer.set_learning_rate(lr)
-        decay.apply(lr)  # torch's order: the decay, then the optimizer's update
-        optimizer.step()
-    module.lazy_reset_grad()
-    return loss, norm, votes
-
-
-def train(config: dict, train_dir: Path, eval_dir: Path, artifacts: Path, out_dir: Path, checkpoints: Path,
-          profile: Path, stop: StopRequest) -> dict:
-    train_cfg, steps = config["train"], config["train"]["steps"]
-    out_dir.mkdir(parents=True, exist_ok=True)
-    comm = comm_mod.create(train_cfg, out_dir / "heartbeat")
-    rank, world_size = comm.rank, comm.world_size
-    if world_size != train_cfg["world_size"]:
-        raise TrainingError(f"started with {world_size} ranks but train.world_size is {train_cfg['world_size']}")
-    global_batch = config_mod.global_batch_size(config)
-    # Checked before the first step: checksums, batch size against the data.
-    train_reader, eval_reader = ShardReader(train_dir), ShardReader(eval_dir)
-    train_reader.check_batch(global_batch)
-    info = Artifacts(artifacts).description()
-    checkpointer = Checkpointer(checkpoints, comm, config_mod.training_identity(config), train_cfg, global_batch)
-    resume = checkpointer.find_resume(train_cfg["resume_from"], artifacts)
-    start_step = resume.step if resume else 0
-    state = resume_mod.load_state(resume, artifacts) if resume else initial_state(artifacts)
-    sessions = Sessions(artifacts, state, comm, train_cfg, profile,
-                        info.get("running_stats", {}))  # absent from artifacts built before BatchNorm support
-    feed = feeder(sessions.module.input_names(), info["label"]["name"], train_reader.label_name)
-    decay = weight_decay.for_run(state, trainable(state), info, train_cfg["optimizer"], comm.xp)
-    placement = comm.placement()  # a collective: every rank takes part
-    if rank == 0:
-        log.info("%d ranks, global batch %d (%d x %d accumulated x %d ranks), %s, %d threads per rank", world_size,
-                 global_batch, train_cfg["micro_batch_size"], train_cfg["grad_accum_steps"], world_size,
-                 f"resuming at step {start_step} from {resume.path}" if resume else "starting at step 0",
-                 sessions.threads)
-        log.info("ranks per node: %s", placement)
-    metrics = Metrics(out_dir, rank == 0, start_step, steps, resume_mod.read_history(resume) if resume else None)
-    last_eval: dict = {}
-    for step in range(start_step, steps):
-        sessions.at_step(step)
+    def step(self, step: int) -> None:
+        """Optimizer step `step` (0-based), then what is due after it: log, evaluate, checkpoint, stop."""
         started = time.perf_counter()
-        comm.watchdog.beat(step, "forward")
-        lr = learning_rate(step, steps, train_cfg["optimizer"]["lr"], train_cfg["lr_schedule"])
-        batches = train_reader.micro_batches(step, config["run"]["seed"], rank, world_size, train_cfg["micro_batch_size"],
-                                             train_cfg["grad_accum_steps"])
-        inject_fault(train_cfg["fail_at_step"], step, rank, batches, stop)
-        loss, norm, votes = train_step(step, comm, sessions, state, batches, feed, train_cfg, stop, config["run"]["seed"],
-                                       decay, lr)
+        self.sessions.at_step(step)
+        self.comm.watchdog.beat(step, "forward")
+        lr = learning_rate(step, self.steps, self.train_cfg["optimizer"]["lr"], self.train_cfg["lr_schedule"])
+        batches = self.train_data.micro_batches(step, self.seed, self.comm.rank, self.comm.world_size,
+                                                self.train_cfg["micro_batch_size"], self.train_cfg["grad_accum_steps"])
+        self.fault.inject(step, self.comm.rank, batches, self.stop_request)
+        loss, norm, votes = self.train_step(step, batches, lr)
         if not (math.isfinite(loss) and math.isfinite(norm)):
-            kept = checkpointer.last[1] if checkpointer.last else (resume.path if resume else None)
+            kept = self.checkpointer.last[1] if self.checkpointer.last else self.resumed_from
             raise TrainingError(f"non-finite loss {loss} (gradient norm {norm}) at step {step + 1}; " + (
                 f"the last good checkpoint, {kept}, is kept" if kept else "no checkpoint was written before it"))
-        metrics.step_time(time.perf_counter() - started)
+        self.metrics.step_time(time.perf_counter() - started)
         done = step + 1
-        log_step(metrics, train_cfg, done, lambda: parameters_on_host(state, trainable(state), comm.xp), loss, lr,
-                 norm, global_batch / metrics.step_times[-1])
-        if is_time(done, train_cfg["eval_every"], steps):
-            comm.watchdog.beat(step, "eval")
-            last_eval = evaluate(sessions.for_eval(), eval_reader, comm, info, train_cfg["eval_batch_size"],
-                                 train_reader.label_name)
-            metrics.eval(done, last_eval)
-        reason = stop_mod.agreed(votes)
-        if checkpointer.due(done) or reason:
-            checkpointer.save(done, state, lr, metrics.history)
-        if reason:  # every rank knows it from the same all-reduce
-            stop_now(reason, votes, done, checkpointer, metrics, out_dir / stop_mod.STOPPED)
+        self.metrics.log_step(done, loss, lr, norm, lambda: parameters_on_host(self.state, self.trainable,
+                                                                               self.comm.xp))
+        if is_time(done, self.train_cfg["eval_every"], self.steps):
+            self.evaluate(done)
+        reason = stop_mod.agreed(votes)  # every rank knows it from the same all-reduce
+        if self.checkpointer.due(done) or reason:
+            self.checkpointer.save(done, self.state, lr, self.metrics.history)
+        if reason:
+            self.stop(reason, votes, done)
 
-    return finish(config, sessions.for_eval(), comm, train_reader, eval_reader, info, metrics, last_eval, out_dir)
+    def train_step(self, step: int, batches: list[dict], lr: float) -> tuple[float, float, list[float]]:
+        """Forward, backward, all-reduce and the optimizer step at learning rate `lr`
+        (see the top of this file). Returns the mean loss, the gradient norm before
+        clipping, and every rank's stop votes summed."""
+        module, optimizer, running_stats = self.sessions.module, self.sessions.optimizer, self.sessions.running_stats
+        scale_to_mean = 1.0 / (self.train_cfg["grad_accum_steps"] * self.comm.world_size)
+        loss_sum = 0.0
+        for micro_batch, batch in enumerate(batches):
+            seed_random_operators(self.seed, step, self.comm.rank, micro_batch)
+            outputs = module(*self.feeds(batch))
+            running_stats.keep(outputs)
+            loss_sum += outputs_of(outputs)[0]
+        self.comm.watchdog.beat(step, "allreduce")
+        grads = gradients(self.state, self.trainable, self.comm.xp)
+        norm = average_and_clip(self.comm, grads, scale_to_mean, self.train_cfg["clip_grad_norm"])
+        # The stop votes and BatchNorm's running statistics ride along with the loss:
+        # neither costs a collective of its own.
+        votes = self.stop_request.votes()
+        summed = self.comm.allreduce_sum(np.concatenate([[loss_sum], votes, running_stats.local()]))
+        loss, votes = float(summed[0]) * scale_to_mean, list(summed[1:1 + len(votes)])
+        running_stats.set_mean(summed[1 + len(votes):])
+        if math.isfinite(loss) and math.isfinite(norm):
+            optimizer.set_learning_rate(lr)
+            self.decay.apply(lr)  # torch's order: the decay, then the optimizer's update
+            optimizer.step()
+        module.lazy_reset_grad()
+        return loss, norm, votes
 
+    def feeds(self, batch: dict) -> list[np.ndarray]:
+        """`batch` as the Module's inputs, in order."""
+        return feeds(batch, self.input_names, self.info["label"]["name"], self.train_data.label_name)
 
-class Sessions:
-    """The Module and Optimizer of this rank, reopened with ONNX Runtime's
-    profiler on for the steps of `train.profile_steps` (traces of this run only),
-    and the running statistics among the Module's outputs (`model.json` `running_stats`)."""
+    def evaluate(self, done: int) -> None:
+        """Evaluate after step `done`: train.eval_batches of the eval split, or all of it after the last step."""
+        self.comm.watchdog.beat(done - 1, "eval")
+        bound = self.train_cfg["eval_batches"]
+        records = bound * self.train_cfg["eval_batch_size"] if bound and done < self.steps else None
+        self.last_eval = evaluate(self.sessions.for_eval(), self.eval_data, self.comm, self.info,
+                                  self.train_cfg["eval_batch_size"], self.train_data.label_name, records)
+        self.metrics.eval(done, self.last_eval)
 
-    def __init__(self, artifacts: Path, state, comm, train_cfg: dict, profile_dir: Path, running_stats: dict):
-        self.artifacts, self.state, self.rank = artifacts, state, comm.rank
-        self.device = f"cuda:{comm_mod.gpu_for(comm.local_rank, os.environ)}" if train_cfg["device"] == "cuda" \
-            else "cpu"
-        self.threads = threads_per_rank(comm.local_size, len(os.sched_getaffinity(0)), os.environ)
-        self.profile_steps, self.profile_dir, self.profiling = train_cfg["profile_steps"], profile_dir, False
-        for old in profile_dir.glob(f"rank{self.rank}-*"):
-            old.unlink()
-        self.module, self.optimizer = open_sessions(artifacts, state, self.device, self.threads)
-        self.running_stats = RunningStats(state, self.module.output_names(), running_stats, comm)
+    def stop(self, reason, votes, done: int) -> None:
+        """Every rank agreed to stop (`votes`) and the checkpoint of step `done` is written:
+        say so (in the log, and in STOPPED for the launcher) and end."""
+        where = self.checkpointer.last[1]
+        if self.comm.rank == 0:
+            log.warning("stopping after step %d of %d: %s; checkpoint %s written; rerun to resume from it",
+                        done, self.steps, stop_mod.describe(votes), where)
+            # For `ortflow train`, which exits with 128 + the signal (the ranks exit 0:
+            # mpirun would call a non-zero exit a failure).
+            atomic.write_text(self.folder.stopped, json.dumps({"signal": reason.name, "step": done}))
+        self.metrics.close()
+        raise Stopped(reason, done, where)
 
-    def at_step(self, step: int) -> tuple:
-        """(module, optimizer) for training step `step`."""
-        traced = bool(self.profile_steps) and self.profile_steps[0] <= step <= self.profile_steps[1]
-        if traced != self.profiling:
-            self.profile_dir.mkdir(exist_ok=True)
-            prefix = self.profile_dir / f"rank{self.rank}-step{step}" if traced else None
-            self.module, self.optimizer = open_sessions(self.artifacts, self.state, self.device, self.threads, prefix)
-            self.profiling = traced
-        return self.module, self.optimizer
+    def finish(self) -> dict:
+        """The final evaluation (unless the last step just did it) and metrics.json."""
+        if not self.last_eval:  # resumed at the end: nothing trained, still report the model's quality
+            self.evaluate(self.steps)
+        if self.comm.rank == 0:  # only rank 0 writes metrics.json
+            self.last_eval.update(baselines(self.info, self.train_data, self.eval_data))
+        flops_per_sample = sum(self.info["flops_per_sample"].values())
+        summary = self.metrics.summary(flops_per_sample, self.last_eval, self.comm.allgather(peak_rss_mb()))
+        self.metrics.write(self.folder.metrics, summary)
+        self.metrics.close()
+        return summary
 
-    def for_eval(self):
-        """The module, with its eval graph: a traced Module has none, so tracing pauses (until the next step)."""
-        if self.profiling:
-            self.module, self.optimizer = open_sessions(self.artifacts, self.state, self.device, self.threads)
-            self.profiling = False
-        return self.module
-
-
-def feeder(input_names: list[str], label_input: str, data_label: str):
-    """batch -> the Module's inputs in order."""
-    return lambda batch: feeds(batch, input_names, label_input, data_label)
-
-
-def trainable(state) -> list[str]:
-    return [name for name, p in state.parameters if p.requires_grad]
-
-
-def log_step(metrics: Metrics, train_cfg: dict, done: int, parameters, loss: float, lr: float, norm: float,
-             samples_per_s: float) -> None:
-    """The log line (every train.log_every steps) and the histograms of `parameters()` (every train.histogram_every)."""
-    if is_time(done, train_cfg["log_every"], train_cfg["steps"]):
-        metrics.train(done, loss, lr, norm, samples_per_s)
-    if done % train_cfg["histogram_every"] == 0 and metrics.enabled:
-        metrics.histograms(done, parameters())
-
-
-def initial_state(artifacts: Path):
-    from onnxruntime.training.api import CheckpointState
-
-    return CheckpointState.load_checkpoint(str(Artifacts(artifacts).checkpoint))
-
-
-def stop_now(reason, votes, done: int, checkpointer: Checkpointer, metrics: Metrics, stopped: Path) -> None:
-    """Every rank agreed to stop (`votes`) and the checkpoint of step `done` is written: say so (in
-    the log, and in the file `stopped`) and end."""
-    where = checkpointer.last[1]
-    if checkpointer.comm.rank == 0:
-        log.warning("stopping after step %d of %d: %s; checkpoint %s written; rerun to resume from it",
-                    done, checkpointer.steps, stop_mod.describe(votes), where)
-        # For `ortflow train`, which exits with 128 + the signal (the ranks exit 0:
-        # mpirun would call a non-zero exit a failure).
-        atomic.write_text(stopped, json.dumps({"signal": reason.name, "step": done}))
-    metrics.close()
-    raise Stopped(reason, done, where)
-
-
-def finish(config: dict, module, comm, train_reader: ShardReader, eval_reader: ShardReader, info: dict,
-           metrics: Metrics, last_eval: dict, out_dir: Path) -> dict:
-    """The final evaluation (unless the last step just did it) and metrics.json."""
-    train_cfg = config["train"]
-    data_label = train_reader.label_name
-    if not last_eval:  # resumed at the end: nothing trained, still report the model's quality
-        last_eval = evaluate(module, eval_reader, comm, info, train_cfg["eval_batch_size"], data_label)
-        metrics.eval(train_cfg["steps"], last_eval)
-    if comm.rank == 0:  # only rank 0 writes metrics.json
-        last_eval.update(baselines(info, train_reader, eval_reader))
-    flops_per_sample = sum(info["flops_per_sample"].values())
-    summary = metrics.summary(train_cfg["steps"], config_mod.global_batch_size(config), flops_per_sample, last_eval,
-                              comm.allgather(peak_rss_mb()))
-    metrics.write(out_dir / "metrics.json", summary)
-    metrics.close()
-    return summary
+    def log_start(self) -> None:
+        placement = self.comm.placement()  # a collective: every rank takes part
+        if self.comm.rank == 0:
+            train = self.train_cfg
+            log.info("%d ranks, global batch %d (%d x %d accumulated x %d ranks), %s, %d threads per rank",
+                     self.comm.world_size, config_mod.global_batch_size(self.config), train["micro_batch_size"],
+                     train["grad_accum_steps"], self.comm.world_size,
+                     f"resuming at step {self.start_step} from {self.resumed_from}" if self.resumed_from
+                     else "starting at step 0",
+                     self.sessions.threads)
+            log.info("ranks per node: %s", placement)
 
 
 def baselines(info: dict, train_reader: ShardReader, eval_reader: ShardReader) -> dict:
@@ -341,14 +212,12 @@ def baselines(info: dict, train_reader: ShardReader, eval_reader: ShardReader) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="one rank of `ortflow train` (start it with mpirun or srun)")
+    parser = argparse.ArgumentParser(description="one rank of `ortflow train` (start it with `ortflow train`)")
     parser.add_argument("--config-json", required=True)
-    parser.add_argument("--train", required=True, type=Path, help="folder of the train split's shards")
-    parser.add_argument("--eval", required=True, type=Path, help="folder of the eval split's shards")
+    parser.add_argument("--train", required=True, type=Path)
+    parser.add_argument("--eval", required=True, type=Path)
     parser.add_argument("--artifacts", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path, help="the run's train/ folder")
-    parser.add_argument("--checkpoints", required=True, type=Path, help="the checkpoints folder")
-    parser.add_argument("--profile", required=True, type=Path, help="the folder of ONNX Runtime's profiler traces")
+    parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
     stop = StopRequest().install()  # first: a stop request during the imports is kept too
 
@@ -362,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         config = config_mod.validate(json.loads(args.config_json))
         if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
             cuda_libraries.preload()
-        train(config, args.train, args.eval, args.artifacts, args.out, args.checkpoints, args.profile, stop)
+        Trainer(config, args.train, args.eval, Artifacts(args.artifacts), TrainFolder(args.out), stop).run()
     except Stopped:
         # Every rank stops here together, without MPI_Abort.
         logging.shutdown()

@@ -1,0 +1,42 @@
+"""When the ranks write a checkpoint together, and which one a run goes on from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import config as config_mod
+from ..checkpoints import resume, store
+from .metrics import strict
+from .schedule import is_time
+
+
+class Checkpointer:
+    """Decides when the ranks write a checkpoint together, and writes it: every
+    `train.checkpoint_every` steps, after the last step, and when the run stops."""
+
+    def __init__(self, root: Path, comm, config: dict):
+        train = config["train"]
+        self.root, self.comm = root, comm
+        self.identity = config_mod.training_identity(config)
+        self.identity_digest = config_mod.digest(self.identity)
+        self.every, self.steps, self.keep = train["checkpoint_every"], train["steps"], train["keep_checkpoints"]
+        self.global_batch = config_mod.global_batch_size(config)
+        self.last: tuple[int, Path] | None = None  # (step, folder) of the newest one written
+
+    def due(self, done: int) -> bool:
+        return is_time(done, self.every, self.steps)
+
+    def find_resume(self, resume_from: str | None, artifacts: Path) -> resume.Resume | None:
+        """The checkpoint to go on from (see checkpoints/resume.py), or None to start at step 0."""
+        return resume.find_resume(self.root, self.identity, self.identity_digest, resume_from, self.steps, artifacts)
+
+    def save(self, done: int, state, lr: float, history: dict) -> Path:
+        """The checkpoint after `done` steps (written once, however often it is asked for)."""
+        if self.last and self.last[0] == done:
+            return self.last[1]
+        self.comm.watchdog.beat(done - 1, "checkpoint")
+        properties = {"step": done, "lr": lr, "samples_seen": done * self.global_batch}
+        folder = store.save(self.root, done, state, self.comm, self.identity, self.identity_digest, properties,
+                            self.keep, strict(history))
+        self.last = (done, folder)
+        return folder

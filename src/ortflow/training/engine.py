@@ -1,0 +1,102 @@
+"""This rank's ONNX Runtime training engine: the Module (training and eval
+graphs) and the Optimizer over the live CheckpointState, with its threads and
+device, reopened with ONNX Runtime's profiler for the steps of train.profile_steps."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from ..artifacts import Artifacts
+from ..sessions import session_options
+from . import comm as comm_mod
+from .running_stats import RunningStats
+
+
+def threads_per_rank(local_size: int, affinity: int, environ: dict) -> int:
+    """Each rank gets its share of the node's cores. Where Slurm already pinned
+    each task to its own CPUs (--cpus-per-task), the affinity is that share."""
+    cpus_per_task = environ.get("SLURM_CPUS_PER_TASK")
+    if cpus_per_task and affinity <= int(cpus_per_task):
+        return affinity
+    return max(1, affinity // local_size)
+
+
+def open_sessions(artifacts: Artifacts, state, device: str, threads: int, profile_prefix: Path | None = None):
+    """The Module and the Optimizer over `state`. They can be reopened at any step:
+    parameters, gradients and optimizer moments live in `state`, so training goes
+    on bit for bit. With `profile_prefix`, ONNX Runtime's profiler traces both
+    sessions until they are dropped, into `<prefix>-train_<time>.json` and
+    `<prefix>-optimizer_<time>.json`. A traced Module has no eval graph: its
+    session would take the same prefix and second as the training graph's, and
+    the two traces would write over each other."""
+    from onnxruntime.training.api import Module, Optimizer
+
+    options = session_options(threads)
+    if profile_prefix:
+        options.enable_profiling = True
+        options.profile_file_prefix = f"{profile_prefix}-train"
+    eval_model = None if profile_prefix else str(artifacts.eval_model)
+    module = Module(str(artifacts.training_model), state, eval_model, device=device, session_options=options)
+    if profile_prefix:  # sessions copy their options when created
+        options.profile_file_prefix = f"{profile_prefix}-optimizer"
+    return module, Optimizer(str(artifacts.optimizer_model), module)
+
+
+def initial_state(artifacts: Artifacts):
+    """The CheckpointState that build_artifacts wrote: the initial weights."""
+    from onnxruntime.training.api import CheckpointState
+
+    return CheckpointState.load_checkpoint(str(artifacts.checkpoint))
+
+
+def trainable(state) -> list[str]:
+    """The names of the parameters the optimizer updates."""
+    return [name for name, p in state.parameters if p.requires_grad]
+
+
+def seed_random_operators(seed: int, step: int, rank: int, micro_batch: int) -> None:
+    """ONNX Runtime's random operators (Dropout) draw from one generator per
+    process. Seeded before every forward from (run.seed, step, rank, micro-batch),
+    their masks depend only on where training is: a run repeats exactly, a resumed
+    run is bit-identical to one that never stopped, and the ranks drop differently."""
+    import onnxruntime
+
+    onnxruntime.set_seed(int(np.random.SeedSequence([seed, step, rank, micro_batch]).generate_state(1)[0]))
+
+
+class Sessions:
+    """The Module and Optimizer of this rank, reopened with ONNX Runtime's
+    profiler on for the steps of `train.profile_steps` (traces of this run only),
+    and the running statistics among the Module's outputs (`model.json` `running_stats`)."""
+
+    def __init__(self, artifacts: Artifacts, state, comm, train_cfg: dict, profile_dir: Path):
+        self.artifacts, self.state, self.rank = artifacts, state, comm.rank
+        self.device = f"cuda:{comm_mod.gpu_for(comm.local_rank, os.environ)}" if train_cfg["device"] == "cuda" \
+            else "cpu"
+        self.threads = threads_per_rank(comm.local_size, len(os.sched_getaffinity(0)), os.environ)
+        self.profile_steps, self.profile_dir, self.profiling = train_cfg["profile_steps"], profile_dir, False
+        for old in profile_dir.glob(f"rank{self.rank}-*"):
+            old.unlink()
+        self.module, self.optimizer = open_sessions(artifacts, state, self.device, self.threads)
+        # Absent from artifacts built before BatchNorm support.
+        stats = artifacts.description().get("running_stats", {})
+        self.running_stats = RunningStats(state, self.module.output_names(), stats, comm)
+
+    def at_step(self, step: int) -> None:
+        """Trace training step `step` if train.profile_steps asks for it (and stop tracing after)."""
+        traced = bool(self.profile_steps) and self.profile_steps[0] <= step <= self.profile_steps[1]
+        if traced != self.profiling:
+            self.profile_dir.mkdir(exist_ok=True)
+            prefix = self.profile_dir / f"rank{self.rank}-step{step}" if traced else None
+            self.module, self.optimizer = open_sessions(self.artifacts, self.state, self.device, self.threads, prefix)
+            self.profiling = traced
+
+    def for_eval(self):
+        """The module, with its eval graph: a traced Module has none, so tracing pauses (until the next step)."""
+        if self.profiling:
+            self.module, self.optimizer = open_sessions(self.artifacts, self.state, self.device, self.threads)
+            self.profiling = False
+        return self.module

@@ -1,0 +1,40 @@
+"""The layout of a run's training folder (`results/<run>/train/`, the folder the
+train rule gives `ortflow train --out`), in one place, as artifacts.py is for the
+artifacts: the launcher, the ranks, the merge and report rules all read it here.
+
+    metrics.json   the run's summary and history, written by rank 0 at the end (the rule's output)
+    checkpoints/   step-XXXXXXXX/: the sharded checkpoints (checkpoints/store.py)
+    tensorboard/   TensorBoard's event files, written by rank 0
+    profile/       ONNX Runtime's profiler traces of train.profile_steps, one pair per rank
+    heartbeat/     each rank's last step and phase, read by the collective watchdog (comm.py)
+    attempt.lock   held while an attempt runs: a second one is refused
+    STOPPED        {"signal", "step"}: the last attempt stopped on a signal, after a checkpoint
+    FINISHED       {"steps"}: the last attempt trained to the end
+    previous/      a finished run's checkpoints and events, moved aside when a rerun starts anew
+
+Checkpoints and events live beside metrics.json but are not Snakemake outputs:
+Snakemake deletes a failed job's outputs, and a rerun resumes from them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class TrainFolder:
+    """The files of the training folder `folder`."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.metrics = self.folder / "metrics.json"
+        self.checkpoints = self.folder / "checkpoints"
+        self.tensorboard = self.folder / "tensorboard"
+        self.profile = self.folder / "profile"
+        self.heartbeat = self.folder / "heartbeat"
+        self.lock = self.folder / "attempt.lock"
+        self.stopped = self.folder / "STOPPED"
+        self.finished = self.folder / "FINISHED"
+        self.previous = self.folder / "previous"
+
+    def __str__(self) -> str:
+        return str(self.folder)
