@@ -44,6 +44,7 @@ onsuccess:
         export_metrics=rules.quantize_model.output.metrics,
         model=rules.export_model.output[0],
         int8=INT8,
+        checkpoint=rules.merge_checkpoint.output[0],
         report=REPORT,
         run_arguments=run_arguments(),
     )

@@ -313,3 +313,22 @@ def test_eval_parts_cover_the_split_once(id_split, world_size):
     assert all(len(b["y"]) <= 32 for rank in range(world_size) for b in reader.eval_batches(rank, world_size, 32))
     assert np.array_equal(np.sort(np.concatenate(parts)), np.sort(reader.gather(np.arange(len(reader)))["x"][:, 0].astype(np.int64)))
     assert len(np.concatenate(parts)) == len(reader) == 200
+
+
+def test_a_bounded_evaluation_reads_records_spread_over_the_split_and_the_ranks(tmp_path):
+    """train.eval_batches: `records` of the split, evenly spaced (the split keeps the
+    source's order), each rank a contiguous part of them; without a bound, every record."""
+    _, eval_ = prepare_into(tmp_path, make_config(source=str(id_npz(tmp_path / "ids.npz", 1796)), eval_fraction=0.5))
+    reader = ShardReader(eval_)
+    assert len(reader) == 898
+
+    def read(rank: int, world_size: int, records: int | None) -> list[int]:
+        return [int(i) for batch in reader.eval_batches(rank, world_size, 16, records) for i in batch["x"][:, 0]]
+
+    everything = read(0, 1, None)
+    assert everything == sorted(everything) and len(everything) == 898
+    chosen = read(0, 2, 100) + read(1, 2, 100)
+    assert len(chosen) == 100 and len(read(0, 2, 100)) == 50
+    expected = np.linspace(0, 898, 100, endpoint=False).astype(int)
+    assert chosen == [everything[i] for i in expected]  # from the first records to the last ones
+    assert read(0, 1, 10_000) == everything

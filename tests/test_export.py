@@ -94,8 +94,8 @@ def test_exported_model_is_the_trained_inference_graph(default_run):
     assert {n.op_type for n in model.graph.node} <= {"Flatten", "Cast", "Gemm", "Relu", "Reshape"}
     meta = json.loads((default_run / "results/digits/checkpoint/meta.json").read_text())
     props = {p.key: p.value for p in model.metadata_props}
-    assert props == {"ortflow.run": "digits", "ortflow.step": "150", "ortflow.version": "0.1.0",
-                     "ortflow.identity_digest": meta["identity_digest"]}
+    assert props == {"ortflow.run": "digits", "ortflow.step": "150", "ortflow.checkpoint": "last",
+                     "ortflow.version": "0.1.0", "ortflow.identity_digest": meta["identity_digest"]}
     # The trained weights: its accuracy on the eval split is the one training reported.
     reader = ShardReader(default_run / "results/digits/data/eval")
     batch = reader.gather(np.arange(len(reader)))

@@ -162,7 +162,7 @@ def files_of(results: Path) -> dict:
     """The files run_summary reads, where the rules write them under `results`."""
     return {"train_metrics": results / "train/metrics.json", "export_metrics": results / "export/metrics.json",
             "model": results / "export/model.onnx", "int8": results / "export/model.int8.onnx",
-            "report": results / "report.html"}
+            "checkpoint": results / "checkpoint", "report": results / "report.html"}
 
 
 def console_tail(stderr: str) -> list[str]:

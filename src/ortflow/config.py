@@ -250,6 +250,14 @@ def training_identity(config: dict) -> dict:
     return identity
 
 
+def export_checkpoint(config: dict) -> str:
+    """`best` or `last`: the checkpoint export.checkpoint picks, `auto` resolved."""
+    chosen = config["export"]["checkpoint"]
+    if chosen == "auto":
+        return "best" if config["train"]["early_stopping"]["patience"] else "last"
+    return chosen
+
+
 def by_content(section: dict) -> dict:
     """`section` with each value that names a file replaced by `sha256:<digest>` of the file."""
     from .data.shards import sha256_file

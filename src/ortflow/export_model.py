@@ -32,6 +32,7 @@ import numpy as np
 
 from . import atomic
 from .artifacts import Artifacts
+from .merge_checkpoint import chosen
 from .data import standardize
 from .errors import MissingInputError, ModelError
 from .evaluation import feeds, outputs_of
@@ -226,6 +227,7 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
     props = {
         "ortflow.run": config["run"]["name"],
         "ortflow.step": meta["step"],
+        "ortflow.checkpoint": chosen(meta),
         "ortflow.identity_digest": meta["identity_digest"],
         "ortflow.version": __version__,
     }

@@ -15,6 +15,7 @@ from . import atomic
 from .checkpoints.ort_format import CheckpointError, ort_checkpoint_bytes
 from .checkpoints.resume import checkpoint_folder
 from .checkpoints.store import (
+    BEST, best_folder, read_best,
     COMPLETE, MANIFEST, MAX_SHARDS, partition, read_checkpoint, shard_bytes, new_manifest, shard_attrs, write_json,
     write_shard,
 )
@@ -25,12 +26,23 @@ HELP = "inspect, merge or reshard the sharded checkpoints of a run"
 META = "meta.json"  # of a merged checkpoint; export reads its step and identity_digest
 
 
-def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model: Path | None = None) -> Path:
-    """Merge a checkpoint (a folder, or the newest complete one under a checkpoints root,
-    of the training identity `identity_digest` if given) into `out_dir`: `checkpoint`
-    (ONNX Runtime's format, with optimizer state), `checkpoint.h5` (every shard in one)
-    and `meta.json`."""
-    folder = checkpoint_folder(source, identity_digest)
+def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model: Path | None = None,
+          which: str = "last") -> Path:
+    """Merge a checkpoint (a folder, or under a checkpoints root the newest complete one
+    (`which` last) or the one that evaluated best (`which` best), of the training identity
+    `identity_digest` if given) into `out_dir`: `checkpoint` (ONNX Runtime's format, with
+    optimizer state), `checkpoint.h5` (every shard in one) and `meta.json`, which says
+    which one it is."""
+    best = read_best(source) if which == "best" else None
+    if which == "best":
+        folder = best_folder(source, identity_digest)
+        if folder is None:
+            raise CheckpointError(
+                f"{source}: no best checkpoint of this run (no {BEST}): training keeps one when export.checkpoint "
+                "is best (or auto with train.early_stopping.patience set); retrain with that, or export the last "
+                "step's with export.checkpoint: last")
+    else:
+        folder = checkpoint_folder(source, identity_digest)
     checkpoint = read_checkpoint(folder, model)
     manifest = checkpoint.manifest
     attrs = shard_attrs(manifest["checkpoint_id"], manifest["step"], 0, 1, manifest["identity"],
@@ -38,6 +50,7 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
     state = checkpoint.state
     meta = {key: manifest[key] for key in ("checkpoint_id", "step", "world_size", "identity", "identity_digest",
                                            "properties")}
+    meta["chosen"] = {"checkpoint": which, **({key: best[key] for key in ("metric", "mode", "value")} if best else {})}
     out_dir = Path(out_dir)
     with atomic.folder(out_dir) as tmp:
         (tmp / "checkpoint").write_bytes(ort_checkpoint_bytes(checkpoint.state))
@@ -46,6 +59,14 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
                                            sort_keys=True) + "\n")
     log.info("merged %s (%d shards, step %d) -> %s", checkpoint.path, manifest["world_size"], manifest["step"], out_dir)
     return out_dir
+
+
+def chosen(meta: dict) -> str:
+    """Which checkpoint a merged checkpoint's meta.json says it is: `best (eval loss 0.1234)` or `last`."""
+    choice = meta.get("chosen", {"checkpoint": "last"})
+    if choice["checkpoint"] != "best":
+        return choice["checkpoint"]
+    return f"best (eval {choice['metric']} {choice['value']:.6g})"
 
 
 def reshard(source: Path, out_dir: Path, world_size: int, model: Path | None = None) -> Path:
@@ -115,6 +136,8 @@ def add_arguments(parser) -> None:
     merge_parser.add_argument("source", type=Path, help=source_help)
     merge_parser.add_argument("out", type=Path, help="output folder")
     merge_parser.add_argument("--artifacts", type=Path, help=model_help)
+    merge_parser.add_argument("--checkpoint", choices=("last", "best"), default="last",
+                              help="of a checkpoints root: the newest checkpoint, or the one that evaluated best")
     merge_parser.add_argument("--config-json", help="the run's config: take the newest checkpoint of its training "
                               "identity (a checkpoints root can hold checkpoints of several)")
     reshard_parser = sub.add_parser("reshard", help="rewrite a checkpoint as N shards")
@@ -129,7 +152,7 @@ def run(args) -> None:
     if args.action == "inspect":
         print(inspect(args.source, args.artifacts))
     elif args.action == "merge":
-        merge(args.source, args.out, _identity_digest(args.config_json), args.artifacts)
+        merge(args.source, args.out, _identity_digest(args.config_json), args.artifacts, args.checkpoint)
     else:
         if not 1 <= args.world_size <= MAX_SHARDS:
             raise CheckpointError(f"reshard: --world-size must be 1..{MAX_SHARDS}, got {args.world_size}")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from . import atomic
 from .errors import MissingInputError
+from .merge_checkpoint import chosen
 
 HELP = "plots and tables of a run for `snakemake --report`"
 
@@ -258,7 +259,7 @@ def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchm
 
 
 def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
-                int8: str | Path, report: str | Path, run_arguments: Sequence[str] = ()) -> str:
+                int8: str | Path, checkpoint: str | Path, report: str | Path, run_arguments: Sequence[str] = ()) -> str:
     """A few lines on what exists of the run in the folder `results`: printed when
     `snakemake` finishes, whichever stages ran. The files are where the rules
     write them (the Snakefile passes their outputs); `report` is the report
@@ -285,6 +286,13 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
         lines.append(f"  training  {train['steps']} steps ({this_attempt} in this attempt) in "
                      f"{fmt(train['wall_time_s'], 'seconds')}, {fmt(train['samples_per_s'], 'rate')} samples/s "
                      f"on {len(train['peak_rss_mb'])} ranks")
+        if train.get("stopped_early"):
+            best = train["best"]
+            lines.append(f"  stopped   early after step {train['steps']}: eval {best['metric']} had not improved "
+                         f"since step {best['step']}")
+    merged = read_json(Path(checkpoint) / "meta.json")
+    if merged:
+        lines.append(f"  exported  the checkpoint of step {merged['step']}, the {chosen(merged)}")
     if len(lines) == 1:
         lines.append("  nothing trained yet")
     lines.append(f"  report    {shlex.join(['snakemake', '--report', str(report), *run_arguments])}")

@@ -13,8 +13,10 @@ rule merge_checkpoint:
         "../../envs/ortflow.yaml"
     params:
         # The training identity picks this run's newest checkpoint among those of earlier configs.
-        config=config_json("run", "data", "model", "train"),
+        config=config_json("run", "data", "model", "train", "export.checkpoint"),
         checkpoints=str(TRAIN.checkpoints),
+        # export.checkpoint: the step that evaluated best, or the last one.
+        which=ortflow_config.export_checkpoint(config),
     shell:
         "ortflow checkpoint merge {params.checkpoints:q} {output:q} --artifacts {input.artifacts:q}"
-        " --config-json {params.config:q} > {log:q} 2>&1"
+        " --checkpoint {params.which:q} --config-json {params.config:q} > {log:q} 2>&1"

@@ -22,7 +22,8 @@ rule train:
         # One GPU per rank on CUDA; the Slurm profile sets tasks_per_gpu=1.
         gpu=config["train"]["world_size"] if config["train"]["device"] == "cuda" else 0,
     params:
-        config=config_json("run", "data", "model", "train"),
+        # export.checkpoint: training keeps the best checkpoint when the export will want it.
+        config=config_json("run", "data", "model", "train", "export.checkpoint"),
         # A function: Snakemake's lint refuses a string param that is a prefix of an output.
         folder=lambda wildcards: str(TRAIN),
     shell:

@@ -9,6 +9,9 @@ A checkpoint is a folder `step-XXXXXXXX` (optimizer steps done) under the run's
     history.json              the metrics logged up to this step (written by rank 0)
     COMPLETE                  written by rank 0 once every shard is in place
 
+Beside the step folders, `best.json` names the checkpoint that evaluated best
+(train.early_stopping's metric), which pruning keeps.
+
 Every rank holds the same state after a step (data parallelism), so each one
 writes a different 1/W of the bytes (see `partition`), in parallel. A shard is
 an HDF5 file:
@@ -36,6 +39,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass, field
@@ -54,6 +58,7 @@ log = logging.getLogger("ortflow.checkpoint")
 COMPLETE = "COMPLETE"
 MANIFEST = "manifest.json"
 HISTORY = "history.json"  # the run's logged metrics up to the checkpoint's step
+BEST = "best.json"  # in the checkpoints root: which checkpoint evaluated best, by which metric
 FORMAT = "ortflow-checkpoint-shard/1"
 MAX_SHARDS = 99999  # shard names have five digits
 
@@ -264,14 +269,46 @@ def save(root: Path, step: int, state, comm, identity: dict, identity_digest: st
 
 def _prune(root: Path, identity_digest: str, keep: int) -> None:
     """Keep the newest `keep` complete checkpoints of this training identity (those of
-    another are left alone); incomplete ones older than those are leftovers of crashes."""
+    another are left alone), and its best one; incomplete ones older than those are
+    leftovers of crashes."""
     folders = sorted(p for p in Path(root).glob("step-*") if p.is_dir())
     ours = [p for p in folders if (p / COMPLETE).exists() and digest_of(p) == identity_digest]
     kept = ours[-keep:]
+    best = best_folder(root, identity_digest)
     for folder in folders:
         incomplete = not (folder / COMPLETE).exists()
-        if (folder in ours and folder not in kept) or (incomplete and kept and folder < kept[0]):
+        if (folder in ours and folder not in kept and folder != best) or (incomplete and kept and folder < kept[0]):
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def mark_best(root: Path, folder: Path, identity_digest: str, record: dict) -> None:
+    """Note (in the root's best.json) that the complete checkpoint `folder` evaluated best:
+    `record` says by which metric and value. Only rank 0 calls this."""
+    write_json(Path(root) / BEST, {**record, "checkpoint": folder.name, "identity_digest": identity_digest})
+
+
+def best_folder(root: Path, identity_digest: str | None = None) -> Path | None:
+    """The checkpoint folder best.json names (of this training identity, if given), or None."""
+    record = read_best(root)
+    if record is None or identity_digest not in (None, record.get("identity_digest")):
+        return None
+    return Path(root) / record["checkpoint"]
+
+
+def read_best(root: Path) -> dict | None:
+    """best.json of the checkpoints root `root`, checked: it names a step folder of the root by its
+    plain name (from someone else, it could name any path); None if there is none."""
+    path = Path(root) / BEST
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: not readable as JSON ({error}): the file is damaged") from None
+    name = record.get("checkpoint") if isinstance(record, dict) else None
+    if not (isinstance(name, str) and re.fullmatch(r"step-\d{8}", name)):
+        raise CheckpointError(f"{path}: 'checkpoint' must name a step-XXXXXXXX folder beside it, not {name!r}")
+    return record
 
 
 def digest_of(folder: Path) -> str | None:

@@ -40,3 +40,8 @@ class Checkpointer:
                             self.keep, strict(history))
         self.last = (done, folder)
         return folder
+
+    def mark_best(self, done: int, record: dict) -> None:
+        """The checkpoint after `done` steps (written) is the best so far, by `record`."""
+        if self.comm.rank == 0:
+            store.mark_best(self.root, store.step_dir(self.root, done), self.identity_digest, record)

@@ -86,13 +86,14 @@ class Metrics:
             for name, value in parameters.items():
                 self.writer.add_histogram(f"parameters/{name}", value, step)
 
-    def summary(self, flops_per_sample: float, eval_results: dict, peak_rss_per_rank: list[float]) -> dict:
+    def summary(self, steps: int, flops_per_sample: float, eval_results: dict, peak_rss_per_rank: list[float]) -> dict:
+        """The run's summary for metrics.json, after `steps` steps (train.steps, or fewer after early stopping)."""
         steady = self.step_times[WARMUP_STEPS:] or self.step_times
         p50, p95 = (float(np.percentile(steady, q)) for q in (50, 95)) if steady else (math.nan, math.nan)
         samples_per_s = self.global_batch / float(np.mean(steady)) if steady else math.nan
         train_loss = self.history["train"][-1]["loss"] if self.history["train"] else math.nan
         return {
-            "steps": self.total_steps,
+            "steps": steps,
             "steps_this_attempt": len(self.step_times),
             "train_loss": train_loss,
             "eval": eval_results,

@@ -39,6 +39,7 @@ from ..sessions import quiet_logging
 from . import comm as comm_mod
 from . import stop as stop_mod
 from . import weight_decay
+from .best import Best
 from .checkpointer import Checkpointer
 from .engine import Sessions, initial_state, seed_random_operators, trainable
 from .faults import Fault
@@ -82,15 +83,25 @@ class Trainer:
         self.metrics = Metrics(folder.tensorboard, self.comm.rank == 0, self.start_step, self.train_cfg,
                                config_mod.global_batch_size(config),
                                resume_mod.read_history(resume) if resume else None)
+        self.best = Best(self.train_cfg["early_stopping"], self.info["task"], self.metrics.history["eval"])
+        self.keep_best = config_mod.export_checkpoint(config) == "best"  # the export will want it
         self.fault = Fault()
         self.last_eval: dict = {}
+        self.whole_eval_at: int | None = None  # the step after which the whole eval split was read
         self.log_start()
 
     def run(self) -> dict:
-        """Train from the start step (0, or the checkpoint's) to train.steps; then metrics.json."""
-        for step in range(self.start_step, self.steps):
-            self.step(step)
-        return self.finish()
+        """Train from the start step (0, or the checkpoint's) to train.steps, or until
+        train.early_stopping's patience runs out; then metrics.json."""
+        done = self.start_step
+        while done < self.steps and not self.best.exhausted:
+            self.step(done)
+            done += 1
+        if self.best.exhausted and self.comm.rank == 0:
+            log.warning("early stopping after step %d of %d: eval %s has not improved by more than %g for %d "
+                        "evaluations; the best, %.6g, was after step %d", done, self.steps, self.best.metric,
+                        self.best.min_delta, self.best.since, self.best.value, self.best.step)
+        return self.finish(done)
 
     def step(self, step: int) -> None:
         """Optimizer step `step` (0-based), then what is due after it: log, evaluate, checkpoint, stop."""
@@ -110,11 +121,15 @@ class Trainer:
         done = step + 1
         self.metrics.log_step(done, loss, lr, norm, lambda: parameters_on_host(self.state, self.trainable,
                                                                                self.comm.xp))
+        new_best = False
         if is_time(done, self.train_cfg["eval_every"], self.steps):
-            self.evaluate(done)
+            self.evaluate(done, whole=done == self.steps)
+            new_best = self.best.update(done, self.last_eval) and self.keep_best
         reason = stop_mod.agreed(votes)  # every rank knows it from the same all-reduce
-        if self.checkpointer.due(done) or reason:
+        if self.checkpointer.due(done) or reason or new_best or self.best.exhausted:
             self.checkpointer.save(done, self.state, lr, self.metrics.history)
+        if new_best:
+            self.checkpointer.mark_best(done, self.best.describe())
         if reason:
             self.stop(reason, votes, done)
 
@@ -150,13 +165,14 @@ class Trainer:
         """`batch` as the Module's inputs, in order."""
         return feeds(batch, self.input_names, self.info["label"]["name"], self.train_data.label_name)
 
-    def evaluate(self, done: int) -> None:
-        """Evaluate after step `done`: train.eval_batches of the eval split, or all of it after the last step."""
+    def evaluate(self, done: int, whole: bool) -> None:
+        """Evaluate after step `done`: the `whole` eval split, or train.eval_batches of it."""
         self.comm.watchdog.beat(done - 1, "eval")
         bound = self.train_cfg["eval_batches"]
-        records = bound * self.train_cfg["eval_batch_size"] if bound and done < self.steps else None
+        records = bound * self.train_cfg["eval_batch_size"] if bound and not whole else None
         self.last_eval = evaluate(self.sessions.for_eval(), self.eval_data, self.comm, self.info,
                                   self.train_cfg["eval_batch_size"], self.train_data.label_name, records)
+        self.whole_eval_at = done if whole else None
         self.metrics.eval(done, self.last_eval)
 
     def stop(self, reason, votes, done: int) -> None:
@@ -172,14 +188,16 @@ class Trainer:
         self.metrics.close()
         raise Stopped(reason, done, where)
 
-    def finish(self) -> dict:
-        """The final evaluation (unless the last step just did it) and metrics.json."""
-        if not self.last_eval:  # resumed at the end: nothing trained, still report the model's quality
-            self.evaluate(self.steps)
+    def finish(self, done: int) -> dict:
+        """The evaluation of the whole eval split after step `done` (unless the last one was
+        that: a run resumed at its end, or stopped early, still reports its quality) and metrics.json."""
+        if self.whole_eval_at != done:
+            self.evaluate(done, whole=True)
         if self.comm.rank == 0:  # only rank 0 writes metrics.json
             self.last_eval.update(baselines(self.info, self.train_data, self.eval_data))
         flops_per_sample = sum(self.info["flops_per_sample"].values())
-        summary = self.metrics.summary(flops_per_sample, self.last_eval, self.comm.allgather(peak_rss_mb()))
+        summary = self.metrics.summary(done, flops_per_sample, self.last_eval, self.comm.allgather(peak_rss_mb()))
+        summary.update(best=self.best.describe(), stopped_early=done < self.steps)
         self.metrics.write(self.folder.metrics, summary)
         self.metrics.close()
         return summary

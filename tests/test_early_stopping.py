@@ -1,0 +1,112 @@
+"""The best checkpoint and early stopping (train.early_stopping, export.checkpoint):
+which evaluation is the best, when a run stops, and that the one exported is the
+one that evaluated best; units here, then through the real workflow."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from conftest import run_snakemake
+from ortflow import config as config_mod
+from ortflow.checkpoints import store
+from ortflow.checkpoints.ort_format import CheckpointError
+from ortflow.errors import ConfigError
+from ortflow.training.best import Best
+
+
+def settings(**changes) -> dict:
+    return {**config_mod.validate({})["train"]["early_stopping"], **changes}
+
+
+def test_the_best_by_loss_and_by_accuracy_and_patience():
+    best = Best(settings(patience=2), "classification", [])
+    assert [best.update(step, {"loss": loss}) for step, loss in ((10, 1.0), (20, 0.5), (30, 0.6), (40, 0.55))] == \
+        [True, True, False, False]
+    assert (best.step, best.value, best.since, best.exhausted) == (20, 0.5, 2, True)
+    accuracy = Best(settings(metric="accuracy"), "classification", [])
+    assert [accuracy.update(s, {"accuracy": a}) for s, a in ((10, 0.5), (20, 0.7), (30, 0.6))] == [True, True, False]
+    assert accuracy.mode == "max" and not accuracy.exhausted  # no patience: never stops
+
+
+def test_min_delta_and_replay_of_the_history():
+    history = [{"step": 10, "loss": 1.0}, {"step": 20, "loss": 0.95}, {"step": 30, "loss": 0.5}]
+    best = Best(settings(min_delta=0.1, patience=3), "regression", history)  # 0.95 is not 0.1 better than 1.0
+    assert (best.step, best.value, best.since) == (30, 0.5, 0)
+
+
+def test_a_metric_the_task_has_not_is_refused_in_one_line():
+    with pytest.raises(ConfigError) as error:
+        Best(settings(metric="accuracy"), "regression", [])
+    assert str(error.value) == ("config key 'train.early_stopping.metric': 'accuracy' is not an eval metric of a "
+                                "regression model; use one of loss")
+
+
+def test_export_checkpoint_auto_is_best_with_early_stopping():
+    assert config_mod.export_checkpoint(config_mod.validate({})) == "last"
+    assert config_mod.export_checkpoint(config_mod.validate({"train": {"early_stopping": {"patience": 3}}})) == "best"
+    assert config_mod.export_checkpoint(config_mod.validate({"export": {"checkpoint": "best"}})) == "best"
+
+
+def test_best_json_names_a_step_folder_beside_it_only(tmp_path):
+    (tmp_path / store.BEST).write_text(json.dumps({"checkpoint": "../../etc", "identity_digest": "d"}))
+    with pytest.raises(CheckpointError, match="'checkpoint' must name a step-XXXXXXXX folder beside it"):
+        store.best_folder(tmp_path, "d")
+    (tmp_path / store.BEST).write_text(json.dumps({"checkpoint": "step-00000020", "identity_digest": "d"}))
+    assert store.best_folder(tmp_path, "d") == tmp_path / "step-00000020"
+    assert store.best_folder(tmp_path, "another identity") is None
+
+
+# --- through the workflow ----------------------------------------------------------------------------
+
+# Evaluations every 10 steps on 2 ranks; nothing improves on the first one by more than min_delta, so
+# patience 2 stops the run after the third evaluation, at step 30 of 300, and the best is step 10's.
+EARLY = {"train": {"steps": 300, "eval_every": 10, "checkpoint_every": 100, "keep_checkpoints": 1, "log_every": 10,
+                   "early_stopping": {"patience": 2, "min_delta": 10.0}}}
+
+
+def _metrics(workdir: Path) -> dict:
+    return json.loads((workdir / "results/digits/train/metrics.json").read_text())
+
+
+def test_early_stopping_stops_every_rank_and_the_best_checkpoint_is_exported(digits_workdir):
+    result = run_snakemake(digits_workdir, EARLY, "export_model")
+    metrics = _metrics(digits_workdir)
+    assert metrics["stopped_early"] is True and metrics["steps"] == 30
+    assert metrics["best"]["step"] == 10 and metrics["best"]["metric"] == "loss"
+    assert [e["step"] for e in metrics["history"]["eval"]][:3] == [10, 20, 30]
+    log = (digits_workdir / "logs/digits/train.log").read_text()
+    assert "early stopping after step 30 of 300: eval loss has not improved by more than 10 for 2 evaluations" in log
+    # keep_checkpoints 1 keeps the newest and the best.
+    root = digits_workdir / "results/digits/train/checkpoints"
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000010", "step-00000030"]
+    meta = json.loads((digits_workdir / "results/digits/checkpoint/meta.json").read_text())
+    assert meta["step"] == 10 and meta["chosen"]["checkpoint"] == "best"
+    assert meta["chosen"]["value"] == pytest.approx(metrics["history"]["eval"][0]["loss"])
+    props = {p.key: p.value for p in onnx.load(str(digits_workdir / "results/digits/export/model.onnx")).metadata_props}
+    assert props["ortflow.step"] == "10" and props["ortflow.checkpoint"].startswith("best (eval loss ")
+    assert "exported  the checkpoint of step 10, the best (eval loss" in result.stdout + result.stderr
+    assert "stopped   early after step 30: eval loss had not improved since step 10" in result.stdout + result.stderr
+
+
+def test_export_checkpoint_best_without_early_stopping_picks_the_lowest_eval_loss(digits_workdir):
+    config = {"train": {"steps": 60, "eval_every": 10, "checkpoint_every": 60, "keep_checkpoints": 1,
+                        "optimizer": {"name": "adamw", "lr": 0.05}},  # a high rate: the loss jumps about
+              "export": {"checkpoint": "best"}}
+    run_snakemake(digits_workdir, config, "merge_checkpoint")
+    evaluations = _metrics(digits_workdir)["history"]["eval"]
+    losses = [e["loss"] for e in evaluations]
+    best_step = evaluations[int(np.argmin(losses))]["step"]
+    meta = json.loads((digits_workdir / "results/digits/checkpoint/meta.json").read_text())
+    assert meta["step"] == best_step and meta["chosen"]["value"] == pytest.approx(min(losses))
+    # Asked for by hand without a best one recorded: one line saying what to do.
+    from ortflow import merge_checkpoint
+
+    empty = digits_workdir / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="no best checkpoint of this run"):
+        merge_checkpoint.merge(empty, digits_workdir / "out", which="best")
