@@ -43,3 +43,33 @@ def test_every_relative_link_resolves():
 def test_every_page_of_docs_is_linked_from_the_front_page():
     front = (REPO / "README.md").read_text()
     assert [page.name for page in PAGES[1:] if f"(docs/{page.name})" not in front] == []
+
+
+def layout_names() -> set[str]:
+    """The names in backticks of the README's Layout section."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"`([^`]+)`", section))
+
+
+def test_the_layout_names_existing_files():
+    """Each file the README's map names is there: in the repository, a rules file
+    in workflow/rules/, or a module or folder under src/ortflow/ (at the path
+    given, or by name in one of its folders)."""
+    package = REPO / "src" / "ortflow"
+    named = {name for name in layout_names() if re.fullmatch(r"[\w/]+(\.py|\.smk|\.yaml|/)", name)}
+    assert len(named) > 30
+    missing = [name for name in named
+               if not (REPO / name).exists() and not (REPO / "workflow" / "rules" / name).is_file()
+               and not (package / name).exists() and not list(package.rglob(name))]
+    assert missing == []
+
+
+def test_the_layout_names_every_module():
+    """A module added to src/ortflow/ gets its line in the README's map."""
+    names = layout_names()
+    modules = [path.relative_to(REPO / "src" / "ortflow").as_posix()
+               for path in sorted((REPO / "src" / "ortflow").rglob("*.py")) if path.name != "__init__.py"]
+    unnamed = [module for module in modules
+               if not {module, Path(module).name, Path(module).stem} & names]
+    assert unnamed == []
