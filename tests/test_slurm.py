@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO, run_snakemake
 
-PROFILE = REPO / "workflow" / "profiles" / "slurm"
+PROFILE = REPO / "profiles" / "slurm"
 # Small runs; the default world size (2) stays: training must be one 2-task job.
 CONFIG = {"train": {"steps": 30, "log_every": 10, "eval_every": 30, "checkpoint_every": 30}}
 # The first status check after 2 s instead of the profile's 20 s keeps the run short.
@@ -112,9 +112,24 @@ def test_cuda_training_asks_for_one_gpu_per_task(slurm_run, tmp_path):
     result = run_snakemake(workdir, config, *SLURM_ARGS, check=False)
     assert result.returncode != 0, result.stderr
     calls = re.findall(r"^\s*(sbatch .*--comment rule_train .*)$", result.stderr, re.M)
-    assert calls, result.stderr[-4000:]
-    for call in calls:  # the profile's `retries` submits the refused job once more
+    assert len(calls) == 2, result.stderr[-4000:]  # the profile retries a training job once
+    for call in calls:
         arguments = call.split(" --wrap=")[0].split()
         assert {"--gpus=4", "--ntasks=4", "--ntasks-per-gpu=1"} <= set(arguments), arguments
     # The cluster has no GPU: Slurm itself refused the GPU request.
     assert "Invalid generic resource (gres) specification" in result.stderr
+
+
+def test_only_training_is_retried(slurm_cluster, tmp_path):
+    """The profile submits a failed training job once more (it resumes from its
+    checkpoint), but no other stage's: prepare_data on a file without the
+    configured column fails once, as one Slurm job."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "bad.csv").write_text("a,b,y\n" + "".join(f"{i},{i},{i % 2}\n" for i in range(40)))
+    config = {**CONFIG, "data": {"source": "bad.csv", "features": ["c"], "label": "y"}}
+    result = run_snakemake(workdir, config, "prepare_data", *SLURM_ARGS, check=False)
+    assert result.returncode != 0, result.stderr
+    assert "column(s) c not found" in result.stderr, result.stderr[-4000:]
+    jobs = [rows[0] for rows in slurm_jobs(workdir).values()]
+    assert [(job["Comment"], job["State"]) for job in jobs] == [("rule_prepare_data", "FAILED")], jobs

@@ -197,7 +197,8 @@ def test_a_failed_node_ends_the_job_and_the_rerun_on_the_other_resumes(
     config = with_train(collective_timeout_s=10)
     # The profile's retry would ask for 2 nodes again (excluding the failed
     # ones): this partition has no others, and the job would wait forever.
-    run = start_snakemake(workdir, config, two_node_profile, "--retries", "0", env=fault(15, 2, "stall"))
+    run = start_snakemake(workdir, config, two_node_profile, "--preemptible-retries", "0",
+                          env=fault(15, 2, "stall"))
     try:
         wait_for("rank 2 at step 15", lambda: heartbeat(train_dir, 2).get("step") == 15)
         assert (train_dir / "checkpoints" / "step-00000010" / "COMPLETE").exists()
@@ -245,12 +246,13 @@ def test_a_job_stopped_by_a_signal_comes_back_and_resumes(two_node_run, two_node
     the time limit does (`--signal=USR1@300`: to every task of the job's steps).
     Rank 2 stalls at step 15 and the signal comes then: the ranks stop after
     that step with a checkpoint, the job fails, Snakemake submits it again (the
-    profile's `retries`) and the second job resumes and finishes, with the
+    profile's `preemptible-retries`) and the second job resumes and finishes, with the
     weights of the uninterrupted run bit for bit. (A real time limit of 1 minute,
     Slurm's smallest, was tried: its warning comes anywhere in that minute, and
     stopped the resumed jobs too.)"""
     shipped = yaml.safe_load((PROFILE / "config.yaml").read_text())
-    assert shipped["retries"] >= 1 and "--signal=USR1@" in shipped["set-resources"]["train"]["slurm_extra"]
+    assert shipped["preemptible-rules"] == ["train"] and shipped["preemptible-retries"] >= 1
+    assert "--signal=USR1@" in shipped["set-resources"]["train"]["slurm_extra"]
     workdir = workdir_with_inputs(inputs, tmp_path / "work")
     train_dir = workdir / TRAIN_DIR
     run = start_snakemake(workdir, CONFIG, two_node_profile, env=fault(15, 2, "stall"))

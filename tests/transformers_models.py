@@ -1,7 +1,7 @@
 """Hugging Face transformers models as ortflow trains them (`model.kind: torch`),
 randomly initialised from a config, nothing downloaded: the wrappers that
-README.md's "Hugging Face transformers" example shows, for
-tests/test_transformers.py and bench/bench_transformers.py."""
+docs/models.md's "Hugging Face transformers" example shows, for
+tests/test_transformers.py and bench/bench_train.py."""
 
 import torch
 from torch import nn

@@ -20,7 +20,7 @@
 # removes it.
 #
 # The names tests and users see: cluster `ortflow`, partitions `batch` and
-# `twonodes`, account `ortflow` (the values in workflow/profiles/slurm/config.yaml).
+# `twonodes`, account `ortflow` (the values in profiles/slurm/config.yaml).
 set -euo pipefail
 
 CLUSTER=ortflow
