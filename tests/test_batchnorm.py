@@ -20,7 +20,7 @@ from ortflow.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow import build_artifacts
-from ortflow.sessions import inference_session
+from ortflow.inference import inference_session
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 8

@@ -15,7 +15,8 @@ from conftest import run_snakemake
 from ortflow.data import standardize
 from ortflow.prepare_data import split_rows
 from ortflow.data.shards import ShardReader
-from ortflow.export_model import TOLERANCE, loss_of
+from ortflow.export_model import TOLERANCE
+from ortflow.inference import loss_of
 from ortflow.report import fmt, summary_rows
 
 SEED = 1234  # run.seed of config/config.yaml

@@ -13,7 +13,7 @@ import torch
 
 from ortflow import atomic
 from ortflow.checkpoints import store
-from ortflow.export_model import loss_of
+from ortflow.inference import loss_of
 from ortflow.checkpoints.ort_format import TrainingState
 from ortflow.evaluation import batch_totals, eval_results
 

@@ -36,7 +36,8 @@ from .merge_checkpoint import chosen
 from .data import standardize
 from .errors import MissingInputError, ModelError
 from .evaluation import feeds, outputs_of
-from .sessions import inference_session, quiet_logging
+from .inference import inference_session, input_feeds, loss_of, set_metadata
+from .sessions import quiet_logging
 
 log = logging.getLogger("ortflow.export")
 
@@ -56,38 +57,6 @@ TOLERANCE = {"relative": 1e-4, "absolute": 1e-6}
 
 class ExportError(ModelError):
     """The exported model fails a check; the message says which and by how much."""
-
-
-def input_feeds(session, batch: dict) -> dict:
-    return {i.name: batch[i.name] for i in session.get_inputs()}
-
-
-def loss_of(logits: np.ndarray, labels: np.ndarray, loss: str) -> float:
-    """The training loss (`model.json` `loss`, a mean like ORT's loss blocks) of
-    an inference model's logits, which have no loss output of their own."""
-    logits = logits.astype(np.float64)
-    if loss == "cross_entropy":  # logits [batch, classes, ...], labels [batch, ...]
-        shifted = logits - logits.max(axis=1, keepdims=True)
-        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        picked = np.take_along_axis(log_probs, labels.astype(np.int64)[:, None], axis=1)
-        return float(-picked.mean())
-    target = labels.astype(np.float64).reshape(logits.shape)
-    if loss == "mse":
-        return float(((logits - target) ** 2).mean())
-    if loss == "l1":
-        return float(np.abs(logits - target).mean())
-    if loss == "bce_with_logits":
-        return float((np.maximum(logits, 0) - logits * target + np.log1p(np.exp(-np.abs(logits)))).mean())
-    raise ModelError(f"model.json: loss {loss!r} is not one ortflow trains with")
-
-
-def set_metadata(model, props: dict) -> None:
-    """Add `props` to the model's metadata properties, keeping the ones it has (a user model's own)."""
-    import onnx
-
-    merged = {p.key: p.value for p in model.metadata_props}
-    merged.update({key: str(value) for key, value in props.items()})
-    onnx.helper.set_model_props(model, merged)
 
 
 def check_interface(model, info: dict, where: Path) -> None:

@@ -35,8 +35,8 @@ from . import atomic, ort_private
 from .artifacts import Artifacts
 from .errors import ModelError
 from .evaluation import batch_totals, eval_results
-from .sessions import inference_session, quiet_logging
-from .export_model import input_feeds, loss_of, set_metadata
+from .inference import inference_session, input_feeds, loss_of, set_metadata
+from .sessions import quiet_logging
 
 log = logging.getLogger("ortflow.quantize")
 

@@ -1,10 +1,8 @@
 """ONNX Runtime's session options and logging in one place, for training's Module
-and Optimizer, for the inference sessions of export and quantize, and for the
-graph builder."""
+and Optimizer, for the inference sessions of export and quantize (inference.py),
+and for the graph builder."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 # ONNX Runtime's logger prints warnings a user has nothing to do about (initializers
 # it removes while optimizing, nodes it places on the CPU); errors still print.
@@ -31,10 +29,3 @@ def session_options(threads: int | None = None):
         options.inter_op_num_threads = 1
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return options
-
-
-def inference_session(path: Path, threads: int | None = None):
-    """An ONNX Runtime CPU session; `threads` pins the intra-op pool (1 for latency figures)."""
-    import onnxruntime as ort
-
-    return ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])

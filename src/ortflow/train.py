@@ -87,9 +87,8 @@ def run(args) -> int:
     mpi = shutil.which(args.mpi) or args.mpi
     command = launcher_command(mpi, world_size, host_cores()) + [
         sys.executable, "-m", "ortflow.training.trainer",
-        "--config-json", json.dumps(config),
-        "--train", str(args.train), "--eval", str(args.eval), "--artifacts", str(args.artifacts),
-        "--out", str(folder),
+        json.dumps({"config": config, "train": str(args.train), "eval": str(args.eval),
+                    "artifacts": str(args.artifacts), "out": str(folder)}),
     ]
     print(f"ortflow train: {' '.join(command[:command.index(sys.executable)])} ...", file=sys.stderr, flush=True)
     code = supervise(command, launcher_env(os.environ), lock)

@@ -18,7 +18,6 @@ decides when), and a stop that a signal asked for (stop.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -230,13 +229,8 @@ def baselines(info: dict, train_reader: ShardReader, eval_reader: ShardReader) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="one rank of `ortflow train` (start it with `ortflow train`)")
-    parser.add_argument("--config-json", required=True)
-    parser.add_argument("--train", required=True, type=Path)
-    parser.add_argument("--eval", required=True, type=Path)
-    parser.add_argument("--artifacts", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args(argv)
+    """One rank. Its one argument is the JSON that `ortflow train` (train.py, whose
+    command line is the only one) writes: {"config", "train", "eval", "artifacts", "out"}."""
     stop = StopRequest().install()  # first: a stop request during the imports is kept too
 
     from mpi4py import MPI
@@ -246,10 +240,12 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
     quiet_logging()
     try:
-        config = config_mod.validate(json.loads(args.config_json))
+        job = json.loads((argv or sys.argv[1:])[0])
+        config = config_mod.validate(job["config"])
         if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
             cuda_libraries.preload()
-        Trainer(config, args.train, args.eval, Artifacts(args.artifacts), TrainFolder(args.out), stop).run()
+        Trainer(config, Path(job["train"]), Path(job["eval"]), Artifacts(job["artifacts"]), TrainFolder(job["out"]),
+                stop).run()
     except Stopped:
         # Every rank stops here together, without MPI_Abort.
         logging.shutdown()

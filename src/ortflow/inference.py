@@ -1,0 +1,51 @@
+"""The inference model, as export and quantize use it: an ONNX Runtime session
+of it, its inputs from a batch, the training loss of its logits, and its
+metadata properties."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from .errors import ModelError
+from .sessions import session_options
+
+
+def inference_session(path: Path, threads: int | None = None):
+    """An ONNX Runtime CPU session; `threads` pins the intra-op pool (1 for latency figures)."""
+    import onnxruntime as ort
+
+    return ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+
+
+def input_feeds(session, batch: dict) -> dict:
+    return {i.name: batch[i.name] for i in session.get_inputs()}
+
+
+def loss_of(logits: np.ndarray, labels: np.ndarray, loss: str) -> float:
+    """The training loss (`model.json` `loss`, a mean like ORT's loss blocks) of
+    an inference model's logits, which have no loss output of their own."""
+    logits = logits.astype(np.float64)
+    if loss == "cross_entropy":  # logits [batch, classes, ...], labels [batch, ...]
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        picked = np.take_along_axis(log_probs, labels.astype(np.int64)[:, None], axis=1)
+        return float(-picked.mean())
+    target = labels.astype(np.float64).reshape(logits.shape)
+    if loss == "mse":
+        return float(((logits - target) ** 2).mean())
+    if loss == "l1":
+        return float(np.abs(logits - target).mean())
+    if loss == "bce_with_logits":
+        return float((np.maximum(logits, 0) - logits * target + np.log1p(np.exp(-np.abs(logits)))).mean())
+    raise ModelError(f"model.json: loss {loss!r} is not one ortflow trains with")
+
+
+def set_metadata(model, props: dict) -> None:
+    """Add `props` to the model's metadata properties, keeping the ones it has (a user model's own)."""
+    import onnx
+
+    merged = {p.key: p.value for p in model.metadata_props}
+    merged.update({key: str(value) for key, value in props.items()})
+    onnx.helper.set_model_props(model, merged)
