@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import atomic
+from . import atomic, ort_private
 from .artifacts import Artifacts
 from .errors import MissingInputError, ModelError
 from .sessions import quiet_logging
@@ -235,24 +235,17 @@ def optimizer_block(optimizer: dict):
 
     if optimizer["name"] == "sgd":
         return optim.SGD()
-
-    class TorchAdamW(optim.optim.AdamWOptimizer):
-        def _build_optimizer_node(self, input_names, output_name, node_name, node_attributes):
-            return super()._build_optimizer_node(input_names, output_name, node_name, {**node_attributes, "adam_mode": 0})
-
-    block = optim.AdamW(betas=tuple(optimizer["betas"]), eps=optimizer["eps"], weight_decay=0.0)
-    block._adamw = TorchAdamW(betas=tuple(optimizer["betas"]), eps=optimizer["eps"], weight_decay=0.0)
-    return block
+    return ort_private.torch_adamw_block(tuple(optimizer["betas"]), optimizer["eps"])
 
 
 def generate(base, trainable, frozen, loss, label, optimizer, out: Path) -> None:
     import onnx
-    from onnxruntime.training import artifacts, onnxblock
+    from onnxruntime.training import artifacts
 
     quiet_logging()
     # ORT names the nodes it adds from a process-wide counter; restarting it
     # makes the graphs depend on the model alone, byte for byte.
-    onnxblock._graph_utils._GRAPH_TOKEN = 0
+    ort_private.restart_node_names()
     try:
         artifacts.generate_artifacts(
             base,

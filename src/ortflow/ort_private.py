@@ -14,6 +14,11 @@ each accessor first checks the installed version and refuses another in one line
   (checkpoints/ort_format.py).
 - The exception ORT raises for a node its CPU provider has no kernel for
   (`onnxruntime.capi.onnxruntime_pybind11_state.NotImplemented`): quantize names that node.
+- The AdamW block's operator attributes (`AdamWOptimizer._build_optimizer_node`,
+  `AdamW._adamw`): build_artifacts asks for torch's AdamW (adam_mode 0).
+- The counter onnxblock names the nodes it adds from (`_graph_utils._GRAPH_TOKEN`,
+  `generate_graph_name`): build_artifacts restarts it, so that the graphs depend on
+  the model alone, and ortflow's own loss blocks name their nodes by it (models/losses.py).
 """
 
 from __future__ import annotations
@@ -62,3 +67,36 @@ def not_implemented_error() -> type:
     from onnxruntime.capi.onnxruntime_pybind11_state import NotImplemented as NotImplementedByOrt
 
     return NotImplementedByOrt
+
+
+def torch_adamw_block(betas: tuple[float, float], eps: float):
+    """onnxblock's AdamW with torch.optim.AdamW's arithmetic (adam_mode 0; the block's
+    default is Hugging Face's, which places epsilon and the weight decay differently)
+    and no weight decay (training applies it per group)."""
+    check_version()
+    from onnxruntime.training.onnxblock import optim
+
+    class TorchAdamW(optim.optim.AdamWOptimizer):
+        def _build_optimizer_node(self, input_names, output_name, node_name, node_attributes):
+            return super()._build_optimizer_node(input_names, output_name, node_name,
+                                                 {**node_attributes, "adam_mode": 0})
+
+    block = optim.AdamW(betas=betas, eps=eps, weight_decay=0.0)
+    block._adamw = TorchAdamW(betas=betas, eps=eps, weight_decay=0.0)
+    return block
+
+
+def restart_node_names() -> None:
+    """Restart the process-wide counter that onnxblock names new nodes from."""
+    check_version()
+    from onnxruntime.training import onnxblock
+
+    onnxblock._graph_utils._GRAPH_TOKEN = 0
+
+
+def new_node_name(prefix: str) -> str:
+    """A node name no other node of the graphs onnxblock builds has, as its own blocks name theirs."""
+    check_version()
+    from onnxruntime.training.onnxblock import _graph_utils
+
+    return _graph_utils.generate_graph_name(prefix)

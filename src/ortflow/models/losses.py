@@ -14,12 +14,13 @@ def stable_bce_with_logits():
     x - 2 relu(x)) so that every operator has a gradient in ONNX Runtime."""
     import onnx
     from onnxruntime.training import onnxblock
-    from onnxruntime.training.onnxblock import _graph_utils
+
+    from .. import ort_private
 
     class StableBCEWithLogitsLoss(onnxblock.Block):
         def build(self, logits: str, target: str) -> str:
             graph = self.base.graph
-            name = _graph_utils.generate_graph_name
+            name = ort_private.new_node_name
 
             def node(op: str, *inputs: str, **attributes) -> str:
                 output = name(f"bce.{op.lower()}")
