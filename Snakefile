@@ -57,3 +57,24 @@ onerror:
 
     failed = [(job.rule.name, list(job.log)) for job in workflow.scheduler.failed]
     print(stage_failures(failed), file=sys.stderr)
+
+
+# A run that starts from an earlier run's merged checkpoint (model.weights:
+# results/<run>/checkpoint, model.weights_config: that run's config): the
+# earlier run's stages up to merge_checkpoint are rules of this workflow too,
+# named earlier_*, so that one `snakemake` call runs them first when needed.
+if EARLIER_RUN:
+
+    module earlier:
+        snakefile:
+            "Snakefile"
+        config:
+            EARLIER_RUN
+
+    use rule prepare_data from earlier as earlier_prepare_data
+
+    use rule build_artifacts from earlier as earlier_build_artifacts
+
+    use rule train from earlier as earlier_train
+
+    use rule merge_checkpoint from earlier as earlier_merge_checkpoint

@@ -18,7 +18,8 @@ from conftest import run_snakemake
 from ortflow import config as config_mod
 from ortflow.prepare_data import prepare
 from ortflow.data.shards import ShardReader
-from ortflow.models import built_in, graphs
+from ortflow import build_artifacts
+from ortflow.models import built_in
 from ortflow.training.weight_decay import WeightDecay
 
 TESTS = Path(__file__).resolve().parent
@@ -54,7 +55,7 @@ def config(model: dict | None = None, data: dict | None = None) -> dict:
 def build(train_dir: Path, out: Path, model: dict) -> dict:
     # The config's data section only has to pass validation (gpt wants text);
     # the data itself comes from train_dir.
-    return graphs.build(config(model, {"source": "text"} if model["kind"] == "gpt" else None), train_dir, out)
+    return build_artifacts.build(config(model, {"source": "text"} if model["kind"] == "gpt" else None), train_dir, out)
 
 
 def batch_of(train_dir: Path, n: int = 8) -> dict[str, np.ndarray]:
@@ -149,7 +150,7 @@ def test_same_config_same_bytes_and_model_json(data, tmp_path):
 def other_seed_differs(data, tmp_path) -> bool:
     other = config(SMALL["mlp"])
     other["run"]["seed"] = 8
-    graphs.build(other, data["digits"], tmp_path / "c")
+    build_artifacts.build(other, data["digits"], tmp_path / "c")
     return (tmp_path / "c" / "checkpoint").read_bytes() != (tmp_path / "a" / "checkpoint").read_bytes()
 
 
@@ -245,10 +246,11 @@ def test_ir_version_above_10_that_needs_it_is_explained(data, tmp_path):
 
 
 @pytest.mark.parametrize("key", ["frozen", "trainable"])
-def test_unknown_parameter_names(data, tmp_path, key):
+def test_pattern_that_matches_no_parameter(data, tmp_path, key):
     path = onnx_model(tmp_path / "user.onnx")
-    with pytest.raises(ValueError, match=rf"model.{key}: \['bias'\] not among the model's parameters; it has: \['weight'\]"):
-        build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path), key: ["bias"]})
+    with pytest.raises(ValueError, match=rf"^model.{key}: 'bias' matches none of the model's parameters: weight \(1 in "
+                                         r"all; patterns as train.optimizer.no_decay's\)$"):
+        build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path), key: ["weight", "bias"]})
 
 
 def test_inputs_that_are_not_the_features(data, tmp_path):

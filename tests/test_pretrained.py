@@ -1,0 +1,424 @@
+"""Pretrained weights, kept bit for bit: a torch wrapper that calls from_pretrained
+on a local folder (GPT-2, BERT under a new head), `model.weights` from a
+safetensors file (the built-in mlp, an ONNX file) or from an earlier run's merged
+checkpoint (chained in one snakemake call), `model.frozen` and `model.trainable`
+as patterns, and each refusal by its message. The pretrained folders are made
+here with save_pretrained: nothing is downloaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from safetensors.numpy import load_file, save_file
+
+from conftest import run_snakemake
+from ortflow import build_artifacts
+from ortflow import config as config_mod
+from ortflow.artifacts import Artifacts
+from ortflow.checkpoints.ort_format import read_ort_checkpoint
+from ortflow.errors import ConfigError, ModelError
+from ortflow.prepare_data import prepare
+
+TESTS = Path(__file__).resolve().parent
+HIDDEN = 16
+MLP_SHAPES = {"layers.0.weight": (HIDDEN, 64), "layers.0.bias": (HIDDEN,), "layers.2.weight": (10, HIDDEN),
+              "layers.2.bias": (10,)}
+CLASSES = 3
+
+
+def validated(model: dict, data: dict | None = None, seed: int = 7) -> dict:
+    return config_mod.validate({"run": {"seed": seed}, "data": data or {}, "model": model})
+
+
+def bits(array: np.ndarray) -> tuple:
+    """What "bit for bit" compares: dtype, shape and bytes."""
+    return array.dtype, array.shape, np.ascontiguousarray(array).tobytes()
+
+
+def checkpoint_of(folder: Path):
+    return read_ort_checkpoint(Artifacts(folder).checkpoint)
+
+
+def bert_folder(folder: Path) -> Path:
+    """A tiny pretrained BERT encoder (BertModel, no classification head), saved as transformers saves it."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=64)).save_pretrained(folder)
+    return folder
+
+
+def gpt2_folder(folder: Path) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_positions=16, bos_token_id=0,
+                               eos_token_id=0)).save_pretrained(folder)
+    return folder
+
+
+def token_classes(path: Path, n: int = 200, length: int = 12) -> None:
+    """Token ids with an attention mask and CLASSES labels (what the classes are does not matter here)."""
+    rng = np.random.default_rng(0)
+    np.savez(path, input_ids=rng.integers(2, 32, size=(n, length)).astype(np.int64),
+             attention_mask=np.ones((n, length), np.int64), y=rng.integers(0, CLASSES, n).astype(np.int64))
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> dict[str, Path]:
+    """Train splits: the digits, and a small text in windows of 16 bytes."""
+    root = tmp_path_factory.mktemp("data")
+    (root / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    sources = {"digits": {}, "text": {"source": str(root / "corpus.txt"), "context": 16}}
+    for name, source in sources.items():
+        prepare(validated({}, source), root / name / "train", root / name / "eval")
+    return {name: root / name / "train" for name in sources}
+
+
+def random_mlp_weights(path: Path, names=MLP_SHAPES, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    weights = {name: rng.normal(size=names[name]).astype(np.float32) for name in names}
+    save_file(weights, str(path))
+    return weights
+
+
+def build_mlp(data, out: Path, **model) -> dict:
+    return build_artifacts.build(validated({"kind": "mlp", "hidden": [HIDDEN], **model}), data["digits"], out)
+
+
+def test_safetensors_into_the_builtin_mlp_bit_for_bit(data, tmp_path):
+    weights = random_mlp_weights(tmp_path / "mlp.safetensors")
+    build_mlp(data, tmp_path / "out", weights=str(tmp_path / "mlp.safetensors"))
+    parameters = checkpoint_of(tmp_path / "out").parameters
+    assert sorted(parameters) == sorted(weights)
+    for name, array in weights.items():
+        assert bits(parameters[name]) == bits(array), name
+
+
+def test_a_new_head_keeps_its_initial_values_from_the_seed(data, tmp_path):
+    """Weights without the head (layers.2), skipped by pattern: the body is the
+    file's, the head is what the same seed gives without weights; another seed, another head."""
+    body = {name: shape for name, shape in MLP_SHAPES.items() if name.startswith("layers.0")}
+    weights = random_mlp_weights(tmp_path / "body.safetensors", body)
+    build_mlp(data, tmp_path / "loaded", weights=str(tmp_path / "body.safetensors"), weights_skip=["layers.2"])
+    build_mlp(data, tmp_path / "seeded")
+    build_artifacts.build(validated({"kind": "mlp", "hidden": [HIDDEN]}, seed=8), data["digits"], tmp_path / "other")
+    loaded, seeded, other = (checkpoint_of(tmp_path / name).parameters for name in ("loaded", "seeded", "other"))
+    for name in body:
+        assert bits(loaded[name]) == bits(weights[name]), name
+    for name in ("layers.2.weight", "layers.2.bias"):
+        assert bits(loaded[name]) == bits(seeded[name]), name
+        assert not np.array_equal(loaded[name], other[name]), name
+
+
+def test_names_and_shapes_are_matched_strictly_in_one_message(data, tmp_path):
+    """Missing, unexpected and mis-shaped names, each with its count and the
+    first few, in one line, with model.weights_skip named as the way out."""
+    rng = np.random.default_rng(0)
+    weights = {"layers.0.weight": rng.normal(size=(HIDDEN, 63)).astype(np.float32),  # 63: mis-shaped
+               "layers.0.bias": rng.normal(size=HIDDEN).astype(np.float32)}
+    weights |= {f"encoder.{i}.weight": np.zeros(2, np.float32) for i in range(7)}  # unexpected
+    save_file(weights, str(tmp_path / "w.safetensors"))
+    with pytest.raises(ModelError) as error:
+        build_mlp(data, tmp_path / "out", weights=str(tmp_path / "w.safetensors"))
+    message = str(error.value)
+    assert "\n" not in message
+    assert message == (
+        f"model.weights: {tmp_path}/w.safetensors does not fit the model: "
+        "2 missing: layers.2.weight, layers.2.bias; "
+        "7 unexpected: encoder.0.weight, encoder.1.weight, encoder.2.weight, encoder.3.weight, encoder.4.weight, "
+        "... (2 more); "
+        "1 mismatched: layers.0.weight (weights float32 [16, 63], model float32 [16, 64]); "
+        "leave names out with model.weights_skip (name patterns, e.g. ['head']): the model's then keep their "
+        "initial values from run.seed"
+    )
+    assert not (tmp_path / "out").exists()
+    # Skipping the unexpected and mis-shaped names leaves the missing ones, and suggests their module.
+    with pytest.raises(ModelError, match=r"^model.weights: .* 2 missing: layers.2.weight, layers.2.bias; leave names "
+                                         r"out with model.weights_skip \(name patterns, e.g. \['layers.2'\]\)"):
+        build_mlp(data, tmp_path / "out", weights=str(tmp_path / "w.safetensors"),
+                  weights_skip=["encoder.*", "layers.0.weight"])
+
+
+def test_a_skip_pattern_must_match_a_name(data, tmp_path):
+    random_mlp_weights(tmp_path / "mlp.safetensors")
+    with pytest.raises(ModelError, match=rf"^model.weights_skip: 'classifier' matches no name of the model or of "
+                                         rf"{tmp_path}/mlp.safetensors$"):
+        build_mlp(data, tmp_path / "out", weights=str(tmp_path / "mlp.safetensors"),
+                  weights_skip=["layers.2", "classifier"])
+
+
+def test_float16_weights_widen_exactly_and_float64_is_refused(data, tmp_path):
+    weights = random_mlp_weights(tmp_path / "w.safetensors")
+    save_file({k: v.astype(np.float16) for k, v in weights.items()}, str(tmp_path / "half.safetensors"))
+    build_mlp(data, tmp_path / "half", weights=str(tmp_path / "half.safetensors"))
+    parameters = checkpoint_of(tmp_path / "half").parameters
+    for name, array in weights.items():
+        assert bits(parameters[name]) == bits(array.astype(np.float16).astype(np.float32)), name
+    save_file({k: v.astype(np.float64) for k, v in weights.items()}, str(tmp_path / "double.safetensors"))
+    with pytest.raises(ModelError, match=r"4 mismatched: layers.0.bias \(weights float64 \[16\], model float32 \[16\]\), "
+                                         r"layers.0.weight \(weights float64 \[16, 64\], model float32 \[16, 64\]\)"):
+        build_mlp(data, tmp_path / "double", weights=str(tmp_path / "double.safetensors"))
+
+
+def linear_onnx(path: Path) -> dict[str, np.ndarray]:
+    """x [n, 64] -> MatMul(weight) + bias -> [n, 10], as an ONNX file; returns its initializers."""
+    rng = np.random.default_rng(1)
+    initial = {"weight": rng.normal(0, 0.1, (64, 10)).astype(np.float32), "bias": np.zeros(10, np.float32)}
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "weight"], ["scores"]), helper.make_node("Add", ["scores", "bias"], ["out"])],
+        "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n", 10])],
+        [numpy_helper.from_array(array, name) for name, array in initial.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return initial
+
+
+def test_safetensors_into_an_onnx_model_bit_for_bit(data, tmp_path):
+    linear_onnx(tmp_path / "linear.onnx")
+    rng = np.random.default_rng(2)
+    weights = {"weight": rng.normal(size=(64, 10)).astype(np.float32), "bias": rng.normal(size=10).astype(np.float32)}
+    save_file(weights, str(tmp_path / "linear.safetensors"))
+    model = {"kind": "onnx", "path": str(tmp_path / "linear.onnx"), "weights": str(tmp_path / "linear.safetensors")}
+    build_artifacts.build(validated(model), data["digits"], tmp_path / "out")
+    parameters = checkpoint_of(tmp_path / "out").parameters
+    for name, array in weights.items():
+        assert bits(parameters[name]) == bits(array), name
+    base = onnx.load(str(Artifacts(tmp_path / "out").base_model))
+    assert {t.name: bits(numpy_helper.to_array(t)) for t in base.graph.initializer} == {
+        name: bits(array) for name, array in weights.items()}
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".pt", ".pth", ".ckpt"])
+def test_pickle_files_are_refused_with_the_conversion(data, tmp_path, suffix):
+    """The file is never opened (its content would run as it unpickles); the
+    message's command converts it (run here on a state_dict that torch.save wrote)."""
+    pickled = tmp_path / f"model{suffix}"
+    torch.save({name: torch.from_numpy(np.full(shape, 0.5, np.float32)) for name, shape in MLP_SHAPES.items()}, pickled)
+    with pytest.raises(ModelError) as error:
+        build_mlp(data, tmp_path / "out", weights=str(pickled))
+    message = str(error.value)
+    assert message.startswith(f"model.weights: {pickled} is a pickle file (torch.save), and loading one could run code; "
+                              "convert it once, where you trust it, to safetensors: python -c ")
+    command = message.split("to safetensors: ", 1)[1]
+    subprocess.run(command, shell=True, check=True, cwd=tmp_path)
+    converted = load_file(str(tmp_path / "model.safetensors"))
+    assert {name: array.shape for name, array in converted.items()} == MLP_SHAPES
+
+
+def crafted_safetensors(path: Path, header: bytes, length: int | None = None, data: bytes = b"") -> Path:
+    path.write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + data)
+    return path
+
+
+def test_a_hostile_safetensors_header_is_refused_before_any_allocation(tmp_path):
+    """Read under a 1.5 GB address-space limit (an allocation of what the header
+    claims would fail with MemoryError): a header that claims a 40 GB tensor in a
+    16-byte file is refused by the file's size, a header length of 2**62 and a text
+    file (whose first 8 bytes make a huge length) as too large."""
+    claims = json.dumps({"w": {"dtype": "F32", "shape": [100000, 100000], "data_offsets": [0, 40_000_000_000]}})
+    cases = {
+        "huge": crafted_safetensors(tmp_path / "huge.safetensors", claims.encode(), data=b"\0" * 16),
+        "length": crafted_safetensors(tmp_path / "length.safetensors", b"{}", length=2**62),
+        "text": tmp_path / "text.safetensors",
+    }
+    cases["text"].write_text("not a safetensors file")
+    code = (
+        "import resource, sys\n"
+        "from ortflow.models import weights\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (1536 << 20, 1536 << 20))\n"
+        "try:\n"
+        "    weights.read(sys.argv[1])\n"
+        "except weights.ModelError as error:\n"
+        "    print(error)\n"
+    )
+    for name, path in cases.items():
+        result = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert result.returncode == 0, result.stderr[-2000:]
+        expected = {"huge": "incomplete metadata, file not fully covered", "length": "header too large",
+                    "text": "header too large"}[name]
+        assert result.stdout.strip() == (f"model.weights: {path} is not a readable safetensors file (Error while "
+                                         f"deserializing header: {expected})"), result.stdout
+
+
+def test_other_sources_are_refused_by_their_message(data, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.npz").write_bytes(b"")
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "checkpoint").write_bytes(b"\0" * 64)
+    cases = {
+        str(tmp_path / "absent.safetensors"): "does not exist (a .safetensors file, or a run's "
+                                              "results/<run>/checkpoint folder)",
+        str(tmp_path / "empty"): "is a folder without a merged checkpoint file 'checkpoint'; name an ortflow run's "
+                                 "results/<run>/checkpoint, or a .safetensors file (in a transformers folder: "
+                                 "model.safetensors)",
+        str(tmp_path / "weights.npz"): "is neither a .safetensors file nor a merged checkpoint folder "
+                                       "(results/<run>/checkpoint)",
+        str(tmp_path / "checkpoint"): "/checkpoint: not an ONNX Runtime checkpoint (no ODTC identifier)",
+    }
+    for path, expected in cases.items():
+        with pytest.raises(ModelError) as error:
+            build_mlp(data, tmp_path / "out", weights=path)
+        assert str(error.value).startswith(f"model.weights: {path}") and str(error.value).endswith(expected), error.value
+
+
+def test_the_command_prints_one_line(data, tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({"model": {"kind": "mlp", "weights": "pretrained.pth"}}))
+    result = subprocess.run([sys.executable, "-m", "ortflow.cli", "build-artifacts", "--config", str(config),
+                             "--train", str(data["digits"]), "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith(
+        "ortflow build-artifacts: error: model.weights: pretrained.pth is a pickle file"), result.stderr
+
+
+def test_frozen_and_trainable_take_patterns(data, tmp_path):
+    def split(**model) -> tuple[list[str], list[str]]:
+        description = build_mlp(data, tmp_path / "out", **model)
+        return description["trainable"], description["frozen"]
+
+    assert split(frozen=["<1d>"]) == (["layers.0.weight", "layers.2.weight"], ["layers.0.bias", "layers.2.bias"])
+    assert split(frozen=["LAYERS.0"]) == (["layers.2.weight", "layers.2.bias"], ["layers.0.weight", "layers.0.bias"])
+    assert split(trainable=["layers.[2]"], frozen=["bias"]) == (
+        ["layers.2.weight"], ["layers.0.weight", "layers.0.bias", "layers.2.bias"])
+    with pytest.raises(ModelError, match=r"^model.frozen: 'head\.\*' matches none of the model's parameters: "
+                                         r"layers.0.bias, layers.0.weight, layers.2.bias, layers.2.weight \(4 in all"):
+        split(frozen=["<1d>", "head.*"])
+    with pytest.raises(ModelError, match=r"^model: no parameter is left to train"):
+        split(frozen=["layers"])
+
+
+def test_config_refusals_of_the_weights_keys(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^config key 'model.weights_skip': set without model.weights"):
+        validated({"weights_skip": ["head"]})
+    (tmp_path / "pre.yaml").write_text("run: {name: pre}\n")
+
+    def earlier(**model):
+        return config_mod.earlier_run(config_mod.validate({"run": {"name": "fine"}, "model": model}))
+
+    assert earlier(weights="results/pre/checkpoint", weights_config="pre.yaml")["run"]["name"] == "pre"
+    with pytest.raises(ConfigError, match=r"^config key 'model.weights_config': pre.yaml is run 'pre', whose merged "
+                                          r"checkpoint is results/pre/checkpoint, but model.weights is "
+                                          r"results/other/checkpoint; set model.weights: results/pre/checkpoint$"):
+        earlier(weights="results/other/checkpoint", weights_config="pre.yaml")
+    with pytest.raises(ConfigError, match=r"^config key 'model.weights': results/fine/checkpoint is an output of this "
+                                          r"run \('fine'\)"):
+        earlier(weights="results/fine/checkpoint")
+    with pytest.raises(ConfigError, match=r"^config key 'model.weights': results/pre/checkpoint does not exist yet; "
+                                          r"make it first with run 'pre''s config"):
+        earlier(weights="results/pre/checkpoint")
+    (tmp_path / "results/pre/checkpoint").mkdir(parents=True)
+    assert earlier(weights="results/pre/checkpoint") is None
+
+
+def test_gpt2_from_pretrained_folder_bit_for_bit(data, tmp_path, monkeypatch):
+    """The wrapper's from_pretrained folder is the initial checkpoint, name for
+    name under the wrapper's `model.` (the tied lm_head is the embedding)."""
+    folder = gpt2_folder(tmp_path / "gpt2")
+    monkeypatch.syspath_prepend(str(TESTS))
+    model = {"kind": "torch", "path": "transformers_models:PretrainedGPT2", "kwargs": {"folder": str(folder)}}
+    build_artifacts.build(validated(model, {"source": "text", "context": 16}), data["text"], tmp_path / "out")
+    pretrained = load_file(str(folder / "model.safetensors"))
+    parameters = checkpoint_of(tmp_path / "out").parameters
+    assert sorted(parameters) == sorted(f"model.{name}" for name in pretrained)
+    for name, array in pretrained.items():
+        assert bits(parameters[f"model.{name}"]) == bits(array), name
+
+
+BERT_HEAD = ["model.classifier.weight", "model.classifier.bias"]
+
+
+def test_bert_with_a_new_head_frozen_encoder_through_the_workflow(tmp_path, monkeypatch):
+    """BERT's encoder from a folder under a new 3-class head, the encoder frozen by
+    pattern (model.frozen: [model.bert]), 4 steps through snakemake: at step 0 the
+    encoder is the folder's bit for bit and frozen; after training it is still the
+    folder's, the head moved, and the optimizer holds moments for the head alone.
+    The head comes from run.seed: a build with the same seed gives the same head,
+    another seed another head."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    folder = bert_folder(tmp_path / "bert")
+    token_classes(workdir / "tokens.npz")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    model = {"kind": "torch", "path": "transformers_models:PretrainedBert",
+             "kwargs": {"folder": str(folder), "classes": CLASSES}, "frozen": ["model.bert"]}
+    config = {
+        "run": {"name": "bert", "seed": 5},
+        "data": {"source": "tokens.npz", "features": ["input_ids", "attention_mask"], "shards": 1},
+        "model": model,
+        "train": {"world_size": 1, "steps": 4, "micro_batch_size": 16, "log_every": 1, "eval_every": 4,
+                  "optimizer": {"lr": 0.01}},
+    }
+    run_snakemake(workdir, config, "merge_checkpoint")
+    results = workdir / "results/bert"
+    pretrained = {f"model.bert.{name}": array for name, array in load_file(str(folder / "model.safetensors")).items()}
+    initial = checkpoint_of(results / "artifacts")
+    assert sorted(initial.parameters) == sorted([*pretrained, *BERT_HEAD])
+    for name, array in pretrained.items():
+        assert bits(initial.parameters[name]) == bits(array), name
+        assert not initial.requires_grad[name], name
+    assert initial.parameters["model.classifier.weight"].shape == (CLASSES, 32)
+    assert initial.optimizer_states == {}  # ORT creates the moments at the first step, for the trainable ones
+    assert json.loads((results / "artifacts/model.json").read_text())["trainable"] == BERT_HEAD
+
+    trained = read_ort_checkpoint(results / "checkpoint/checkpoint")
+    assert json.loads((results / "checkpoint/meta.json").read_text())["step"] == 4
+    for name, array in pretrained.items():
+        assert bits(trained.parameters[name]) == bits(array), name
+    assert sorted(trained.optimizer_states) == sorted(BERT_HEAD)
+    assert sorted(trained.optimizer_states["model.classifier.weight"]) == ["momentum0", "momentum1"]
+    assert not any(trained.requires_grad[name] for name in pretrained)
+    for name in BERT_HEAD:
+        assert not np.array_equal(trained.parameters[name], initial.parameters[name]), name
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    for seed, same in ((5, True), (6, False)):
+        out = tmp_path / f"seed{seed}"
+        build_artifacts.build({**config_mod.validate({**config, "run": {"seed": seed}})}, results / "data/train", out)
+        head = checkpoint_of(out).parameters
+        assert (bits(head["model.classifier.weight"]) == bits(initial.parameters["model.classifier.weight"])) == same
+        assert bits(head["model.classifier.bias"]) == bits(initial.parameters["model.classifier.bias"])  # zeros
+
+
+def test_an_earlier_runs_checkpoint_chained_in_one_snakemake_call(tmp_path):
+    """Run `fine` names run `pre`'s merged checkpoint and its config: one snakemake
+    call for `fine` runs pre's stages up to merge_checkpoint first, and fine starts
+    from pre's trained weights bit for bit."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    train = {"world_size": 1, "steps": 3, "log_every": 1, "eval_every": 3, "checkpoint_every": 3}
+    (workdir / "pre.yaml").write_text(json.dumps({"run": {"name": "pre"}, "model": {"hidden": [HIDDEN]},
+                                                  "train": train}))
+    fine = {"run": {"name": "fine"}, "train": train,
+            "model": {"hidden": [HIDDEN], "weights": "results/pre/checkpoint", "weights_config": "pre.yaml"}}
+    result = run_snakemake(workdir, fine, "merge_checkpoint")
+    for job in ("earlier_prepare_data", "earlier_build_artifacts", "earlier_train", "earlier_merge_checkpoint",
+                "build_artifacts", "train", "merge_checkpoint"):
+        assert f"rule {job}:" in result.stdout + result.stderr, job
+    assert json.loads((workdir / "results/pre/checkpoint/meta.json").read_text())["step"] == 3
+    pretrained = read_ort_checkpoint(workdir / "results/pre/checkpoint/checkpoint").parameters
+    initial = checkpoint_of(workdir / "results/fine/artifacts").parameters
+    assert sorted(initial) == sorted(pretrained) == sorted(MLP_SHAPES)
+    for name, array in pretrained.items():
+        assert bits(initial[name]) == bits(array), name
+    assert "model.weights: 4 tensors" in (workdir / "logs/fine/build_artifacts.log").read_text()
+    assert json.loads((workdir / "results/fine/checkpoint/meta.json").read_text())["step"] == 3
+    dry = run_snakemake(workdir, fine, "merge_checkpoint", "-n")
+    assert "Nothing to be done" in dry.stdout + dry.stderr
