@@ -61,8 +61,10 @@ onerror:
 
 # A run that starts from an earlier run's merged checkpoint (model.weights:
 # results/<run>/checkpoint, model.weights_config: that run's config): the
-# earlier run's stages up to merge_checkpoint are rules of this workflow too,
-# named earlier_*, so that one `snakemake` call runs them first when needed.
+# earlier run's rules are rules of this workflow too, named earlier_*, so that
+# one `snakemake` call runs its stages up to merge_checkpoint first when needed
+# (one `use rule` for them all: with a statement per rule, Snakemake 9.27 no
+# longer finds the producer of earlier_train's metrics.json for earlier_merge_checkpoint).
 if EARLIER_RUN:
 
     module earlier:
@@ -71,10 +73,4 @@ if EARLIER_RUN:
         config:
             EARLIER_RUN
 
-    use rule prepare_data from earlier as earlier_prepare_data
-
-    use rule build_artifacts from earlier as earlier_build_artifacts
-
-    use rule train from earlier as earlier_train
-
-    use rule merge_checkpoint from earlier as earlier_merge_checkpoint
+    use rule * from earlier exclude all as earlier_*

@@ -159,13 +159,22 @@ def test_a_skip_pattern_must_match_a_name(data, tmp_path):
                   weights_skip=["layers.2", "classifier"])
 
 
-def test_float16_weights_widen_exactly_and_float64_is_refused(data, tmp_path):
+def test_half_precision_weights_widen_exactly_and_float64_is_refused(data, tmp_path):
+    """float16 and bfloat16 (which numpy lacks: read through torch) become the
+    model's float32 without rounding; float64 would round, and is refused."""
+    import safetensors.torch
+
     weights = random_mlp_weights(tmp_path / "w.safetensors")
     save_file({k: v.astype(np.float16) for k, v in weights.items()}, str(tmp_path / "half.safetensors"))
+    brain = {k: torch.from_numpy(v).to(torch.bfloat16) for k, v in weights.items()}
+    safetensors.torch.save_file(brain, str(tmp_path / "brain.safetensors"))
     build_mlp(data, tmp_path / "half", weights=str(tmp_path / "half.safetensors"))
-    parameters = checkpoint_of(tmp_path / "half").parameters
+    build_mlp(data, tmp_path / "brain", weights=str(tmp_path / "brain.safetensors"))
+    half, brain_loaded = checkpoint_of(tmp_path / "half").parameters, checkpoint_of(tmp_path / "brain").parameters
     for name, array in weights.items():
-        assert bits(parameters[name]) == bits(array.astype(np.float16).astype(np.float32)), name
+        assert bits(half[name]) == bits(array.astype(np.float16).astype(np.float32)), name
+        assert bits(brain_loaded[name]) == bits(brain[name].float().numpy()), name
+        assert not np.array_equal(brain_loaded[name], array), name  # bfloat16 did round the file's values
     save_file({k: v.astype(np.float64) for k, v in weights.items()}, str(tmp_path / "double.safetensors"))
     with pytest.raises(ModelError, match=r"4 mismatched: layers.0.bias \(weights float64 \[16\], model float32 \[16\]\), "
                                          r"layers.0.weight \(weights float64 \[16, 64\], model float32 \[16, 64\]\)"):
@@ -302,6 +311,28 @@ def test_frozen_and_trainable_take_patterns(data, tmp_path):
         split(frozen=["<1d>", "head.*"])
     with pytest.raises(ModelError, match=r"^model: no parameter is left to train"):
         split(frozen=["layers"])
+
+
+def test_a_pattern_leaves_batchnorm_statistics_out_of_the_trainable(data, tmp_path, monkeypatch):
+    """`body.1` picks the BatchNorm's scale and shift, not its running statistics (no gradient)."""
+    monkeypatch.syspath_prepend(str(TESTS))
+    model = {"kind": "torch", "path": "batchnorm_models:BatchNormMLP", "trainable": ["body.1"], "frozen": ["bias"]}
+    description = build_artifacts.build(validated(model), data["digits"], tmp_path / "out")
+    assert description["trainable"] == ["body.1.weight"]
+    assert sorted(description["running_stats"].values()) == ["body.1.running_mean", "body.1.running_var"]
+
+
+def test_a_weights_folder_counts_by_content_in_the_training_identity(tmp_path, monkeypatch):
+    """Resuming is refused when the earlier run's checkpoint changed under the same path."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "results/pre/checkpoint"
+    folder.mkdir(parents=True)
+    (folder / "checkpoint").write_bytes(b"first")
+    config = config_mod.validate({"run": {"name": "fine"}, "model": {"weights": "results/pre/checkpoint"}})
+    first = config_mod.training_identity(config)
+    assert first["model"]["weights"].startswith("sha256:")
+    (folder / "checkpoint").write_bytes(b"second")
+    assert config_mod.training_identity(config)["model"]["weights"] != first["model"]["weights"]
 
 
 def test_config_refusals_of_the_weights_keys(tmp_path, monkeypatch):
