@@ -373,6 +373,33 @@ def test_gpt2_from_pretrained_folder_bit_for_bit(data, tmp_path, monkeypatch):
         assert bits(parameters[f"model.{name}"]) == bits(array), name
 
 
+def test_safetensors_into_a_torch_module_with_a_tied_head(data, tmp_path, monkeypatch):
+    """model.weights into a user torch module (the randomly initialised GPT-2
+    wrapper) by its state_dict names: the tied lm_head is given by the embedding's
+    name alone, as save_pretrained writes it; two different values for the one
+    tensor are refused."""
+    folder = gpt2_folder(tmp_path / "gpt2")
+    pretrained = {f"model.{name}": array for name, array in load_file(str(folder / "model.safetensors")).items()}
+    save_file(pretrained, str(tmp_path / "gpt2.safetensors"))
+    monkeypatch.syspath_prepend(str(TESTS))
+    model = {"kind": "torch", "path": "transformers_models:GPT2",
+             "kwargs": {"n_embd": 32, "context": 16}, "weights": str(tmp_path / "gpt2.safetensors")}
+    text = {"source": "text", "context": 16}
+    build_artifacts.build(validated(model, text), data["text"], tmp_path / "out")
+    parameters = checkpoint_of(tmp_path / "out").parameters
+    assert "model.lm_head.weight" not in pretrained and sorted(parameters) == sorted(pretrained)
+    for name, array in pretrained.items():
+        assert bits(parameters[name]) == bits(array), name
+
+    head = pretrained["model.transformer.wte.weight"] + 1
+    save_file({**pretrained, "model.lm_head.weight": head}, str(tmp_path / "untied.safetensors"))
+    with pytest.raises(ModelError, match=r"^model.weights: .*untied.safetensors gives model.transformer.wte.weight, "
+                                         r"model.lm_head.weight different values, but they are one tensor of the "
+                                         r"model \(tied\)"):
+        build_artifacts.build(validated({**model, "weights": str(tmp_path / "untied.safetensors")}, text),
+                              data["text"], tmp_path / "untied")
+
+
 BERT_HEAD = ["model.classifier.weight", "model.classifier.bias"]
 
 

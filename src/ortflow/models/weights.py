@@ -116,24 +116,24 @@ def plan(source: str, weights: dict[str, np.ndarray], model: dict[str, tuple[tup
 
     unexpected = [name for name in weights if name not in model and not skipped(name)]
     missing = [names[0] for names in required if not any(name in weights or skipped(name) for name in names)]
-    mismatched, loaded = [], {}
+    mismatched: dict[str, str] = {}  # name -> both shapes and dtypes
+    loaded = {}
     for name, array in weights.items():
         if name not in model or skipped(name):
             continue
         shape, dtype = model[name]
         if tuple(array.shape) != tuple(shape) or not np.can_cast(array.dtype, dtype, casting="safe") \
                 or array.dtype.kind != np.dtype(dtype).kind:
-            mismatched.append(f"{name} (weights {array.dtype} {list(array.shape)}, model {np.dtype(dtype)} "
-                              f"{list(shape)})")
+            mismatched[name] = f"{name} (weights {array.dtype} {list(array.shape)}, model {np.dtype(dtype)} " \
+                               f"{list(shape)})"
         else:
             loaded[name] = array.astype(dtype, copy=True)
     if missing or unexpected or mismatched:
+        kinds = (("missing", missing), ("unexpected", unexpected), ("mismatched", list(mismatched.values())))
         raise ModelError(f"model.weights: {source} does not fit the model: "
-                         + "; ".join(_listed(what, names) for what, names in
-                                     (("missing", missing), ("unexpected", unexpected), ("mismatched", mismatched))
-                                     if names)
+                         + "; ".join(_listed(what, names) for what, names in kinds if names)
                          + f"; leave names out with model.weights_skip (name patterns, e.g. "
-                           f"{_skip_example(missing + unexpected + [m.split(' ')[0] for m in mismatched])}): "
+                           f"{_skip_example(missing + unexpected + list(mismatched))}): "
                            "the model's then keep their initial values from run.seed")
     return loaded
 
@@ -170,6 +170,11 @@ def load_into_module(module, path: str, skip: list[str]) -> None:
              for name, tensor in tensors.items()}
     required = [names for names in names_of.values() if tensors[names[0]].is_floating_point()]
     loaded = plan(path, read(path), model, required, skip)
+    for names in names_of.values():
+        given = [name for name in names if name in loaded]
+        if any(not np.array_equal(loaded[given[0]], loaded[name]) for name in given[1:]):
+            raise ModelError(f"model.weights: {path} gives {', '.join(given)} different values, but they are one "
+                             "tensor of the model (tied); leave all but one out with model.weights_skip")
     with torch.no_grad():
         for name, array in loaded.items():
             tensors[name].copy_(torch.from_numpy(array))
