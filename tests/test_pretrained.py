@@ -459,28 +459,46 @@ def test_bert_with_a_new_head_frozen_encoder_through_the_workflow(tmp_path, monk
         assert bits(head["model.classifier.bias"]) == bits(initial.parameters["model.classifier.bias"])  # zeros
 
 
-def test_an_earlier_runs_checkpoint_chained_in_one_snakemake_call(tmp_path):
-    """Run `fine` names run `pre`'s merged checkpoint and its config: one snakemake
-    call for `fine` runs pre's stages up to merge_checkpoint first, and fine starts
-    from pre's trained weights bit for bit."""
+def test_pretrain_on_text_then_fine_tune_on_labels_in_one_snakemake_call(tmp_path, monkeypatch):
+    """Run `pre` trains a bigram language model on text; run `fine` names pre's
+    merged checkpoint and its config, and fine-tunes the embedding under a
+    2-class head (TokenBag) on token ids, the heads left out by one pattern
+    (`head`: pre's lm_head, fine's head). One snakemake call for fine runs pre's
+    stages up to merge_checkpoint first; fine starts from pre's trained embedding
+    bit for bit, and its head is the one run.seed gives without weights."""
     workdir = tmp_path / "work"
     workdir.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    (workdir / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 256, (200, 12))
+    np.savez(workdir / "tokens.npz", ids=ids, y=(ids < 128).sum(1) % 2)
     train = {"world_size": 1, "steps": 3, "log_every": 1, "eval_every": 3, "checkpoint_every": 3}
-    (workdir / "pre.yaml").write_text(json.dumps({"run": {"name": "pre"}, "model": {"hidden": [HIDDEN]},
-                                                  "train": train}))
-    fine = {"run": {"name": "fine"}, "train": train,
-            "model": {"hidden": [HIDDEN], "weights": "results/pre/checkpoint", "weights_config": "pre.yaml"}}
+    (workdir / "pre.yaml").write_text(json.dumps({
+        "run": {"name": "pre"}, "data": {"source": "text", "text_path": "corpus.txt", "context": 12, "shards": 1},
+        "model": {"kind": "torch", "path": "artifacts_user_model:TokenLM"}, "train": train}))
+    bag = {"kind": "torch", "path": "artifacts_user_model:TokenBag", "kwargs": {"vocab": 256}}
+    fine = {"run": {"name": "fine"}, "data": {"source": "tokens.npz", "features": ["ids"], "shards": 1}, "train": train,
+            "model": {**bag, "weights": "results/pre/checkpoint", "weights_config": "pre.yaml",
+                      "weights_skip": ["head"]}}
     result = run_snakemake(workdir, fine, "merge_checkpoint")
     for job in ("earlier_prepare_data", "earlier_build_artifacts", "earlier_train", "earlier_merge_checkpoint",
                 "build_artifacts", "train", "merge_checkpoint"):
         assert f"rule {job}:" in result.stdout + result.stderr, job
     assert json.loads((workdir / "results/pre/checkpoint/meta.json").read_text())["step"] == 3
     pretrained = read_ort_checkpoint(workdir / "results/pre/checkpoint/checkpoint").parameters
+    assert sorted(pretrained) == ["embed.weight", "lm_head.bias", "lm_head.weight"]
     initial = checkpoint_of(workdir / "results/fine/artifacts").parameters
-    assert sorted(initial) == sorted(pretrained) == sorted(MLP_SHAPES)
-    for name, array in pretrained.items():
-        assert bits(initial[name]) == bits(array), name
-    assert "model.weights: 4 tensors" in (workdir / "logs/fine/build_artifacts.log").read_text()
+    assert bits(initial["embed.weight"]) == bits(pretrained["embed.weight"])
+    monkeypatch.syspath_prepend(str(TESTS))
+    seeded = build_artifacts.build(config_mod.validate({**fine, "model": bag}), workdir / "results/fine/data/train",
+                                   tmp_path / "seeded")
+    assert seeded["trainable"] == ["embed.weight", "head.weight", "head.bias"]
+    for name in ("head.weight", "head.bias"):
+        assert bits(initial[name]) == bits(checkpoint_of(tmp_path / "seeded").parameters[name]), name
+    log = (workdir / "logs/fine/build_artifacts.log").read_text()
+    assert "model.weights: 1 tensor(s) (2048 values) loaded from results/pre/checkpoint; 2 keep their initial " \
+           "values (model.weights_skip): head.weight, head.bias" in log, log
     assert json.loads((workdir / "results/fine/checkpoint/meta.json").read_text())["step"] == 3
     dry = run_snakemake(workdir, fine, "merge_checkpoint", "-n")
     assert "Nothing to be done" in dry.stdout + dry.stderr

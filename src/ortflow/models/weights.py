@@ -151,9 +151,9 @@ def _skip_example(names: list[str]) -> list[str]:
 
 
 def _report(source: str, loaded: dict, kept: list[str]) -> None:
-    log.info("model.weights: %d tensors (%d values) loaded from %s%s", len(loaded),
+    log.info("model.weights: %d tensor(s) (%d values) loaded from %s%s", len(loaded),
              sum(array.size for array in loaded.values()), source,
-             f"; {len(kept)} keep their initial values (model.weights_skip): {_listed('kept', kept)}" if kept else "")
+             f"; {_listed('keep their initial values (model.weights_skip)', kept)}" if kept else "")
 
 
 def load_into_module(module, path: str, skip: list[str]) -> None:
