@@ -3,8 +3,9 @@ graphs and initial checkpoint that ONNX Runtime's training engine runs out.
 
 1. The forward model as ONNX (`inference_base.onnx`): a built-in or user torch
    module exported at opset 16 (ORT 1.19's gradient builder fails on opset 17's
-   LayerNormalization), or the user's ONNX file. Its inputs are named like the
-   data's features; its one output holds the logits.
+   LayerNormalization), or the user's ONNX file, with `model.weights` loaded into
+   it first (models/weights.py). Its inputs are named like the data's features;
+   its one output holds the logits.
 2. `generate_artifacts` adds the loss (with a label input named like the data's
    label) and the gradient graph (`training_model.onnx`), the same without
    gradients (`eval_model.onnx`), the optimizer (`optimizer_model.onnx`, no
