@@ -58,3 +58,20 @@ onerror:
 
     failed = [(job.rule.name, list(job.log)) for job in workflow.scheduler.failed]
     print(stage_failures(failed), file=sys.stderr)
+
+
+# A run that starts from an earlier run's merged checkpoint (model.weights:
+# results/<run>/checkpoint, model.weights_config: that run's config): the
+# earlier run's rules are rules of this workflow too, named earlier_*, so that
+# one `snakemake` call runs its stages up to merge_checkpoint first when needed
+# (one `use rule` for them all: with a statement per rule, Snakemake 9.27 no
+# longer finds the producer of earlier_train's metrics.json for earlier_merge_checkpoint).
+if EARLIER_RUN:
+
+    module earlier:
+        snakefile:
+            "Snakefile"
+        config:
+            EARLIER_RUN
+
+    use rule * from earlier exclude all as earlier_*

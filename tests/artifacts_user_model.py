@@ -40,3 +40,17 @@ class SmallCNN(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x.reshape(-1, 1, 8, 8)).flatten(1))
+
+
+class TokenLM(nn.Module):
+    """Next-token logits from each token's embedding alone (a bigram model), as
+    [batch, vocab, time]: pretrained on text, its embedding is what TokenBag
+    fine-tunes on labels (tests/test_pretrained.py)."""
+
+    def __init__(self, vocab: int = 256, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.lm_head = nn.Linear(width, vocab)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.embed(x)).transpose(1, 2)

@@ -1,7 +1,8 @@
 """Hugging Face transformers models as ortflow trains them (`model.kind: torch`),
-randomly initialised from a config, nothing downloaded: the wrappers that
-docs/models.md's "Hugging Face transformers" example shows, for
-tests/test_transformers.py and bench/bench_train.py."""
+randomly initialised from a config or loaded from a local folder with
+from_pretrained (nothing downloaded): the wrappers that docs/models.md's "Hugging
+Face transformers" example shows, for tests/test_transformers.py,
+tests/test_pretrained.py and bench/bench_train.py."""
 
 import torch
 from torch import nn
@@ -43,4 +44,28 @@ class BertClassifier(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         # .long(): a no-op for int64 ids, a cast where the data arrive as float32.
+        return self.model(input_ids=input_ids.long(), attention_mask=attention_mask.long()).logits
+
+
+class PretrainedGPT2(nn.Module):
+    """GPT-2 loaded with from_pretrained from a local folder (save_pretrained's):
+    the wrapper a user writes to fine-tune a model they already have."""
+
+    def __init__(self, folder: str):
+        super().__init__()
+        self.model = GPT2LMHeadModel.from_pretrained(folder)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x, use_cache=False).logits.transpose(1, 2)
+
+
+class PretrainedBert(nn.Module):
+    """A pretrained BERT encoder (a BertModel's folder) under a new classification
+    head of `classes` labels, which from_pretrained initialises (from torch's seed)."""
+
+    def __init__(self, folder: str, classes: int = 2):
+        super().__init__()
+        self.model = BertForSequenceClassification.from_pretrained(folder, num_labels=classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids=input_ids.long(), attention_mask=attention_mask.long()).logits

@@ -3,8 +3,9 @@ graphs and initial checkpoint that ONNX Runtime's training engine runs out.
 
 1. The forward model as ONNX (`inference_base.onnx`): a built-in or user torch
    module exported at opset 16 (ORT 1.19's gradient builder fails on opset 17's
-   LayerNormalization), or the user's ONNX file. Its inputs are named like the
-   data's features; its one output holds the logits.
+   LayerNormalization), or the user's ONNX file, with `model.weights` loaded into
+   it first (models/weights.py). Its inputs are named like the data's features;
+   its one output holds the logits.
 2. `generate_artifacts` adds the loss (with a label input named like the data's
    label) and the gradient graph (`training_model.onnx`), the same without
    gradients (`eval_model.onnx`), the optimizer (`optimizer_model.onnx`, no
@@ -106,21 +107,28 @@ def export_torch(module, manifest: dict, path: Path) -> None:
 
 
 def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
-    """Write the forward ONNX model to `path`; return it and the names of the
-    torch parameters that train (None for an ONNX file: every float initializer)."""
+    """Write the forward ONNX model to `path`, with `model.weights` loaded if given;
+    return it and the names of the torch parameters that train (None for an ONNX
+    file: every float initializer)."""
     import onnx
     import torch
 
-    from .models import built_in, user
+    from .models import built_in, user, weights
 
     if model["kind"] == "onnx":
         base = user.load_onnx(model["path"])
+        if model["weights"]:
+            weights.load_into_onnx(base, model["weights"], model["weights_skip"])
         onnx.save(base, str(path))
         return base, None
+    # Every weight drawn in the constructor comes from the seed, including a new
+    # head that a wrapper adds to a model it loads with from_pretrained.
     torch.manual_seed(seed)
     module = user.import_torch(model["path"], model["kwargs"]) if model["kind"] == "torch" else built_in(
         model, manifest, loss
     )
+    if model["weights"]:
+        weights.load_into_module(module, model["weights"], model["weights_skip"])
     export_torch(module.eval(), manifest, path)
     return onnx.load(str(path)), [n for n, p in module.named_parameters() if p.requires_grad]
 
@@ -134,25 +142,35 @@ def float_initializers(base) -> dict[str, int]:
 
 
 def split_parameters(base, model: dict, torch_trainable: list[str] | None) -> tuple[list[str], list[str]]:
-    """(trainable, frozen) parameter names: `model.trainable` if given, else the
-    torch module's parameters or the ONNX file's float initializers, minus `model.frozen`."""
+    """(trainable, frozen) parameter names: those `model.trainable` picks if given, else
+    the torch module's parameters or the ONNX file's float initializers, minus those
+    `model.frozen` picks. Both take train.optimizer.no_decay's patterns and rules
+    (weight_decay.is_excluded); each entry must pick a parameter. BatchNorm's running
+    statistics are float initializers but never train (batchnorm.check_trainable)."""
+    from .training.weight_decay import is_excluded
+
     parameters = float_initializers(base)
-    for key in ("trainable", "frozen"):
-        unknown = [n for n in model[key] or [] if n not in parameters]
-        if unknown:
-            raise ModelError(
-                f"model.{key}: {unknown} not among the model's parameters; it has: {sorted(parameters)}"
-            )
+    ndim = {t.name: len(t.dims) for t in base.graph.initializer}
+    tables = set(embedding_tables(base, list(parameters)))
+    statistics = batchnorm.running_statistics(base)
+
+    def picked(key: str) -> list[str]:
+        for entry in model[key] or []:
+            matches = [n for n in parameters if is_excluded(n, ndim[n], tables, [entry])]
+            if not matches:
+                raise ModelError(f"model.{key}: {entry!r} matches none of the model's parameters: "
+                                 f"{', '.join(sorted(parameters)[:8])}{', ...' if len(parameters) > 8 else ''} "
+                                 f"({len(parameters)} in all; patterns as train.optimizer.no_decay's)")
+            if key == "trainable" and all(n in statistics for n in matches):
+                batchnorm.check_trainable(base, matches)
+        return [n for n in parameters if is_excluded(n, ndim[n], tables, model[key] or [])]
+
+    frozen = set(picked("frozen"))
     if model["trainable"] is not None:
-        trainable = list(model["trainable"])
-        both = sorted(set(trainable) & set(model["frozen"]))
-        if both:
-            raise ModelError(f"model.trainable and model.frozen both name {both}")
+        candidates = [n for n in picked("trainable") if n not in statistics]
     else:
-        # An ONNX file's BatchNorm statistics are float initializers, but no parameters to train.
-        statistics = batchnorm.running_statistics(base)
         candidates = torch_trainable if torch_trainable is not None else [n for n in parameters if n not in statistics]
-        trainable = [n for n in candidates if n in parameters and n not in model["frozen"]]
+    trainable = [n for n in candidates if n in parameters and n not in frozen]
     if not trainable:
         raise ModelError("model: no parameter is left to train (check model.trainable and model.frozen)")
     return trainable, [n for n in parameters if n not in trainable]
@@ -403,7 +421,6 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
         base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], Artifacts(tmp).base_model)
         check_interface(base, manifest)
         trainable, frozen = split_parameters(base, model, torch_trainable)
-        batchnorm.check_trainable(base, trainable)
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
                  len(frozen))
         generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp)

@@ -171,6 +171,42 @@ def _check_cross_keys(config: dict) -> None:
     profile = train["profile_steps"]
     if profile and profile[0] > profile[1]:
         raise ConfigError(f"config key 'train.profile_steps': first {profile[0]} is after last {profile[1]}")
+    for key in ("weights_skip", "weights_config"):
+        if model[key] and not model["weights"]:
+            raise ConfigError(f"config key 'model.{key}': set without model.weights, which it is about")
+
+
+def earlier_run(config: dict) -> dict | None:
+    """The validated config of the earlier run whose merged checkpoint
+    `model.weights` names, from `model.weights_config` (None without one): the
+    workflow runs that run's stages first. Refused in one line: a config of another
+    run than the one model.weights names, this run's own output as its weights, and
+    a run's checkpoint that is not there and that no config says how to make."""
+    model, run = config["model"], config["run"]["name"]
+    weights = Path(model["weights"]) if model["weights"] else None
+    if weights is None or weights.parts[:1] != ("results",) or len(weights.parts) < 2:
+        return None
+    if weights.parts[1] == run:
+        raise ConfigError(f"config key 'model.weights': {model['weights']} is an output of this run ({run!r}); "
+                          "name another run's results/<run>/checkpoint")
+    if not model["weights_config"]:
+        if not weights.exists():
+            raise ConfigError(
+                f"config key 'model.weights': {model['weights']} does not exist yet; make it first with run "
+                f"{weights.parts[1]!r}'s config (snakemake --configfile <its config>), or set model.weights_config to its config file so that "
+                "this call runs it first"
+            )
+        return None
+    earlier = load(model["weights_config"])
+    name = earlier["run"]["name"]
+    expected = Path("results", name, "checkpoint")
+    if name == run or weights != expected:
+        raise ConfigError(
+            f"config key 'model.weights_config': {model['weights_config']} is run {name!r}, whose merged checkpoint "
+            f"is {expected}, but model.weights is {model['weights']}"
+            + ("; it must be another run than this one" if name == run else f"; set model.weights: {expected}")
+        )
+    return earlier
 
 
 def load(path: str | Path | None = None, overrides: dict | None = None) -> dict:
@@ -239,7 +275,7 @@ def training_identity(config: dict) -> dict:
     identity = {
         "seed": config["run"]["seed"],
         "data": by_content(config["data"]),
-        "model": by_content(config["model"]),
+        "model": by_content(config["model"], folders=("weights",)),
         "optimizer": train["optimizer"],
         "lr_schedule": train["lr_schedule"],
         "clip_grad_norm": train["clip_grad_norm"],
@@ -258,9 +294,20 @@ def export_checkpoint(config: dict) -> str:
     return chosen
 
 
-def by_content(section: dict) -> dict:
-    """`section` with each value that names a file replaced by `sha256:<digest>` of the file."""
+def by_content(section: dict, folders: tuple[str, ...] = ()) -> dict:
+    """`section` with each value that names a file replaced by `sha256:<digest>` of
+    the file, and each value of a key in `folders` that names a folder (model.weights:
+    a run's merged checkpoint) by the digest of its files' digests."""
     from .data.shards import sha256_file
 
-    return {key: f"sha256:{sha256_file(Path(value))}" if isinstance(value, str) and Path(value).is_file() else value
-            for key, value in section.items()}
+    def content(key: str, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        path = Path(value)
+        if path.is_file():
+            return f"sha256:{sha256_file(path)}"
+        if key in folders and path.is_dir():
+            return f"sha256:{digest({f.name: sha256_file(f) for f in sorted(path.iterdir()) if f.is_file()})}"
+        return value
+
+    return {key: content(key, value) for key, value in section.items()}

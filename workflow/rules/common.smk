@@ -8,6 +8,9 @@ from ortflow.training.run_folder import TrainFolder
 # Validate before any job runs: a typo or a bad value fails here, naming the key.
 try:
     _validated = ortflow_config.validate(config)
+    # The run whose merged checkpoint model.weights names, if model.weights_config
+    # gives its config: the Snakefile makes its stages rules of this workflow.
+    EARLIER_RUN = ortflow_config.earlier_run(_validated)
 except ortflow_config.ConfigError as error:
     raise WorkflowError(f"invalid configuration:\n{error}")
 config.clear()
@@ -43,16 +46,18 @@ def data_files(wildcards):
 
 
 def model_files(wildcards):
-    """The user's model file, if any: replacing it reruns build_artifacts. For
+    """The user's model files, if any: replacing one reruns build_artifacts. For
     `kind: onnx` model.path; for `kind: torch` the file of the module in
     model.path (`package.module:Class`) when it is in the working directory or
-    on PYTHONPATH, where build_artifacts imports it from."""
+    on PYTHONPATH, where build_artifacts imports it from; and model.weights (an
+    earlier run's results/<run>/checkpoint is that run's merge_checkpoint output)."""
     model = config["model"]
+    weights = [model["weights"]] if model["weights"] else []
     if model["kind"] == "onnx":
-        return [model["path"]]
+        return [model["path"], *weights]
     if model["kind"] == "torch":
-        return module_file(model["path"].partition(":")[0])
-    return []
+        return module_file(model["path"].partition(":")[0]) + weights
+    return weights
 
 
 def module_file(name):

@@ -1,0 +1,196 @@
+"""`model.weights`: pretrained weights loaded into the model before build_artifacts
+builds its graphs, so that the initial checkpoint holds them bit for bit.
+
+The weights come from a `.safetensors` file (the `safetensors` library: a JSON
+header and raw arrays, checked against the file's size before anything is read)
+or from an ortflow run's merged checkpoint folder (`results/<run>/checkpoint`,
+its ONNX Runtime `checkpoint` file, read by checkpoints/ort_format without ORT).
+Pickle files (torch.save's `.bin`, `.pt`, `.pth`, `.ckpt`) are refused: loading
+one runs whatever code it holds.
+
+The names are the model's own: a torch module's state_dict names (which the
+ONNX initializers are named after: build_artifacts exports without renaming),
+an ONNX file's initializer names. They are matched strictly: every float tensor
+of the model must be in the weights and every tensor of the weights in the
+model, with its shape, unless `model.weights_skip` names it; the model's skipped
+tensors keep their initial values (drawn from run.seed), the weights' are ignored.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ModelError
+from ..training.weight_decay import is_excluded
+
+log = logging.getLogger("ortflow.build_artifacts")
+
+# torch.save's files are pickles, whatever their suffix says.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+CONVERSION = ("python -c \"import torch, safetensors.torch as st; st.save_file({{k: v.contiguous().clone() for k, v in "
+              "torch.load('{path}', weights_only=True).items()}}, '{stem}.safetensors')\"")
+CHECKPOINT = "checkpoint"  # the ONNX Runtime file of a merged checkpoint folder (merge_checkpoint.py)
+SHOWN = 5  # names shown per kind of mismatch
+
+
+def read(path: str) -> dict[str, np.ndarray]:
+    """The named arrays of `model.weights`: a .safetensors file or a merged checkpoint folder."""
+    file = Path(path)
+    if file.suffix.lower() in PICKLE_SUFFIXES:
+        raise ModelError(
+            f"model.weights: {file} is a pickle file (torch.save), and loading one could run code; convert it "
+            f"once, where you trust it, to safetensors: {CONVERSION.format(path=file, stem=file.with_suffix(''))}"
+        )
+    if file.is_dir():
+        return read_checkpoint_folder(file)
+    if not file.is_file():
+        raise ModelError(f"model.weights: {file} does not exist (a .safetensors file, or a run's "
+                         "results/<run>/checkpoint folder)")
+    if file.suffix.lower() != ".safetensors":
+        raise ModelError(f"model.weights: {file} is neither a .safetensors file nor a merged checkpoint folder "
+                         "(results/<run>/checkpoint)")
+    return read_safetensors(file)
+
+
+def read_safetensors(file: Path) -> dict[str, np.ndarray]:
+    """The arrays of a safetensors file. The library reads the header first and
+    refuses one that is too large (over 100 MB) or that does not cover the file
+    exactly, before it allocates anything. numpy has no bfloat16: such tensors are
+    read through torch and widened to float32, which keeps every value exactly."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        arrays = {}
+        with safe_open(str(file), framework="numpy") as numpy_file:
+            names = list(numpy_file.keys())
+            bfloat16 = [name for name in names if numpy_file.get_slice(name).get_dtype() == "BF16"]
+            for name in names:
+                if name not in bfloat16:
+                    arrays[name] = numpy_file.get_tensor(name)
+        if bfloat16:
+            with safe_open(str(file), framework="pt") as torch_file:
+                for name in bfloat16:
+                    arrays[name] = torch_file.get_tensor(name).float().numpy()
+        return {name: arrays[name] for name in names}
+    except (SafetensorError, OSError, ValueError, TypeError) as error:
+        raise ModelError(f"model.weights: {file} is not a readable safetensors file ({error})") from None
+
+
+def read_checkpoint_folder(folder: Path) -> dict[str, np.ndarray]:
+    """The parameters (trained and frozen, BatchNorm's running statistics among
+    them) of an ortflow run's merged checkpoint."""
+    from ..checkpoints.ort_format import CheckpointError, read_ort_checkpoint
+
+    file = folder / CHECKPOINT
+    if not file.is_file():
+        raise ModelError(
+            f"model.weights: {folder} is a folder without a merged checkpoint file {CHECKPOINT!r}; name an ortflow "
+            "run's results/<run>/checkpoint, or a .safetensors file (in a transformers folder: model.safetensors)"
+        )
+    try:
+        return dict(read_ort_checkpoint(file).parameters)
+    except CheckpointError as error:  # names the file
+        raise ModelError(f"model.weights: {error}") from None
+    except Exception as error:  # a damaged flatbuffer fails anywhere in the generated reader
+        raise ModelError(f"model.weights: {file} is not a readable ONNX Runtime checkpoint ({error})") from None
+
+
+def plan(source: str, weights: dict[str, np.ndarray], model: dict[str, tuple[tuple, np.dtype]],
+         required: list[list[str]], skip: list[str]) -> dict[str, np.ndarray]:
+    """The arrays to load, by model name, in the model's dtype. `model`: name ->
+    (shape, dtype) of every tensor the weights may set; `required`: the tensors the
+    weights must set, each by its names (a tensor shared under several names, such as
+    a tied embedding, is set under any one of them). Missing, unexpected and mismatched
+    names (another shape, or a dtype that does not widen exactly into the model's) are
+    refused together, in one line."""
+    def skipped(name: str, patterns: list[str] = skip) -> bool:
+        # Name patterns only (the schema allows no rules such as <1d> here), so no dimensions or embeddings.
+        return is_excluded(name, 0, set(), patterns)
+
+    for pattern in skip:
+        if not any(skipped(name, [pattern]) for name in [*model, *weights]):
+            raise ModelError(f"model.weights_skip: {pattern!r} matches no name of the model or of {source}")
+
+    unexpected = [name for name in weights if name not in model and not skipped(name)]
+    missing = [names[0] for names in required if not any(name in weights or skipped(name) for name in names)]
+    mismatched: dict[str, str] = {}  # name -> both shapes and dtypes
+    loaded = {}
+    for name, array in weights.items():
+        if name not in model or skipped(name):
+            continue
+        shape, dtype = model[name]
+        if tuple(array.shape) != tuple(shape) or not np.can_cast(array.dtype, dtype, casting="safe") \
+                or array.dtype.kind != np.dtype(dtype).kind:
+            mismatched[name] = f"{name} (weights {array.dtype} {list(array.shape)}, model {np.dtype(dtype)} " \
+                               f"{list(shape)})"
+        else:
+            loaded[name] = array.astype(dtype, copy=True)
+    if missing or unexpected or mismatched:
+        kinds = (("missing", missing), ("unexpected", unexpected), ("mismatched", list(mismatched.values())))
+        raise ModelError(f"model.weights: {source} does not fit the model: "
+                         + "; ".join(_listed(what, names) for what, names in kinds if names)
+                         + f"; leave names out with model.weights_skip (name patterns, e.g. "
+                           f"{_skip_example(missing + unexpected + list(mismatched))}): "
+                           "the model's then keep their initial values from run.seed")
+    return loaded
+
+
+def _listed(what: str, names: list[str]) -> str:
+    more = f", ... ({len(names) - SHOWN} more)" if len(names) > SHOWN else ""
+    return f"{len(names)} {what}: {', '.join(names[:SHOWN])}{more}"
+
+
+def _skip_example(names: list[str]) -> list[str]:
+    """The modules that hold the mismatched names (`model.classifier` for
+    `model.classifier.weight`), when they are few; else a generic example."""
+    modules = list(dict.fromkeys(name.rpartition(".")[0] or name for name in names))
+    return modules if len(modules) <= 3 else ["head"]
+
+
+def _report(source: str, loaded: dict, kept: list[str]) -> None:
+    log.info("model.weights: %d tensor(s) (%d values) loaded from %s%s", len(loaded),
+             sum(array.size for array in loaded.values()), source,
+             f"; {_listed('keep their initial values (model.weights_skip)', kept)}" if kept else "")
+
+
+def load_into_module(module, path: str, skip: list[str]) -> None:
+    """Set a torch module's parameters and buffers (its state_dict) from the weights,
+    before it is exported. Integer buffers (BatchNorm's num_batches_tracked) are
+    loaded when the weights have them and not required: ortflow keeps no such tensor."""
+    import torch
+
+    tensors = module.state_dict(keep_vars=True)  # the live tensors; a tied one under each of its names
+    names_of: dict[int, list[str]] = {}
+    for name, tensor in tensors.items():
+        names_of.setdefault(id(tensor), []).append(name)
+    model = {name: (tuple(tensor.shape), torch.empty(0, dtype=tensor.dtype).numpy().dtype)
+             for name, tensor in tensors.items()}
+    required = [names for names in names_of.values() if tensors[names[0]].is_floating_point()]
+    loaded = plan(path, read(path), model, required, skip)
+    for names in names_of.values():
+        given = [name for name in names if name in loaded]
+        if any(not np.array_equal(loaded[given[0]], loaded[name]) for name in given[1:]):
+            raise ModelError(f"model.weights: {path} gives {', '.join(given)} different values, but they are one "
+                             "tensor of the model (tied); leave all but one out with model.weights_skip")
+    with torch.no_grad():
+        for name, array in loaded.items():
+            tensors[name].copy_(torch.from_numpy(array))
+    set_tensors = {id(tensors[name]) for name in loaded}
+    _report(path, loaded, [names[0] for key, names in names_of.items()
+                           if key not in set_tensors and tensors[names[0]].is_floating_point()])
+
+
+def load_into_onnx(model, path: str, skip: list[str]) -> None:
+    """Set an ONNX model's initializers from the weights, by name."""
+    from onnx import helper, numpy_helper
+
+    initializers = {t.name: t for t in model.graph.initializer}
+    shapes = {name: (tuple(t.dims), helper.tensor_dtype_to_np_dtype(t.data_type)) for name, t in initializers.items()}
+    floats = [name for name, (_, dtype) in shapes.items() if np.dtype(dtype).kind == "f"]
+    loaded = plan(path, read(path), shapes, [[name] for name in floats], skip)
+    for name, array in loaded.items():
+        initializers[name].CopyFrom(numpy_helper.from_array(array, name))
+    _report(path, loaded, [name for name in initializers if name in floats and name not in loaded])
