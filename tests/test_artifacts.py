@@ -18,7 +18,8 @@ from conftest import run_snakemake
 from ortflow import config as config_mod
 from ortflow.prepare_data import prepare
 from ortflow.data.shards import ShardReader
-from ortflow.models import built_in, graphs
+from ortflow import build_artifacts
+from ortflow.models import built_in
 from ortflow.training.weight_decay import WeightDecay
 
 TESTS = Path(__file__).resolve().parent
@@ -54,7 +55,7 @@ def config(model: dict | None = None, data: dict | None = None) -> dict:
 def build(train_dir: Path, out: Path, model: dict) -> dict:
     # The config's data section only has to pass validation (gpt wants text);
     # the data itself comes from train_dir.
-    return graphs.build(config(model, {"source": "text"} if model["kind"] == "gpt" else None), train_dir, out)
+    return build_artifacts.build(config(model, {"source": "text"} if model["kind"] == "gpt" else None), train_dir, out)
 
 
 def batch_of(train_dir: Path, n: int = 8) -> dict[str, np.ndarray]:
@@ -149,7 +150,7 @@ def test_same_config_same_bytes_and_model_json(data, tmp_path):
 def other_seed_differs(data, tmp_path) -> bool:
     other = config(SMALL["mlp"])
     other["run"]["seed"] = 8
-    graphs.build(other, data["digits"], tmp_path / "c")
+    build_artifacts.build(other, data["digits"], tmp_path / "c")
     return (tmp_path / "c" / "checkpoint").read_bytes() != (tmp_path / "a" / "checkpoint").read_bytes()
 
 

@@ -269,7 +269,7 @@ def test_ranks_end_each_step_with_the_mean_of_their_statistics(tmp_path):
         tmp_path,
         "import numpy as np\n"
         "from types import SimpleNamespace as NS\n"
-        "from ortflow.train import comm\n"
+        "from ortflow.training import comm\n"
         "from ortflow.training.running_stats import RunningStats\n"
         f"c = comm.MPIComm({str(tmp_path / 'hb')!r}, 30)\n"
         "arrays = {'bn.running_mean': np.zeros(3, np.float32), 'bn.running_var': np.ones(3, np.float32)}\n"

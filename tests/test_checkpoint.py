@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from conftest import run_snakemake
-from ortflow import config as config_mod, ort_checkpoint
+from ortflow import config as config_mod
+from ortflow.checkpoints import ort_format, resume, store
 from ortflow.checkpoints.ort_format import CheckpointError
-from ortflow.checkpoints import resume, store
 from ortflow.training.schedule import learning_rate
 
 # A global batch of 48 splits over 1, 2 and 3 ranks: 16 x 3 accumulated, 24 x 1 x 2, 16 x 1 x 3.
@@ -40,11 +40,11 @@ def _log(workdir: Path) -> str:
     return (workdir / "logs/digits/train.log").read_text()
 
 
-def _state(folder: Path) -> ort_checkpoint.TrainingState:
+def _state(folder: Path) -> ort_format.TrainingState:
     return store.read_checkpoint(folder).state
 
 
-def _max_difference(a: ort_checkpoint.TrainingState, b: ort_checkpoint.TrainingState) -> float:
+def _max_difference(a: ort_format.TrainingState, b: ort_format.TrainingState) -> float:
     """Largest absolute difference over every parameter and every optimizer state."""
     assert a.parameters.keys() == b.parameters.keys()
     worst = max(float(np.abs(a.parameters[k] - b.parameters[k]).max()) for k in a.parameters)
@@ -54,7 +54,7 @@ def _max_difference(a: ort_checkpoint.TrainingState, b: ort_checkpoint.TrainingS
     return worst
 
 
-def _assert_identical(a: ort_checkpoint.TrainingState, b: ort_checkpoint.TrainingState) -> None:
+def _assert_identical(a: ort_format.TrainingState, b: ort_format.TrainingState) -> None:
     for name in a.parameters:
         assert np.array_equal(a.parameters[name], b.parameters[name]), name
         for moment, array in a.optimizer_states[name].items():
@@ -121,7 +121,7 @@ def test_merged_checkpoint_loads_and_trains_in_a_new_module(reference):
     shards = _state(_root(reference) / "step-00000040")
     assert meta["step"] == 40 and meta["identity_digest"] == json.loads(
         (_root(reference) / "step-00000040/manifest.json").read_text())["identity_digest"]
-    _assert_identical(ort_checkpoint.read_ort_checkpoint(merged / "checkpoint"), shards)
+    _assert_identical(ort_format.read_ort_checkpoint(merged / "checkpoint"), shards)
     _assert_identical(store.assemble([store.read_shard(merged / "checkpoint.h5")[1]], merged), shards)
 
     artifacts = reference / RUN / "artifacts"
@@ -132,7 +132,7 @@ def test_merged_checkpoint_loads_and_trains_in_a_new_module(reference):
     rng = np.random.default_rng(0)
     module(rng.random((8, 64), dtype=np.float32), rng.integers(0, 10, 8))
     optimizer.step()
-    after = ort_checkpoint.training_state(state)
+    after = ort_format.training_state(state)
     assert after.optimizer["step"] == 41  # the optimizer went on from the merged step count
     assert _max_difference(after, shards) > 0
 
@@ -154,12 +154,12 @@ def test_rebuilt_ort_checkpoint_resumes_bit_exactly(reference):
             module(x, y)
             optimizer.step()
             module.lazy_reset_grad()
-        return ort_checkpoint.training_state(state)
+        return ort_format.training_state(state)
 
     uninterrupted = train(CheckpointState.load_checkpoint(str(artifacts / "checkpoint")), batches)
     halfway = CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
     train(halfway, batches[:3])
-    rebuilt = ort_checkpoint.ort_state(ort_checkpoint.training_state(halfway))
+    rebuilt = ort_format.ort_state(ort_format.training_state(halfway))
     _assert_identical(train(rebuilt, batches[3:]), uninterrupted)
 
 

@@ -83,7 +83,7 @@ def test_bucketed_allreduce_with_real_ranks(tmp_path):
     result = run_on_ranks(
         tmp_path,
         "import numpy as np, sys\n"
-        "from ortflow.train import comm, gradients\n"
+        "from ortflow.training import comm, gradients\n"
         "gradients.BUCKET_BYTES = 64\n"
         f"c = comm.MPIComm({str(tmp_path / 'hb')!r}, 30)\n"
         "grads = [np.full(n, c.rank + 1, dtype=np.float32) for n in (3, 40, 7, 1)]\n"

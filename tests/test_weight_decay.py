@@ -18,7 +18,8 @@ import torch
 from ortflow import config as config_mod
 from ortflow.prepare_data import prepare
 from ortflow.data.shards import ShardReader
-from ortflow.models import built_in, graphs
+from ortflow import build_artifacts
+from ortflow.models import built_in
 from ortflow.errors import TrainingError
 from ortflow.training import gradients, trainer, weight_decay
 from ortflow.training.running_stats import RunningStats
@@ -53,7 +54,7 @@ def built(train_dir, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     found = {}
     for optimizer in ("adamw", "sgd"):
         out = tmp_path_factory.mktemp(optimizer) / "artifacts"
-        found[optimizer] = out, graphs.build(settings(optimizer), train_dir, out)
+        found[optimizer] = out, build_artifacts.build(settings(optimizer), train_dir, out)
     return found
 
 
