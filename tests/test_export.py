@@ -1,7 +1,8 @@
 """The export_model and quantize_model stages through the real workflow: the
 inference model and its checks, int8 quality, size and latency report, the
-quality gate, a user ONNX model. How much faster int8 runs is measured by
-bench/bench_quantize.py (docs/benchmarks.md), not asserted here."""
+quality gate, a user ONNX model; and the losses of an inference model's logits.
+How much faster int8 runs is measured by bench/bench_quantize.py
+(docs/benchmarks.md), not asserted here."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from conftest import run_snakemake
 from ortflow.data.shards import ShardReader
+from ortflow.export_model import loss_of
 
 SHORT = {"train": {"steps": 150}}
 # The user model: 64 -> 512 -> 512 -> 10 (the default MLP's shape),
@@ -319,3 +322,27 @@ def test_user_cnn_and_its_opset_20_export_quantize_statically(digits_workdir, mo
         assert metrics["fp32"]["accuracy"] >= 0.5 and metrics["gate"]["drop"] <= 1.0, (model, metrics)
         assert "QuantizeLinear" in {n.op_type for n in onnx.load(str(_export(digits_workdir) / "model.int8.onnx")).graph.node}
         assert "quality gate passed" in _log(digits_workdir, "quantize_model")
+
+
+@pytest.mark.parametrize("loss, reference", [
+    ("cross_entropy", torch.nn.functional.cross_entropy),
+    ("mse", torch.nn.functional.mse_loss),
+    ("l1", torch.nn.functional.l1_loss),
+    ("bce_with_logits", torch.nn.functional.binary_cross_entropy_with_logits),
+])
+def test_losses_of_logits_equal_torchs(loss, reference):
+    rng = np.random.default_rng(0)
+    if loss == "cross_entropy":  # [batch, classes, positions], as a language model's logits
+        logits, labels = rng.standard_normal((4, 5, 3)) * 3, rng.integers(0, 5, (4, 3))
+        expected = reference(torch.from_numpy(logits), torch.from_numpy(labels))
+    else:
+        logits, labels = rng.standard_normal((6, 2)) * 3, rng.random((6, 2)).round()
+        expected = reference(torch.from_numpy(logits), torch.from_numpy(labels))
+    assert loss_of(logits.astype(np.float32), labels, loss) == pytest.approx(float(expected), rel=1e-6)
+
+
+def test_an_unknown_loss_is_refused():
+    from ortflow.errors import ModelError
+
+    with pytest.raises(ModelError, match="model.json: loss 'hinge' is not one ortflow trains with"):
+        loss_of(np.zeros((1, 2)), np.zeros((1, 2)), "hinge")
