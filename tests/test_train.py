@@ -1,4 +1,5 @@
-"""The training stage through the real workflow: mpirun ranks, all-reduce, metrics, failures."""
+"""The training stage: through the real workflow (mpirun ranks, all-reduce, metrics,
+failures), and the launcher's (ortflow.train) commands and what it does before the ranks start."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 from conftest import run_snakemake
+from ortflow import train
 from ortflow.checkpoints import resume, store
+from ortflow.training.trainer import is_time
 
 SHORT = {"train": {"steps": 30, "log_every": 5, "eval_every": 15, "checkpoint_every": 10}}
 
@@ -165,3 +168,46 @@ def test_gpt_learns_text_well_below_the_unigram_baseline(workdir):
     assert evaluation["unigram_perplexity"] > 15  # bytes of English prose: ~4 bits each
     assert evaluation["perplexity"] < 0.7 * evaluation["unigram_perplexity"], evaluation
     assert evaluation["perplexity"] == pytest.approx(math.exp(evaluation["loss"]), rel=1e-9)
+
+
+def test_launcher_commands():
+    assert train.launcher_command("/x/mpirun", 2, 2) == ["/x/mpirun", "-n", "2", "--bind-to", "none"]
+    assert train.launcher_command("mpirun", 3, 2)[-1] == "--oversubscribe"
+    assert train.launcher_command("srun", 4, 2) == ["srun", "--mpi=pmix", "-n", "4"]
+    with pytest.raises(ValueError, match="unknown MPI launcher 'torchrun'"):
+        train.launcher_command("torchrun", 2, 2)
+
+
+def test_is_time_every_period_and_at_the_end():
+    assert [d for d in range(1, 26) if is_time(d, 10, 25)] == [10, 20, 25]
+
+
+def test_rerun_after_a_finished_run_moves_its_checkpoints_aside(tmp_path, capsys):
+    out = tmp_path / "train"
+    (out / "checkpoints" / "step-00000300").mkdir(parents=True)
+    (out / "tensorboard").mkdir()
+    (out / "heartbeat").mkdir()
+    (out / train.FINISHED).write_text("{}")
+    train.start_attempt(out, out / "checkpoints", resume_from=None)
+    assert (out / "previous/checkpoints/step-00000300").is_dir() and (out / "previous/tensorboard").is_dir()
+    assert not (out / "checkpoints").exists() and not (out / train.FINISHED).exists()
+    assert not (out / "heartbeat").exists()
+    assert f"its checkpoints and TensorBoard events are moved to {out / 'previous'}" in capsys.readouterr().err
+    # After an interrupted run, or with train.resume_from, nothing moves.
+    (out / "checkpoints").mkdir()
+    train.start_attempt(out, out / "checkpoints", resume_from=None)
+    (out / train.FINISHED).write_text("{}")
+    train.start_attempt(out, out / "checkpoints", resume_from=str(out / "checkpoints"))
+    assert (out / "checkpoints").is_dir() and not (out / train.FINISHED).exists()
+
+
+def test_a_second_live_attempt_is_refused_in_one_line(tmp_path, capsys):
+    out = tmp_path / "train"
+    first = train.lock_attempt(out)
+    assert first is not None
+    assert train.lock_attempt(out) is None
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert f"ortflow train: error: another attempt of this run is still training in {out} (ortflow train pid" in error
+    first.close()
+    assert train.lock_attempt(out) is not None
