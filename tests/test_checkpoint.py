@@ -255,11 +255,13 @@ def test_kill_9_of_snakemake_leaves_no_rank_behind(reference, tmp_path):
     runner, _ = _stalled_at_step_25(workdir)
     _process(workdir, "--snakefile").kill()  # SIGKILL
     runner.join(timeout=60)
-    deadline = time.monotonic() + 10
+    # They stop after a checkpoint; the deadline bounds the wait, what is checked is that none is left.
     # Snakemake stays a zombie until the test reaps it, after the rule's shell ends: still seen as gone.
-    while left := [c for c in ("-m ortflow.training.trainer", "bin/ortflow train", "bin/prterun") if _process(workdir, c)]:
-        assert time.monotonic() < deadline, f"outlived Snakemake by 10 s: {left}"
+    deadline = time.monotonic() + 60
+    while (left := [c for c in ("-m ortflow.training.trainer", "bin/ortflow train", "bin/prterun")
+                    if _process(workdir, c)]) and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert left == [], f"outlived Snakemake by 60 s: {left}"
     log = _log(workdir)
     assert ", which started this launcher, exited" in log and "stopping after step 26 of 40" in log
     run_snakemake(workdir, _config(), "--unlock")  # Snakemake's own lock outlives a SIGKILL

@@ -176,10 +176,6 @@ def test_user_onnx_model_quantizes_per_channel(user_run):
     assert fp32["size_bytes"] >= 3 * int8["size_bytes"]
 
 
-    speedup = fp32["latency_ms"]["b64_p50"] / int8["latency_ms"]["b64_p50"]
-    assert speedup >= 1.5, metrics
-
-
 def test_400_steps_export_within_the_scaled_tolerance(digits_workdir):
     """The default config trained longer: its weights grow, and so does the float32
     rounding between the pre-packed Gemm of the inference model and the eval graph's."""

@@ -170,10 +170,11 @@ def restore_node(node: str) -> None:
 
 
 def wait_for(what: str, condition, timeout: float = 300) -> None:
+    """Wait until `condition()` holds; the timeout bounds the wait, it is not what is checked."""
     deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+    while not (held := condition()) and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert held, f"waited {timeout:.0f} s for {what}"
 
 
 def heartbeat(train_dir: Path, rank: int) -> dict:
