@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -211,7 +212,7 @@ def test_user_torch_module_through_the_rule(tmp_path, monkeypatch):
     modules.mkdir()
     module = modules / "artifacts_user_model.py"
     shutil.copy(TESTS / module.name, module)
-    monkeypatch.setenv("PYTHONPATH", str(modules))
+    monkeypatch.setenv("PYTHONPATH", str(modules), prepend=os.pathsep)
     workdir = tmp_path / "work"
     settings = {
         "model": {"kind": "torch", "path": "artifacts_user_model:TinyNet", "kwargs": {"hidden": 5}, "frozen": ["body.bias"]}

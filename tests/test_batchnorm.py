@@ -5,6 +5,7 @@ baked into the export; dropout drops in training only."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -232,7 +233,7 @@ def test_cnn_with_batchnorm_and_dropout_through_the_workflow(digits_workdir, mon
     its half of the eval split with its own running statistics, and the merged
     checkpoint takes each statistic from the one rank that wrote it: the export's
     fp32 loss on the whole split equals training's only if the ranks agree."""
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", str(TESTS), prepend=os.pathsep)
     steps = 40
     settings = {
         "model": {"kind": "torch", "path": "batchnorm_models:BatchNormCNN", "kwargs": {"dropout": 0.2}},

@@ -7,6 +7,7 @@ How much faster int8 runs is measured by bench/bench_quantize.py
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -304,7 +305,7 @@ def test_user_cnn_and_its_opset_20_export_quantize_statically(digits_workdir, mo
 
     from artifacts_user_model import SmallCNN
 
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent), prepend=os.pathsep)
     train = {"steps": 60, "eval_every": 60, "checkpoint_every": 60}
     torch.manual_seed(0)
     torch.onnx.export(SmallCNN().eval(), (torch.zeros(2, 64),), str(digits_workdir / "cnn20.onnx"), input_names=["x"],
