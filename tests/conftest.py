@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,14 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path / "work"
 
 
+def copy_inputs(source: Path, workdir: Path) -> Path:
+    """`workdir` with the results of the run in `source` and Snakemake's records of
+    them, so that they count as up to date there."""
+    shutil.copytree(source / "results", workdir / "results")
+    shutil.copytree(source / ".snakemake" / "metadata", workdir / ".snakemake" / "metadata")
+    return workdir
+
+
 @pytest.fixture(scope="session")
 def digits_inputs(tmp_path_factory) -> Path:
     """prepare_data and build_artifacts of the default config, run once per session."""
@@ -71,9 +80,14 @@ def digits_inputs(tmp_path_factory) -> Path:
 def digits_workdir(digits_inputs: Path, tmp_path: Path) -> Path:
     """A scratch workdir that already holds the default run's shards and
     artifacts (with Snakemake's metadata, so they count as up to date)."""
-    import shutil
+    return copy_inputs(digits_inputs, tmp_path / "work")
 
-    workdir = tmp_path / "work"
-    shutil.copytree(digits_inputs / "results", workdir / "results")
-    shutil.copytree(digits_inputs / ".snakemake" / "metadata", workdir / ".snakemake" / "metadata")
+
+@pytest.fixture(scope="session")
+def default_run(digits_inputs: Path, tmp_path_factory) -> Path:
+    """The default config (digits, MLP [512, 512], 2 ranks, 300 steps, dynamic int8)
+    built to the end (`all`) once per session, from digits_inputs' shards and artifacts.
+    Tests only read it; one that runs a stage again works on a copy."""
+    workdir = copy_inputs(digits_inputs, tmp_path_factory.mktemp("default") / "work")
+    run_snakemake(workdir, {})
     return workdir

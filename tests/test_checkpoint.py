@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_snakemake
+from conftest import copy_inputs, run_snakemake
 from ortflow import config as config_mod
 from ortflow.checkpoints import ort_format, resume, store
 from ortflow.checkpoints.ort_format import CheckpointError
@@ -73,9 +73,10 @@ def _copy_run(reference: Path, workdir: Path, keep_training: bool = True) -> Pat
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """40 uninterrupted steps on 2 ranks, a checkpoint every 10, merged."""
-    workdir = tmp_path_factory.mktemp("reference") / "work"
+def reference(digits_inputs, tmp_path_factory) -> Path:
+    """40 uninterrupted steps on 2 ranks, a checkpoint every 10, merged (the default
+    config's shards and artifacts: TRAIN changes neither)."""
+    workdir = copy_inputs(digits_inputs, tmp_path_factory.mktemp("reference") / "work")
     run_snakemake(workdir, _config(), "train", "merge_checkpoint")
     return workdir
 

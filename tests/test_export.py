@@ -43,14 +43,6 @@ def _rules_run(result) -> list[str]:
     return re.findall(r"^(?:local)?rule (\w+):", result.stderr, re.M)
 
 
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory) -> Path:
-    """The default config (digits, MLP [512, 512], dynamic int8) with 150 steps, built to the end once."""
-    workdir = tmp_path_factory.mktemp("default")
-    run_snakemake(workdir, SHORT)
-    return workdir
-
-
 def write_user_model(path: Path) -> None:
     import onnx
     from onnx import TensorProto, helper, numpy_helper
@@ -98,7 +90,7 @@ def test_exported_model_is_the_trained_inference_graph(default_run):
     assert {n.op_type for n in model.graph.node} <= {"Flatten", "Cast", "Gemm", "Relu", "Reshape"}
     meta = json.loads((default_run / "results/digits/checkpoint/meta.json").read_text())
     props = {p.key: p.value for p in model.metadata_props}
-    assert props == {"ortflow.run": "digits", "ortflow.step": "150", "ortflow.version": "0.1.0",
+    assert props == {"ortflow.run": "digits", "ortflow.step": "300", "ortflow.version": "0.1.0",
                      "ortflow.identity_digest": meta["identity_digest"]}
     # The trained weights: its accuracy on the eval split is the one training reported.
     reader = ShardReader(default_run / "results/digits/data/eval")
@@ -138,7 +130,7 @@ def test_int8_keeps_accuracy_and_is_3x_smaller(default_run):
 def test_quantize_none_reports_fp32_only(default_run, tmp_path):
     workdir = tmp_path / "none"
     shutil.copytree(default_run, workdir, symlinks=True)
-    result = run_snakemake(workdir, {**SHORT, "export": {"quantize": "none"}})
+    result = run_snakemake(workdir, {"export": {"quantize": "none"}})
     assert "quantize_model" in _rules_run(result)
     metrics = _metrics(workdir)
     assert "int8" not in metrics and metrics["fp32"]["accuracy"] == _metrics(default_run)["fp32"]["accuracy"]

@@ -27,14 +27,6 @@ def _log(workdir: Path, run: str = "digits") -> str:
     return (workdir / f"logs/{run}/train.log").read_text()
 
 
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory) -> Path:
-    """The default config (digits, MLP, 2 ranks, 300 steps) from scratch, trained once for several tests."""
-    workdir = tmp_path_factory.mktemp("default")
-    run_snakemake(workdir, {}, "train")
-    return workdir
-
-
 def test_default_config_reaches_95_percent(default_run):
     metrics = _metrics(default_run)
     assert metrics["steps"] == 300
