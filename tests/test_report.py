@@ -165,6 +165,21 @@ def files_of(results: Path) -> dict:
             "report": results / "report.html"}
 
 
+def test_summary_of_a_run_with_training_alone_or_nothing(tmp_path):
+    """The end-of-run summary from what exists, without a run: training's metrics alone
+    show its eval, steps and speed and no model; an empty folder, that nothing trained."""
+    partial = tmp_path / "results" / "digits"
+    (partial / "train").mkdir(parents=True)
+    train = {"steps": 60, "steps_this_attempt": 20, "wall_time_s": 12.5, "samples_per_s": 1536.0,
+             "peak_rss_mb": [300.0, 310.0], "eval": {"loss": 0.25, "accuracy": 0.9375}}
+    (partial / "train" / "metrics.json").write_text(json.dumps(train))
+    lines = run_summary(partial, **files_of(partial)).splitlines()
+    assert lines[:3] == [f"ortflow: run digits in {partial}", "  accuracy  93.75% (eval at step 60)",
+                         "  training  60 steps (20 in this attempt) in 12.50 s, 1,536 samples/s on 2 ranks"]
+    nothing = tmp_path / "nothing"
+    assert run_summary(nothing, **files_of(nothing)).splitlines()[1] == "  nothing trained yet"
+
+
 def console_tail(stderr: str) -> list[str]:
     """What a failed `snakemake` printed last, after Snakemake's own "Exiting because a job execution failed"."""
     return stderr.split("Exiting because a job execution failed", 1)[1].splitlines()
