@@ -176,6 +176,7 @@ def onnx_model(path: Path, input_name: str = "x", op: str | None = None, ir_vers
     return path
 
 
+@pytest.mark.e2e
 def test_user_onnx_model_through_the_rule(tmp_path):
     """model.kind onnx via config alone; then train.* changes leave the
     artifacts alone and a model.* change rebuilds them."""
@@ -207,6 +208,7 @@ def test_user_onnx_model_through_the_rule(tmp_path):
     assert "Relu" in {node.op_type for node in rebuilt.graph.node}
 
 
+@pytest.mark.e2e
 def test_user_torch_module_through_the_rule(tmp_path, monkeypatch):
     modules = tmp_path / "modules"
     modules.mkdir()

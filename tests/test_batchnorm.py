@@ -228,6 +228,7 @@ def test_running_statistic_named_trainable_is_refused(digits, tmp_path, monkeypa
     )
 
 
+@pytest.mark.e2e
 def test_cnn_with_batchnorm_and_dropout_through_the_workflow(digits_workdir, monkeypatch):
     """2 ranks, through export and static int8 quantization. Each rank evaluates
     its half of the eval split with its own running statistics, and the merged
@@ -263,6 +264,7 @@ def test_cnn_with_batchnorm_and_dropout_through_the_workflow(digits_workdir, mon
     assert quantized["quantize"] == "static" and quantized["gate"]["drop"] <= 1.0, quantized
 
 
+@pytest.mark.e2e
 def test_ranks_end_each_step_with_the_mean_of_their_statistics(tmp_path):
     """Two real MPI ranks keep different updated statistics from their forwards;
     after the step's all-reduce both hold the same ones, their mean."""

@@ -22,6 +22,8 @@ from ortflow.checkpoints import ort_format, resume, store
 from ortflow.checkpoints.ort_format import CheckpointError
 from ortflow.training.schedule import learning_rate
 
+pytestmark = pytest.mark.e2e
+
 # A global batch of 48 splits over 1, 2 and 3 ranks: 16 x 3 accumulated, 24 x 1 x 2, 16 x 1 x 3.
 TRAIN = {"steps": 40, "micro_batch_size": 24, "grad_accum_steps": 1, "world_size": 2, "checkpoint_every": 10,
          "keep_checkpoints": 3, "log_every": 10, "eval_every": 40}

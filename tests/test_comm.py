@@ -59,6 +59,7 @@ def test_cuda_without_a_gpu_fails_clearly():
         comm.require_cupy()
 
 
+@pytest.mark.e2e
 def test_bucketed_allreduce_with_real_ranks(tmp_path):
     """Three real MPI ranks: sums in place, across bucket boundaries, in every tensor."""
     result = run_on_ranks(

@@ -93,6 +93,7 @@ def test_identity_knows_user_files_by_content_not_path(tmp_path, monkeypatch):
         f"model.path: {first['model']['path']!r} in the checkpoint, {identity('a.onnx')['model']['path']!r} now"]
 
 
+@pytest.mark.e2e
 def test_workflow_refuses_bad_config_before_any_job(workdir):
     result = run_snakemake(workdir, {"train": {"world_size": -1}}, check=False)
     assert result.returncode != 0
@@ -100,6 +101,7 @@ def test_workflow_refuses_bad_config_before_any_job(workdir):
     assert not (workdir / "results").exists()
 
 
+@pytest.mark.e2e
 def test_workflow_refuses_a_run_name_with_a_newline(workdir):
     result = run_snakemake(workdir, {"run": {"name": "x\n"}}, "prepare_data", check=False)
     assert result.returncode != 0

@@ -79,6 +79,7 @@ def user_run(tmp_path_factory) -> tuple[Path, dict, object]:
     return workdir, config, result
 
 
+@pytest.mark.e2e
 def test_exported_model_is_the_trained_inference_graph(default_run):
     import onnx
     import onnxruntime as ort
@@ -106,6 +107,7 @@ def test_exported_model_is_the_trained_inference_graph(default_run):
     assert not list(_export(default_run).glob("*.tmp"))
 
 
+@pytest.mark.e2e
 def test_int8_keeps_accuracy_and_is_3x_smaller(default_run):
     metrics = _metrics(default_run)
     fp32, int8 = metrics["fp32"], metrics["int8"]
@@ -127,6 +129,7 @@ def test_int8_keeps_accuracy_and_is_3x_smaller(default_run):
     assert "x smaller" in log and "x faster" in log and "quality gate passed" in log
 
 
+@pytest.mark.e2e
 def test_quantize_none_reports_fp32_only(default_run, tmp_path):
     workdir = tmp_path / "none"
     shutil.copytree(default_run, workdir, symlinks=True)
@@ -137,6 +140,7 @@ def test_quantize_none_reports_fp32_only(default_run, tmp_path):
     assert not (_export(workdir) / "model.int8.onnx").exists()
 
 
+@pytest.mark.e2e
 def test_gate_fails_with_both_numbers_and_keeps_the_fp32_model(user_run):
     workdir, _, result = user_run
     assert result.returncode != 0
@@ -152,6 +156,7 @@ def test_gate_fails_with_both_numbers_and_keeps_the_fp32_model(user_run):
     assert not (_export(workdir, "user") / "metrics.json").exists()
 
 
+@pytest.mark.e2e
 def test_user_onnx_model_quantizes_per_channel(user_run):
     """Per channel, the outlier only coarsens its own column: the gate passes."""
     import onnx
@@ -169,6 +174,7 @@ def test_user_onnx_model_quantizes_per_channel(user_run):
     assert fp32["size_bytes"] >= 3 * int8["size_bytes"]
 
 
+@pytest.mark.e2e
 def test_400_steps_export_within_the_scaled_tolerance(digits_workdir):
     """The default config trained longer: its weights grow, and so does the float32
     rounding between the pre-packed Gemm of the inference model and the eval graph's."""
@@ -288,6 +294,7 @@ def test_gate_on_a_tiny_eval_split_says_what_one_record_is_worth():
     assert gate(report, {"max_accuracy_drop": 5.0}, Path("model.onnx"), 20)["drop"] == pytest.approx(5.0)
 
 
+@pytest.mark.e2e
 def test_user_cnn_and_its_opset_20_export_quantize_statically(digits_workdir, monkeypatch):
     """`auto` picks static QDQ for a model with convolutions (dynamic would need
     ConvInteger), for a user's torch CNN and for the same module exported by torch's

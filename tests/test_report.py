@@ -43,6 +43,7 @@ def report_run(tmp_path_factory) -> tuple[Path, str]:
     return workdir, result.stdout
 
 
+@pytest.mark.e2e
 def test_the_printed_report_command_writes_this_runs_report(report_run):
     workdir, stdout = report_run
     command = shlex.split(printed_report_command(stdout))
@@ -54,6 +55,7 @@ def test_the_printed_report_command_writes_this_runs_report(report_run):
     assert f"<title>Run {RUN}</title>" in base64.b64decode(summary).decode()
 
 
+@pytest.mark.e2e
 def test_report_in_chromium_shows_plots_and_the_numbers_of_the_metrics(report_run, tmp_path):
     workdir, _ = report_run
     results = workdir / "results" / RUN
@@ -124,6 +126,7 @@ def test_report_in_chromium_shows_plots_and_the_numbers_of_the_metrics(report_ru
         browser.close()
 
 
+@pytest.mark.e2e
 def test_profile_traces_cover_the_profiled_steps_on_every_rank(report_run):
     workdir, _ = report_run
     profile = workdir / "results" / RUN / "train" / "profile"
@@ -137,6 +140,7 @@ def test_profile_traces_cover_the_profiled_steps_on_every_rank(report_run):
         assert sum(e["name"] == "model_run" for e in json.loads(optimizer_trace.read_text())) == 3
 
 
+@pytest.mark.e2e
 def test_end_of_run_summary_is_printed_and_copes_with_a_partial_run(report_run, tmp_path):
     workdir, stdout = report_run
     results = workdir / "results" / RUN
@@ -185,6 +189,7 @@ def console_tail(stderr: str) -> list[str]:
     return stderr.split("Exiting because a job execution failed", 1)[1].splitlines()
 
 
+@pytest.mark.e2e
 def test_a_failed_stage_shows_its_own_error_last_on_the_console(workdir):
     workdir.mkdir(parents=True)
     (workdir / "my.csv").write_text("a,b,y\n1,2,0\n3,4,1\n")
@@ -198,6 +203,7 @@ def test_a_failed_stage_shows_its_own_error_last_on_the_console(workdir):
     ]
 
 
+@pytest.mark.e2e
 def test_a_failed_rank_shows_its_error_above_the_launchers(digits_workdir):
     failing = {"train": {"steps": 20, "fail_at_step": {"step": 5, "rank": 1, "mode": "raise"}}}
     result = run_snakemake(digits_workdir, failing, "train", check=False)

@@ -24,6 +24,8 @@ from test_slurm import PROFILE, SLURM_ARGS, slurm_cluster, slurm_jobs  # noqa: F
 
 from ortflow.checkpoints import resume, store
 
+pytestmark = pytest.mark.cluster
+
 PARTITION = "twonodes"
 # 4 ranks on 2 nodes of 2 CPUs: 2 ranks per node. A small MLP and few steps;
 # global batch 32 (8 x 4 ranks).

@@ -27,6 +27,7 @@ def _log(workdir: Path, run: str = "digits") -> str:
     return (workdir / f"logs/{run}/train.log").read_text()
 
 
+@pytest.mark.e2e
 def test_default_config_reaches_95_percent(default_run):
     metrics = _metrics(default_run)
     assert metrics["steps"] == 300
@@ -40,6 +41,7 @@ def test_default_config_reaches_95_percent(default_run):
     assert "step 300/300 loss" in log and " eta " in log
 
 
+@pytest.mark.e2e
 def test_tensorboard_scalars_read_back(default_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -58,6 +60,7 @@ def test_tensorboard_scalars_read_back(default_run):
     assert events.Tags()["histograms"], "no parameter histograms"
 
 
+@pytest.mark.e2e
 def test_keeps_the_last_checkpoints(default_run):
     root = default_run / "results/digits/train/checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step-00000200", "step-00000300"]
@@ -67,6 +70,7 @@ def _final_parameters(workdir: Path) -> dict:
     return store.load_parameters(resume.latest(workdir / "results/digits/train/checkpoints").path)
 
 
+@pytest.mark.e2e
 def test_world_size_and_accumulation_are_equivalent(digits_workdir, tmp_path):
     """Data parallelism's core property: 2 ranks x 1 micro-batch == 1 rank x 2 accumulated micro-batches."""
     two_ranks = digits_workdir
@@ -83,6 +87,7 @@ def test_world_size_and_accumulation_are_equivalent(digits_workdir, tmp_path):
     assert worst_torch <= 1e-4, worst_torch
 
 
+@pytest.mark.e2e
 def test_failing_rank_ends_the_job(digits_workdir):
     workdir = digits_workdir
     fault = {"step": 5, "rank": 1, "mode": "raise"}
@@ -95,6 +100,7 @@ def test_failing_rank_ends_the_job(digits_workdir):
     assert not (workdir / "results/digits/train/metrics.json").exists()
 
 
+@pytest.mark.e2e
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(digits_workdir):
     workdir = digits_workdir
     fault = {"step": 12, "rank": 0, "mode": "nan"}
@@ -105,6 +111,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(digits_workdir):
     assert resume.latest(workdir / "results/digits/train/checkpoints").step == 10
 
 
+@pytest.mark.e2e
 def test_corrupt_shard_stops_before_the_first_step(digits_workdir):
     workdir = digits_workdir
     shard = workdir / "results/digits/data/train/shard-00001.bin"
@@ -118,6 +125,7 @@ def test_corrupt_shard_stops_before_the_first_step(digits_workdir):
     assert "step 1/" not in log and "step 5/" not in log
 
 
+@pytest.mark.e2e
 def test_watchdog_names_the_stalled_rank(digits_workdir):
     workdir = digits_workdir
     fault = {"step": 3, "rank": 1, "mode": "stall"}
@@ -145,6 +153,7 @@ def _pytorch_reference(workdir: Path) -> dict:
     return train_like_ortflow(model, cfg, results / "data/train", groups)[1]
 
 
+@pytest.mark.e2e
 def test_gpt_learns_text_well_below_the_unigram_baseline(workdir):
     """A GPT-style decoder on Python's own documentation, byte level, 2 ranks."""
     config = {
