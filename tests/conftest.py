@@ -17,11 +17,28 @@ BIN = Path(sys.executable).parent
 # works too): rules call `ortflow`, the launcher calls `mpirun`, both from BIN.
 os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
 
+# The test being set up or run. The fast loop (-m "not e2e and not cluster and not slow")
+# leaves out what starts Snakemake or mpirun: a test that does, itself or through a
+# fixture, must be marked e2e (or cluster), or run_snakemake and run_on_ranks fail it.
+running: pytest.Item | None = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global running
+    running = item
+
+
+def require_e2e(what: str) -> None:
+    if running is not None and not any(running.get_closest_marker(mark) for mark in ("e2e", "cluster")):
+        pytest.fail(f"{running.nodeid} {what}: mark it @pytest.mark.e2e (see pyproject.toml's markers)")
+
 
 def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, timeout: int = 900):
     """Run the repository's Snakefile in `workdir` with `config` layered over
     config/config.yaml. Returns the CompletedProcess; its output is kept for
     assertions and shown when `check` fails."""
+    require_e2e("runs Snakemake")
     workdir.mkdir(parents=True, exist_ok=True)
     configfile = workdir / "test-config.yaml"
     configfile.write_text(yaml.safe_dump(config))
@@ -45,6 +62,7 @@ def run_on_ranks(folder: Path, code: str, ranks: int) -> subprocess.CompletedPro
     them); fails the test unless every rank exits 0. Returns the CompletedProcess."""
     from ortflow import train
 
+    require_e2e("starts MPI ranks")
     script = folder / "ranks.py"
     script.write_text(code)
     result = subprocess.run(

@@ -1,13 +1,18 @@
-"""Rules for tests/ itself. No timing is asserted: how fast something runs depends on
-the machine and on what else it runs, so a test that asserts it fails on a busy
-machine and passes on a fast one; timings are measured in bench/ (docs/benchmarks.md).
+"""Rules for tests/ itself.
 
-A timing assertion is an `assert` (or an `if` that fails the test) that orders a
-clock's reading (time.time, perf_counter, monotonic, process_time, or a name computed
-from one, such as `elapsed`) or a speed against a bound. A deadline that bounds a wait
-for an event (a `while` loop's condition, a subprocess's timeout) is not one: the test
-then asserts on the event. Percentiles compared with each other (p50 <= p95) are not
-one either: they are the same measurement's order, whatever the machine."""
+A test that starts Snakemake or MPI ranks is marked e2e, so that the fast loop
+(-m "not e2e and not cluster and not slow") leaves it out: conftest's run_snakemake and
+run_on_ranks fail any other.
+
+No timing is asserted: how fast something runs depends on the machine and on what else
+it runs, so a test that asserts it fails on a busy machine and passes on a fast one;
+timings are measured in bench/ (docs/benchmarks.md). A timing assertion is an `assert`
+(or an `if` that fails the test) that orders a clock's reading (time.time, perf_counter,
+monotonic, process_time, or a name computed from one, such as `elapsed`) or a speed
+against a bound. A deadline that bounds a wait for an event (a `while` loop's condition,
+a subprocess's timeout) is not one: the test then asserts on the event. Percentiles
+compared with each other (p50 <= p95) are not one either: they are the same
+measurement's order, whatever the machine."""
 
 from __future__ import annotations
 
@@ -15,7 +20,9 @@ import ast
 import re
 from pathlib import Path
 
-from conftest import REPO
+import pytest
+
+from conftest import REPO, run_on_ranks, run_snakemake
 
 CLOCKS = {"time", "perf_counter", "monotonic", "process_time", "thread_time"}
 CLOCKS |= {f"{name}_ns" for name in CLOCKS}
@@ -139,3 +146,12 @@ def test_a_timing_assertion_is_found(tmp_path):
         "test_fast.py:15: speedup >= 1.5",
         "test_fast.py:16: metrics['samples_per_s'] > 1000 and metrics['wall_time_s'] < 60",
     ]
+
+
+def test_a_test_that_starts_snakemake_or_ranks_must_be_marked_e2e(tmp_path):
+    test = "test_house_rules.py::test_a_test_that_starts_snakemake_or_ranks_must_be_marked_e2e"
+    with pytest.raises(pytest.fail.Exception, match=f"{test} runs Snakemake: mark it @pytest.mark.e2e"):
+        run_snakemake(tmp_path, {})
+    with pytest.raises(pytest.fail.Exception, match=f"{test} starts MPI ranks: mark it @pytest.mark.e2e"):
+        run_on_ranks(tmp_path, "print('never run')", 2)
+    assert list(tmp_path.iterdir()) == []
