@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,22 @@ BIN = Path(sys.executable).parent
 # works too): rules call `ortflow`, the launcher calls `mpirun`, both from BIN.
 os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
 
+# The test being set up or run. The fast loop (-m "not e2e and not cluster and not slow")
+# leaves out what starts Snakemake or mpirun: a test that does, itself or through a
+# fixture, must be marked e2e (or cluster), or run_snakemake and run_on_ranks fail it.
+running: pytest.Item | None = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    global running
+    running = item
+
+
+def require_e2e(what: str) -> None:
+    if running is not None and not any(running.get_closest_marker(mark) for mark in ("e2e", "cluster")):
+        pytest.fail(f"{running.nodeid} {what}: mark it @pytest.mark.e2e (see pyproject.toml's markers)")
+
 
 def fault(step: int, rank: int, mode: str) -> dict:
     """The environment that breaks rank `rank` at step `step` (ortflow.training.faults)."""
@@ -28,6 +45,7 @@ def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, t
     """Run the repository's Snakefile in `workdir` with `config` layered over
     config/config.yaml, and `env` added to the environment. Returns the
     CompletedProcess; its output is kept for assertions and shown when `check` fails."""
+    require_e2e("runs Snakemake")
     workdir.mkdir(parents=True, exist_ok=True)
     configfile = workdir / "test-config.yaml"
     configfile.write_text(yaml.safe_dump(config))
@@ -51,6 +69,7 @@ def run_on_ranks(folder: Path, code: str, ranks: int) -> subprocess.CompletedPro
     them); fails the test unless every rank exits 0. Returns the CompletedProcess."""
     from ortflow import train
 
+    require_e2e("starts MPI ranks")
     script = folder / "ranks.py"
     script.write_text(code)
     result = subprocess.run(
@@ -66,6 +85,14 @@ def workdir(tmp_path: Path) -> Path:
     return tmp_path / "work"
 
 
+def copy_inputs(source: Path, workdir: Path) -> Path:
+    """`workdir` with the results of the run in `source` and Snakemake's records of
+    them, so that they count as up to date there."""
+    shutil.copytree(source / "results", workdir / "results")
+    shutil.copytree(source / ".snakemake" / "metadata", workdir / ".snakemake" / "metadata")
+    return workdir
+
+
 @pytest.fixture(scope="session")
 def digits_inputs(tmp_path_factory) -> Path:
     """prepare_data and build_artifacts of the default config, run once per session."""
@@ -78,9 +105,14 @@ def digits_inputs(tmp_path_factory) -> Path:
 def digits_workdir(digits_inputs: Path, tmp_path: Path) -> Path:
     """A scratch workdir that already holds the default run's shards and
     artifacts (with Snakemake's metadata, so they count as up to date)."""
-    import shutil
+    return copy_inputs(digits_inputs, tmp_path / "work")
 
-    workdir = tmp_path / "work"
-    shutil.copytree(digits_inputs / "results", workdir / "results")
-    shutil.copytree(digits_inputs / ".snakemake" / "metadata", workdir / ".snakemake" / "metadata")
+
+@pytest.fixture(scope="session")
+def default_run(digits_inputs: Path, tmp_path_factory) -> Path:
+    """The default config (digits, MLP [512, 512], 2 ranks, 300 steps, dynamic int8)
+    built to the end (`all`) once per session, from digits_inputs' shards and artifacts.
+    Tests only read it; one that runs a stage again works on a copy."""
+    workdir = copy_inputs(digits_inputs, tmp_path_factory.mktemp("default") / "work")
+    run_snakemake(workdir, {})
     return workdir

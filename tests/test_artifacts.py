@@ -176,6 +176,7 @@ def onnx_model(path: Path, input_name: str = "x", op: str | None = None, ir_vers
     return path
 
 
+@pytest.mark.e2e
 def test_user_onnx_model_through_the_rule(tmp_path):
     """model.kind onnx via config alone; then train.* changes leave the
     artifacts alone and a model.* change rebuilds them."""
@@ -207,13 +208,13 @@ def test_user_onnx_model_through_the_rule(tmp_path):
     assert "Relu" in {node.op_type for node in rebuilt.graph.node}
 
 
+@pytest.mark.e2e
 def test_user_torch_module_through_the_rule(tmp_path, monkeypatch):
     modules = tmp_path / "modules"
     modules.mkdir()
     module = modules / "artifacts_user_model.py"
     shutil.copy(TESTS / module.name, module)
-    # The environment's PYTHONPATH stays behind it (it may hold the ortflow under test).
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(modules), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PYTHONPATH", str(modules), prepend=os.pathsep)
     workdir = tmp_path / "work"
     settings = {
         "model": {"kind": "torch", "path": "artifacts_user_model:TinyNet", "kwargs": {"hidden": 5}, "frozen": ["body.bias"]}

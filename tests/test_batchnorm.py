@@ -5,6 +5,7 @@ baked into the export; dropout drops in training only."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -230,12 +231,13 @@ def test_running_statistic_named_trainable_is_refused(digits, tmp_path, monkeypa
     )
 
 
+@pytest.mark.e2e
 def test_cnn_with_batchnorm_and_dropout_through_the_workflow(digits_workdir, monkeypatch):
     """2 ranks, through export and static int8 quantization. Each rank evaluates
     its half of the eval split with its own running statistics, and the merged
     checkpoint takes each statistic from the one rank that wrote it: the export's
     fp32 loss on the whole split equals training's only if the ranks agree."""
-    monkeypatch.setenv("PYTHONPATH", str(TESTS))
+    monkeypatch.setenv("PYTHONPATH", str(TESTS), prepend=os.pathsep)
     steps = 40
     settings = {
         "model": {"kind": "torch", "path": "batchnorm_models:BatchNormCNN", "kwargs": {"dropout": 0.2}},
@@ -265,6 +267,7 @@ def test_cnn_with_batchnorm_and_dropout_through_the_workflow(digits_workdir, mon
     assert quantized["quantize"] == "static" and quantized["gate"]["drop"] <= 1.0, quantized
 
 
+@pytest.mark.e2e
 def test_ranks_end_each_step_with_the_mean_of_their_statistics(tmp_path):
     """Two real MPI ranks keep different updated statistics from their forwards;
     after the step's all-reduce both hold the same ones, their mean."""

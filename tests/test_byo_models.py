@@ -10,9 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnxruntime.training.api import CheckpointState
 
 from conftest import run_snakemake
+
+pytestmark = pytest.mark.e2e
 
 SQUEEZENET = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light" / "light_squeezenet.onnx"
 

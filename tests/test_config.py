@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from ortflow import config
 from conftest import REPO, run_snakemake
+from ortflow import config
+from ortflow.checkpoints import resume
 
 
 def test_defaults_fill_every_section():
@@ -64,6 +65,35 @@ def test_identity_ignores_world_size_but_not_global_batch():
     assert config.digest(config.training_identity(a)) != config.digest(config.training_identity(c))
 
 
+def test_identity_has_the_steps_where_the_schedule_spreads_over_them():
+    def digest(**train):
+        return config.digest(config.training_identity(config.load(overrides={"train": train})))
+
+    assert digest(steps=300) != digest(steps=200)  # cosine by default
+    constant = {"name": "constant", "warmup_steps": 20}
+    assert digest(steps=300, lr_schedule=constant) == digest(steps=200, lr_schedule=constant)
+
+
+def test_identity_knows_user_files_by_content_not_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.onnx").write_bytes(b"model one")
+    (tmp_path / "b.onnx").write_bytes(b"model one")
+    (tmp_path / "data.csv").write_text("x,y\n1,2\n")
+
+    def identity(model_path: str) -> dict:
+        cfg = config.load(overrides={"model": {"kind": "onnx", "path": model_path},
+                                     "data": {"source": "data.csv"}})
+        return config.training_identity(cfg)
+
+    first = identity("a.onnx")
+    assert first == identity("b.onnx")  # moved or copied: the same model
+    assert first["data"]["source"].startswith("sha256:")
+    (tmp_path / "a.onnx").write_bytes(b"model two")  # replaced in place
+    assert resume._differences(first, identity("a.onnx")) == [
+        f"model.path: {first['model']['path']!r} in the checkpoint, {identity('a.onnx')['model']['path']!r} now"]
+
+
+@pytest.mark.e2e
 def test_workflow_refuses_bad_config_before_any_job(workdir):
     result = run_snakemake(workdir, {"train": {"world_size": -1}}, check=False)
     assert result.returncode != 0
@@ -71,6 +101,7 @@ def test_workflow_refuses_bad_config_before_any_job(workdir):
     assert not (workdir / "results").exists()
 
 
+@pytest.mark.e2e
 def test_workflow_refuses_a_run_name_with_a_newline(workdir):
     result = run_snakemake(workdir, {"run": {"name": "x\n"}}, "prepare_data", check=False)
     assert result.returncode != 0

@@ -39,6 +39,7 @@ def id_npz(path: Path, n: int) -> Path:
     return path
 
 
+@pytest.mark.e2e
 def test_default_config_through_snakemake(workdir, tmp_path):
     run_snakemake(workdir, {}, "prepare_data")
     data = workdir / "results" / "digits" / "data"
@@ -78,6 +79,7 @@ def test_default_config_through_snakemake(workdir, tmp_path):
         assert split_bytes(changed)["shard-00000.bin"] != split_bytes(again)["shard-00000.bin"]
 
 
+@pytest.mark.e2e
 def test_user_csv_through_snakemake(workdir):
     rng = np.random.default_rng(0)
     frame = pd.DataFrame(rng.normal(size=(200, 3)), columns=["a", "b", "c"])
@@ -103,6 +105,7 @@ def assert_rows_of(records: np.ndarray, frame: pd.DataFrame) -> None:
     assert set(rows) <= {tuple(r) for r in frame.to_numpy(np.float32)}
 
 
+@pytest.mark.e2e
 def test_user_npz_through_snakemake(workdir):
     rng = np.random.default_rng(1)
     workdir.mkdir(parents=True)
@@ -231,6 +234,7 @@ def test_bad_input_is_refused_and_leaves_no_output(tmp_path, case):
     assert not (tmp_path / "data").exists() and not list(tmp_path.rglob(MANIFEST))
 
 
+@pytest.mark.e2e
 def test_bad_input_through_snakemake(workdir):
     workdir.mkdir(parents=True)
     run = {"run": {"name": "bad"}, "data": {"source": "absent.csv"}}

@@ -49,6 +49,7 @@ def run_doctor(cwd, *args, path=None):
     return result.returncode, parse_table(result.stdout), result.stdout + result.stderr
 
 
+@pytest.mark.e2e
 def test_doctor_target_passes_on_this_machine(workdir):
     run_snakemake(workdir, {}, "doctor")
     text = (workdir / "results/digits/doctor.txt").read_text()
@@ -64,6 +65,7 @@ def test_doctor_target_passes_on_this_machine(workdir):
     assert text.rstrip().endswith("all required checks passed")
 
 
+@pytest.mark.e2e
 def test_oversubscribed_world_size_warns_and_still_runs(tmp_path):
     world_size = preflight.host_cores() + 1
     code, rows, output = run_doctor(tmp_path, "--world-size", str(world_size))
@@ -90,6 +92,7 @@ def test_impossible_world_size_fails_naming_the_cores(tmp_path):
     assert rows["mpirun -n 1000"] == ("skip", "skipped: the world size does not fit this host")
 
 
+@pytest.mark.e2e
 def test_invalid_config_fails_naming_the_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump({"train": {"wrld_size": 2}}))

@@ -73,6 +73,7 @@ def _metrics(workdir: Path) -> dict:
     return json.loads((workdir / "results/digits/train/metrics.json").read_text())
 
 
+@pytest.mark.e2e
 def test_early_stopping_stops_every_rank_and_the_best_checkpoint_is_exported(digits_workdir):
     result = run_snakemake(digits_workdir, EARLY, "export_model")
     metrics = _metrics(digits_workdir)
@@ -93,6 +94,7 @@ def test_early_stopping_stops_every_rank_and_the_best_checkpoint_is_exported(dig
     assert "stopped   early after step 30: eval loss had not improved since step 10" in result.stdout + result.stderr
 
 
+@pytest.mark.e2e
 def test_export_checkpoint_best_without_early_stopping_picks_the_lowest_eval_loss(digits_workdir):
     config = {"train": {"steps": 60, "eval_every": 10, "checkpoint_every": 60, "keep_checkpoints": 1,
                         "optimizer": {"name": "adamw", "lr": 0.05}},  # a high rate: the loss jumps about

@@ -1,11 +1,13 @@
 """The export_model and quantize_model stages through the real workflow: the
 inference model and its checks, int8 quality, size and latency report, the
-quality gate, a user ONNX model. How much faster int8 runs is measured by
-bench/bench_quantize.py (docs/benchmarks.md), not asserted here."""
+quality gate, a user ONNX model; and the losses of an inference model's logits.
+How much faster int8 runs is measured by bench/bench_quantize.py
+(docs/benchmarks.md), not asserted here."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -37,14 +39,6 @@ def _log(workdir: Path, rule: str, run: str = "digits") -> str:
 
 def _rules_run(result) -> list[str]:
     return re.findall(r"^(?:local)?rule (\w+):", result.stderr, re.M)
-
-
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory) -> Path:
-    """The default config (digits, MLP [512, 512], dynamic int8) with 150 steps, built to the end once."""
-    workdir = tmp_path_factory.mktemp("default")
-    run_snakemake(workdir, SHORT)
-    return workdir
 
 
 def write_user_model(path: Path) -> None:
@@ -83,6 +77,7 @@ def user_run(tmp_path_factory) -> tuple[Path, dict, object]:
     return workdir, config, result
 
 
+@pytest.mark.e2e
 def test_exported_model_is_the_trained_inference_graph(default_run):
     import onnx
     import onnxruntime as ort
@@ -94,7 +89,7 @@ def test_exported_model_is_the_trained_inference_graph(default_run):
     assert {n.op_type for n in model.graph.node} <= {"Flatten", "Cast", "Gemm", "Relu", "Reshape"}
     meta = json.loads((default_run / "results/digits/checkpoint/meta.json").read_text())
     props = {p.key: p.value for p in model.metadata_props}
-    assert props == {"ortflow.run": "digits", "ortflow.step": "150", "ortflow.checkpoint": "last",
+    assert props == {"ortflow.run": "digits", "ortflow.step": "300", "ortflow.checkpoint": "last",
                      "ortflow.version": "0.1.0", "ortflow.identity_digest": meta["identity_digest"]}
     # The trained weights: its accuracy on the eval split is the one training reported.
     reader = ShardReader(default_run / "results/digits/data/eval")
@@ -110,6 +105,7 @@ def test_exported_model_is_the_trained_inference_graph(default_run):
     assert not list(_export(default_run).glob("*.tmp"))
 
 
+@pytest.mark.e2e
 def test_int8_keeps_accuracy_and_is_3x_smaller(default_run):
     metrics = _metrics(default_run)
     fp32, int8 = metrics["fp32"], metrics["int8"]
@@ -131,16 +127,18 @@ def test_int8_keeps_accuracy_and_is_3x_smaller(default_run):
     assert "x smaller" in log and "x faster" in log and "quality gate passed" in log
 
 
+@pytest.mark.e2e
 def test_quantize_none_reports_fp32_only(default_run, tmp_path):
     workdir = tmp_path / "none"
     shutil.copytree(default_run, workdir, symlinks=True)
-    result = run_snakemake(workdir, {**SHORT, "export": {"quantize": "none"}})
+    result = run_snakemake(workdir, {"export": {"quantize": "none"}})
     assert "quantize_model" in _rules_run(result)
     metrics = _metrics(workdir)
     assert "int8" not in metrics and metrics["fp32"]["accuracy"] == _metrics(default_run)["fp32"]["accuracy"]
     assert not (_export(workdir) / "model.int8.onnx").exists()
 
 
+@pytest.mark.e2e
 def test_gate_fails_with_both_numbers_and_keeps_the_fp32_model(user_run):
     workdir, _, result = user_run
     assert result.returncode != 0
@@ -156,6 +154,7 @@ def test_gate_fails_with_both_numbers_and_keeps_the_fp32_model(user_run):
     assert not (_export(workdir, "user") / "metrics.json").exists()
 
 
+@pytest.mark.e2e
 def test_user_onnx_model_quantizes_per_channel(user_run):
     """Per channel, the outlier only coarsens its own column: the gate passes."""
     import onnx
@@ -173,10 +172,7 @@ def test_user_onnx_model_quantizes_per_channel(user_run):
     assert fp32["size_bytes"] >= 3 * int8["size_bytes"]
 
 
-    speedup = fp32["latency_ms"]["b64_p50"] / int8["latency_ms"]["b64_p50"]
-    assert speedup >= 1.5, metrics
-
-
+@pytest.mark.e2e
 def test_400_steps_export_within_the_scaled_tolerance(digits_workdir):
     """The default config trained longer: its weights grow, and so does the float32
     rounding between the pre-packed Gemm of the inference model and the eval graph's."""
@@ -296,6 +292,7 @@ def test_gate_on_a_tiny_eval_split_says_what_one_record_is_worth():
     assert gate(report, {"max_accuracy_drop": 5.0}, Path("model.onnx"), 20)["drop"] == pytest.approx(5.0)
 
 
+@pytest.mark.e2e
 def test_user_cnn_and_its_opset_20_export_quantize_statically(digits_workdir, monkeypatch):
     """`auto` picks static QDQ for a model with convolutions (dynamic would need
     ConvInteger), for a user's torch CNN and for the same module exported by torch's
@@ -305,7 +302,7 @@ def test_user_cnn_and_its_opset_20_export_quantize_statically(digits_workdir, mo
 
     from artifacts_user_model import SmallCNN
 
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent), prepend=os.pathsep)
     train = {"steps": 60, "eval_every": 60, "checkpoint_every": 60}
     torch.manual_seed(0)
     torch.onnx.export(SmallCNN().eval(), (torch.zeros(2, 64),), str(digits_workdir / "cnn20.onnx"), input_names=["x"],

@@ -77,6 +77,15 @@ def test_allreduce_in_buckets_sums_every_element_in_place_and_reuses_its_buffers
     np.testing.assert_array_equal(grads[4], expected[4] * 3)
 
 
+def test_buckets_cover_every_gradient_once(monkeypatch):
+    monkeypatch.setattr(gradients, "BUCKET_BYTES", 1000)
+    grads = [np.zeros(n, dtype=np.float32) for n in (10, 60, 5, 100, 400, 1)]
+    groups = list(gradients.buckets(grads))
+    assert [len(g) for g in groups] == [4, 1, 1]
+    assert sum(len(g) for g in groups) == len(grads)
+    assert all(sum(x.nbytes for x in g) <= 1000 or len(g) == 1 for g in groups)
+
+
 def test_global_norm_is_the_norm_of_all_values_together():
     grads = rank_gradients(1)
     assert gradients.global_norm(grads, np) == pytest.approx(

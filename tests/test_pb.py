@@ -6,15 +6,19 @@ import numpy as np
 import pytest
 from onnx import TensorProto
 
-from ortflow import cli
+from ortflow import cli, config
+from ortflow.prepare_data import prepare
 from ortflow.shards_to_pb import read_pb
 from ortflow.data.shards import ShardReader
 from ortflow.data.sources import DataError
 
 
-@pytest.fixture
-def train_split(digits_inputs):
-    return digits_inputs / "results/digits/data/train"
+@pytest.fixture(scope="module")
+def train_split(tmp_path_factory):
+    """The default config's train split, prepared in this process."""
+    root = tmp_path_factory.mktemp("digits")
+    prepare(config.load(), root / "train", root / "eval")
+    return root / "train"
 
 
 def test_round_trip_keeps_every_record(train_split, tmp_path):

@@ -43,6 +43,7 @@ def report_run(tmp_path_factory) -> tuple[Path, str]:
     return workdir, result.stdout
 
 
+@pytest.mark.e2e
 def test_the_printed_report_command_writes_this_runs_report(report_run):
     workdir, stdout = report_run
     command = shlex.split(printed_report_command(stdout))
@@ -54,6 +55,7 @@ def test_the_printed_report_command_writes_this_runs_report(report_run):
     assert f"<title>Run {RUN}</title>" in base64.b64decode(summary).decode()
 
 
+@pytest.mark.e2e
 def test_report_in_chromium_shows_plots_and_the_numbers_of_the_metrics(report_run, tmp_path):
     workdir, _ = report_run
     results = workdir / "results" / RUN
@@ -124,6 +126,7 @@ def test_report_in_chromium_shows_plots_and_the_numbers_of_the_metrics(report_ru
         browser.close()
 
 
+@pytest.mark.e2e
 def test_profile_traces_cover_the_profiled_steps_on_every_rank(report_run):
     workdir, _ = report_run
     profile = workdir / "results" / RUN / "train" / "profile"
@@ -137,6 +140,7 @@ def test_profile_traces_cover_the_profiled_steps_on_every_rank(report_run):
         assert sum(e["name"] == "model_run" for e in json.loads(optimizer_trace.read_text())) == 3
 
 
+@pytest.mark.e2e
 def test_end_of_run_summary_is_printed_and_copes_with_a_partial_run(report_run, tmp_path):
     workdir, stdout = report_run
     results = workdir / "results" / RUN
@@ -165,11 +169,27 @@ def files_of(results: Path) -> dict:
             "checkpoint": results / "checkpoint", "report": results / "report.html"}
 
 
+def test_summary_of_a_run_with_training_alone_or_nothing(tmp_path):
+    """The end-of-run summary from what exists, without a run: training's metrics alone
+    show its eval, steps and speed and no model; an empty folder, that nothing trained."""
+    partial = tmp_path / "results" / "digits"
+    (partial / "train").mkdir(parents=True)
+    train = {"steps": 60, "steps_this_attempt": 20, "wall_time_s": 12.5, "samples_per_s": 1536.0,
+             "peak_rss_mb": [300.0, 310.0], "eval": {"loss": 0.25, "accuracy": 0.9375}}
+    (partial / "train" / "metrics.json").write_text(json.dumps(train))
+    lines = run_summary(partial, **files_of(partial)).splitlines()
+    assert lines[:3] == [f"ortflow: run digits in {partial}", "  accuracy  93.75% (eval at step 60)",
+                         "  training  60 steps (20 in this attempt) in 12.50 s, 1,536 samples/s on 2 ranks"]
+    nothing = tmp_path / "nothing"
+    assert run_summary(nothing, **files_of(nothing)).splitlines()[1] == "  nothing trained yet"
+
+
 def console_tail(stderr: str) -> list[str]:
     """What a failed `snakemake` printed last, after Snakemake's own "Exiting because a job execution failed"."""
     return stderr.split("Exiting because a job execution failed", 1)[1].splitlines()
 
 
+@pytest.mark.e2e
 def test_a_failed_stage_shows_its_own_error_last_on_the_console(workdir):
     workdir.mkdir(parents=True)
     (workdir / "my.csv").write_text("a,b,y\n1,2,0\n3,4,1\n")
@@ -183,6 +203,7 @@ def test_a_failed_stage_shows_its_own_error_last_on_the_console(workdir):
     ]
 
 
+@pytest.mark.e2e
 def test_a_failed_rank_shows_its_error_above_the_launchers(digits_workdir):
     result = run_snakemake(digits_workdir, {"train": {"steps": 20}}, "train", check=False, env=fault(5, 1, "raise"))
     assert result.returncode != 0

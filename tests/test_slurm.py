@@ -17,6 +17,8 @@ import pytest
 
 from conftest import REPO, run_snakemake
 
+pytestmark = pytest.mark.cluster
+
 PROFILE = REPO / "profiles" / "slurm"
 # Small runs; the default world size (2) stays: training must be one 2-task job.
 CONFIG = {"train": {"steps": 30, "log_every": 10, "eval_every": 30, "checkpoint_every": 30}}

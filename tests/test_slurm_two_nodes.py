@@ -25,6 +25,8 @@ from test_slurm import PROFILE, SLURM_ARGS, slurm_cluster, slurm_jobs  # noqa: F
 
 from ortflow.checkpoints import resume, store
 
+pytestmark = pytest.mark.cluster
+
 PARTITION = "twonodes"
 # 4 ranks on 2 nodes of 2 CPUs: 2 ranks per node. A small MLP and few steps;
 # global batch 32 (8 x 4 ranks).
@@ -171,10 +173,11 @@ def restore_node(node: str) -> None:
 
 
 def wait_for(what: str, condition, timeout: float = 300) -> None:
+    """Wait until `condition()` holds; the timeout bounds the wait, it is not what is checked."""
     deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}"
+    while not (held := condition()) and time.monotonic() < deadline:
         time.sleep(0.2)
+    assert held, f"waited {timeout:.0f} s for {what}"
 
 
 def heartbeat(train_dir: Path, rank: int) -> dict:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from conftest import run_snakemake
 from ortflow.data import standardize
@@ -47,6 +48,7 @@ def test_statistics_skip_integer_inputs_and_let_constant_columns_pass():
     assert np.allclose(standardize.invert(scaled, stats)["x"], x, rtol=1e-6)
 
 
+@pytest.mark.e2e
 def test_wine_standardized_trains_and_the_export_takes_raw_features(workdir):
     """178 wines, 13 unscaled features (proline up to 1680), 3 classes: through the whole pipeline."""
     import onnx
@@ -92,6 +94,7 @@ def test_wine_standardized_trains_and_the_export_takes_raw_features(workdir):
     assert "logits within" in (workdir / "logs" / "wine" / "export_model.log").read_text()
 
 
+@pytest.mark.e2e
 def test_regression_reports_the_predict_the_mean_baseline(workdir):
     """442 diabetes patients, 10 unscaled features, a float target (25..346): trained with the mse loss."""
     from sklearn.datasets import load_diabetes

@@ -114,6 +114,7 @@ def eval_logits(out: Path, batch: dict) -> tuple[np.ndarray, np.ndarray]:
     return exported, outputs_of(module(*feeds(batch, module.input_names(), "y", "y")))[1]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("layer", LAYERS)
 def test_short_training_equals_pytorch_and_export_equals_eval_graph(layer, tokens, tmp_path):
     model = {"kind": "torch", "path": "torch_layers:LayerNet", "kwargs": {"layer": layer}}

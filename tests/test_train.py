@@ -1,4 +1,5 @@
-"""The training stage through the real workflow: mpirun ranks, all-reduce, metrics, failures."""
+"""The training stage: through the real workflow (mpirun ranks, all-reduce, metrics,
+failures), and the launcher's (ortflow.train) commands and what it does before the ranks start."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import numpy as np
 import pytest
 
 from conftest import fault, run_snakemake
+from ortflow import train
 from ortflow.checkpoints import resume, store
+from ortflow.training.run_folder import TrainFolder
 
 SHORT = {"train": {"steps": 30, "log_every": 5, "eval_every": 15, "checkpoint_every": 10}}
 
@@ -24,14 +27,7 @@ def _log(workdir: Path, run: str = "digits") -> str:
     return (workdir / f"logs/{run}/train.log").read_text()
 
 
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory) -> Path:
-    """The default config (digits, MLP, 2 ranks, 300 steps) from scratch, trained once for several tests."""
-    workdir = tmp_path_factory.mktemp("default")
-    run_snakemake(workdir, {}, "train")
-    return workdir
-
-
+@pytest.mark.e2e
 def test_default_config_reaches_95_percent(default_run):
     metrics = _metrics(default_run)
     assert metrics["steps"] == 300
@@ -45,6 +41,7 @@ def test_default_config_reaches_95_percent(default_run):
     assert "step 300/300 loss" in log and " eta " in log
 
 
+@pytest.mark.e2e
 def test_tensorboard_scalars_read_back(default_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -63,6 +60,7 @@ def test_tensorboard_scalars_read_back(default_run):
     assert events.Tags()["histograms"], "no parameter histograms"
 
 
+@pytest.mark.e2e
 def test_keeps_the_last_checkpoints(default_run):
     root = default_run / "results/digits/train/checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["step-00000200", "step-00000300"]
@@ -72,6 +70,7 @@ def _final_parameters(workdir: Path) -> dict:
     return store.load_parameters(resume.latest(workdir / "results/digits/train/checkpoints").path)
 
 
+@pytest.mark.e2e
 def test_world_size_and_accumulation_are_equivalent(digits_workdir, tmp_path):
     """Data parallelism's core property: 2 ranks x 1 micro-batch == 1 rank x 2 accumulated micro-batches."""
     two_ranks = digits_workdir
@@ -88,6 +87,7 @@ def test_world_size_and_accumulation_are_equivalent(digits_workdir, tmp_path):
     assert worst_torch <= 1e-4, worst_torch
 
 
+@pytest.mark.e2e
 def test_failing_rank_ends_the_job(digits_workdir):
     workdir = digits_workdir
     result = run_snakemake(workdir, SHORT, "train", check=False, timeout=180, env=fault(5, 1, "raise"))
@@ -98,6 +98,7 @@ def test_failing_rank_ends_the_job(digits_workdir):
     assert not (workdir / "results/digits/train/metrics.json").exists()
 
 
+@pytest.mark.e2e
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(digits_workdir):
     workdir = digits_workdir
     result = run_snakemake(workdir, SHORT, "train", check=False, env=fault(12, 0, "nan"))
@@ -107,6 +108,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(digits_workdir):
     assert resume.latest(workdir / "results/digits/train/checkpoints").step == 10
 
 
+@pytest.mark.e2e
 def test_corrupt_shard_stops_before_the_first_step(digits_workdir):
     workdir = digits_workdir
     shard = workdir / "results/digits/data/train/shard-00001.bin"
@@ -120,6 +122,7 @@ def test_corrupt_shard_stops_before_the_first_step(digits_workdir):
     assert "step 1/" not in log and "step 5/" not in log
 
 
+@pytest.mark.e2e
 def test_watchdog_names_the_stalled_rank(digits_workdir):
     workdir = digits_workdir
     config = {"train": {**SHORT["train"], "collective_timeout_s": 4}}
@@ -146,6 +149,7 @@ def _pytorch_reference(workdir: Path) -> dict:
     return train_like_ortflow(model, cfg, results / "data/train", groups)[1]
 
 
+@pytest.mark.e2e
 def test_gpt_learns_text_well_below_the_unigram_baseline(workdir):
     """A GPT-style decoder on Python's own documentation, byte level, 2 ranks."""
     config = {
@@ -161,3 +165,43 @@ def test_gpt_learns_text_well_below_the_unigram_baseline(workdir):
     assert evaluation["unigram_perplexity"] > 15  # bytes of English prose: ~4 bits each
     assert evaluation["perplexity"] < 0.7 * evaluation["unigram_perplexity"], evaluation
     assert evaluation["perplexity"] == pytest.approx(math.exp(evaluation["loss"]), rel=1e-9)
+
+
+def test_launcher_commands():
+    assert train.launcher_command("/x/mpirun", 2, 2) == ["/x/mpirun", "-n", "2", "--bind-to", "none"]
+    assert train.launcher_command("mpirun", 3, 2)[-1] == "--oversubscribe"
+    assert train.launcher_command("srun", 4, 2) == ["srun", "--mpi=pmix", "-n", "4"]
+    with pytest.raises(ValueError, match="unknown MPI launcher 'torchrun'"):
+        train.launcher_command("torchrun", 2, 2)
+
+
+def test_rerun_after_a_finished_run_moves_its_checkpoints_aside(tmp_path, capsys):
+    folder = TrainFolder(tmp_path / "train")
+    (folder.checkpoints / "step-00000300").mkdir(parents=True)
+    folder.tensorboard.mkdir()
+    folder.heartbeat.mkdir()
+    folder.finished.write_text("{}")
+    train.start_attempt(folder, resume_from=None)
+    previous = TrainFolder(folder.previous)
+    assert (previous.checkpoints / "step-00000300").is_dir() and previous.tensorboard.is_dir()
+    assert not folder.checkpoints.exists() and not folder.finished.exists()
+    assert not folder.heartbeat.exists()
+    assert f"its checkpoints and TensorBoard events are moved to {folder.previous}" in capsys.readouterr().err
+    # After an interrupted run, or with train.resume_from, nothing moves.
+    folder.checkpoints.mkdir()
+    train.start_attempt(folder, resume_from=None)
+    folder.finished.write_text("{}")
+    train.start_attempt(folder, resume_from=str(folder.checkpoints))
+    assert folder.checkpoints.is_dir() and not folder.finished.exists()
+
+
+def test_a_second_live_attempt_is_refused_in_one_line(tmp_path, capsys):
+    out = TrainFolder(tmp_path / "train")
+    first = train.lock_attempt(out)
+    assert first is not None
+    assert train.lock_attempt(out) is None
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert f"ortflow train: error: another attempt of this run is still training in {out} (ortflow train pid" in error
+    first.close()
+    assert train.lock_attempt(out) is not None

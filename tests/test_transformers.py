@@ -111,6 +111,7 @@ def _export_difference(log: str) -> float:
 TRAIN = {"world_size": 2, "log_every": 1, "checkpoint_every": 1000, "lr_schedule": {"warmup_steps": 5}}
 
 
+@pytest.mark.e2e
 def test_gpt2_language_model_on_text(tmp_path, monkeypatch):
     """GPT2LMHeadModel (2 layers, 2 heads, width 64, 256 byte tokens) on a slice
     of Python's documentation: the loss falls from log(256), the exported model
@@ -154,6 +155,7 @@ def marked_sequences(path: Path, n: int = 800, length: int = 12, vocab: int = 32
     np.savez(path, input_ids=ids.astype(np.int64), attention_mask=mask, y=labels.astype(np.int64))
 
 
+@pytest.mark.e2e
 def test_bert_sequence_classification_on_token_ids(tmp_path, monkeypatch):
     """BertForSequenceClassification (2 layers, width 32) with the attention mask
     as a second input: accuracy well above chance on a balanced task."""

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
@@ -14,6 +16,7 @@ def test_snakefmt_leaves_the_workflow_unchanged():
     assert result.returncode == 0, result.stderr
 
 
+@pytest.mark.e2e
 def test_snakemake_lint_is_clean(tmp_path):
     result = subprocess.run([str(BIN / "snakemake"), "--lint", "--snakefile", str(REPO / "Snakefile"),
                              "--directory", str(REPO)], capture_output=True, text=True)
