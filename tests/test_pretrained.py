@@ -407,6 +407,7 @@ def test_safetensors_into_a_torch_module_with_a_tied_head(data, tmp_path, monkey
 BERT_HEAD = ["model.classifier.weight", "model.classifier.bias"]
 
 
+@pytest.mark.e2e
 def test_bert_with_a_new_head_frozen_encoder_through_the_workflow(tmp_path, monkeypatch):
     """BERT's encoder from a folder under a new 3-class head, the encoder frozen by
     pattern (model.frozen: [model.bert]), 4 steps through snakemake: at step 0 the
@@ -459,6 +460,7 @@ def test_bert_with_a_new_head_frozen_encoder_through_the_workflow(tmp_path, monk
         assert bits(head["model.classifier.bias"]) == bits(initial.parameters["model.classifier.bias"])  # zeros
 
 
+@pytest.mark.e2e
 def test_pretrain_on_text_then_fine_tune_on_labels_in_one_snakemake_call(tmp_path, monkeypatch):
     """Run `pre` trains a bigram language model on text; run `fine` names pre's
     merged checkpoint and its config, and fine-tunes the embedding under a
@@ -504,6 +506,7 @@ def test_pretrain_on_text_then_fine_tune_on_labels_in_one_snakemake_call(tmp_pat
     assert "Nothing to be done" in dry.stdout + dry.stderr
 
 
+@pytest.mark.e2e
 def test_fine_tuning_equals_torch_step_for_step(tmp_path):
     """BERT's encoder from a folder under a new head, all of it fine-tuned for 8
     AdamW steps through ortflow's stage commands and in PyTorch from the same
