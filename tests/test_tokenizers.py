@@ -1,26 +1,34 @@
 """`data.tokenizer`, `data.text` and string labels: the shards hold exactly what the
 user's tokenizer gives (windows of a language model's documents, or a table's
-text columns truncated and padded), and labels of strings are named classes.
-Every tokenizer is trained here on local text (tests/text_models.py): nothing is downloaded."""
+text columns truncated and padded), labels of strings are named classes, and a
+small text classifier goes through the whole workflow with its tokenizer and
+class names travelling with the exported model. Every tokenizer is trained here
+on local text (tests/text_models.py): nothing is downloaded."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 
+from conftest import run_snakemake
+from ortflow import build_artifacts
 from ortflow import config as config_mod
 from ortflow.data import tokenizer as tokenizers
 from ortflow.data.shards import TOKENIZER, ShardReader
-from ortflow.errors import ConfigError, DataError
+from ortflow.errors import ConfigError, DataError, ModelError
+from ortflow.models import user, vocabulary
 from ortflow.prepare_data import prepare, split_rows
-from text_models import pydoc_text, train_bpe, train_wordpiece
+from text_models import TextBag, pydoc_text, train_bpe, train_wordpiece
 
+TESTS = Path(__file__).resolve().parent
 SEED = 1234
 
 
@@ -311,3 +319,140 @@ def test_config_keys_that_go_together(tmp_path):
             make_config(**data)
     make_config(source="text", tokenizer="tok.json")
     make_config(source="t.jsonl", text=["a", "b"], tokenizer="tok")
+
+
+# --- the model side ----------------------------------------------------------------------------------
+
+
+TOKENIZED = {"features": [{"name": n, "dtype": "int64", "shape": [8]}
+                          for n in ("input_ids", "attention_mask", "token_type_ids")],
+             "tokenizer": {"source": "tok.json", "vocab_size": 50, "input": "input_ids", "text": ["body"]}}
+
+
+def test_the_tokenizers_inputs_reach_forward_by_name():
+    order = [f["name"] for f in user.forward_features(TextBag(50, 2), TOKENIZED)]
+    assert order == ["attention_mask", "token_type_ids", "input_ids"]  # TextBag.forward's order
+
+    class NoTypes(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            return input_ids
+
+    with pytest.raises(ModelError, match=r"model.path: NoTypes.forward\(input_ids, attention_mask\) takes no "
+                                         r"token_type_ids, which data.tokenizer gives for data.text"):
+        user.forward_features(NoTypes(), TOKENIZED)
+    features = [{"name": "a"}, {"name": "b"}]  # named otherwise, no tokenizer: the data's order, as before
+    assert user.forward_features(NoTypes(), {"features": features}) == features
+
+
+class Flattened(torch.nn.Module):
+    """Looks its ids up after a reshape and a cast, as transformers' GPT-2 does."""
+
+    def __init__(self, rows: int):
+        super().__init__()
+        self.embed = torch.nn.Embedding(rows, 4)
+        self.positions = torch.nn.Embedding(8, 4)
+
+    def forward(self, x):
+        return self.embed(x.reshape(-1, 8).long()).sum(1) + self.positions(torch.arange(8)).sum(0)
+
+
+@pytest.mark.parametrize("rows", [40, 50, 64])
+def test_vocabulary_against_the_embedding(tmp_path, rows, caplog):
+    manifest = {"features": [{"name": "x", "dtype": "int64", "shape": [8]}],
+                "tokenizer": {"source": "tok.json", "vocab_size": 50, "input": "x"}}
+    build_artifacts.export_torch(Flattened(rows), manifest, tmp_path / "model.onnx")
+    import onnx
+
+    base = onnx.load(str(tmp_path / "model.onnx"))
+    assert vocabulary.token_embedding(base, "x") == ("embed.weight", rows)
+    caplog.set_level(logging.INFO, "ortflow")
+    described = f"data.tokenizer tok.json has a vocabulary of 50 token ids, the model's embedding 'embed.weight' " \
+                f"(which looks up 'x') {rows} rows"
+    if rows < 50:
+        with pytest.raises(ModelError) as error:
+            vocabulary.check(base, manifest)
+        assert str(error.value) == f"{described}: ids 40 and up would index past it; build the model with a " \
+                                   "vocabulary of 50 (e.g. vocab_size in model.kwargs)"
+    else:
+        vocabulary.check(base, manifest)
+        assert (f"{described}: rows 50 and up are never looked up" if rows > 50 else f"{described}: they match") \
+            in caplog.text
+
+
+# --- through the workflow ----------------------------------------------------------------------------
+
+
+ANIMALS = {"bird": ["bird", "sparrow", "feathers"], "cat": ["cat", "kitten", "whiskers"],
+           "dog": ["dog", "puppy", "barks"]}
+FILLER = "the a on in under over sat ran slept near garden house tree yesterday quietly happily".split()
+
+
+def animal_texts(rows: int) -> pd.DataFrame:
+    """Short sentences whose label is the animal they mention, among filler words."""
+    rng = np.random.default_rng(1)
+    names = sorted(ANIMALS)
+    labels = [names[i] for i in rng.integers(0, 3, rows)]
+    texts = []
+    for label in labels:
+        words = list(rng.choice(FILLER, rng.integers(3, 12))) + [rng.choice(ANIMALS[label])]
+        rng.shuffle(words)
+        texts.append(" ".join(words))
+    return pd.DataFrame({"review": texts, "animal": labels})
+
+
+def test_text_classification_through_the_workflow(tmp_path, monkeypatch):
+    """A .jsonl of texts with string labels, a WordPiece tokenizer.json and a torch
+    TextBag through every stage: metrics.json and the report name the classes, and
+    export/ holds a model and a tokenizer that classify raw text without the run's folder."""
+    import onnx
+    import onnxruntime
+    from tokenizers import Tokenizer
+
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    frame = animal_texts(400)
+    frame.to_json(workdir / "animals.jsonl", orient="records", lines=True)
+    vocab = train_wordpiece(workdir / "tokenizer.json", 120, list(frame["review"])).get_vocab_size()
+    config = {
+        "run": {"name": "animals"},
+        "data": {"source": "animals.jsonl", "text": "review", "label": "animal", "tokenizer": "tokenizer.json",
+                 "context": 16, "shards": 1},
+        "model": {"kind": "torch", "path": "text_models:TextBag", "kwargs": {"vocab_size": vocab, "classes": 3}},
+        "train": {"world_size": 2, "steps": 150, "micro_batch_size": 16, "eval_every": 150, "log_every": 10,
+                  "optimizer": {"lr": 0.03}, "lr_schedule": {"warmup_steps": 5}},
+    }
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+    run_snakemake(workdir, config)
+    results = workdir / "results" / "animals"
+    classes = sorted(ANIMALS)
+
+    trained = json.loads((results / "train/metrics.json").read_text())["eval"]
+    per_class = trained["per_class"]
+    assert list(per_class) == classes and sum(c["count"] for c in per_class.values()) == 80
+    correct = sum(c["accuracy"] * c["count"] for c in per_class.values())
+    assert correct / 80 == pytest.approx(trained["accuracy"]) and trained["accuracy"] > 0.8, trained
+    summary = (results / "report/summary.html").read_text()
+    for name in classes:
+        assert f"<tr data-key='{name}'><td>{name}</td><td class=n>{per_class[name]['count']}</td>" in summary
+    assert f"the model's embedding 'tokens.weight' (which looks up 'input_ids') {vocab} rows: they match" in \
+        (workdir / "logs/animals/build_artifacts.log").read_text()
+
+    # The exported model with its tokenizer alone: raw text in, class names out.
+    export = results / "export"
+    metadata = {p.key: p.value for p in onnx.load(str(export / "model.onnx")).metadata_props}
+    assert json.loads(metadata["ortflow.classes"]) == classes
+    assert metadata["ortflow.tokenizer"] == "tokenizer.json"
+    assert metadata["ortflow.tokenizer_sha256"] == hashlib.sha256((export / "tokenizer.json").read_bytes()).hexdigest()
+    tokenizer = Tokenizer.from_file(str(export / "tokenizer.json"))
+    _, eval_rows = split_rows(len(frame), 0.2, SEED)
+    encodings = tokenizer.encode_batch(list(frame["review"][eval_rows]))
+    feeds = {"input_ids": [e.ids for e in encodings], "attention_mask": [e.attention_mask for e in encodings],
+             "token_type_ids": [e.type_ids for e in encodings]}
+    eval_shards = whole(ShardReader(results / "data/eval"))
+    for name, value in feeds.items():
+        assert np.array_equal(np.array(value), eval_shards[name]), name
+    session = onnxruntime.InferenceSession(str(export / "model.onnx"))
+    logits = session.run(None, {name: np.array(value, dtype=np.int64) for name, value in feeds.items()})[0]
+    predicted = [json.loads(metadata["ortflow.classes"])[i] for i in logits.argmax(axis=1)]
+    accuracy = np.mean(np.array(predicted) == frame["animal"].to_numpy()[eval_rows])
+    assert accuracy == pytest.approx(json.loads((export / "metrics.json").read_text())["fp32"]["accuracy"])

@@ -32,7 +32,7 @@ from . import atomic
 from .artifacts import Artifacts
 from .errors import MissingInputError, ModelError
 from .sessions import quiet_logging
-from .models import CLASS_LOSSES, LOGITS, batchnorm
+from .models import CLASS_LOSSES, LOGITS, batchnorm, vocabulary
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -74,11 +74,11 @@ def export_torch(module, manifest: dict, path: Path) -> None:
     import onnx
     import torch
 
-    from .models import export_fixes
+    from .models import export_fixes, user
 
     export_fixes.register_symbolics(OPSET)
     export_fixes.check_embeddings(module)
-    features = manifest["features"]
+    features = user.forward_features(module, manifest)
     example = tuple(torch.zeros([2, *f["shape"]], dtype=getattr(torch, f["dtype"])) for f in features)
     names = [f["name"] for f in features]
     buffers = batchnorm.buffers_before_export(module)
@@ -409,6 +409,7 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
     with atomic.folder(out) as tmp:
         base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], Artifacts(tmp).base_model)
         check_interface(base, manifest)
+        vocabulary.check(base, manifest)
         trainable, frozen = split_parameters(base, model, torch_trainable)
         batchnorm.check_trainable(base, trainable)
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
