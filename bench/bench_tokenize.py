@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from bench_quantize import cpu_model  # the CPU's name from /proc/cpuinfo (this script's folder is on sys.path)
 
 EOS = "<|endoftext|>"
 CHECKED_IDS = 1_000_000
@@ -126,13 +127,6 @@ def run_child(way: str, text: Path, tokenizer_file: Path, scratch: Path) -> dict
     if done.returncode:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
