@@ -321,6 +321,21 @@ def test_config_keys_that_go_together(tmp_path):
     make_config(source="t.jsonl", text=["a", "b"], tokenizer="tok")
 
 
+def test_a_tokenizer_folder_counts_by_its_files(tmp_path):
+    """Resuming needs the same data: a save_pretrained folder changes the training
+    identity when a file in it changes, not only when its path does."""
+    folder = tmp_path / "pretrained"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text("{}")
+    config = make_config(source="text", tokenizer=str(folder))
+    before = config_mod.training_identity(config)["data"]["tokenizer"]
+    assert before.startswith("sha256-folder:")
+    (folder / "tokenizer_config.json").write_text('{"model_max_length": 64}')
+    assert config_mod.training_identity(config)["data"]["tokenizer"] != before
+    assert config_mod.training_identity(config)["data"]["source"] == "text"  # a name, not a folder's content
+
+
 # --- the model side ----------------------------------------------------------------------------------
 
 
