@@ -151,7 +151,11 @@ def main() -> None:
         size = text.stat().st_size
         print(f"machine: {cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
               f"RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS', 'unset')}")
-        print(f"text: {size / 1e6:.1f} MB, BPE vocabulary {args.vocab}")
+        from tokenizers import Tokenizer
+
+        vocab = Tokenizer.from_file(str(tokenizer_file)).get_vocab_size()
+        print(f"text: {size / 1e6:.1f} MB, BPE vocabulary {vocab} (--vocab {args.vocab}: as many merges as the "
+              "first 4 MB allow)")
         print(f"{'way':9} {'seconds':>8} {'tokens':>12} {'tokens/s':>11} {'MB/s':>6} {'peak RSS MB':>12}")
         reference = None
         for way in args.ways.split(","):

@@ -31,7 +31,7 @@ FORMAT = "ortflow-shards/1"
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"  # data.tokenizer as it encoded the split (data/tokenizer.py)
 # Records gathered per write: bounds write_split's memory whatever the split's size.
-WRITE_BYTES = 1 << 26
+WRITE_BYTES = 1 << 24
 
 
 def record_dtype(dataset: Dataset) -> np.dtype:
