@@ -17,8 +17,8 @@ rule export_model:
         checkpoint=rules.merge_checkpoint.output[0],
         eval=rules.prepare_data.output.eval,
     output:
-        f"{RESULTS}/export/model.onnx",
         **TOKENIZER,
+        model=f"{RESULTS}/export/model.onnx",
     log:
         f"{LOGS}/export_model.log",
     benchmark:
@@ -29,12 +29,12 @@ rule export_model:
         config=config_json("run.name"),
     shell:
         "ortflow export-model --config-json {params.config:q} --artifacts {input.artifacts:q}"
-        " --checkpoint {input.checkpoint:q} --eval {input.eval:q} --out {output[0]:q} > {log:q} 2>&1"
+        " --checkpoint {input.checkpoint:q} --eval {input.eval:q} --out {output.model:q} > {log:q} 2>&1"
 
 
 rule quantize_model:
     input:
-        model=rules.export_model.output[0],
+        model=rules.export_model.output.model,
         artifacts=rules.build_artifacts.output[0],
         eval=rules.prepare_data.output.eval,
     output:
