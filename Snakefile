@@ -42,7 +42,7 @@ onsuccess:
         RESULTS,
         train_metrics=rules.train.output.metrics,
         export_metrics=rules.quantize_model.output.metrics,
-        model=rules.export_model.output[0],
+        model=rules.export_model.output.model,
         int8=INT8,
         checkpoint=rules.merge_checkpoint.output[0],
         report=REPORT,

@@ -242,11 +242,11 @@ def test_bad_input_through_snakemake(workdir):
     assert result.returncode != 0 and "absent.csv" in result.stderr and "Missing input files" in result.stderr
     assert not (workdir / "results").exists()
 
-    pd.DataFrame({"a": [1.0, 2.0] * 5, "label": ["cat", "dog"] * 5}).to_csv(workdir / "pets.csv", index=False)
+    pd.DataFrame({"a": ["cat", "dog"] * 5, "label": [0, 1] * 5}).to_csv(workdir / "pets.csv", index=False)
     run["data"] = {"source": "pets.csv", "features": ["a"], "label": "label"}
     assert run_snakemake(workdir, run, "prepare_data", check=False).returncode != 0
     log = (workdir / "logs" / "bad" / "prepare_data.log").read_text()
-    assert "ortflow prepare-data: error: pets.csv: column 'label' is not numeric" in log
+    assert "ortflow prepare-data: error: pets.csv: column 'a' is not numeric" in log
     assert not list((workdir / "results").rglob(MANIFEST))
 
 

@@ -10,7 +10,7 @@ import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 from . import storage
 
@@ -24,9 +24,15 @@ def temporary(path: Path) -> Path:
 def synced_bytes(path: Path, data: bytes) -> None:
     """Write `data` to `path` and flush it to disk, without a rename: for files
     inside a folder that is itself still under its temporary name."""
+    synced_chunks(path, [data])
+
+
+def synced_chunks(path: Path, chunks: Iterable[bytes]) -> None:
+    """`synced_bytes` of the concatenated `chunks`, each written as it comes: a file larger than memory."""
     try:
         with open(path, "wb") as f:
-            f.write(data)
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
     except OSError as error:

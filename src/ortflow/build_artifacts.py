@@ -33,7 +33,7 @@ from . import atomic, ort_private
 from .artifacts import Artifacts
 from .errors import MissingInputError, ModelError
 from .sessions import quiet_logging
-from .models import CLASS_LOSSES, LOGITS, batchnorm
+from .models import CLASS_LOSSES, LOGITS, batchnorm, vocabulary
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -75,11 +75,11 @@ def export_torch(module, manifest: dict, path: Path) -> None:
     import onnx
     import torch
 
-    from .models import export_fixes
+    from .models import export_fixes, user
 
     export_fixes.register_symbolics(OPSET)
     export_fixes.check_embeddings(module)
-    features = manifest["features"]
+    features = user.forward_features(module, manifest)
     example = tuple(torch.zeros([2, *f["shape"]], dtype=getattr(torch, f["dtype"])) for f in features)
     names = [f["name"] for f in features]
     buffers = batchnorm.buffers_before_export(module)
@@ -420,6 +420,7 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
     with atomic.folder(out) as tmp:
         base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], Artifacts(tmp).base_model)
         check_interface(base, manifest)
+        vocabulary.check(base, manifest)
         trainable, frozen = split_parameters(base, model, torch_trainable)
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
                  len(frozen))

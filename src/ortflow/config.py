@@ -161,6 +161,7 @@ def _check_cross_keys(config: dict) -> None:
         raise ConfigError(
             f"config key 'model.heads': {model['heads']} does not divide model.width={model['width']}"
         )
+    _check_text_keys(data)
     if train["backend"] == "nccl" and train["device"] != "cuda":
         raise ConfigError("config key 'train.backend': 'nccl' needs train.device: cuda")
     if train["nodes"] > train["world_size"]:
@@ -207,6 +208,26 @@ def earlier_run(config: dict) -> dict | None:
             + ("; it must be another run than this one" if name == run else f"; set model.weights: {expected}")
         )
     return earlier
+
+
+def _check_text_keys(data: dict) -> None:
+    """data.text needs a table and data.tokenizer; data.tokenizer needs text to tokenize."""
+    source = data["source"]
+    suffix = Path(source).suffix.lower()
+    is_text = source == "text" or suffix == ".txt"
+    text = [data["text"]] if isinstance(data["text"], str) else data["text"] or []
+    if text and suffix not in (".csv", ".parquet", ".jsonl"):
+        raise ConfigError(f"config key 'data.text': text columns are read from a .csv, .parquet or .jsonl file, "
+                          f"not data.source={source!r}")
+    if text and not data["tokenizer"]:
+        raise ConfigError("config key 'data.text': needs data.tokenizer (a tokenizer.json file or a "
+                          "save_pretrained folder) to turn the text into token ids")
+    if data["label"] in text:
+        raise ConfigError(f"config key 'data.text': {data['label']!r} is data.label too; the model would read "
+                          "the answer")
+    if data["tokenizer"] and not text and not is_text:
+        raise ConfigError(f"config key 'data.tokenizer': tokenizes text, data.source 'text' or a .txt file, or the "
+                          f"columns named by data.text; data.source={source!r} has neither (set data.text)")
 
 
 def load(path: str | Path | None = None, overrides: dict | None = None) -> dict:
@@ -275,7 +296,7 @@ def training_identity(config: dict) -> dict:
     identity = {
         "seed": config["run"]["seed"],
         "data": by_content(config["data"]),
-        "model": by_content(config["model"], folders=("weights",)),
+        "model": by_content(config["model"]),
         "optimizer": train["optimizer"],
         "lr_schedule": train["lr_schedule"],
         "clip_grad_norm": train["clip_grad_norm"],
@@ -294,20 +315,24 @@ def export_checkpoint(config: dict) -> str:
     return chosen
 
 
-def by_content(section: dict, folders: tuple[str, ...] = ()) -> dict:
-    """`section` with each value that names a file replaced by `sha256:<digest>` of
-    the file, and each value of a key in `folders` that names a folder (model.weights:
-    a run's merged checkpoint) by the digest of its files' digests."""
+# Keys whose value may be a folder, hashed by its files: only these, so that a value
+# such as `text` or `auto` never reads a folder that happens to have its name.
+FOLDER_KEYS = ("tokenizer", "weights")
+
+
+def by_content(section: dict) -> dict:
+    """`section` with each value that names a file replaced by `sha256:<digest>` of the file,
+    and each folder of FOLDER_KEYS (a save_pretrained tokenizer, model.weights' merged
+    checkpoint of an earlier run) by the digest of its files' digests."""
     from .data.shards import sha256_file
 
-    def content(key: str, value: Any) -> Any:
-        if not isinstance(value, str):
-            return value
-        path = Path(value)
-        if path.is_file():
+    def content(key: str, value):
+        path = Path(value) if isinstance(value, str) else None
+        if path is not None and path.is_file():
             return f"sha256:{sha256_file(path)}"
-        if key in folders and path.is_dir():
-            return f"sha256:{digest({f.name: sha256_file(f) for f in sorted(path.iterdir()) if f.is_file()})}"
+        if path is not None and key in FOLDER_KEYS and path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.is_file())
+            return f"sha256-folder:{digest({str(p.relative_to(path)): sha256_file(p) for p in files})}"
         return value
 
     return {key: content(key, value) for key, value in section.items()}

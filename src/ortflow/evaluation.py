@@ -1,7 +1,8 @@
 """Evaluation, shared by training (the eval graph of the Module, over every rank's
 part of the eval split), export (the exported model against the eval graph) and
 quantize (fp32 against int8): the graphs' inputs from a batch, a call's loss and
-logits, and the results (mean loss, accuracy, perplexity) from summed batch totals."""
+logits, and the results (mean loss, accuracy, perplexity; in training, each
+class's accuracy too) from summed batch totals."""
 
 from __future__ import annotations
 
@@ -23,38 +24,60 @@ def outputs_of(result) -> tuple[float, np.ndarray | None]:
     return float(result), None
 
 
-def batch_totals(loss: float, logits: np.ndarray | None, labels: np.ndarray, task: str) -> np.ndarray:
-    """[loss sum, correct predictions, count] of one eval batch, to be summed
-    over batches (and ranks) and turned into results by `eval_results`."""
+def batch_totals(loss: float, logits: np.ndarray | None, labels: np.ndarray, task: str,
+                 num_classes: int = 0) -> np.ndarray:
+    """[loss sum, correct predictions, count] of one eval batch, then with
+    `num_classes` each class's correct predictions and count: to be summed over
+    batches (and ranks) and turned into results by `eval_results`."""
     # The loss is a mean over the batch's elements (samples, or tokens for a language model).
     n = labels.size if task != "regression" else len(labels)
-    correct = 0.0
+    hits = np.zeros(labels.shape, dtype=bool)
     if logits is not None and task != "regression":
-        correct = float((np.argmax(logits, axis=1) == labels).sum())
-    return np.array([loss * n, correct, n], dtype=np.float64)
+        hits = np.argmax(logits, axis=1) == labels
+    per_class = []
+    if num_classes:
+        classes = labels.reshape(-1).astype(np.int64)
+        per_class = [np.bincount(classes[hits.reshape(-1)], minlength=num_classes),
+                     np.bincount(classes, minlength=num_classes)]
+    return np.concatenate([[loss * n, float(hits.sum()), n], *per_class]).astype(np.float64)
 
 
-def eval_results(totals, task: str) -> dict:
-    """Mean loss, and accuracy (classification) or perplexity (language model), from summed `batch_totals`."""
-    loss_sum, correct, count = totals
+def eval_results(totals, task: str, classes: list[str] | None = None) -> dict:
+    """Mean loss, and accuracy (classification) or perplexity (language model),
+    from summed `batch_totals`; with `classes` (the names of the `num_classes`
+    given to batch_totals) `per_class`: {name: {"accuracy", "count"}}."""
+    loss_sum, correct, count = totals[:3]
     results = {"loss": loss_sum / count}
     if task == "classification":
         results["accuracy"] = correct / count
     elif task == "language_model":
         results["perplexity"] = math.exp(min(results["loss"], 50.0))
         results["accuracy"] = correct / count
+    if classes:
+        hits, counts = np.split(np.asarray(totals[3:]), 2)
+        results["per_class"] = {name: {"accuracy": float(h / c) if c else None, "count": int(c)}
+                                for name, h, c in zip(classes, hits, counts)}
     return results
+
+
+def class_names(reader: ShardReader, info: dict) -> list[str] | None:
+    """The names of a classifier's classes: a label of strings' own (the manifest's `classes`), else the ids."""
+    if info["task"] != "classification":
+        return None
+    return reader.manifest.get("classes") or [str(i) for i in range(info["num_classes"])]
 
 
 def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, data_label: str,
              records: int | None = None) -> dict:
     """Mean loss over the eval split (or `records` of it, spread over the split), and
-    accuracy (classification) or perplexity (language model); each rank evaluates its part."""
+    accuracy and each class's accuracy (classification) or perplexity (language model);
+    each rank evaluates its part."""
     module.eval()
     names = module.input_names()
-    totals = np.zeros(3)
+    classes = class_names(reader, info)
+    totals = np.zeros(3 + 2 * len(classes or []))
     for batch in reader.eval_batches(comm.rank, comm.world_size, batch_size, records):
         loss, logits = outputs_of(module(*feeds(batch, names, info["label"]["name"], data_label)))
-        totals += batch_totals(loss, logits, batch[data_label], info["task"])
+        totals += batch_totals(loss, logits, batch[data_label], info["task"], len(classes or []))
     module.train()
-    return eval_results(comm.allreduce_sum(totals), info["task"])
+    return eval_results(comm.allreduce_sum(totals), info["task"], classes)

@@ -6,7 +6,12 @@
    features by name and returning the logits, with the batch dimension dynamic.
 2. The model's metadata properties record where it came from: `ortflow.run`,
    `ortflow.step`, `ortflow.identity_digest` (the training identity's sha256:
-   seed, data, model, optimizer, schedule, global batch) and `ortflow.version`.
+   seed, data, model, optimizer, schedule, global batch) and `ortflow.version`;
+   and what its outputs and inputs mean: `ortflow.classes` (the names of classes
+   0..K-1 of a label of strings, as JSON) and, with `data.tokenizer`,
+   `ortflow.tokenizer` and `ortflow.tokenizer_sha256`: the tokenizer that made
+   its token ids, copied beside it (`tokenizer.json`, with the data's truncation
+   and padding), so that the model is usable without the run's folder.
 3. Before it is renamed into place, the model must pass:
    - `onnx.checker.check_model(full_check=True)` (with shape inference);
    - on a batch of eval records, its logits equal the eval graph's on the same
@@ -34,7 +39,8 @@ from . import atomic
 from .artifacts import Artifacts
 from .merge_checkpoint import chosen
 from .data import standardize
-from .errors import MissingInputError, ModelError
+from .data.shards import TOKENIZER
+from .errors import DataError, MissingInputError, ModelError
 from .evaluation import feeds, outputs_of
 from .inference import inference_session, input_feeds, loss_of, set_metadata
 from .sessions import quiet_logging
@@ -57,6 +63,34 @@ TOLERANCE = {"relative": 1e-4, "absolute": 1e-6}
 
 class ExportError(ModelError):
     """The exported model fails a check; the message says which and by how much."""
+
+
+def data_properties(manifest: dict) -> dict:
+    """The metadata properties that say what the model's outputs and inputs mean: class names, the tokenizer."""
+    props = {}
+    if manifest.get("classes"):
+        props["ortflow.classes"] = json.dumps(manifest["classes"])
+    if manifest.get("tokenizer"):
+        props["ortflow.tokenizer"] = TOKENIZER
+        props["ortflow.tokenizer_sha256"] = manifest["tokenizer"]["sha256"]
+    return props
+
+
+def copy_tokenizer(eval_dir: Path, manifest: dict, folder: Path) -> None:
+    """The tokenizer of the data (the eval split's TOKENIZER, checked against its
+    manifest) into `folder`, beside the model; an earlier run's removed when there is none."""
+    import hashlib
+
+    target = folder / TOKENIZER
+    if not manifest.get("tokenizer"):
+        target.unlink(missing_ok=True)
+        return
+    source = eval_dir / TOKENIZER
+    content = source.read_bytes() if source.is_file() else b""
+    if hashlib.sha256(content).hexdigest() != manifest["tokenizer"]["sha256"]:
+        raise DataError(f"{source}: missing, or changed since prepare_data wrote it (its sha256 is not the one in "
+                        f"{eval_dir / 'manifest.json'}); rerun prepare_data")
+    atomic.write_bytes(target, content)
 
 
 def check_interface(model, info: dict, where: Path) -> None:
@@ -201,6 +235,7 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
         "ortflow.version": __version__,
     }
     reader = ShardReader(eval_dir, raw=True)
+    props |= data_properties(reader.manifest)
     with atomic.file(out) as tmp:
         module.export_model_for_inferencing(str(tmp), [info["outputs"]["logits"]])
         model = onnx.load(str(tmp))
@@ -213,6 +248,7 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
         batch = reader.gather(np.arange(min(CHECK_RECORDS, len(reader))))
         # Standardized from the raw features as the exported model does it: both graphs see the same values.
         check_outputs(tmp, module, info, batch, standardize.apply(batch, reader.standardized), reader.label_name)
+        copy_tokenizer(eval_dir, reader.manifest, out.parent)
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config["run"]["name"], out,
              out.stat().st_size, [i["name"] for i in info["inputs"]], info["outputs"]["logits"])
     return props

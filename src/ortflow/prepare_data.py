@@ -12,6 +12,7 @@ from .data import sources, standardize
 from .data.shards import write_split
 
 log = logging.getLogger("ortflow.prepare_data")
+SHOWN_CLASSES = 10  # classes named in a message, at most
 
 
 def split_rows(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -26,10 +27,30 @@ def split_rows(n: int, eval_fraction: float, seed: int) -> tuple[np.ndarray, np.
     return np.sort(order[n_eval:]), np.sort(order[:n_eval])
 
 
+def check_eval_classes(dataset: sources.Dataset, train_rows: np.ndarray, eval_rows: np.ndarray, where: str) -> None:
+    """Every class of the eval split occurs in the train split: the model cannot learn one it never sees."""
+    if dataset.task != "classification":
+        return
+    unseen = np.setdiff1d(dataset.label[eval_rows], dataset.label[train_rows])
+    if len(unseen):
+        names = ", ".join(repr(dataset.classes[i] if dataset.classes else int(i)) for i in unseen[:SHOWN_CLASSES])
+        if len(unseen) > SHOWN_CLASSES:
+            names += f" and {len(unseen) - SHOWN_CLASSES} more"
+        raise sources.DataError(
+            f"{where}: label {dataset.label_name!r} value(s) {names} occur in the eval split "
+            "but not in the train split, so the model cannot learn them; add train rows of them, drop those rows, "
+            "or split differently (run.seed, data.eval_fraction)"
+        )
+
+
 def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
     data, seed = config["data"], config["run"]["seed"]
-    dataset = sources.load(data)
+    # A tokenized text's token stream is mapped from a scratch file near the splits (on their
+    # disk, in a folder that exists: bad data leaves nothing behind), not held in memory.
+    scratch = next(folder for folder in Path(train_dir).absolute().parents if folder.is_dir())
+    dataset = sources.load(data, scratch)
     train_rows, eval_rows = split_rows(len(dataset), data["eval_fraction"], seed)
+    check_eval_classes(dataset, train_rows, eval_rows, f"data.source {data['source']!r}")
     stats = {}
     if data["standardize"]:
         stats = standardize.statistics(dataset.features, train_rows)
@@ -48,7 +69,8 @@ def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
             manifests[split]["record_bytes"],
             out,
         )
-    log.info("task %s, classes/vocabulary %s", dataset.task, dataset.num_classes)
+    log.info("task %s, classes/vocabulary %s%s", dataset.task, dataset.num_classes,
+             f" ({', '.join(dataset.classes)})" if dataset.classes else "")
     return manifests
 
 

@@ -185,6 +185,13 @@ def summary_rows(train: dict | None, export: dict | None) -> list[tuple]:
     return rows
 
 
+def class_rows(train: dict | None) -> list[tuple]:
+    """Each class of a classifier (by its name: a label of strings' own, else its id)
+    with its eval records and accuracy, from the last evaluation of train/metrics.json."""
+    per_class = (train or {}).get("eval", {}).get("per_class", {})
+    return [(name, name, str(entry["count"]), fmt(entry["accuracy"], "percent")) for name, entry in per_class.items()]
+
+
 def quantization_rows(export: dict) -> list[tuple]:
     models = [m for m in ("fp32", "int8") if m in export]
     measures = [("loss", "loss", "float")]
@@ -233,8 +240,11 @@ def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchm
     import yaml
 
     train, export = read_json(train_metrics), read_json(export_metrics)
+    classes = class_rows(train)
+    per_class = ("<h3>Per class (eval split, last evaluation)</h3>"
+                 + table(["class", "eval records", "accuracy"], classes)) if classes else ""
     pages = {
-        "summary": page(f"Run {config['run']['name']}", table(["", "value"], summary_rows(train, export))),
+        "summary": page(f"Run {config['run']['name']}", table(["", "value"], summary_rows(train, export)) + per_class),
         "quantization": page("fp32 versus int8", table(["", "fp32", "int8"], quantization_rows(export))),
         "stages": page("Stages: runtime and memory (Snakemake benchmarks)",
                        table(["stage", "wall time", "peak RSS", "CPU time"], stage_rows(benchmarks))),

@@ -37,12 +37,20 @@ def config_json(*keys):
 
 
 def data_files(wildcards):
-    """The user's data file, if any: editing it reruns prepare_data, and a
-    missing one stops the run before any job, naming the file."""
+    """The user's data file and tokenizer, if any: editing them reruns
+    prepare_data, and a missing one stops the run before any job, naming it.
+    A save_pretrained tokenizer folder counts by its files."""
     data = config["data"]
     if data["source"] == "text":
-        return [data["text_path"]] if data["text_path"] else []
-    return [] if data["source"] == "digits" else [data["source"]]
+        files = [data["text_path"]] if data["text_path"] else []
+    else:
+        files = [] if data["source"] == "digits" else [data["source"]]
+    tokenizer = data["tokenizer"]
+    if tokenizer and Path(tokenizer).is_dir():
+        files += sorted(str(p) for p in Path(tokenizer).rglob("*") if p.is_file())
+    elif tokenizer:
+        files.append(tokenizer)
+    return files
 
 
 def model_files(wildcards):

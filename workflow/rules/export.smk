@@ -2,6 +2,13 @@ INT8 = f"{RESULTS}/export/model.int8.onnx"
 # export.quantize: none writes no int8 model (and removes one from an earlier
 # run); metrics.json then reports fp32 alone.
 QUANTIZED = {} if config["export"]["quantize"] == "none" else {"int8": INT8}
+# With data.tokenizer, the tokenizer travels beside the model (export_model
+# removes an earlier run's when there is none).
+TOKENIZER = (
+    {"tokenizer": f"{RESULTS}/export/tokenizer.json"}
+    if config["data"]["tokenizer"]
+    else {}
+)
 
 
 rule export_model:
@@ -10,7 +17,8 @@ rule export_model:
         checkpoint=rules.merge_checkpoint.output[0],
         eval=rules.prepare_data.output.eval,
     output:
-        f"{RESULTS}/export/model.onnx",
+        **TOKENIZER,
+        model=f"{RESULTS}/export/model.onnx",
     log:
         f"{LOGS}/export_model.log",
     benchmark:
@@ -21,12 +29,12 @@ rule export_model:
         config=config_json("run.name"),
     shell:
         "ortflow export-model --config-json {params.config:q} --artifacts {input.artifacts:q}"
-        " --checkpoint {input.checkpoint:q} --eval {input.eval:q} --out {output:q} > {log:q} 2>&1"
+        " --checkpoint {input.checkpoint:q} --eval {input.eval:q} --out {output.model:q} > {log:q} 2>&1"
 
 
 rule quantize_model:
     input:
-        model=rules.export_model.output[0],
+        model=rules.export_model.output.model,
         artifacts=rules.build_artifacts.output[0],
         eval=rules.prepare_data.output.eval,
     output:

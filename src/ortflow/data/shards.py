@@ -29,6 +29,9 @@ from .sources import DataError, Dataset
 
 FORMAT = "ortflow-shards/1"
 MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"  # data.tokenizer as it encoded the split (data/tokenizer.py)
+# Records gathered per write: bounds write_split's memory whatever the split's size.
+WRITE_BYTES = 1 << 24
 
 
 def record_dtype(dataset: Dataset) -> np.dtype:
@@ -49,19 +52,26 @@ def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, n
                 standardized: dict | None = None) -> dict:
     """Write `rows` of `dataset` as `num_shards` shards plus a manifest into
     `out_dir`, atomically: everything goes to a temporary folder that is
-    renamed into place only when complete. `standardized`: the statistics the
-    features were standardized with (standardize.statistics), kept in the manifest."""
+    renamed into place only when complete. Records are gathered and written
+    WRITE_BYTES at a time, so a split larger than memory (the windows of a
+    tokenized text, mapped from a file) is written in bounded memory.
+    `standardized`: the statistics the features were standardized with
+    (standardize.statistics), kept in the manifest. The tokenizer that made
+    the token ids (data.tokenizer) is written beside the shards as TOKENIZER."""
     with atomic.folder(out_dir) as tmp:
         dtype = record_dtype(dataset)
-        records = np.empty(len(rows), dtype=dtype)
-        for name, array in dataset.features.items():
-            records[name] = array[rows]
-        records[dataset.label_name] = dataset.label[rows]
+        block = max(1, WRITE_BYTES // dtype.itemsize)
         shards = []
-        for i, part in enumerate(np.array_split(np.arange(len(rows)), min(num_shards, max(len(rows), 1)))):
+        for i, part in enumerate(np.array_split(rows, min(num_shards, max(len(rows), 1)))):
             path = tmp / f"shard-{i:05d}.bin"
-            atomic.synced_bytes(path, records[part].tobytes())
-            shards.append({"file": path.name, "records": len(part), "sha256": sha256_file(path)})
+            digest = hashlib.sha256()
+            atomic.synced_chunks(path, _record_bytes(dataset, dtype, part, block, digest))
+            shards.append({"file": path.name, "records": len(part), "sha256": digest.hexdigest()})
+        tokenizer = None
+        if dataset.tokenizer is not None:
+            text = dataset.tokenizer.to_json().encode()
+            atomic.synced_bytes(tmp / TOKENIZER, text)
+            tokenizer = dataset.tokenizer.describe() | {"file": TOKENIZER, "sha256": hashlib.sha256(text).hexdigest()}
         manifest = {
             "format": FORMAT,
             "split": split,
@@ -77,12 +87,27 @@ def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, n
             },
             "task": dataset.task,
             "num_classes": dataset.num_classes,
+            "classes": dataset.classes,
+            "tokenizer": tokenizer,
             "source": source,
             "standardize": standardized or {},
             "shards": shards,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
+
+
+def _record_bytes(dataset: Dataset, dtype: np.dtype, rows: np.ndarray, block: int, digest):
+    """The records of `rows`, `block` at a time, as bytes (added to `digest` on the way)."""
+    for start in range(0, len(rows), block):
+        chosen = rows[start:start + block]
+        records = np.empty(len(chosen), dtype=dtype)
+        for name, array in dataset.features.items():
+            records[name] = array[chosen]
+        records[dataset.label_name] = dataset.label[chosen]
+        data = records.tobytes()
+        digest.update(data)
+        yield data
 
 
 class ShardReader:

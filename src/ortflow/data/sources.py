@@ -1,15 +1,25 @@
 """Raw data sources, each turned into named numeric arrays with one row per sample.
 
 Built in: `digits` (scikit-learn's 8x8 handwritten digits, shipped inside its
-package) and `text` (a byte-level corpus; by default Python's own documentation
-from `pydoc_data`). Bring your own: .csv, .parquet, .npz, .h5/.hdf5, .txt.
+package) and `text` (a language-model corpus; by default Python's own
+documentation from `pydoc_data`). Bring your own: .csv, .parquet, .jsonl, .npz,
+.h5/.hdf5, .txt.
 
-CSV and Parquet columns `data.features` become one input named `x` (TABLE_INPUT)
-(shape [len(features)]); .npz and HDF5 arrays keep their names and shapes, one
-input each. Integer features stay integer, as int64 (`feature_dtype`), so that
-token ids reach an embedding without a cast; other features become float32.
-CSV columns always become float32: their types are pandas' guesses from text.
-The label keeps its name (`data.label`).
+Text is bytes (vocabulary 256), or with `data.tokenizer` token ids
+(tokenizer.py); either way cut into windows of `data.context` whose label is the
+same window shifted by one (`windows`).
+
+Table columns (CSV, Parquet, JSON Lines) `data.features` become one input named
+`x` (TABLE_INPUT) (shape [len(features)]); or, with `data.text`, the text
+column(s) become the tokenizer's `input_ids`, `attention_mask` (and
+`token_type_ids`). .npz and HDF5 arrays keep their names and shapes, one input
+each. Integer features stay integer, as int64 (`feature_dtype`), so that token
+ids reach an embedding without a cast; other features become float32. CSV
+columns always become float32: their types are pandas' guesses from text.
+
+The label keeps its name (`data.label`). A label of strings or bools is
+classification: its sorted values are the classes 0..K-1, their names kept in
+`Dataset.classes` (and the manifest).
 """
 
 from __future__ import annotations
@@ -20,8 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
+from . import tokenizer as tokenizers
 
-TABULAR_SUFFIXES = (".csv", ".parquet", ".npz", ".h5", ".hdf5")
+FRAME_SUFFIXES = (".csv", ".parquet", ".jsonl")  # read by pandas; the only ones with text columns (data.text)
+TABULAR_SUFFIXES = FRAME_SUFFIXES + (".npz", ".h5", ".hdf5")
 TEXT_SUFFIXES = (".txt",)
 BYTE_VOCAB = 256
 TABLE_INPUT = "x"  # the one input that CSV/Parquet feature columns are stacked into
@@ -38,18 +50,23 @@ class Dataset:
     label_name: str
     task: str  # classification | regression | language_model
     num_classes: int | None = None  # classification: classes; language_model: vocabulary size
+    classes: list[str] | None = None  # the names of classes 0..K-1 of a label of strings or bools
+    tokenizer: tokenizers.Tokenizer | None = None  # data.tokenizer, which made the token ids
 
     def __len__(self) -> int:
         return len(self.label)
 
 
-def load(data: dict) -> Dataset:
-    """Read `data.source` into a Dataset, checking it on the way."""
+def load(data: dict, scratch: Path | None = None) -> Dataset:
+    """Read `data.source` into a Dataset, checking it on the way. `scratch`: a
+    folder for the token stream of a tokenized text (tokenizer.py), which is
+    mapped from a file there rather than held in memory."""
     source = data["source"]
     if source == "digits":
         dataset = _digits(data)
     elif source == "text":
-        dataset = _text(_pydoc_text() if not data["text_path"] else _read_text(Path(data["text_path"])), data)
+        path = Path(data["text_path"]) if data["text_path"] else None
+        dataset = _text(data, "data.text_path", path, scratch)
     else:
         path = Path(source)
         suffix = path.suffix.lower()
@@ -59,12 +76,22 @@ def load(data: dict) -> Dataset:
                 f"{', '.join(TABULAR_SUFFIXES + TEXT_SUFFIXES)}"
             )
         _check_is_file("data.source", path)
-        _check_label_not_a_feature(data, path)
         if suffix in TEXT_SUFFIXES:
-            dataset = _text(_read_text(path), data)
+            dataset = _text(data, "data.source", path, scratch)
+        elif suffix in FRAME_SUFFIXES:
+            frame, typed = {".csv": _csv, ".parquet": _parquet, ".jsonl": _jsonl}[suffix](path)
+            if data["text"]:
+                tokenizer = tokenizers.load(data["tokenizer"])
+                features, label = _frame_text(frame, str(path), data, tokenizer)
+            else:
+                _check_label_not_a_feature(data, path)
+                tokenizer, (features, label) = None, _frame_columns(frame, str(path), data["features"],
+                                                                    data["label"], typed)
+            dataset = _tabular(features, label, data, str(path))
+            dataset.tokenizer = tokenizer
         else:
-            reader = {".csv": _csv, ".parquet": _parquet, ".npz": _npz}.get(suffix, _hdf5)
-            features, label = reader(path, data["features"], data["label"])
+            _check_label_not_a_feature(data, path)
+            features, label = (_npz if suffix == ".npz" else _hdf5)(path, data["features"], data["label"])
             dataset = _tabular(features, label, data, str(path))
     if len(dataset) == 0:
         raise DataError(f"data.source {source!r}: the data set has no samples")
@@ -130,41 +157,54 @@ def _check_float32_range(path: str, what: str, array: np.ndarray) -> None:
                     "(data.standardize scales values only after they are read)")
 
 
-def _check_classes(path: str, name: str, label: np.ndarray) -> None:
-    classes = np.unique(label)
-    if len(label) and len(classes) < 2:
+def _check_classes(path: str, name: str, label: np.ndarray, classes: list[str] | None) -> None:
+    present = np.unique(label)
+    if len(label) and len(present) < 2:
+        only = repr(classes[present[0]]) if classes else present[0]
         raise DataError(
-            f"{path}: label {name!r} has a single class ({classes[0]}) in all {len(label)} rows; "
+            f"{path}: label {name!r} has a single class ({only}) in all {len(label)} rows; "
             "classification needs two or more (data.task: regression for a numeric target)"
         )
 
 
-def _read_text(path: Path) -> str:
-    _check_is_file("data.text_path", path)
-    return path.read_text(encoding="utf-8", errors="replace")
+def _text(data: dict, key: str, path: Path | None, scratch: Path | None) -> Dataset:
+    """A language model's windows of the text file at `path` (config key `key`),
+    or of Python's documentation: bytes, or token ids with data.tokenizer."""
+    if path is not None:
+        _check_is_file(key, path)
+    if not data["tokenizer"]:
+        text = _pydoc_text() if path is None else path.read_text(encoding="utf-8", errors="replace")
+        tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+        return _language_model(tokens, data, BYTE_VOCAB, "bytes")
+    tokenizer = tokenizers.load(data["tokenizer"])
+    tokens = tokenizers.language_model_tokens(tokenizer, _pydoc_text() if path is None else None, path, scratch)
+    return _language_model(tokens, data, tokenizer.vocab_size, "tokens", tokenizer)
 
 
-def _text(text: str, data: dict) -> Dataset:
-    """Byte-level language modelling: windows of `context + 1` bytes, the input
-    is the first `context`, the label the same window shifted by one."""
-    tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+def windows(tokens: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
+    """(inputs, labels) of next-token prediction: window i is tokens
+    [i * context, i * context + context] (context + 1 tokens, so consecutive
+    windows share one), the input its first `context`, the label the same shifted
+    by one. Views of `tokens`, not copies: a split copies only its own rows."""
+    count = max(len(tokens) - 1, 0) // context
+    step = tokens.strides[0]
+    view = np.lib.stride_tricks.as_strided(tokens, shape=(count, context + 1), strides=(context * step, step),
+                                           writeable=False)
+    return view[:, :-1], view[:, 1:]
+
+
+def _language_model(tokens: np.ndarray, data: dict, vocab_size: int, unit: str,
+                    tokenizer: tokenizers.Tokenizer | None = None) -> Dataset:
     context = data["context"]
-    windows = (len(tokens) - 1) // context
-    if windows < 2:
+    inputs, labels = windows(tokens, context)
+    if len(labels) < 2:
         raise DataError(
-            f"data.source: the text has {len(tokens)} bytes, fewer than two windows of "
-            f"data.context={context} + 1"
+            f"data.source: the text has {len(tokens)} {unit}, fewer than two windows of data.context={context} + 1"
         )
-    starts = np.arange(windows) * context
-    index = starts[:, None] + np.arange(context + 1)[None, :]
-    sequences = tokens[index]
-    return Dataset(
-        {data["features"][0]: sequences[:, :-1]},
-        sequences[:, 1:].copy(),
-        data["label"],
-        "language_model",
-        BYTE_VOCAB,
-    )
+    if tokenizer is not None:
+        tokenizer.input = data["features"][0]
+    return Dataset({data["features"][0]: inputs}, labels, data["label"], "language_model", vocab_size,
+                   tokenizer=tokenizer)
 
 
 def feature_dtype(dtype: np.dtype) -> np.dtype:
@@ -183,46 +223,96 @@ def table_dtype(columns, typed: bool) -> np.dtype:
     return np.dtype(np.int64) if integral else np.dtype(np.float32)
 
 
-def _frame_columns(frame, path: str, features: list[str], label: str, typed: bool = False):
-    """The feature columns stacked into one input named `x` (`table_dtype`), and the label column."""
+def _require_columns(frame, path: str, columns: list[str], keys: str) -> None:
     if len(frame) == 0:
         raise DataError(f"{path}: no rows (an empty data set)")
-    missing = [c for c in features + [label] if c not in frame.columns]
+    missing = [c for c in columns if c not in frame.columns]
     if missing:
         raise DataError(
             f"{path}: column(s) {', '.join(missing)} not found; the file has columns "
-            f"{', '.join(map(str, frame.columns))} (set data.features and data.label)"
+            f"{', '.join(map(str, frame.columns))} (set {keys})"
         )
+
+
+def _check_numeric(frame, path: str, column: str, what: str = "") -> None:
     from pandas.api.types import is_bool_dtype, is_numeric_dtype
 
-    for column in features + [label]:
-        if not (is_numeric_dtype(frame[column]) or is_bool_dtype(frame[column])):
-            bad = frame[column][~frame[column].astype(str).str.match(r"^-?[0-9.eE+-]+$")]
-            example = bad.iloc[0] if len(bad) else frame[column].iloc[0]
-            raise DataError(
-                f"{path}: column {column!r} is not numeric (e.g. {example!r}, dtype "
-                f"{frame[column].dtype}); ortflow trains on numbers only"
-            )
-    for column in features + [label]:
-        _check_float32_range(path, f"column {column!r}", frame[column].to_numpy())
+    if not (is_numeric_dtype(frame[column]) or is_bool_dtype(frame[column])):
+        bad = frame[column][~frame[column].astype(str).str.match(r"^-?[0-9.eE+-]+$")]
+        example = bad.iloc[0] if len(bad) else frame[column].iloc[0]
+        raise DataError(
+            f"{path}: column {column!r} is not numeric (e.g. {example!r}, dtype "
+            f"{frame[column].dtype}); ortflow trains on numbers only{what}"
+        )
+    _check_float32_range(path, f"column {column!r}", frame[column].to_numpy())
+
+
+def _label_column(frame, path: str, label: str) -> np.ndarray:
+    """The label column: numbers or bools as they are, anything else (strings) as
+    an object array of its values, which `_tabular` turns into named classes."""
+    from pandas.api.types import is_bool_dtype, is_numeric_dtype
+
+    column = frame[label]
+    if is_numeric_dtype(column) or is_bool_dtype(column):
+        _check_float32_range(path, f"column {label!r}", column.to_numpy())
+        return column.to_numpy()
+    return column.to_numpy(dtype=object)
+
+
+def _frame_columns(frame, path: str, features: list[str], label: str, typed: bool = False):
+    """The feature columns stacked into one input named `x` (`table_dtype`), and the label column."""
+    _require_columns(frame, path, features + [label], "data.features and data.label")
+    for column in features:
+        _check_numeric(frame, path, column, " (a text column is data.text, with data.tokenizer)")
     x = frame[features].to_numpy(dtype=table_dtype(frame[features], typed))
-    return {TABLE_INPUT: x}, frame[label].to_numpy()
+    return {TABLE_INPUT: x}, _label_column(frame, path, label)
 
 
-def _csv(path: Path, features: list[str], label: str):
+def _frame_text(frame, path: str, data: dict, tokenizer: tokenizers.Tokenizer):
+    """The `data.text` column(s), one text or a pair per row, tokenized (tokenizer.py), and the label column."""
+    columns = text_columns(data)
+    _require_columns(frame, path, columns + [data["label"]], "data.text and data.label")
+    for column in columns:
+        missing = frame[column].isna().to_numpy()
+        if missing.any():
+            raise DataError(f"{path}: text column {column!r} has {int(missing.sum())} missing value(s) (first at "
+                            f"row {int(np.argmax(missing))}); drop or fill those rows")
+    texts = [frame[column].astype(str).tolist() for column in columns]
+    tokenizer.text = columns
+    features = tokenizers.encode_columns(tokenizer, texts, data["context"], path)
+    return features, _label_column(frame, path, data["label"])
+
+
+def text_columns(data: dict) -> list[str]:
+    """`data.text` as a list: one column, or the two of a pair."""
+    return [data["text"]] if isinstance(data["text"], str) else list(data["text"] or [])
+
+
+def _csv(path: Path):
+    """(the table, whether its columns are typed): a CSV's types are pandas' guesses from text."""
     import pandas as pd
 
     try:
-        frame = pd.read_csv(path)
+        return pd.read_csv(path), False
     except pd.errors.EmptyDataError:
         raise DataError(f"{path}: the file is empty") from None
-    return _frame_columns(frame, str(path), features, label)
 
 
-def _parquet(path: Path, features: list[str], label: str):
+def _parquet(path: Path):
     import pandas as pd
 
-    return _frame_columns(pd.read_parquet(path), str(path), features, label, typed=True)
+    return pd.read_parquet(path), True
+
+
+def _jsonl(path: Path):
+    """JSON Lines, one object per line (how most text data sets come): JSON's own
+    types are kept (dtype=False: pandas guesses no dates or numbers from strings)."""
+    import pandas as pd
+
+    try:
+        return pd.read_json(path, lines=True, dtype=False), True
+    except (ValueError, TypeError) as error:
+        raise DataError(f"{path}: not JSON Lines, one JSON object per line ({str(error).strip()[:200]})") from None
 
 
 def _arrays(path: Path, names: list[str], available: list[str], get):
@@ -256,6 +346,18 @@ def _hdf5(path: Path, features: list[str], label: str):
     return {n: arrays[n] for n in features}, arrays[label]
 
 
+def _class_names(label: np.ndarray, path: str, name: str) -> tuple[np.ndarray, list[str]]:
+    """A label of strings (or bools) as class ids 0..K-1 of its sorted distinct values, and their names."""
+    import pandas as pd
+
+    missing = pd.isna(label)
+    if missing.any():
+        raise DataError(f"{path}: label {name!r} has {int(missing.sum())} missing value(s) (first at row "
+                        f"{int(np.argmax(missing))}); drop or fill those rows")
+    names, ids = np.unique(label.astype(str), return_inverse=True)
+    return ids.astype(np.int64), names.tolist()
+
+
 def _tabular(features: dict[str, np.ndarray], label: np.ndarray, data: dict, path: str) -> Dataset:
     n = len(label)
     for name, array in features.items():
@@ -271,17 +373,24 @@ def _tabular(features: dict[str, np.ndarray], label: np.ndarray, data: dict, pat
             f"(first at row {int(np.argmax(bad))}); drop or fill those rows"
         )
     task = data["task"]
+    named = not (np.issubdtype(label.dtype, np.number) or label.dtype == bool)  # strings
     integral = np.issubdtype(label.dtype, np.integer) or label.dtype == bool
     if task == "auto":
-        task = "classification" if integral else "regression"
+        task = "classification" if integral or named else "regression"
     features = {k: v.astype(feature_dtype(v.dtype)) for k, v in features.items()}
     if task == "regression":
+        if named:
+            raise DataError(f"{path}: data.task is regression but label {data['label']!r} is not numeric (e.g. "
+                            f"{label[0]!r}); a label of strings is classes (data.task: classification or auto)")
         return Dataset(features, label.astype(np.float32), data["label"], "regression")
-    if not integral and not np.array_equal(label, np.round(label)):
+    classes = None
+    if named or label.dtype == bool:
+        label, classes = _class_names(label, path, data["label"])
+    elif not integral and not np.array_equal(label, np.round(label)):
         raise DataError(f"{path}: data.task is classification but label {data['label']!r} has fractional values")
     label = label.astype(np.int64)
     if n and label.min() < 0:
         raise DataError(f"{path}: label {data['label']!r} has negative class {int(label.min())}; classes are 0..K-1")
-    _check_classes(path, data["label"], label)
-    num_classes = int(label.max()) + 1 if n else 0
-    return Dataset(features, label, data["label"], "classification", num_classes)
+    _check_classes(path, data["label"], label, classes)
+    num_classes = len(classes) if classes else int(label.max()) + 1 if n else 0
+    return Dataset(features, label, data["label"], "classification", num_classes, classes)

@@ -74,11 +74,14 @@ class Metrics:
             self.writer.add_scalar(f"train/{name}", value, step)
 
     def eval(self, step: int, results: dict) -> None:
+        """The numbers of `results` logged, plotted and kept in the history; the
+        summary's `eval` (the last results) keeps the rest, such as `per_class`."""
         if not self.enabled:
             return
-        log.info("eval at step %d: %s", step, " ".join(f"{k} {v:.4f}" for k, v in results.items()))
-        self.history["eval"].append({"step": step, **results})
-        for name, value in results.items():
+        numbers = {k: v for k, v in results.items() if isinstance(v, (int, float))}
+        log.info("eval at step %d: %s", step, " ".join(f"{k} {v:.4f}" for k, v in numbers.items()))
+        self.history["eval"].append({"step": step, **numbers})
+        for name, value in numbers.items():
             self.writer.add_scalar(f"eval/{name}", value, step)
 
     def histograms(self, step: int, parameters: dict[str, np.ndarray]) -> None:

@@ -1,0 +1,69 @@
+"""Tokenizers and a torch text classifier for tests/test_tokenizers.py, made here
+from local text (nothing downloaded): a byte-level BPE tokenizer with an
+end-of-text token (GPT-2's kind), a WordPiece one with BERT's [CLS]/[SEP]
+template and its pair types (BERT's kind), and `TextBag` (`model.kind: torch`,
+`model.path: text_models:TextBag`, found through PYTHONPATH)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def pydoc_text() -> str:
+    """Python's own documentation, present in every CPython: text to train tokenizers on."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return "\n\n".join(topics[key] for key in sorted(topics))
+
+
+def train_bpe(path: Path, vocab_size: int = 400):
+    """A byte-level BPE tokenizer with the special token <|endoftext|>, saved as tokenizer.json at `path`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(pydoc_text().split("\n\n"), trainer)
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+def train_wordpiece(path: Path, vocab_size: int = 300, texts: list[str] | None = None):
+    """A lower-casing WordPiece tokenizer with BERT's template ([CLS] a [SEP] b [SEP],
+    type ids 1 for b) and a [PAD] token, saved as tokenizer.json at `path`."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False)
+    tokenizer.train_from_iterator(texts or pydoc_text().split("\n\n"), trainer)
+    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+    tokenizer.save(str(path))
+    return tokenizer
+
+
+class TextBag(nn.Module):
+    """Token and token-type embeddings, averaged over the tokens the attention mask
+    keeps, then a linear layer to the classes. Its forward lists the tokenizer's
+    inputs in another order than the data does: they reach it by name."""
+
+    def __init__(self, vocab_size: int, classes: int, width: int = 32):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab_size, width)
+        self.types = nn.Embedding(2, width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, attention_mask: torch.Tensor, token_type_ids: torch.Tensor, input_ids: torch.Tensor):
+        weights = attention_mask.unsqueeze(-1).float()
+        embedded = (self.tokens(input_ids) + self.types(token_type_ids)) * weights
+        return self.head(embedded.sum(dim=1) / weights.sum(dim=1).clamp(min=1.0))
