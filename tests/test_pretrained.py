@@ -334,7 +334,7 @@ def test_a_weights_folder_counts_by_content_in_the_training_identity(tmp_path, m
     (folder / "checkpoint").write_bytes(b"first")
     config = config_mod.validate({"run": {"name": "fine"}, "model": {"weights": "results/pre/checkpoint"}})
     first = config_mod.training_identity(config)
-    assert first["model"]["weights"].startswith("sha256:")
+    assert first["model"]["weights"].startswith("sha256-folder:")
     (folder / "checkpoint").write_bytes(b"second")
     assert config_mod.training_identity(config)["model"]["weights"] != first["model"]["weights"]
 

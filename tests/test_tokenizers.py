@@ -415,6 +415,7 @@ def animal_texts(rows: int) -> pd.DataFrame:
     return pd.DataFrame({"review": texts, "animal": labels})
 
 
+@pytest.mark.e2e
 def test_text_classification_through_the_workflow(tmp_path, monkeypatch):
     """A .jsonl of texts with string labels, a WordPiece tokenizer.json and a torch
     TextBag through every stage: metrics.json and the report name the classes, and
