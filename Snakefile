@@ -45,6 +45,8 @@ onsuccess:
         model=rules.export_model.output[0],
         int8=INT8,
         report=REPORT,
+        reported=reported_files(),
+        targets=workflow.dag_settings.targets,
         run_arguments=run_arguments(),
     )
     print(summary)

@@ -124,6 +124,18 @@ def test_report_in_chromium_shows_plots_and_the_numbers_of_the_metrics(report_ru
         browser.close()
 
 
+def test_after_some_stages_the_printed_report_command_works(workdir):
+    """`snakemake --report` refuses to start while a file marked for the report does
+    not exist (loss.png, after `snakemake merge_checkpoint`): the printed command
+    reports on the stages this run was asked for."""
+    result = run_snakemake(workdir, {"run": {"name": "partial"}}, "prepare_data")
+    command = shlex.split(printed_report_command(result.stdout))
+    assert command[:4] == ["snakemake", "--report", "results/partial/report.html", "prepare_data"]
+    report = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "<title>Snakemake Report</title>" in (workdir / "results/partial/report.html").read_text()
+
+
 def test_profile_traces_cover_the_profiled_steps_on_every_rank(report_run):
     workdir, _ = report_run
     profile = workdir / "results" / RUN / "train" / "profile"

@@ -258,7 +258,8 @@ def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchm
 
 
 def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
-                int8: str | Path, report: str | Path, run_arguments: Sequence[str] = ()) -> str:
+                int8: str | Path, report: str | Path, reported: Iterable[str | Path] = (),
+                targets: Iterable[str] = (), run_arguments: Sequence[str] = ()) -> str:
     """A few lines on what exists of the run in the folder `results`: printed when
     `snakemake` finishes, whichever stages ran. The files are where the rules
     write them (the Snakefile passes their outputs); `report` is the report
@@ -287,8 +288,20 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
                      f"on {len(train['peak_rss_mb'])} ranks")
     if len(lines) == 1:
         lines.append("  nothing trained yet")
-    lines.append(f"  report    {shlex.join(['snakemake', '--report', str(report), *run_arguments])}")
+    lines.append(f"  report    {shlex.join(report_command(report, reported, targets, run_arguments))}")
     return "\n".join(lines)
+
+
+def report_command(report: str | Path, reported: Iterable[str | Path], targets: Iterable[str],
+                   run_arguments: Sequence[str]) -> list[str]:
+    """The `snakemake --report` command of this run. It refuses to start while a file
+    marked for the report (`reported`) does not exist, as after a run of some stages
+    (`snakemake merge_checkpoint`): then it reports on this run's `targets` only
+    (what they made, with Snakemake's own pages), the workflow's plots and tables
+    once `snakemake` has made them. The targets go before `run_arguments`, whose
+    --configfile would take them for more files."""
+    missing = [path for path in reported if not Path(path).exists()]
+    return ["snakemake", "--report", str(report), *(sorted(targets) if missing else ()), *run_arguments]
 
 
 # --- a failed run ------------------------------------------------------------------------------------
