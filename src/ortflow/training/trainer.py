@@ -350,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoints", required=True, type=Path, help="the checkpoints folder")
     parser.add_argument("--profile", required=True, type=Path, help="the folder of ONNX Runtime's profiler traces")
     args = parser.parse_args(argv)
-    stop = StopRequest().install()  # first: a stop request during the imports is kept too
+    stop = StopRequest().install(args.out / stop_mod.READY)  # first: a stop during the imports is kept too
 
     from mpi4py import MPI
 
