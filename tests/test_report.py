@@ -11,6 +11,8 @@ import re
 import shlex
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -203,3 +205,51 @@ def test_a_failed_rank_shows_its_error_above_the_launchers(digits_workdir):
     assert tail[1] == "ortflow: stage train failed; from logs/digits/train.log:"
     assert tail[2].endswith("[rank 1] ERROR rank 1 failed: injected failure on rank 1 at step 5 (train.fail_at_step)")
     assert tail[3].startswith("  ortflow train: error: the ranks exited with code ")
+
+
+def test_a_failed_stage_shows_the_whole_of_a_multi_line_error(digits_workdir):
+    """A message of several problems, each with its fix (preflight), not only its first line."""
+    result = run_snakemake(digits_workdir, {"train": {"world_size": 9}}, "train", check=False)
+    assert result.returncode != 0
+    tail = console_tail(result.stderr)
+    assert tail[1:3] == ["ortflow: stage train failed; from logs/digits/train.log:",
+                         "  ortflow train: error: cannot start training:"]
+    assert tail[3].startswith("    - world size: train.world_size=9 ranks cannot run on this host's "), tail
+    assert tail[4].startswith("      fix: set train.world_size to at most "), tail
+
+
+def rank_process(workdir: Path, rank: int):
+    """The process of MPI rank `rank` training in `workdir` (other tests may be training too)."""
+    import psutil
+
+    for process in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            if "ortflow.training.trainer" in (process.info["cmdline"] or []) and process.info["cwd"] == str(workdir) \
+                    and process.environ().get("OMPI_COMM_WORLD_RANK") == str(rank):
+                return process
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def test_a_rank_killed_by_a_signal_is_named_with_the_signal(digits_workdir):
+    """A rank killed by SIGKILL (as the out-of-memory killer does) writes no error of its
+    own: mpirun's notice, wrapped over two lines of its log, says which and of what."""
+    stall = {"train": {"steps": 20, "collective_timeout_s": 600, "fail_at_step": {"step": 3, "rank": 1, "mode": "stall"}}}
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(run=run_snakemake(digits_workdir, stall, "train",
+                                                                             check=False)))
+    runner.start()
+    heartbeat = digits_workdir / "results/digits/train/heartbeat/rank-1.json"
+    deadline = time.monotonic() + 240
+    while not (heartbeat.exists() and json.loads(heartbeat.read_text() or "{}").get("step") == 3):
+        assert time.monotonic() < deadline, "rank 1 never reached step 3"
+        time.sleep(0.1)
+    rank_process(digits_workdir, 1).kill()
+    runner.join(timeout=240)
+    tail = console_tail(result["run"].stderr)
+    assert tail[1] == "ortflow: stage train failed; from logs/digits/train.log:"
+    assert re.fullmatch(r"  prterun noticed that process rank 1 with PID \d+ on node \S+ exited on signal 9 "
+                        r"\(Killed\)\.", tail[2]), tail
+    assert tail[3] == ("  ortflow train: error: the ranks exited with code 137: a rank was killed by SIGKILL (the "
+                       "kernel's out-of-memory killer sends it: see `dmesg`); mpirun's message above names it"), tail

@@ -123,8 +123,7 @@ def run(args) -> int:
               "a checkpoint of the step they reached; rerun to resume from the last one", file=sys.stderr)
         return 128 + received[0]
     if code != 0:
-        print(f"ortflow train: error: the ranks exited with code {code}; the failing rank's error is above",
-              file=sys.stderr)
+        print(f"ortflow train: error: {ranks_failed(code, Path(args.mpi).name)}", file=sys.stderr)
         return code
     if received:  # the ranks had agreed on their last step: nothing left to stop
         print(f"ortflow train: {received[0].name} came after the ranks had agreed on their last step; training "
@@ -142,6 +141,17 @@ def note_stop_signals() -> list[signal.Signals]:
     for signum in STOP_SIGNALS:
         signal.signal(signum, lambda signum, frame: received.append(signal.Signals(signum)))
     return received
+
+
+def ranks_failed(code: int, launcher: str) -> str:
+    """What the MPI launcher's exit code says. A rank that failed wrote its error above;
+    one killed by a signal (code 128 + its number) wrote nothing, and only the
+    launcher's own message names it."""
+    killer = next((signum for signum in signal.Signals if code == 128 + signum), None)
+    if killer is None:
+        return f"the ranks exited with code {code}; the failing rank's error is above"
+    oom = " (the kernel's out-of-memory killer sends it: see `dmesg`)" if killer == signal.SIGKILL else ""
+    return f"the ranks exited with code {code}: a rank was killed by {killer.name}{oom}; {launcher}'s message above names it"
 
 
 def append_to_log() -> None:
