@@ -151,7 +151,8 @@ def ranks_failed(code: int, launcher: str) -> str:
     if killer is None:
         return f"the ranks exited with code {code}; the failing rank's error is above"
     oom = " (the kernel's out-of-memory killer sends it: see `dmesg`)" if killer == signal.SIGKILL else ""
-    return f"the ranks exited with code {code}: a rank was killed by {killer.name}{oom}; {launcher}'s message above names it"
+    return (f"the ranks exited with code {code}: a rank was killed by {killer.name}{oom}; {launcher}'s message "
+            "above names it")
 
 
 def append_to_log() -> None:
