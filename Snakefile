@@ -46,6 +46,8 @@ onsuccess:
         int8=INT8,
         checkpoint=rules.merge_checkpoint.output[0],
         report=REPORT,
+        reported=reported_files(),
+        targets=workflow.dag_settings.targets,
         run_arguments=run_arguments(),
     )
     print(summary)

@@ -48,3 +48,25 @@ class RefusedBatchNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.body(x)))
+
+
+class TwinBatchNorms(nn.Module):
+    """Two branches of equal fresh parameters: Linear layers with zero biases, each
+    into its own BatchNorm1d (weights of ones, biases of zeros), summed. With
+    `eval_only`, train() keeps the module in eval mode (as modules that freeze
+    their BatchNorms do), so that torch.onnx exports it in eval mode."""
+
+    def __init__(self, hidden: int = 8, classes: int = 10, eval_only: bool = False):
+        super().__init__()
+        self.eval_only = eval_only
+        self.left, self.right = nn.Linear(64, hidden), nn.Linear(64, hidden)
+        for layer in (self.left, self.right):
+            nn.init.zeros_(layer.bias)
+        self.left_norm, self.right_norm = nn.BatchNorm1d(hidden), nn.BatchNorm1d(hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.left_norm(self.left(x))) + torch.relu(self.right_norm(self.right(x))))
+
+    def train(self, mode: bool = True) -> "TwinBatchNorms":
+        return super().train(mode and not self.eval_only)

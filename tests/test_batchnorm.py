@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -202,6 +203,42 @@ def test_dropout_repeats_and_resumes_bit_for_bit(digits, tmp_path, monkeypatch):
         np.testing.assert_array_equal(resumed[name], first[name], err_msg=name)
         np.testing.assert_array_equal(again[name], first[name], err_msg=name)
     assert np.abs(other["head.weight"] - first["head.weight"]).max() > 1e-3
+
+
+@pytest.mark.parametrize("eval_only", [False, True])
+def test_equal_fresh_parameters_train_apart(eval_only, digits, tmp_path, monkeypatch, caplog):
+    """Two BatchNorms (weights of ones, biases of zeros) and two zero Linear biases:
+    each is its own parameter in the artifacts and trains on its own gradients,
+    also when the module stays in eval mode while exported (torch.onnx then
+    merges initializers of equal value, and they would train as one)."""
+    from onnxruntime.training import api
+
+    monkeypatch.syspath_prepend(str(TESTS))
+    with caplog.at_level("WARNING", logger="ortflow.build_artifacts"):
+        description = build_artifacts.build(config("TwinBatchNorms", eval_only=eval_only), digits / "train", tmp_path)
+    module = batchnorm_models.TwinBatchNorms()
+    assert description["trainable"] == [name for name, _ in module.named_parameters()]
+    assert sorted(description["running_stats"].values()) == [f"{side}_norm.running_{s}" for side in ("left", "right")
+                                                             for s in ("mean", "var")]
+    base = onnx.load(str(tmp_path / "inference_base.onnx"))
+    assert sorted(t.name for t in base.graph.initializer) == sorted(
+        name for name in module.state_dict() if not name.endswith("num_batches_tracked"))
+    assert ("stayed in eval mode while exported, so torch.onnx merged its parameters and buffers of equal value; "
+            "each has its own initializer again: ['left_norm.bias', 'left_norm.running_mean'" in caplog.text) == eval_only
+
+    state = api.CheckpointState.load_checkpoint(str(tmp_path / "checkpoint"))
+    session = api.Module(str(tmp_path / "training_model.onnx"), state, str(tmp_path / "eval_model.onnx"))
+    optimizer = api.Optimizer(str(tmp_path / "optimizer_model.onnx"), session)
+    reader = ShardReader(digits / "train")
+    for step in range(3):
+        batch = reader.gather(np.arange(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
+        session(batch["x"], batch["y"])
+        optimizer.step()
+        session.lazy_reset_grad()
+    trained = {name: parameter.data for name, parameter in state.parameters}
+    for left, right in (("left_norm.weight", "right_norm.weight"), ("left_norm.bias", "right_norm.bias"),
+                        ("left.bias", "right.bias")):
+        assert np.abs(trained[left] - trained[right]).max() > 1e-3, (left, right)
 
 
 @pytest.mark.parametrize("norm, refusal", [

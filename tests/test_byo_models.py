@@ -1,7 +1,8 @@
 """Models as users bring them, through the real workflow: an ONNX file from the
 model zoo exactly as shipped (the small SqueezeNet in the onnx package's own test
 data: opset 9, IR version 3, initializers listed as inputs, a fixed batch of 1),
-and the light ResNet-50 beside it, which ONNX Runtime cannot differentiate."""
+and the light ResNet-50 beside it, which ONNX Runtime cannot differentiate; and
+(fast, without the workflow) external data that does not fit its file."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from onnxruntime.training.api import CheckpointState
 
 from conftest import run_snakemake
+from ortflow.errors import ModelError
+from ortflow.models import user
 
 pytestmark = pytest.mark.e2e
 
@@ -94,3 +97,65 @@ def test_model_zoo_resnet50_is_adapted_then_stops_in_ort_backward(tmp_path):
                             "'AccumulateGrad_r161_grad' (Sum) on a batch of 4 records: "), error
     assert error.endswith("freeze the parameters before that node (model.frozen) or replace the operator it "
                           "differentiates"), error
+
+
+def model_with_external_weight(folder: Path, data: bytes, **place: int) -> Path:
+    """A 4 -> 4 MatMul whose weight lives in `folder`/weight.bin (holding `data`), at `place` (offset, length)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    folder.mkdir(parents=True, exist_ok=True)
+    weight = numpy_helper.from_array(np.eye(4, dtype=np.float32), "weight")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "weight"], ["logits"])], "external",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 4])], [weight])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    model.ir_version = 8
+    onnx.external_data_helper.set_external_data(model.graph.initializer[0], location="weight.bin", **place)
+    model.graph.initializer[0].ClearField("raw_data")
+    model.graph.initializer[0].data_location = TensorProto.EXTERNAL
+    (folder / "weight.bin").write_bytes(data)
+    onnx.save(model, str(folder / "model.onnx"))
+    return folder / "model.onnx"
+
+
+@pytest.mark.parametrize("offset, length, read", [(0, 1 << 40, "1099511627776 bytes from offset 0"),
+                                                  (60, 8, "8 bytes from offset 60"),
+                                                  (100, 0, "the rest of the file from offset 100")])
+def test_external_data_beyond_its_file_is_refused_in_one_line(tmp_path, offset, length, read):
+    """onnx would read `length` bytes at once: 2^40 of them is a MemoryError (a traceback), not an error."""
+    path = model_with_external_weight(tmp_path / "model", np.eye(4, dtype=np.float32).tobytes(),
+                                      offset=offset, length=length)
+    with pytest.raises(ModelError) as error:
+        user.load_onnx(str(path))
+    assert str(error.value) == (
+        f"model.path: {path}: initializer 'weight' has its data in 'weight.bin': {read}, beyond the end of the file "
+        "(64 bytes): the model does not match its data file; save the two again together (onnx.save_model with "
+        "save_as_external_data=True)")
+    # Where it fits, it is read.
+    fits = model_with_external_weight(tmp_path / "fits", bytes(8) + np.eye(4, dtype=np.float32).tobytes(),
+                                      offset=8, length=64)
+    assert np.array_equal(onnx.numpy_helper.to_array(user.load_onnx(str(fits)).graph.initializer[0]), np.eye(4))
+
+
+def test_external_data_at_a_malformed_offset_is_refused(tmp_path):
+    path = model_with_external_weight(tmp_path / "model", bytes(64))
+    model = onnx.load(str(path), load_external_data=False)
+    model.graph.initializer[0].external_data.add(key="offset", value="-8")  # the last entry counts, as in onnx
+    onnx.save(model, str(path))
+    with pytest.raises(ModelError, match=r"initializer 'weight' has its data in 'weight.bin' at offset '-8', "
+                                         r"length '0'; both must be whole numbers of bytes"):
+        user.load_onnx(str(path))
+
+
+def test_external_data_is_checked_where_onnx_reads_it(tmp_path):
+    """Of two `location` entries onnx reads the last: that is the one checked (here a link out of the folder)."""
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"SECRET-PASSWORD!" * 4)
+    path = model_with_external_weight(tmp_path / "model", bytes(64))
+    (path.parent / "link.bin").symlink_to(secret)
+    model = onnx.load(str(path), load_external_data=False)
+    model.graph.initializer[0].external_data.add(key="location", value="link.bin")
+    onnx.save(model, str(path))
+    with pytest.raises(ModelError, match=rf"initializer 'weight' has its data in 'link.bin', which is a file outside "
+                                         rf"the model's folder \({secret}\)"):
+        user.load_onnx(str(path))

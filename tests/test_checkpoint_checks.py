@@ -275,6 +275,85 @@ def test_links_and_external_storage_are_refused(folder, tmp_path):
     assert outside(paths, other) == []
 
 
+HISTORY = {"train": [{"step": 40, "loss": 0.5}], "eval": [{"step": 40, "loss": 0.6}]}
+
+
+def with_history(folder: Path) -> Path:
+    """The checkpoint with the metrics logged up to its step, as training writes them."""
+    edit_manifest(folder, lambda m: m.update(history=store.write_history(folder, HISTORY)))
+    return folder
+
+
+def inspect(folder: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ortflow.cli", "checkpoint", "inspect", str(folder)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name", ["/dev/zero", "../x", "../../../../../../../../etc/passwd", "sub/history.json"])
+def test_the_history_must_be_the_plain_file_of_its_folder(folder, tmp_path, name):
+    """Named in manifest.json like a shard: `ortflow checkpoint inspect` and training refuse
+    any other file, without opening it."""
+    with_history(folder)
+    (folder.parent / "x").write_text(json.dumps(HISTORY))
+    edit_manifest(folder, lambda m: m["history"].update(file=name))
+    result = inspect(folder)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"ortflow checkpoint: error: {folder / 'manifest.json'}: history file {name!r} is not allowed; the history "
+        "is named by its plain file name in the checkpoint folder ('history.json' here)")
+    with opened_paths() as paths:
+        with pytest.raises(CheckpointError, match="history file .* is not allowed"):
+            resume.read_history(resume.Resume(folder, 40, {}))
+    assert outside(paths, folder) == [] and "/dev/zero" not in paths
+
+
+@pytest.mark.parametrize("damage", ["link to /dev/zero", "fifo", "size", "checksum", "not metrics"])
+def test_the_history_is_verified_like_the_shards(folder, monkeypatch, damage):
+    history = with_history(folder) / "history.json"
+    if damage == "link to /dev/zero":
+        history.unlink()
+        history.symlink_to("/dev/zero")
+        reason = f"history file {history} is a symbolic link; a history file must be a regular file in its checkpoint folder"
+    elif damage == "fifo":
+        history.unlink()
+        os.mkfifo(history)  # reading it would wait forever
+        reason = f"history file {history} is not a regular file; a history file must be a regular file in its checkpoint folder"
+    elif damage == "size":
+        edit_manifest(folder, lambda m: m["history"].update(bytes=1 << 40))
+        hash_shard = checks.sha256_of
+
+        def hash_shards_only(handle, limit):
+            if os.fstat(handle.fileno()).st_ino == history.stat().st_ino:
+                pytest.fail("hashed before the size was checked")
+            return hash_shard(handle, limit)
+
+        monkeypatch.setattr(checks, "sha256_of", hash_shards_only)
+        reason = f"history file {history}: {history.stat().st_size} bytes, manifest.json says {1 << 40}: the file is damaged"
+    elif damage == "checksum":
+        history.write_text(json.dumps(HISTORY).replace("0.5", "0.4") + "\n")
+        reason = f"history file {history}: checksum mismatch (sha256 "
+    else:  # rewritten with its checksum: intact, but not what training reads
+        edit_manifest(folder, lambda m: m.update(history=store.write_history(folder, {"train": 5})))
+        reason = f"history file {history}: not the metrics of a run (a JSON object of 'train' and 'eval' lists)"
+    with opened_paths() as paths:
+        assert reason in refused(folder)
+    assert outside(paths, folder) == []
+    with pytest.raises(CheckpointError, match="history file"):
+        resume.read_history(resume.Resume(folder, 40, {}))
+
+
+def test_the_manifest_must_be_a_regular_file(folder):
+    manifest = folder / "manifest.json"
+    data = manifest.read_bytes()
+    manifest.unlink()
+    manifest.symlink_to("/dev/zero")  # read_text would read forever
+    assert f"manifest {manifest} is a symbolic link; a manifest must be a regular file" in refused(folder)
+    assert store.digest_of(folder) is None
+    manifest.unlink()
+    manifest.write_bytes(data)
+    assert store.digest_of(folder) == "d" * 64
+
+
 def test_inspect_reports_the_checks(folder, model, tmp_path):
     def cli(*args):
         return subprocess.run([sys.executable, "-m", "ortflow.cli", "checkpoint", *map(str, args)], capture_output=True,

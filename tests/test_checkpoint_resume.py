@@ -59,7 +59,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_naming_the_file(tmp_path, monkey
         reason = f"shard {shard} is missing"
     else:
         _flip_byte(newest / "history.json")
-        reason = f"{newest / 'history.json'}: missing or damaged"
+        reason = f"history file {newest / 'history.json'}: checksum mismatch"
     with caplog.at_level(logging.WARNING, logger="ortflow.checkpoint"):
         found = resume.find_resume(root, IDENTITY, DIGEST, None, steps=100)
     assert found.path == root / "step-00000010"

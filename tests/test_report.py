@@ -11,6 +11,8 @@ import re
 import shlex
 import shutil
 import subprocess
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from chromium import Chromium
 from conftest import fault, run_snakemake
 from ortflow.report import fmt, quality, run_summary, speedup
+from ortflow.training.run_folder import TrainFolder
 
 # A run other than the default one: its own run.name, from its own --configfile.
 RUN = "seen"
@@ -127,6 +130,19 @@ def test_report_in_chromium_shows_plots_and_the_numbers_of_the_metrics(report_ru
 
 
 @pytest.mark.e2e
+def test_after_some_stages_the_printed_report_command_works(workdir):
+    """`snakemake --report` refuses to start while a file marked for the report does
+    not exist (loss.png, after `snakemake merge_checkpoint`): the printed command
+    reports on the stages this run was asked for."""
+    result = run_snakemake(workdir, {"run": {"name": "partial"}}, "prepare_data")
+    command = shlex.split(printed_report_command(result.stdout))
+    assert command[:4] == ["snakemake", "--report", "results/partial/report.html", "prepare_data"]
+    report = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stderr[-3000:]
+    assert "<title>Snakemake Report</title>" in (workdir / "results/partial/report.html").read_text()
+
+
+@pytest.mark.e2e
 def test_profile_traces_cover_the_profiled_steps_on_every_rank(report_run):
     workdir, _ = report_run
     profile = workdir / "results" / RUN / "train" / "profile"
@@ -211,3 +227,57 @@ def test_a_failed_rank_shows_its_error_above_the_launchers(digits_workdir):
     assert tail[1] == "ortflow: stage train failed; from logs/digits/train.log:"
     assert tail[2].endswith("[rank 1] ERROR rank 1 failed: injected failure on rank 1 at step 5 (ORTFLOW_FAULT)")
     assert tail[3].startswith("  ortflow train: error: the ranks exited with code ")
+
+
+@pytest.mark.e2e
+def test_a_failed_stage_shows_the_whole_of_a_multi_line_error(digits_workdir):
+    """A message of several problems, each with its fix (preflight), not only its first line."""
+    result = run_snakemake(digits_workdir, {"train": {"world_size": 9}}, "train", check=False)
+    assert result.returncode != 0
+    tail = console_tail(result.stderr)
+    assert tail[1:3] == ["ortflow: stage train failed; from logs/digits/train.log:",
+                         "  ortflow train: error: cannot start training:"]
+    assert tail[3].startswith("    - world size: train.world_size=9 ranks cannot run on this host's "), tail
+    assert tail[4].startswith("      fix: set train.world_size to at most "), tail
+
+
+def rank_process(workdir: Path, rank: int):
+    """The process of MPI rank `rank` training in `workdir` (other tests may be training too)."""
+    import psutil
+
+    for process in psutil.process_iter(["cmdline", "cwd"]):
+        try:
+            if "ortflow.training.trainer" in (process.info["cmdline"] or []) and process.info["cwd"] == str(workdir) \
+                    and process.environ().get("OMPI_COMM_WORLD_RANK") == str(rank):
+                return process
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+@pytest.mark.e2e
+def test_a_rank_killed_by_a_signal_is_named_with_the_signal(digits_workdir):
+    """A rank killed by SIGKILL (as the out-of-memory killer does) writes no error of its
+    own: mpirun's notice, wrapped over two lines of its log, says which and of what."""
+    stall = {"train": {"steps": 20, "collective_timeout_s": 600}}
+    result: dict = {}
+    runner = threading.Thread(target=lambda: result.update(run=run_snakemake(
+        digits_workdir, stall, "train", check=False, env=fault(3, 1, "stall"))))
+    runner.start()
+    heartbeat = TrainFolder(digits_workdir / "results/digits/train").heartbeat / "rank-1.json"
+
+    def at_step_3() -> bool:
+        return heartbeat.exists() and json.loads(heartbeat.read_text() or "{}").get("step") == 3
+
+    deadline = time.monotonic() + 240
+    while not at_step_3() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert at_step_3(), "rank 1 never reached step 3"
+    rank_process(digits_workdir, 1).kill()
+    runner.join(timeout=240)
+    tail = console_tail(result["run"].stderr)
+    assert tail[1] == "ortflow: stage train failed; from logs/digits/train.log:"
+    assert re.fullmatch(r"  prterun noticed that process rank 1 with PID \d+ on node \S+ exited on signal 9 "
+                        r"\(Killed\)\.", tail[2]), tail
+    assert tail[3] == ("  ortflow train: error: the ranks exited with code 137: a rank was killed by SIGKILL (the "
+                       "kernel's out-of-memory killer sends it: see `dmesg`); mpirun's message above names it"), tail

@@ -20,8 +20,8 @@ def layout_names() -> set[str]:
 
 
 def test_the_layout_is_the_documented_one():
-    assert layout_names() == {"metrics.json", "checkpoints", "tensorboard", "profile", "heartbeat", "attempt.lock",
-                              "STOPPED", "FINISHED", "previous"}
+    assert layout_names() == {"metrics.json", "checkpoints", "tensorboard", "profile", "heartbeat", "ready",
+                              "attempt.lock", "STOPPED", "FINISHED", "previous"}
     text = DEFINITION.read_text()
     for name in layout_names():  # each one is in the module's table of the layout
         assert re.search(rf"^    {re.escape(name)}", text, re.M), name

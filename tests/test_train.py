@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import fault, run_snakemake
-from ortflow import train
+from ortflow import config as config_mod, train
 from ortflow.checkpoints import resume, store
 from ortflow.training.run_folder import TrainFolder
 
@@ -205,3 +210,70 @@ def test_a_second_live_attempt_is_refused_in_one_line(tmp_path, capsys):
     assert f"ortflow train: error: another attempt of this run is still training in {out} (ortflow train pid" in error
     first.close()
     assert train.lock_attempt(out) is not None
+
+
+# Imported by every Python process that has it on its PYTHONPATH (site's
+# sitecustomize); slows down only the ranks that mpirun starts.
+SLOW_RANKS = """
+import atexit, os, time
+
+if "OMPI_COMM_WORLD_RANK" in os.environ:
+    time.sleep(float(os.environ["SLOW_RANKS_START_S"]))
+    atexit.register(time.sleep, float(os.environ["SLOW_RANKS_END_S"]))
+"""
+
+
+def launch(workdir: Path, out: Path, start_s: float = 0, end_s: float = 0) -> subprocess.Popen:
+    """`ortflow train` of 40 steps on the default run's data and artifacts in `workdir`,
+    into `out`, its ranks `start_s` seconds late to start Python and `end_s` to exit."""
+    site = out.parent / "site"
+    site.mkdir(parents=True)
+    (site / "sitecustomize.py").write_text(SLOW_RANKS)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+                        "SLOW_RANKS_START_S": str(start_s), "SLOW_RANKS_END_S": str(end_s)}
+    config = config_mod.load(overrides={"train": {"steps": 40, "eval_every": 40}})
+    results = workdir / "results/digits"
+    return subprocess.Popen(
+        [str(Path(sys.executable).parent / "ortflow"), "train", "--config-json", json.dumps(config),
+         "--train", str(results / "data/train"), "--eval", str(results / "data/eval"),
+         "--artifacts", str(results / "artifacts"), "--out", str(out)],
+        env=env, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for(condition, what: str, timeout: float = 120) -> None:
+    """Wait until `condition()` holds, for `timeout` seconds at most; fail naming `what` if it never did."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert condition(), f"never {what}"
+
+
+@pytest.mark.e2e
+def test_a_stop_before_the_ranks_listen_is_held_until_they_do(digits_inputs, tmp_path):
+    """A SIGUSR1 kills a rank that is still starting Python: the launcher forwards the
+    stop once every rank has its handler, and the ranks stop after their first step."""
+    import psutil
+
+    out = TrainFolder(tmp_path / "train")
+    launcher = launch(digits_inputs, out.folder, start_s=3)
+    wait_for(lambda: psutil.Process(launcher.pid).children(), "started mpirun")
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 128 + signal.SIGTERM, stderr
+    assert "ortflow train: SIGTERM: the ranks finish their step, write a checkpoint and stop (they are killed after " \
+           "20 s); held until every rank listens for it (0 of 2 do)" in stderr
+    assert "stopping after step 1 of 40: SIGUSR1 on 2 ranks" in stderr
+    assert "ortflow train: stopped by SIGTERM after step 1, with a checkpoint; rerun to resume from it" in stderr
+    assert resume.latest(out.checkpoints).step == 1
+
+
+@pytest.mark.e2e
+def test_a_stop_after_the_last_step_leaves_a_finished_run(digits_inputs, tmp_path):
+    out = TrainFolder(tmp_path / "train")
+    launcher = launch(digits_inputs, out.folder, end_s=3)
+    wait_for(lambda: out.metrics.exists(), "wrote metrics.json")  # after the last step
+    launcher.send_signal(signal.SIGTERM)
+    _, stderr = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, stderr
+    assert "ortflow train: SIGTERM came after the ranks had agreed on their last step; training finished" in stderr
+    assert json.loads(out.finished.read_text()) == {"steps": 40}

@@ -70,7 +70,8 @@ def resolve_loss(loss: str, manifest: dict) -> str:
 def export_torch(module, manifest: dict, path: Path) -> None:
     """torch -> ONNX with the batch dimension dynamic, in training mode and
     without constant folding, so that every parameter stays an initializer;
-    with export_fixes' repairs (torch.diff, cumsum, the attention's dropout, the embedding's padding row),
+    with export_fixes' repairs (torch.diff, cumsum, the attention's dropout, the embedding's padding row,
+    initializers merged by value),
     and the buffers (BatchNorm's running statistics) as they were before the export ran the module."""
     import onnx
     import torch
@@ -102,7 +103,12 @@ def export_torch(module, manifest: dict, path: Path) -> None:
         problem = str(error).splitlines()[0].split("  [Caused by")[0].strip()
         raise ModelError(f"model.path: torch.onnx cannot export {type(module).__name__}: {problem}") from None
     exported = onnx.load(str(path))
-    if export_fixes.give_dropout_its_mask(exported) + batchnorm.restore_buffers(exported, buffers):
+    untied = export_fixes.untie_initializers(exported, module)
+    if untied:
+        log.warning("model.path: %s stayed in eval mode while exported, so torch.onnx merged its parameters and "
+                    "buffers of equal value; each has its own initializer again: %s", type(module).__name__,
+                    sorted(untied))
+    if len(untied) + export_fixes.give_dropout_its_mask(exported) + batchnorm.restore_buffers(exported, buffers):
         onnx.save(exported, str(path))
 
 
@@ -129,7 +135,8 @@ def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
     )
     if model["weights"]:
         weights.load_into_module(module, model["weights"], model["weights_skip"])
-    export_torch(module.eval(), manifest, path)
+    # As constructed, in training mode: torch.onnx deprecates its `training` argument for the module's own mode.
+    export_torch(module, manifest, path)
     return onnx.load(str(path)), [n for n, p in module.named_parameters() if p.requires_grad]
 
 

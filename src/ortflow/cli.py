@@ -49,8 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         return importlib.import_module(COMMANDS[args.command]).run(args) or 0
     except OrtflowError as error:
         # Known bad input or setup: one clear line that names the problem, no traceback to dig
-        # through. Any other exception is a bug and keeps its traceback.
-        print(f"ortflow {args.command}: error: {error}", file=sys.stderr)
+        # through. Any other exception is a bug and keeps its traceback. The further lines of
+        # a message that has them (a list of problems and their fixes) are indented, which
+        # tells where the message ends (report.stage_failures shows all of it).
+        message = str(error).replace("\n", "\n  ")
+        print(f"ortflow {args.command}: error: {message}", file=sys.stderr)
         return 1
     except OSError as error:
         # A full disk, a folder without write permission, a read-only file system.

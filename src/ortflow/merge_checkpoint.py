@@ -15,9 +15,8 @@ from . import atomic
 from .checkpoints.ort_format import CheckpointError, ort_checkpoint_bytes
 from .checkpoints.resume import checkpoint_folder
 from .checkpoints.store import (
-    BEST, best_folder, read_best,
-    COMPLETE, MANIFEST, MAX_SHARDS, partition, read_checkpoint, shard_bytes, new_manifest, shard_attrs, write_json,
-    write_shard,
+    BEST, COMPLETE, HISTORY, MANIFEST, MAX_SHARDS, best_folder, new_manifest, partition, read_best, read_checkpoint,
+    shard_attrs, shard_bytes, write_json, write_shard,
 )
 
 log = logging.getLogger("ortflow.checkpoint")
@@ -113,6 +112,8 @@ def inspect(source: Path, model: Path | None = None) -> str:
         "each parameter's shape covered exactly by its shards",
         f"checked against the model {model}: parameter names, shapes, dtypes, trainable flags, optimizer state"
         if model else "not checked against a model (no artifacts beside the checkpoints; give --artifacts)",
+        f"history {HISTORY}: {len(checkpoint.history['train'])} train and {len(checkpoint.history['eval'])} eval "
+        "entries, checked like the shards" if checkpoint.history else "no history (the metrics logged up to this step)",
         f"training identity {manifest['identity_digest']}",
         f"optimizer {json.dumps(state.optimizer, sort_keys=True)}",
         f"properties {json.dumps(state.properties, sort_keys=True)}",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import html
 import json
+import re
 import shlex
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -269,7 +270,8 @@ def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchm
 
 
 def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
-                int8: str | Path, checkpoint: str | Path, report: str | Path, run_arguments: Sequence[str] = ()) -> str:
+                int8: str | Path, checkpoint: str | Path, report: str | Path, reported: Iterable[str | Path] = (),
+                targets: Iterable[str] = (), run_arguments: Sequence[str] = ()) -> str:
     """A few lines on what exists of the run in the folder `results`: printed when
     `snakemake` finishes, whichever stages ran. The files are where the rules
     write them (the Snakefile passes their outputs); `report` is the report
@@ -305,32 +307,80 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
         lines.append(f"  exported  the checkpoint of step {merged['step']}, the {chosen(merged)}")
     if len(lines) == 1:
         lines.append("  nothing trained yet")
-    lines.append(f"  report    {shlex.join(['snakemake', '--report', str(report), *run_arguments])}")
+    lines.append(f"  report    {shlex.join(report_command(report, reported, targets, run_arguments))}")
     return "\n".join(lines)
+
+
+def report_command(report: str | Path, reported: Iterable[str | Path], targets: Iterable[str],
+                   run_arguments: Sequence[str]) -> list[str]:
+    """The `snakemake --report` command of this run. It refuses to start while a file
+    marked for the report (`reported`) does not exist, as after a run of some stages
+    (`snakemake merge_checkpoint`): then it reports on this run's `targets` only
+    (what they made, with Snakemake's own pages), the workflow's plots and tables
+    once `snakemake` has made them. The targets go before `run_arguments`, whose
+    --configfile would take them for more files."""
+    missing = [path for path in reported if not Path(path).exists()]
+    return ["snakemake", "--report", str(report), *(sorted(targets) if missing else ()), *run_arguments]
 
 
 # --- a failed run ------------------------------------------------------------------------------------
 
-# How ortflow marks an error in a stage's log: the command's one-line message
-# (`ortflow <command>: error: ...`) and a log record of level ERROR (a rank's
-# `[rank R] ERROR ...`). A log without them (a traceback) shows its last lines.
+# How ortflow marks an error in a stage's log: the command's message
+# (`ortflow <command>: error: ...`, its further lines indented: cli.py) and a
+# log record of level ERROR (a rank's `[rank R] ERROR ...`). A log without them
+# (a traceback) shows its last lines.
 ERROR_MARKERS = (": error: ", " ERROR ")
 TAIL_LINES = 10
+# A rank killed by a signal writes nothing itself; mpirun's notice, wrapped over
+# lines in a box of dashes, is the only word of it: "prterun noticed that process
+# rank 1 with PID 4242 on node n1 exited on signal 9 (Killed)."
+MPIRUN_NOTICE = "noticed that process rank"
+KILLED_RANK = re.compile(rf"{MPIRUN_NOTICE} \d+ .*exited on signal \d+")
+MPIRUN_RULE = re.compile(r"-{20,}")
 
 
 def stage_failures(failed: Iterable[tuple[str, Sequence[str]]]) -> str:
-    """For each failed stage, (rule, its log files), the error lines of its
-    log: printed last when `snakemake` fails, so that nobody needs to open the log."""
+    """For each failed stage, (rule, its log files), what its log says went wrong
+    (`error_lines`): printed last when `snakemake` fails, so that nobody needs to open the log."""
     lines = []
     for rule, logs in failed:
         for log in logs:
             path = Path(log)
             # NUL bytes: a log that several processes wrote at their own offsets.
             text = path.read_text(errors="replace").replace("\0", "").splitlines() if path.is_file() else []
-            shown = [line for line in text if any(marker in line for marker in ERROR_MARKERS)] or text[-TAIL_LINES:]
             lines.append(f"ortflow: stage {rule} failed; from {log}:")
-            lines += [f"  {line.strip()}" for line in shown] or ["  (nothing in the log)"]
+            lines += [f"  {line}" for line in error_lines(text)] or ["  (nothing in the log)"]
     return "\n".join(lines)
+
+
+def error_lines(text: list[str]) -> list[str]:
+    """The lines of a log that say what went wrong: each marked line with the
+    indented lines that go on with its message (a reason, a fix), and mpirun's
+    notice of a rank killed by a signal, joined into one line; else the log's
+    last TAIL_LINES."""
+    shown, continued = [], False
+    for index, line in enumerate(text):
+        if any(marker in line for marker in ERROR_MARKERS):
+            shown.append(line.strip())
+            continued = True
+        elif continued and line[:1].isspace() and line.strip():
+            shown.append(line.rstrip())
+        else:
+            continued = False
+            notice = " ".join(wrapped(text[index:])) if MPIRUN_NOTICE in line else ""
+            if KILLED_RANK.search(notice):
+                shown.append(notice)
+    return shown or [line.strip() for line in text[-TAIL_LINES:]]
+
+
+def wrapped(lines: list[str]) -> list[str]:
+    """The first of `lines` and those that go on with it, up to a blank line or mpirun's rule of dashes."""
+    out = [lines[0].strip()]
+    for line in lines[1:]:
+        if not line.strip() or MPIRUN_RULE.fullmatch(line.strip()):
+            break
+        out.append(line.strip())
+    return out
 
 
 # --- command line ------------------------------------------------------------------------------------

@@ -7,7 +7,11 @@ and watch over them:
   and TensorBoard events are moved to train/previous/ first.
 - SIGTERM, SIGINT or SIGUSR1 reach the ranks as SIGUSR1 (see stop.py), and so
   does the end of Snakemake or of this launcher, even by SIGKILL; ranks that
-  have not stopped GRACE_S later are killed.
+  have not stopped GRACE_S later are killed. A stop is held until every rank
+  listens for it (each says so in train/ready/): a Python process dies of a
+  SIGUSR1 that comes before it has a handler. One that comes before the ranks
+  start ends the attempt there; one that comes after the ranks agreed on their
+  last step leaves a finished run.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import json
+import math
 import os
 import shutil
 import signal
@@ -71,6 +76,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    received = note_stop_signals()
     config = config_mod.load_config(args)
     if args.world_size:
         config["train"]["world_size"] = args.world_size
@@ -84,6 +90,10 @@ def run(args) -> int:
     if lock is None:
         return 1
     start_attempt(folder, config["train"]["resume_from"])
+    if received:
+        print(f"ortflow train: stopped by {received[0].name} before the ranks started; rerun to train",
+              file=sys.stderr)
+        return 128 + received[0]
     mpi = shutil.which(args.mpi) or args.mpi
     command = launcher_command(mpi, world_size, host_cores()) + [
         sys.executable, "-m", "ortflow.training.trainer",
@@ -91,22 +101,48 @@ def run(args) -> int:
                     "artifacts": str(args.artifacts), "out": str(folder)}),
     ]
     print(f"ortflow train: {' '.join(command[:command.index(sys.executable)])} ...", file=sys.stderr, flush=True)
-    code = supervise(command, launcher_env(os.environ), lock)
+    code = supervise(command, launcher_env(os.environ), lock, received, Ranks(folder.ready, world_size))
     if folder.stopped.exists():  # the ranks stopped on a signal, after writing a checkpoint
         stop = json.loads(folder.stopped.read_text())
-        reason = signal.Signals(code - 128) if code > 128 else signal.Signals[stop["signal"]]
+        reason = received[0] if received else signal.Signals[stop["signal"]]
         print(f"ortflow train: stopped by {reason.name} after step {stop['step']}, with a checkpoint; "
               "rerun to resume from it", file=sys.stderr)
         return 128 + reason
+    if code != 0 and received:
+        print(f"ortflow train: error: stopped by {received[0].name}, but the ranks exited with code {code} without "
+              "a checkpoint of the step they reached; rerun to resume from the last one", file=sys.stderr)
+        return 128 + received[0]
     if code != 0:
-        print(f"ortflow train: error: the ranks exited with code {code}; the failing rank's error is above",
-              file=sys.stderr)
+        print(f"ortflow train: error: {ranks_failed(code, Path(args.mpi).name)}", file=sys.stderr)
         return code
+    if received:  # the ranks had agreed on their last step: nothing left to stop
+        print(f"ortflow train: {received[0].name} came after the ranks had agreed on their last step; training "
+              "finished", file=sys.stderr)
     if not folder.metrics.exists():
         print(f"ortflow train: error: the ranks finished but wrote no {folder.metrics}", file=sys.stderr)
         return 1
     atomic.write_text(folder.finished, json.dumps({"steps": config["train"]["steps"]}) + "\n")
     return 0
+
+
+def note_stop_signals() -> list[signal.Signals]:
+    """From now on, the stop signals this launcher receives, in order, instead of its end."""
+    received: list[signal.Signals] = []
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, lambda signum, frame: received.append(signal.Signals(signum)))
+    return received
+
+
+def ranks_failed(code: int, launcher: str) -> str:
+    """What the MPI launcher's exit code says. A rank that failed wrote its error above;
+    one killed by a signal (code 128 + its number) wrote nothing, and only the
+    launcher's own message names it."""
+    killer = next((signum for signum in signal.Signals if code == 128 + signum), None)
+    if killer is None:
+        return f"the ranks exited with code {code}; the failing rank's error is above"
+    oom = " (the kernel's out-of-memory killer sends it: see `dmesg`)" if killer == signal.SIGKILL else ""
+    return (f"the ranks exited with code {code}: a rank was killed by {killer.name}{oom}; {launcher}'s message "
+            "above names it")
 
 
 def append_to_log() -> None:
@@ -157,7 +193,9 @@ def start_attempt(folder: TrainFolder, resume_from: str | None) -> None:
               f"events are moved to {previous}, and training starts at step 0", file=sys.stderr, flush=True)
     folder.finished.unlink(missing_ok=True)
     folder.stopped.unlink(missing_ok=True)
-    shutil.rmtree(folder.heartbeat, ignore_errors=True)  # only this attempt's ranks beat
+    # Only this attempt's ranks beat, and say that they are ready.
+    for attempt_only in (folder.heartbeat, folder.ready):
+        shutil.rmtree(attempt_only, ignore_errors=True)
 
 
 def _die_with_parent() -> None:
@@ -166,14 +204,25 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)
 
 
-def supervise(command: list[str], env: dict, lock) -> int:
-    """Run the MPI launcher to its end. A stop signal to this launcher, or the end of
-    the Snakemake that started it, reaches the ranks as SIGUSR1; the launcher is
-    killed GRACE_S later if it has not ended. Returns its exit code, or 128 + the
-    signal received."""
-    received: list[int] = []
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, lambda signum, frame: received.append(signum))
+class Ranks:
+    """The ranks of this attempt that listen for stop signals: each writes a file
+    into `ready` once it has its handlers (stop.StopRequest.install)."""
+
+    def __init__(self, ready: Path, world_size: int):
+        self.ready, self.world_size = ready, world_size
+
+    def listening(self) -> int:
+        return len(list(self.ready.iterdir())) if self.ready.is_dir() else 0
+
+    def all_listen(self) -> bool:
+        return self.listening() >= self.world_size
+
+
+def supervise(command: list[str], env: dict, lock, received: list, ranks: Ranks) -> int:
+    """Run the MPI launcher to its end; returns its exit code. A stop signal to this
+    launcher (noted in `received`), or the end of the Snakemake that started it,
+    reaches the ranks as SIGUSR1 once they all listen for it; the launcher is
+    killed GRACE_S after the stop if it has not ended."""
     # A session of its own: a Ctrl-C or a signal to Snakemake's process group
     # reaches this launcher only, which asks the ranks to stop with a checkpoint.
     process = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=_die_with_parent,
@@ -181,25 +230,27 @@ def supervise(command: list[str], env: dict, lock) -> int:
     watched, forwarded, deadline = snakemake_chain(), False, None
     while True:
         try:
-            code = process.wait(timeout=0.5)
-            break
+            return process.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             pass
         gone = next((name for process, name in watched if not _alive(process)), None)
         if gone is not None and not received:
             print(f"ortflow train: {gone}, which started this launcher, exited", file=sys.stderr, flush=True)
             received.append(signal.SIGHUP)
-        if received and not forwarded:
-            print(f"ortflow train: {signal.Signals(received[0]).name}: the ranks finish their step, write a "
-                  f"checkpoint and stop (they are killed after {GRACE_S:.0f} s)", file=sys.stderr, flush=True)
+        if received and deadline is None:
+            held = "" if ranks.all_listen() else (
+                f"; held until every rank listens for it ({ranks.listening()} of {ranks.world_size} do)")
+            print(f"ortflow train: {received[0].name}: the ranks finish their step, write a checkpoint and stop "
+                  f"(they are killed after {GRACE_S:.0f} s){held}", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + GRACE_S
+        if received and not forwarded and ranks.all_listen():
             process.send_signal(signal.SIGUSR1)
-            forwarded, deadline = True, time.monotonic() + GRACE_S
+            forwarded = True
         if deadline is not None and time.monotonic() > deadline:
             print(f"ortflow train: the ranks did not stop within {GRACE_S:.0f} s; killing them", file=sys.stderr,
                   flush=True)
             os.killpg(process.pid, signal.SIGKILL)
-            deadline = None
-    return 128 + received[0] if received else code
+            deadline = math.inf
 
 
 def _alive(process) -> bool:

@@ -90,6 +90,15 @@ def captioned(name, category):
     )
 
 
+def reported_files():
+    """The files of every rule marked for the report (those of `captioned`)."""
+    from snakemake.io import is_flagged
+
+    return [
+        f for rule in workflow.rules for f in rule.output if is_flagged(f, "report")
+    ]
+
+
 def run_arguments():
     """The command-line arguments that chose this run, for the commands the
     summary prints: the Snakefile when `snakemake` would not find it here by

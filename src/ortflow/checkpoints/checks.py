@@ -8,10 +8,12 @@ they changed. What keeps such a checkpoint from reading outside its folder,
 exhausting memory or reaching ONNX Runtime with arrays that do not fit the model
 are these checks, each failure a CheckpointError naming the file:
 
-- manifest.json names each shard by its plain file name in the folder
-  (`shard-RRRRR-of-WWWWW.h5`: no separator, no `..`), with its size and sha256;
-- a shard is a regular file (not a symbolic link, device or FIFO), opened
-  without following links, of the size the manifest gives, before it is hashed;
+- manifest.json is a regular file, and names every file it lists by its plain
+  file name in the folder (each shard `shard-RRRRR-of-WWWWW.h5`, the history
+  `history.json`: no separator, no `..`), with its size and sha256;
+- every file it lists is a regular file (not a symbolic link, device or FIFO),
+  opened without following links, of the size the manifest gives, before it is
+  hashed; the history is then a JSON object of `train` and `eval` lists;
 - inside a shard every dataset is a one-dimensional array stored in the file
   itself (no link to another file, no external storage), of a float type, as
   long as the manifest's slice of it and no larger than the file;
@@ -44,50 +46,67 @@ FLOAT_KINDS = ("float16", "float32", "float64", "bfloat16")
 MOMENTS = {"adamw": {"momentum0", "momentum1"}, "sgd": {"momentum0"}}
 
 
-def check_manifest(manifest, where: Path, expected_files: list[str]) -> list[dict]:
-    """The manifest's shard entries, checked: file names, sizes, checksums, slices."""
+def check_manifest(manifest, where: Path, expected_files: list[str], history: str) -> list[dict]:
+    """The manifest's shard entries, checked: file names, sizes, checksums, slices;
+    and its entry of the history file, if it has one, named `history`."""
     shards = manifest.get("shards")
     if not (_is_count(manifest.get("step")) and isinstance(manifest.get("checkpoint_id"), str)):
         raise CheckpointError(f"{where}: needs step (a count) and checkpoint_id (a string)")
     if not isinstance(shards, list) or len(shards) != len(expected_files):
         raise CheckpointError(f"{where}: 'shards' must list {len(expected_files)} shards (its world_size)")
     for entry, expected in zip(shards, expected_files):
-        name = entry.get("file") if isinstance(entry, dict) else entry
-        if name != expected:
-            raise CheckpointError(f"{where}: shard file {name!r} is not allowed; a shard is named by its plain file "
-                                  f"name in the checkpoint folder ({expected!r} here)")
+        check_listed(entry, expected, where, "shard file", "a shard")
         slices = entry.get("parameters")
-        if not (_is_count(entry.get("bytes")) and isinstance(entry.get("sha256"), str)
-                and SHA256.fullmatch(entry["sha256"]) and isinstance(slices, dict)
-                and all(isinstance(r, list) and len(r) == 2 and all(map(_is_count, r)) and r[0] <= r[1]
-                        for r in slices.values())):
-            raise CheckpointError(f"{where}: the entry of {expected} needs bytes (a count), sha256 (64 hex digits) "
-                                  "and parameters ({name: [start, stop]})")
+        if not (isinstance(slices, dict) and all(isinstance(r, list) and len(r) == 2 and all(map(_is_count, r))
+                                                 and r[0] <= r[1] for r in slices.values())):
+            raise CheckpointError(f"{where}: the entry of {expected} needs parameters ({{name: [start, stop]}})")
+    if manifest.get("history") is not None:
+        check_listed(manifest["history"], history, where, "history file", "the history")
     return shards
+
+
+def check_listed(entry, expected: str, where: Path, kind: str, named: str) -> None:
+    """An entry of a file the manifest lists: its plain file name `expected`, its size and sha256."""
+    name = entry.get("file") if isinstance(entry, dict) else entry
+    if name != expected:
+        raise CheckpointError(f"{where}: {kind} {name!r} is not allowed; {named} is named by its plain file "
+                              f"name in the checkpoint folder ({expected!r} here)")
+    if not (_is_count(entry.get("bytes")) and isinstance(entry.get("sha256"), str)
+            and SHA256.fullmatch(entry["sha256"])):
+        raise CheckpointError(f"{where}: the entry of {expected} needs bytes (a count) and sha256 (64 hex digits)")
 
 
 def _is_count(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def open_shard(file: Path, entry: dict, listed: int) -> BinaryIO:
-    """The shard `file`, opened without following a link, once it is known to be a
-    regular file of the manifest's size (a link to /dev/zero would be read forever)."""
+def open_listed(file: Path, kind: str, missing: str) -> BinaryIO:
+    """`file` (a shard, the manifest, a file the manifest lists: `kind`), opened
+    without following a link, once it is known to be a regular file (a link to
+    /dev/zero would be read forever). `missing` says why it should be there."""
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
-        raise CheckpointError(f"shard {file} is missing (manifest.json lists {listed} shards)") from None
+        raise CheckpointError(f"{kind} {file} is missing ({missing})") from None
     except OSError as error:
         reason = "is a symbolic link" if error.errno == errno.ELOOP else f"cannot be opened ({error.strerror})"
-        raise CheckpointError(f"shard {file} {reason}; a shard must be a regular file in its checkpoint "
+        raise CheckpointError(f"{kind} {file} {reason}; a {kind} must be a regular file in its checkpoint "
                               "folder") from None
     handle = os.fdopen(fd, "rb")
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         handle.close()
-        raise CheckpointError(f"shard {file} is not a regular file; a shard must be a regular file in its "
+        raise CheckpointError(f"{kind} {file} is not a regular file; a {kind} must be a regular file in its "
                               "checkpoint folder")
     return handle
+
+
+def check_history(history, file: Path) -> dict:
+    """The metrics logged up to the checkpoint, as Metrics takes them: {"train": [...], "eval": [...]}."""
+    if not (isinstance(history, dict) and all(isinstance(history.get(key), list) for key in ("train", "eval"))):
+        raise CheckpointError(f"history file {file}: not the metrics of a run (a JSON object of 'train' and 'eval' "
+                              "lists)")
+    return history
 
 
 def sha256_of(handle: BinaryIO, limit: int) -> tuple[str, int]:

@@ -3,8 +3,6 @@ identity (damaged ones skipped with a warning), or the one train.resume_from nam
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,15 +28,9 @@ def load_state(resume: Resume, model: Path | None = None):
 
 
 def read_history(resume: Resume) -> dict | None:
-    """The metrics logged up to the checkpoint `resume`, checked against its manifest (None if it has none)."""
-    entry = resume.meta.get("history")
-    if not entry:
-        return None
-    file = resume.path / entry["file"]
-    data = file.read_bytes() if file.is_file() else b""
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
-        raise CheckpointError(f"{file}: missing or damaged (its checksum does not match {MANIFEST})")
-    return json.loads(data)
+    """The metrics logged up to the checkpoint `resume`, verified against its manifest like its shards
+    (store.read_checkpoint; None if it has none)."""
+    return (resume.checkpoint or read_checkpoint(resume.path)).history
 
 
 def find_resume(root: Path, identity: dict, identity_digest: str, resume_from: str | None,
@@ -78,9 +70,7 @@ def _resume_at(path: Path, identity: dict, identity_digest: str, steps: int, mod
         return f"another training identity ({', '.join(_differences(manifest['identity'], identity))})"
     if manifest["step"] > steps:
         return f"step {manifest['step']} is beyond train.steps {steps}"
-    resume = Resume(path, manifest["step"], manifest, read_checkpoint(path, model))
-    read_history(resume)  # checked now, so that a damaged one is skipped like a damaged shard
-    return resume
+    return Resume(path, manifest["step"], manifest, read_checkpoint(path, model))
 
 
 def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:

@@ -44,6 +44,7 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 from urllib.parse import quote, unquote
 
 import numpy as np
@@ -65,11 +66,13 @@ MAX_SHARDS = 99999  # shard names have five digits
 
 @dataclass
 class Checkpoint:
-    """A verified checkpoint folder: its manifest and the training state of all its shards."""
+    """A verified checkpoint folder: its manifest, the training state of all its shards
+    and the metrics logged up to its step (None if it has none)."""
 
     path: Path
     manifest: dict
     state: TrainingState = field(repr=False)
+    history: dict | None = field(default=None, repr=False)
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -228,6 +231,13 @@ def write_shard(folder: Path, state: TrainingState, attrs: dict) -> dict:
             "parameters": {n: [start, start + state.parameters[n].size] for n, (_, start) in state.slices.items()}}
 
 
+def write_history(folder: Path, history: dict) -> dict:
+    """Write the metrics logged so far into `folder`; their manifest entry."""
+    data = (json.dumps(history, allow_nan=False) + "\n").encode()
+    atomic.write_bytes(folder / HISTORY, data)
+    return {"file": HISTORY, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 def new_manifest(checkpoint_id: str, step: int, world_size: int, identity: dict, identity_digest: str,
               properties: dict, shards: list[dict]) -> dict:
     return {"checkpoint_id": checkpoint_id, "step": step, "world_size": world_size, "identity": identity,
@@ -258,9 +268,7 @@ def save(root: Path, step: int, state, comm, identity: dict, identity_digest: st
     if comm.rank == 0:
         manifest = new_manifest(checkpoint_id, step, comm.world_size, identity, identity_digest, full.properties, entries)
         if history is not None:
-            data = (json.dumps(history, allow_nan=False) + "\n").encode()
-            atomic.write_bytes(final / HISTORY, data)
-            manifest["history"] = {"file": HISTORY, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            manifest["history"] = write_history(final, history)
         write_json(final / MANIFEST, manifest)
         atomic.write_bytes(final / COMPLETE, b"")
         _prune(root, identity_digest, keep)
@@ -313,8 +321,8 @@ def read_best(root: Path) -> dict | None:
 
 def digest_of(folder: Path) -> str | None:
     try:
-        return json.loads((folder / MANIFEST).read_text())["identity_digest"]
-    except (OSError, ValueError, KeyError):
+        return _read_manifest(folder / MANIFEST)["identity_digest"]
+    except (CheckpointError, KeyError, TypeError):
         return None
 
 
@@ -325,10 +333,20 @@ def manifest_of(path: Path) -> dict:
     if not (path / COMPLETE).exists() or not (path / MANIFEST).exists():
         missing = COMPLETE if not (path / COMPLETE).exists() else MANIFEST
         raise CheckpointError(f"checkpoint {path} is incomplete (no {missing}): its run stopped while writing it")
+    return _read_manifest(path / MANIFEST)
+
+
+def _read_manifest(file: Path) -> dict:
+    """manifest.json, a regular file (a link to /dev/zero would be read forever) holding a JSON object."""
+    with checks.open_listed(file, "manifest", "every checkpoint folder has one") as handle:
+        data = handle.read()
     try:
-        return json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path / MANIFEST}: not readable as JSON ({error}): the file is damaged") from None
+        manifest = json.loads(data)
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(f"{file}: not readable as JSON ({error}): the file is damaged") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"{file}: not a JSON object: the file is damaged")
+    return manifest
 
 
 def read_checkpoint(path: Path, model: Path | None = None) -> Checkpoint:
@@ -341,33 +359,47 @@ def read_checkpoint(path: Path, model: Path | None = None) -> Checkpoint:
     if not (isinstance(world_size, int) and 1 <= world_size <= MAX_SHARDS):
         raise CheckpointError(f"{path / MANIFEST}: world_size {world_size!r} is not a shard count (1..{MAX_SHARDS})")
     names = [shard_name(rank, world_size) for rank in range(world_size)]
-    entries = checks.check_manifest(manifest, path / MANIFEST, names)
+    entries = checks.check_manifest(manifest, path / MANIFEST, names, HISTORY)
     for stray in sorted(path.glob("shard-*.h5")):
         if stray.name not in names:
             raise CheckpointError(f"shard {stray}: not part of this checkpoint (its {MANIFEST} lists "
                                   f"{manifest['world_size']} shards of step {manifest['step']}): shards of two "
                                   "checkpoints are mixed")
     parts = [_checked_shard(path / entry["file"], entry, manifest) for entry in entries]
+    history = _checked_history(path, manifest)
     checks.check_parts(parts, names, path)
     if model is not None:
         model = Artifacts(model).checkpoint if Path(model).is_dir() else Path(model)
         optimizer = (manifest.get("identity") or {}).get("optimizer", {}).get("name")
         checks.check_against_model(parts, read_ort_checkpoint(model), optimizer, path, model)
-    return Checkpoint(path, manifest, assemble(parts, path))
+    return Checkpoint(path, manifest, assemble(parts, path), history)
+
+
+def _open_verified(file: Path, entry: dict, kind: str, missing: str, refuse) -> BinaryIO:
+    """A file the manifest lists (its `entry`), opened by checks.open_listed, once its
+    size (checked before it is read) and then its sha256 (hashed in blocks) are the
+    entry's; `refuse(handle, message)` raises otherwise."""
+    handle = checks.open_listed(file, kind, missing)
+    try:
+        size = os.fstat(handle.fileno()).st_size
+        if size != entry["bytes"]:
+            refuse(handle, f"{kind} {file}: {size} bytes, {MANIFEST} says {entry['bytes']}: the file is damaged")
+        digest, _ = checks.sha256_of(handle, size)
+        if digest != entry["sha256"]:
+            refuse(handle, f"{kind} {file}: checksum mismatch (sha256 {digest}, {MANIFEST} says "
+                           f"{entry['sha256']}): the file is damaged")
+    except BaseException:
+        handle.close()
+        raise
+    return handle
 
 
 def _checked_shard(file: Path, entry: dict, manifest: dict) -> TrainingState:
-    """One shard: a regular file of the manifest's size (checked before it is read),
-    with the manifest's sha256 (hashed in blocks), then its datasets."""
-    with checks.open_shard(file, entry, manifest["world_size"]) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size != entry["bytes"]:
-            _refuse_changed_shard(handle, file, manifest, f"shard {file}: {size} bytes, {MANIFEST} says "
-                                                          f"{entry['bytes']}: the file is damaged")
-        digest, _ = checks.sha256_of(handle, size)
-        if digest != entry["sha256"]:
-            _refuse_changed_shard(handle, file, manifest, f"shard {file}: checksum mismatch (sha256 {digest}, "
-                                                          f"{MANIFEST} says {entry['sha256']}): the file is damaged")
+    """One shard, verified against its manifest `entry`, then its datasets."""
+    def refuse(handle, damaged: str) -> None:
+        _refuse_changed_shard(handle, file, manifest, damaged)
+
+    with _open_verified(file, entry, "shard", f"{MANIFEST} lists {manifest['world_size']} shards", refuse) as handle:
         return read_shard(handle, entry, file)[1]
 
 
@@ -386,6 +418,26 @@ def _refuse_changed_shard(handle, file: Path, manifest: dict, damaged: str) -> N
             f"than its {MANIFEST} (step {manifest['step']}, id {manifest['checkpoint_id']}): shards of two "
             "checkpoints are mixed")
     raise CheckpointError(damaged)
+
+
+def _checked_history(path: Path, manifest: dict) -> dict | None:
+    """The metrics logged up to the checkpoint `path`, verified like a shard
+    against the manifest's entry of them (None if it has none)."""
+    entry = manifest.get("history")
+    if entry is None:
+        return None
+    file = path / entry["file"]
+
+    def refuse(handle, damaged: str) -> None:
+        raise CheckpointError(damaged)
+
+    with _open_verified(file, entry, "history file", f"{MANIFEST} lists it", refuse) as handle:
+        data = handle.read()
+    try:
+        history = json.loads(data)
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(f"history file {file}: not readable as JSON ({error})") from None
+    return checks.check_history(history, file)
 
 
 def load_parameters(path: Path) -> dict:

@@ -1,7 +1,7 @@
 """BatchNorm in ortflow's graphs: batch statistics and updated running
 statistics in training, the running statistics in evaluation and export.
 
-torch exports a module in training mode (graphs.export_torch), so each BatchNorm
+torch exports a module in training mode (build_artifacts.export_torch), so each BatchNorm
 is `BatchNormalization(x, scale, bias, running_mean, running_var)` with
 `training_mode=1` and three outputs: y, and the running mean and variance
 updated with torch's momentum (ONNX's `momentum` is 1 - torch's). The running

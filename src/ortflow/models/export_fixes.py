@@ -28,6 +28,15 @@ nn.Embedding(padding_idx=0) against torch (tests/test_torch_layers.py):
    outputs stay torch's because that row is zero (nn.Embedding zeroes it and a
    zero gradient keeps it zero; `check_embeddings` refuses a module whose
    padding row is not zero).
+
+And one for any module that stays in eval mode while it is exported (one whose
+`train()` keeps it there; torch.onnx asks for training mode, not more):
+
+5. torch.onnx's initializer deduplication then merges parameters and buffers
+   of equal value, not only those that share memory: in a fresh module two
+   BatchNorms' weights (ones) and biases (zeros), or two zero Linear biases,
+   become one initializer, the others an Identity of it, and would train as
+   one. `untie_initializers` gives each its own initializer again.
 """
 
 from __future__ import annotations
@@ -146,6 +155,31 @@ def give_dropout_its_mask(model) -> int:
         node.output.append(f"{node.output[0]}_mask")
         fixed += 1
     return fixed
+
+
+def untie_initializers(model, module) -> list[str]:
+    """Give each parameter and buffer of the torch `module` that the export merged
+    into another of equal value (an `Identity` of the initializer kept) its own
+    initializer again, with its value; one shared on purpose (the same memory,
+    e.g. a head tied to the embedding) stays shared. Returns the names untied."""
+    from onnx import numpy_helper
+
+    tensors = dict(module.named_parameters()) | dict(module.named_buffers())
+    initializers = {t.name for t in model.graph.initializer}
+
+    def merged(node) -> bool:
+        if node.op_type != "Identity" or node.output[0] not in tensors or node.input[0] not in initializers:
+            return False
+        kept = tensors.get(node.input[0])
+        return kept is None or kept.data_ptr() != tensors[node.output[0]].data_ptr()
+
+    untied = [node.output[0] for node in model.graph.node if merged(node)]
+    nodes = [node for node in model.graph.node if not merged(node)]
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
+    model.graph.initializer.extend(numpy_helper.from_array(tensors[name].detach().cpu().numpy(), name)
+                                   for name in untied)
+    return untied
 
 
 def unsupported_operator(error: Exception, module: str, opset: int) -> ModelError:

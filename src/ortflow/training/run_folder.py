@@ -7,6 +7,7 @@ artifacts: the launcher, the ranks, the merge and report rules all read it here.
     tensorboard/   TensorBoard's event files, written by rank 0
     profile/       ONNX Runtime's profiler traces of train.profile_steps, one pair per rank
     heartbeat/     each rank's last step and phase, read by the collective watchdog (comm.py)
+    ready/         a file per rank that listens for stop signals (stop.py), which the launcher waits for
     attempt.lock   held while an attempt runs: a second one is refused
     STOPPED        {"signal", "step"}: the last attempt stopped on a signal, after a checkpoint
     FINISHED       {"steps"}: the last attempt trained to the end
@@ -31,6 +32,7 @@ class TrainFolder:
         self.tensorboard = self.folder / "tensorboard"
         self.profile = self.folder / "profile"
         self.heartbeat = self.folder / "heartbeat"
+        self.ready = self.folder / "ready"
         self.lock = self.folder / "attempt.lock"
         self.stopped = self.folder / "STOPPED"
         self.finished = self.folder / "FINISHED"

@@ -4,10 +4,14 @@ SIGTERM, SIGINT or SIGUSR1 to any rank asks the run to stop. A rank only notes
 the signal; the all-reduce that already sums each step's loss carries the notes
 too (one count per reason), so every rank learns at the same step that some rank
 was asked, finishes that step, and the ranks write a checkpoint together, note
-the stop in the run's train/STOPPED and end; `ortflow train` then exits with
+the stop in the training folder's STOPPED (run_folder.py) and end; `ortflow train` then exits with
 128 + the signal's number. `ortflow train` passes the signals it gets on to
 the ranks as SIGUSR1: Open MPI 5's mpirun kills its ranks 0.5 s after a SIGTERM
 or SIGINT (SIGCONT, SIGTERM, SIGKILL: measured), but forwards SIGUSR1 untouched.
+SIGUSR1 kills a process that has no handler for it yet (a rank still starting
+Python), so each rank says when it has one (a file in the training folder's
+ready/), and `ortflow train` holds a
+stop until every rank does.
 
 A rank whose parent (mpirun, or srun's step daemon) went away stops the same
 way, as if hung up on (SIGHUP), and ends by itself at the latest GRACE_S later.
@@ -17,8 +21,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
+from pathlib import Path
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # The reasons to stop, in the order of the counts in the all-reduce and of
@@ -28,7 +34,6 @@ REASONS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
 # exited; `ortflow train` kills them after that. Slurm sends SIGKILL KillWait
 # (default 30 s) after SIGTERM: this leaves 10 s of that for everything else.
 GRACE_S = 20.0
-STOPPED = "STOPPED"  # in the run's train/ folder: {"signal", "step"} of a stop
 
 
 class Stopped(Exception):
@@ -46,11 +51,14 @@ class StopRequest:
         self.reason: signal.Signals | None = None
         self.parent = os.getppid()
 
-    def install(self) -> "StopRequest":
-        """Note the stop signals instead of dying of them, and watch the parent process."""
+    def install(self, ready: Path) -> "StopRequest":
+        """Note the stop signals instead of dying of them, watch the parent process,
+        and say so with a file in the folder `ready` (the training folder's ready/)."""
         for signum in STOP_SIGNALS:
             signal.signal(signum, self._note)
         threading.Thread(target=self._watch_parent, daemon=True).start()
+        ready.mkdir(parents=True, exist_ok=True)
+        (ready / f"{socket.gethostname()}-{os.getpid()}").touch()
         return self
 
     def _note(self, signum, frame) -> None:

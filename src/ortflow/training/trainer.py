@@ -231,7 +231,9 @@ def baselines(info: dict, train_reader: ShardReader, eval_reader: ShardReader) -
 def main(argv: list[str] | None = None) -> int:
     """One rank. Its one argument is the JSON that `ortflow train` (train.py, whose
     command line is the only one) writes: {"config", "train", "eval", "artifacts", "out"}."""
-    stop = StopRequest().install()  # first: a stop request during the imports is kept too
+    job = json.loads((argv or sys.argv[1:])[0])
+    folder = TrainFolder(job["out"])
+    stop = StopRequest().install(folder.ready)  # first: a stop during the imports is kept too
 
     from mpi4py import MPI
 
@@ -240,12 +242,10 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
     quiet_logging()
     try:
-        job = json.loads((argv or sys.argv[1:])[0])
         config = config_mod.validate(job["config"])
         if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
             cuda_libraries.preload()
-        Trainer(config, Path(job["train"]), Path(job["eval"]), Artifacts(job["artifacts"]), TrainFolder(job["out"]),
-                stop).run()
+        Trainer(config, Path(job["train"]), Path(job["eval"]), Artifacts(job["artifacts"]), folder, stop).run()
     except Stopped:
         # Every rank stops here together, without MPI_Abort.
         logging.shutdown()
