@@ -10,9 +10,11 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+import pytest
 from onnxruntime.training.api import CheckpointState
 
 from conftest import run_snakemake
+from ortflow.data.shards import ShardReader
 
 SQUEEZENET = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light" / "light_squeezenet.onnx"
 
@@ -40,7 +42,7 @@ def test_model_zoo_squeezenet_trains_as_shipped(workdir):
     assert "ONNX opset 9 converted to 16 by onnx's version converter" in build_log
     assert "52 initializers listed as graph inputs (IR version < 4 style) are initializers only" in build_log
     assert "fixed batch dimension of 'data_0' [1, 3, 224, 224], 'softmaxout_1' [1, 1000, 1, 1] made dynamic" in build_log
-    assert "the output 'softmaxout_1' comes from Softmax node" in build_log
+    assert "the model's output 'softmaxout_1' comes from Softmax node 'n65', so it is probabilities" in build_log
     # Its convolution weights are ConstantOfShape nodes (all 0.02), so its 1000 class
     # scores stay equal and the loss log(1000) whatever it learns; its biases train.
     history = json.loads((workdir / "results/zoo/train/metrics.json").read_text())["history"]["train"]
@@ -91,3 +93,109 @@ def test_model_zoo_resnet50_is_adapted_then_stops_in_ort_backward(tmp_path):
                             "'AccumulateGrad_r161_grad' (Sum) on a batch of 4 records: "), error
     assert error.endswith("freeze the parameters before that node (model.frozen) or replace the operator it "
                           "differentiates"), error
+
+
+def test_model_zoo_squeezenet_converted_to_opset_16_keeps_ir_3_and_trains_on_a_flat_label(workdir):
+    """The same SqueezeNet converted by the user with onnx's version converter, which keeps IR version 3
+    (ONNX's checker then refused it: `conv10_b_0__SHAPE in initializer but not in graph input`), trained on
+    a flat label against its [N, 1000, 1, 1] Softmax output (ONNX Runtime's loss failed on the shapes):
+    the IR version is raised, the loss reads the Softmax's input, and the exported and int8 models return
+    the Softmax's probabilities in the model's own shape."""
+    import onnxruntime as ort
+    from onnx import version_converter
+
+    converted = version_converter.convert_version(onnx.load(str(SQUEEZENET)), 16)
+    assert (converted.ir_version, converted.opset_import[0].version) == (3, 16)
+    workdir.mkdir(parents=True)
+    onnx.save(converted, str(workdir / "squeezenet16.onnx"))
+    rng = np.random.default_rng(0)
+    np.savez(workdir / "images.npz", data_0=rng.random((16, 3, 224, 224), dtype=np.float32), y=np.arange(16) % 2)
+    config = {
+        "run": {"name": "zoo16"},
+        "data": {"source": "images.npz", "features": ["data_0"], "eval_fraction": 0.25, "shards": 1},
+        "model": {"kind": "onnx", "path": "squeezenet16.onnx"},
+        "train": {"steps": 2, "micro_batch_size": 2, "log_every": 1, "eval_every": 2, "checkpoint_every": 2},
+        "export": {"calibration_batches": 1},
+    }
+    run_snakemake(workdir, config)
+    build_log = (workdir / "logs/zoo16/build_artifacts.log").read_text()
+    assert "squeezenet16.onnx: IR version 3 raised to 8 (what ONNX opset 16 needs)" in build_log
+    description = json.loads((workdir / "results/zoo16/artifacts/model.json").read_text())
+    logits = description["outputs"]["logits"]
+    assert description["outputs"]["inference"] == "softmaxout_1" and logits != "softmaxout_1"
+    assert (f"the model's output 'softmaxout_1' comes from Softmax node 'n65', so it is probabilities: model.loss "
+            f"cross_entropy is computed on the Softmax's input '{logits}' (its logits), and the exported model "
+            "keeps the Softmax") in build_log
+    training = onnx.load(str(workdir / "results/zoo16/artifacts/training_model.onnx"))
+    loss_node = next(node for node in training.graph.node if node.op_type == "SoftmaxCrossEntropyLoss")
+    assert loss_node.input[0] == logits
+    metrics = json.loads((workdir / "results/zoo16/train/metrics.json").read_text())
+    assert metrics["eval"]["accuracy"] in (0.0, 0.25, 0.5, 0.75, 1.0)  # 4 eval records
+    quantized = json.loads((workdir / "results/zoo16/export/metrics.json").read_text())
+    assert quantized["quantize"] == "static" and quantized["int8"]["loss"] == pytest.approx(np.log(1000), abs=1e-3)
+    images = rng.random((3, 3, 224, 224), dtype=np.float32)
+    for name in ("model.onnx", "model.int8.onnx"):
+        path = workdir / "results/zoo16/export" / name
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        assert [o.name for o in session.get_outputs()] == ["softmaxout_1"]
+        probabilities = session.run(None, {"data_0": images})[0]
+        assert probabilities.shape == (3, 1000, 1, 1)
+        np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, rtol=1e-5)
+
+
+def write_softmax_mlp(path: Path, classes: int = 10) -> None:
+    """64 -> 32 -> classes, then Unsqueeze to [N, classes, 1, 1] and Softmax over axis 1:
+    a classifier that returns probabilities in the layout of a pooled CNN's."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    initializers = [numpy_helper.from_array((rng.standard_normal((64, 32)) * 0.18).astype(np.float32), "w0"),
+                    numpy_helper.from_array(np.zeros(32, np.float32), "b0"),
+                    numpy_helper.from_array((rng.standard_normal((32, classes)) * 0.25).astype(np.float32), "w1"),
+                    numpy_helper.from_array(np.zeros(classes, np.float32), "b1"),
+                    numpy_helper.from_array(np.array([2, 3], np.int64), "pool_axes")]
+    nodes = [helper.make_node("MatMul", ["x", "w0"], ["mm0"]), helper.make_node("Add", ["mm0", "b0"], ["pre0"]),
+             helper.make_node("Relu", ["pre0"], ["h0"]), helper.make_node("MatMul", ["h0", "w1"], ["mm1"]),
+             helper.make_node("Add", ["mm1", "b1"], ["scores"]),
+             helper.make_node("Unsqueeze", ["scores", "pool_axes"], ["pooled"]),
+             helper.make_node("Softmax", ["pooled"], ["probabilities"], axis=1, name="softmax")]
+    graph = helper.make_graph(nodes, "softmax_mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 64])],
+                              [helper.make_tensor_value_info("probabilities", TensorProto.FLOAT, ["n", classes, 1, 1])],
+                              initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+
+
+def test_a_final_softmax_is_trained_through_its_input_and_kept_in_the_export(workdir):
+    """Digits through a classifier that ends in Softmax, with [N, 10, 1, 1] outputs against the flat label:
+    cross-entropy on its input (squeezed to [N, 10]) learns (on the probabilities it would be stuck above
+    log(10) - 1 + ...), and the eval loss is the cross-entropy of the exported model's probabilities."""
+    import onnxruntime as ort
+
+    workdir.mkdir(parents=True)
+    write_softmax_mlp(workdir / "softmax_mlp.onnx")
+    config = {"run": {"name": "softmax"}, "data": {"standardize": True},
+              "model": {"kind": "onnx", "path": "softmax_mlp.onnx"},
+              "train": {"steps": 100, "eval_every": 100, "checkpoint_every": 100, "optimizer": {"lr": 0.01}},
+              "export": {"max_accuracy_drop": 5}}
+    run_snakemake(workdir, config)
+    build_log = (workdir / "logs/softmax/build_artifacts.log").read_text()
+    assert ("the model's output 'probabilities' comes from Softmax node 'softmax', so it is probabilities: "
+            "model.loss cross_entropy is computed on the Softmax's input 'pooled' (its logits)") in build_log
+    assert ("the model's logits 'pooled' are [batch, 10, 1, 1] and the data's label 'y' is [batch]: the logits "
+            "are reshaped to [batch, 10] for model.loss cross_entropy") in build_log
+    results = workdir / "results/softmax"
+    evaluation = json.loads((results / "train/metrics.json").read_text())["eval"]
+    assert evaluation["loss"] < 0.5 and evaluation["accuracy"] > 0.85, evaluation
+    reader = ShardReader(results / "data/eval")
+    batch = ShardReader(results / "data/eval", raw=True).gather(np.arange(len(reader)))  # the export standardizes
+    session = ort.InferenceSession(str(results / "export/model.onnx"), providers=["CPUExecutionProvider"])
+    assert [o.name for o in session.get_outputs()] == ["probabilities"]
+    probabilities = session.run(None, {"x": batch["x"]})[0]
+    assert probabilities.shape == (len(reader), 10, 1, 1)
+    picked = probabilities[np.arange(len(reader)), batch["y"], 0, 0].astype(np.float64)
+    assert -np.log(picked).mean() == pytest.approx(evaluation["loss"], rel=1e-4)
+    assert (probabilities[:, :, 0, 0].argmax(axis=1) == batch["y"]).mean() == pytest.approx(evaluation["accuracy"])
+    quantized = json.loads((results / "export/metrics.json").read_text())
+    assert quantized["fp32"]["loss"] == pytest.approx(evaluation["loss"], rel=1e-4)

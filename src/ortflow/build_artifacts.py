@@ -33,6 +33,7 @@ from .artifacts import Artifacts
 from .errors import MissingInputError, ModelError
 from .sessions import quiet_logging
 from .models import CLASS_LOSSES, LOGITS, batchnorm
+from .models.logits import Logits, find as find_logits
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -190,12 +191,13 @@ def check_interface(base, manifest: dict) -> None:
         )
 
 
-def loss_block(loss: str, label: dict):
+def loss_block(loss: str, label: dict, logits: Logits):
     """ORT's loss block behind a label input that has the data's name, dtype
     and shape ([batch, *label shape]); ORT's own blocks would derive the label's
     shape from the logits, which is wrong for [batch, classes, time] logits.
     The label is cast to the type the loss wants (integer 0/1 labels to float
-    for bce_with_logits; a no-op otherwise)."""
+    for bce_with_logits; a no-op otherwise). Logits that differ from the label's
+    layout in size-1 dimensions only are reshaped to it (models/logits.py)."""
     import onnx
     from onnxruntime.training import onnxblock
 
@@ -211,6 +213,14 @@ def loss_block(loss: str, label: dict):
             )
 
         def build(self, logits_name: str):
+            if logits.reshape:  # Reshape's 0 keeps the batch (and classes) as they are: [N, C, 1, 1] -> [N, C]
+                dims = f"{logits_name}.label_layout_shape"
+                kept = [0, 0] if loss in CLASS_LOSSES else [0]
+                self.base.graph.initializer.append(
+                    onnx.numpy_helper.from_array(np.array([*kept, *label["shape"]], np.int64), dims))
+                squeezed = f"{logits_name}.label_layout"
+                self.base.graph.node.append(onnx.helper.make_node("Reshape", [logits_name, dims], [squeezed]))
+                logits_name = squeezed
             elem_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(label["dtype"]))
             shape = ["batch", *label["shape"]]
             self.base.graph.input.append(onnx.helper.make_tensor_value_info(label["name"], elem_type, shape))
@@ -245,7 +255,7 @@ def optimizer_block(optimizer: dict):
     return block
 
 
-def generate(base, trainable, frozen, loss, label, optimizer, out: Path) -> None:
+def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits: Logits) -> None:
     import onnx
     from onnxruntime.training import artifacts, onnxblock
 
@@ -258,10 +268,11 @@ def generate(base, trainable, frozen, loss, label, optimizer, out: Path) -> None
             base,
             requires_grad=trainable,
             frozen_params=frozen,
-            loss=loss_block(loss, label),
+            loss=loss_block(loss, label, logits),
             optimizer=optimizer_block(optimizer),
             artifact_directory=out,
-            additional_output_names=[base.graph.output[0].name],
+            loss_input_names=[logits.name],
+            additional_output_names=[logits.name],
         )
     except Exception as error:
         raise explain_generation_error(error, base) from error
@@ -372,7 +383,7 @@ def embedding_tables(base, trainable: list[str]) -> list[str]:
     return [name for name in trainable if name in tables]
 
 
-def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str) -> dict:
+def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logits: Logits) -> dict:
     import onnx
 
     training = onnx.load(str(Artifacts(out).training_model), load_external_data=False)
@@ -386,7 +397,10 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str) -> d
         "num_classes": manifest["num_classes"],
         "inputs": [{"name": f["name"], "dtype": f["dtype"], "shape": ["batch", *f["shape"]]} for f in manifest["features"]],
         "label": {"name": label["name"], "dtype": label["dtype"], "shape": ["batch", *label["shape"]]},
-        "outputs": {"loss": training.graph.output[0].name, "logits": base.graph.output[0].name},
+        # The graphs return the loss and the logits; the inference model returns the model's own output,
+        # which differs from the logits after a final Softmax (models/logits.py).
+        "outputs": {"loss": training.graph.output[0].name, "logits": logits.name,
+                    "inference": base.graph.output[0].name},
         "parameters": sum(sizes.values()),
         "trainable_parameters": sum(sizes[n] for n in trainable),
         "trainable": trainable,
@@ -411,12 +425,13 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
         check_interface(base, manifest)
         trainable, frozen = split_parameters(base, model, torch_trainable)
         batchnorm.check_trainable(base, trainable)
+        logits = find_logits(base, loss, manifest)
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
                  len(frozen))
-        generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp)
+        generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp, logits)
         running_stats = batchnorm.adapt(tmp)
         smoke_step(tmp, train_dir, manifest)
-        description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"]) | {
+        description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"], logits) | {
             "running_stats": running_stats
         }
         Artifacts(tmp).model_json.write_text(json.dumps(description, indent=2) + "\n")

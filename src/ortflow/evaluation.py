@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from .data.shards import ShardReader
+from .models import CLASS_LOSSES
 
 
 def feeds(batch: dict, input_names: list[str], label_input: str, data_label: str) -> list[np.ndarray]:
@@ -23,14 +24,30 @@ def outputs_of(result) -> tuple[float, np.ndarray | None]:
     return float(result), None
 
 
-def batch_totals(loss: float, logits: np.ndarray | None, labels: np.ndarray, task: str) -> np.ndarray:
+def label_layout(logits: np.ndarray, labels: np.ndarray, loss: str) -> np.ndarray:
+    """The logits in the label's layout, as the loss takes them: [batch, classes,
+    *label dims] for cross-entropy, the label's shape for the other losses. A
+    model's logits may differ from it in size-1 dimensions ([N, 1000, 1, 1]
+    against a flat label), which the loss reshapes away too (models/logits.py)."""
+    if loss in CLASS_LOSSES:
+        return logits.reshape(len(labels), logits.shape[1], *labels.shape[1:])
+    return logits.reshape(labels.shape)
+
+
+def batch_totals(loss: float, logits: np.ndarray | None, labels: np.ndarray, info: dict) -> np.ndarray:
     """[loss sum, correct predictions, count] of one eval batch, to be summed
-    over batches (and ranks) and turned into results by `eval_results`."""
+    over batches (and ranks) and turned into results by `eval_results`. `info`
+    is model.json: its task and loss. A prediction is the class of the largest
+    logit (cross-entropy), or class 1 where the logit is positive (bce_with_logits
+    on two classes)."""
     # The loss is a mean over the batch's elements (samples, or tokens for a language model).
+    task = info["task"]
     n = labels.size if task != "regression" else len(labels)
     correct = 0.0
     if logits is not None and task != "regression":
-        correct = float((np.argmax(logits, axis=1) == labels).sum())
+        logits = label_layout(logits, labels, info["loss"])
+        predicted = np.argmax(logits, axis=1) if info["loss"] in CLASS_LOSSES else (logits > 0)
+        correct = float((predicted == labels).sum())
     return np.array([loss * n, correct, n], dtype=np.float64)
 
 
@@ -54,6 +71,6 @@ def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, dat
     totals = np.zeros(3)
     for batch in reader.eval_batches(comm.rank, comm.world_size, batch_size):
         loss, logits = outputs_of(module(*feeds(batch, names, info["label"]["name"], data_label)))
-        totals += batch_totals(loss, logits, batch[data_label], info["task"])
+        totals += batch_totals(loss, logits, batch[data_label], info)
     module.train()
     return eval_results(comm.allreduce_sum(totals), info["task"])

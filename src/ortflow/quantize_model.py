@@ -179,12 +179,13 @@ def quantize_once(source: Path, target: Path, how: str, op_types: list[str], exp
 
 def evaluate(path: Path, reader, info: dict, batch_size: int) -> dict:
     """What training's evaluation reports (`evaluation.eval_results`), for an inference model."""
-    session = inference_session(path)
+    logits_name = info["outputs"]["logits"]
+    session = inference_session(path, also=(logits_name,))
     totals = np.zeros(3)
     for batch in reader.eval_batches(0, 1, batch_size):
-        logits = session.run(None, input_feeds(session, batch))[0]
+        logits = session.run([logits_name], input_feeds(session, batch))[0]
         labels = batch[reader.label_name]
-        totals += batch_totals(loss_of(logits, labels, info["loss"]), logits, labels, info["task"])
+        totals += batch_totals(loss_of(logits, labels, info["loss"]), logits, labels, info)
     return eval_results(totals, info["task"])
 
 

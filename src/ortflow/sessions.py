@@ -33,8 +33,19 @@ def session_options(threads: int | None = None):
     return options
 
 
-def inference_session(path: Path, threads: int | None = None):
-    """An ONNX Runtime CPU session; `threads` pins the intra-op pool (1 for latency figures)."""
+def inference_session(path: Path, threads: int | None = None, also: tuple[str, ...] = ()):
+    """An ONNX Runtime CPU session; `threads` pins the intra-op pool (1 for latency figures).
+    `also` names tensors inside the graph to return besides its outputs (the logits of a
+    model that ends in a Softmax, model.json `outputs`), for `session.run` to ask for."""
+    import onnx
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+    model = str(path)
+    if also:
+        proto = onnx.load(str(path))
+        outputs = {o.name for o in proto.graph.output}
+        extra = [name for name in also if name not in outputs]
+        if extra:
+            proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in extra)
+            model = proto.SerializeToString()
+    return ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
