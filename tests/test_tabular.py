@@ -116,3 +116,34 @@ def test_regression_reports_the_predict_the_mean_baseline(workdir):
     assert f"  loss      {fmt(train['eval']['loss'], 'float')}" in result.stdout
     assert ("mean_baseline_mse", "baseline (eval split)", f"{shown} (predicting the train mean)") in summary_rows(
         train, None)
+
+
+def test_bce_with_logits_on_a_two_class_label_evaluates_and_exports(workdir):
+    """569 tumours, 30 unscaled features, a 0/1 label, with model.loss bce_with_logits (one logit per
+    record, as README documents for two classes): the first evaluation crashed every rank (`axis 1 is out
+    of bounds for array of dimension 1`). A record is predicted class 1 where its logit is positive."""
+    import onnxruntime as ort
+    from sklearn.datasets import load_breast_cancer
+
+    frame, features = write_csv(workdir, load_breast_cancer())
+    config = {"run": {"name": "cancer"}, "data": {"source": "data.csv", "features": features, "label": "target",
+                                                   "standardize": True},
+              "model": {"loss": "bce_with_logits"},
+              "train": {"steps": 30, "eval_every": 10, "checkpoint_every": 30}}
+    run_snakemake(workdir, config)
+    results = workdir / "results" / "cancer"
+    train = json.loads((results / "train" / "metrics.json").read_text())
+    assert [entry["step"] for entry in train["history"]["eval"]] == [10, 20, 30]
+    assert train["eval"]["accuracy"] > 0.9, train["eval"]  # chance: 63% (the larger class)
+
+    raw = frame[features].to_numpy(np.float32)
+    _, eval_rows = split_rows(len(frame), 0.2, SEED)
+    labels = frame["target"].to_numpy()[eval_rows]
+    session = ort.InferenceSession(str(results / "export" / "model.onnx"), providers=["CPUExecutionProvider"])
+    logits = session.run(None, {"x": raw[eval_rows]})[0]
+    assert logits.shape == (len(eval_rows),)
+    assert float(((logits > 0) == labels).mean()) == train["eval"]["accuracy"]
+    loss = loss_of(logits, labels, "bce_with_logits")
+    assert abs(loss - train["eval"]["loss"]) <= TOLERANCE["relative"] * train["eval"]["loss"] + 1e-6
+    quantized = json.loads((results / "export" / "metrics.json").read_text())
+    assert quantized["fp32"]["accuracy"] == train["eval"]["accuracy"] and "accuracy" in quantized["int8"]
