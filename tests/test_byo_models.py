@@ -6,6 +6,8 @@ and the light ResNet-50 beside it, which ONNX Runtime cannot differentiate."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -199,3 +201,71 @@ def test_a_final_softmax_is_trained_through_its_input_and_kept_in_the_export(wor
     assert (probabilities[:, :, 0, 0].argmax(axis=1) == batch["y"]).mean() == pytest.approx(evaluation["accuracy"])
     quantized = json.loads((results / "export/metrics.json").read_text())
     assert quantized["fp32"]["loss"] == pytest.approx(evaluation["loss"], rel=1e-4)
+
+
+def build_artifacts_cli(folder: Path, config: dict) -> subprocess.CompletedProcess:
+    """`ortflow prepare-data`, then `ortflow build-artifacts`, as a user runs them, in `folder`."""
+    import yaml
+
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+
+    def ortflow(*arguments: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "ortflow.cli", *arguments, "--config", "config.yaml"],
+                              cwd=folder, capture_output=True, text=True)
+
+    assert ortflow("prepare-data", "--train", "data/train", "--eval", "data/eval").returncode == 0
+    return ortflow("build-artifacts", "--train", "data/train", "--out", "artifacts")
+
+
+def iris_csv(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    import pandas as pd
+    from sklearn.datasets import load_iris
+
+    x, y = load_iris(return_X_y=True)
+    frame = pd.DataFrame(x, columns=["f0", "f1", "f2", "f3"]).assign(target=y)
+    frame.to_csv(folder / "iris.csv", index=False)
+    return x.astype(np.float32), y
+
+
+def test_a_scikit_learn_model_converted_to_onnx_is_refused_naming_its_operators(tmp_path):
+    """skl2onnx's LogisticRegression: ai.onnx.ml operators, no gradients, nothing trainable. It was sent to
+    onnx's version converter, and the message asked to re-export it at opset 16, which cannot help."""
+    from sklearn.linear_model import LogisticRegression
+    from skl2onnx import to_onnx
+
+    x, y = iris_csv(tmp_path)
+    onnx.save(to_onnx(LogisticRegression(max_iter=500).fit(x, y), x[:1]), str(tmp_path / "logreg.onnx"))
+    built = build_artifacts_cli(tmp_path, {
+        "data": {"source": "iris.csv", "features": ["f0", "f1", "f2", "f3"], "label": "target", "shards": 1},
+        "model": {"kind": "onnx", "path": "logreg.onnx"}})
+    assert built.returncode == 1 and not (tmp_path / "artifacts").exists()
+    assert built.stderr.strip().splitlines()[-1] == (
+        "ortflow build-artifacts: error: model.path: logreg.onnx has operators of the ai.onnx.ml domain "
+        "(LinearClassifier, Normalizer, ZipMap), as scikit-learn models converted to ONNX have; ONNX Runtime has no "
+        "gradients for them, so ortflow cannot train it (it trains networks of standard ONNX operators whose "
+        "weights are float initializers): fit it in scikit-learn, or train a network instead (model.kind: mlp, or "
+        "your own with model.kind: torch)")
+
+
+def test_a_model_without_float_initializers_is_refused_saying_so(tmp_path):
+    """Weights in a Constant node, none as initializers: nothing that ONNX Runtime could train."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    iris_csv(tmp_path)
+    weight = numpy_helper.from_array(np.ones((4, 3), np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["w"], value=weight), helper.make_node("MatMul", ["x", "w"], ["out"])],
+        "constant_weights", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n", 3])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    model.ir_version = 8
+    onnx.save(model, str(tmp_path / "constant.onnx"))
+    built = build_artifacts_cli(tmp_path, {
+        "data": {"source": "iris.csv", "features": ["f0", "f1", "f2", "f3"], "label": "target", "shards": 1},
+        "model": {"kind": "onnx", "path": "constant.onnx"}})
+    assert built.returncode == 1 and not (tmp_path / "artifacts").exists()
+    assert built.stderr.strip().splitlines()[-1] == (
+        "ortflow build-artifacts: error: model.path: constant.onnx has no float initializer, so nothing to train "
+        "(its weights, if any, are held in Constant nodes or node attributes); export the model with its weights as "
+        "initializers (torch.onnx.export(..., do_constant_folding=False) keeps parameters as initializers), or use "
+        "model.kind: torch")

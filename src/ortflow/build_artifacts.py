@@ -32,7 +32,7 @@ from . import atomic
 from .artifacts import Artifacts
 from .errors import MissingInputError, ModelError
 from .sessions import quiet_logging
-from .models import CLASS_LOSSES, LOGITS, batchnorm
+from .models import CLASS_LOSSES, LOGITS, batchnorm, is_float
 from .models.logits import Logits, find as find_logits
 
 log = logging.getLogger("ortflow.build_artifacts")
@@ -128,10 +128,7 @@ def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
 
 def float_initializers(base) -> dict[str, int]:
     """Name -> element count of the float initializers (the candidate parameters)."""
-    import onnx
-
-    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-    return {t.name: math.prod(t.dims) for t in base.graph.initializer if t.data_type in floats}
+    return {t.name: math.prod(t.dims) for t in base.graph.initializer if is_float(t)}
 
 
 def split_parameters(base, model: dict, torch_trainable: list[str] | None) -> tuple[list[str], list[str]]:
@@ -423,9 +420,9 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
     with atomic.folder(out) as tmp:
         base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], Artifacts(tmp).base_model)
         check_interface(base, manifest)
+        logits = find_logits(base, loss, manifest)
         trainable, frozen = split_parameters(base, model, torch_trainable)
         batchnorm.check_trainable(base, trainable)
-        logits = find_logits(base, loss, manifest)
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
                  len(frozen))
         generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp, logits)

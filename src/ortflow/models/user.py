@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ModelError
-from . import batchnorm
+from . import batchnorm, is_float
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -28,6 +28,8 @@ MAX_ELEM_TYPE_FOR_IR = 22
 # older models are converted to the opset that ortflow exports torch modules at.
 MIN_OPSET = 12
 CONVERTED_OPSET = 16
+# The domain of classical machine-learning operators (trees, linear models, ZipMap), without gradients.
+ML_DOMAIN = "ai.onnx.ml"
 # Before IR version 4 every initializer had to be listed as a graph input too.
 IR_WITHOUT_INITIALIZER_INPUTS = 4
 BATCH = "batch"
@@ -44,6 +46,7 @@ def load_onnx(path: str):
         model = onnx.load(str(file), load_external_data=False)
     except Exception as error:  # protobuf raises its own DecodeError
         raise ModelError(f"model.path: {file} is not a readable ONNX model ({error})") from None
+    check_trainable(model, str(file))
     check_external_data(model, file)
     onnx.load_external_data_for_model(model, str(file.parent))
     if model.ir_version > MAX_IR_VERSION:
@@ -56,6 +59,27 @@ def load_onnx(path: str):
     dynamic_batch(model, str(file))
     batchnorm.to_training_mode(model, str(file))
     return model
+
+
+def check_trainable(model, where: str) -> None:
+    """Refuse, before converting anything, a model that ONNX Runtime cannot train:
+    one with operators of the `ai.onnx.ml` domain (trees, linear classifiers,
+    ZipMap: what scikit-learn models become in ONNX), which have no gradients, or
+    one without float initializers, which has no weights to train."""
+    ml = sorted({node.op_type for node in model.graph.node if node.domain == ML_DOMAIN})
+    if ml:
+        raise ModelError(
+            f"model.path: {where} has operators of the {ML_DOMAIN} domain ({', '.join(ml)}), as scikit-learn models "
+            "converted to ONNX have; ONNX Runtime has no gradients for them, so ortflow cannot train it (it trains "
+            "networks of standard ONNX operators whose weights are float initializers): fit it in scikit-learn, or "
+            "train a network instead (model.kind: mlp, or your own with model.kind: torch)"
+        )
+    if not any(is_float(t) for t in model.graph.initializer):
+        raise ModelError(
+            f"model.path: {where} has no float initializer, so nothing to train (its weights, if any, are held in "
+            "Constant nodes or node attributes); export the model with its weights as initializers (torch.onnx.export"
+            "(..., do_constant_folding=False) keeps parameters as initializers), or use model.kind: torch"
+        )
 
 
 def check_external_data(model, file: Path) -> None:
