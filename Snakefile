@@ -46,6 +46,7 @@ onsuccess:
         int8=INT8,
         report=REPORT,
         run_arguments=run_arguments(),
+        artifacts=rules.build_artifacts.output[0],
     )
     print(summary)
 

@@ -258,17 +258,26 @@ def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchm
 
 
 def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
-                int8: str | Path, report: str | Path, run_arguments: Sequence[str] = ()) -> str:
+                int8: str | Path, report: str | Path, run_arguments: Sequence[str] = (),
+                artifacts: str | Path | None = None) -> str:
     """A few lines on what exists of the run in the folder `results`: printed when
     `snakemake` finishes, whichever stages ran. The files are where the rules
     write them (the Snakefile passes their outputs); `report` is the report
     command's page. `run_arguments` are those that chose the run (--configfile,
-    --config): the report command needs them too."""
+    --config): the report command needs them too. `artifacts` (build_artifacts'
+    folder) tells whether the model's output follows its logits (a final Softmax)."""
     results, model, int8 = Path(results), Path(model), Path(int8)
     train, export = read_json(Path(train_metrics)), read_json(Path(export_metrics))
+    description = read_json(Path(artifacts) / "model.json") if artifacts else None
     lines = [f"ortflow: run {results.name} in {results}"]
+    outputs = description["outputs"] if description else {}
+    if outputs.get("inference", outputs.get("logits")) != outputs.get("logits"):
+        lines.append(f"  output    {outputs['inference']!r} follows the logits {outputs['logits']!r} (a final Softmax "
+                     "or LogSoftmax, kept in the exported model); the loss is computed on the logits")
+    # An int8 model no smaller than the fp32 one is not offered (its warning below says why).
+    smaller = bool(export) and "int8" in export and export["int8"]["size_bytes"] < export["fp32"]["size_bytes"]
     if model.is_file():
-        lines.append(f"  model     {model}" + (f" (int8: {int8})" if int8.is_file() else ""))
+        lines.append(f"  model     {model}" + (f" (int8: {int8})" if int8.is_file() and smaller else ""))
     if export:
         name, shown = quality(export["fp32"])
         line = f"  {name:<9} {shown}"
@@ -285,6 +294,7 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
         lines.append(f"  training  {train['steps']} steps ({this_attempt} in this attempt) in "
                      f"{fmt(train['wall_time_s'], 'seconds')}, {fmt(train['samples_per_s'], 'rate')} samples/s "
                      f"on {len(train['peak_rss_mb'])} ranks")
+    lines += [f"  warning   {warning}" for warning in (export or {}).get("warnings", [])]
     if len(lines) == 1:
         lines.append("  nothing trained yet")
     lines.append(f"  report    {shlex.join(['snakemake', '--report', str(report), *run_arguments])}")
