@@ -181,7 +181,9 @@ def test_a_final_softmax_is_trained_through_its_input_and_kept_in_the_export(wor
               "model": {"kind": "onnx", "path": "softmax_mlp.onnx"},
               "train": {"steps": 100, "eval_every": 100, "checkpoint_every": 100, "optimizer": {"lr": 0.01}},
               "export": {"max_accuracy_drop": 5}}
-    run_snakemake(workdir, config)
+    result = run_snakemake(workdir, config)
+    assert ("  output    'probabilities' follows the logits 'pooled' (a final Softmax or LogSoftmax, kept in the "
+            "exported model); the loss is computed on the logits") in result.stdout
     build_log = (workdir / "logs/softmax/build_artifacts.log").read_text()
     assert ("the model's output 'probabilities' comes from Softmax node 'softmax', so it is probabilities: "
             "model.loss cross_entropy is computed on the Softmax's input 'pooled' (its logits)") in build_log
@@ -200,7 +202,7 @@ def test_a_final_softmax_is_trained_through_its_input_and_kept_in_the_export(wor
     assert -np.log(picked).mean() == pytest.approx(evaluation["loss"], rel=1e-4)
     assert (probabilities[:, :, 0, 0].argmax(axis=1) == batch["y"]).mean() == pytest.approx(evaluation["accuracy"])
     quantized = json.loads((results / "export/metrics.json").read_text())
-    assert quantized["fp32"]["loss"] == pytest.approx(evaluation["loss"], rel=1e-4)
+    assert quantized["fp32"]["loss"] == pytest.approx(evaluation["loss"], rel=1e-4) and quantized["warnings"] == []
 
 
 def build_artifacts_cli(folder: Path, config: dict) -> subprocess.CompletedProcess:
