@@ -271,3 +271,69 @@ def test_a_model_without_float_initializers_is_refused_saying_so(tmp_path):
         "(its weights, if any, are held in Constant nodes or node attributes); export the model with its weights as "
         "initializers (torch.onnx.export(..., do_constant_folding=False) keeps parameters as initializers), or use "
         "model.kind: torch")
+
+
+def linear_model(path: Path, outputs: int, shape: list) -> np.ndarray:
+    """x [n, 3] -> MatMul [3, outputs] -> Reshape to [n, *shape]: a model whose output shape is chosen."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    weight = np.random.default_rng(1).normal(size=(3, outputs)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["flat"]), helper.make_node("Reshape", ["flat", "shape"], ["out"])],
+        "linear", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["n", *shape])],
+        [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(np.array([-1, *shape], np.int64), "shape")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return weight
+
+
+def build_on(tmp_path: Path, y: np.ndarray, model: dict) -> dict:
+    """prepare_data and build_artifacts of x [24, 3] and the label `y`, in-process."""
+    from ortflow import config as config_mod
+    from ortflow.build_artifacts import build
+    from ortflow.prepare_data import prepare
+
+    x = np.random.default_rng(0).normal(size=(24, 3)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x, y=y)
+    config = config_mod.validate({"data": {"source": str(tmp_path / "data.npz"), "shards": 1}, "model": model})
+    prepare(config, tmp_path / "train", tmp_path / "eval")
+    return build(config, tmp_path / "train", tmp_path / "artifacts")
+
+
+def test_an_output_of_n_by_1_against_a_flat_float_label_is_reshaped_not_broadcast(tmp_path, caplog):
+    """mse of [N, 1] against [N] broadcast to [N, N] without a word: the loss is now the per-record one."""
+    from onnxruntime.training import api
+
+    weight = linear_model(tmp_path / "linear.onnx", 1, [1])
+    y = np.random.default_rng(2).normal(size=24).astype(np.float32)
+    with caplog.at_level("WARNING", logger="ortflow.build_artifacts"):
+        build_on(tmp_path, y, {"kind": "onnx", "path": str(tmp_path / "linear.onnx"), "loss": "mse"})
+    assert ("the model's logits 'out' are [batch, 1] and the data's label 'y' is [batch]: the logits are reshaped "
+            "to [batch] for model.loss mse (they differ in size-1 dimensions only)") in caplog.text
+    state = api.CheckpointState.load_checkpoint(str(tmp_path / "artifacts/checkpoint"))
+    module = api.Module(str(tmp_path / "artifacts/training_model.onnx"), state, str(tmp_path / "artifacts/eval_model.onnx"))
+    module.eval()
+    batch = ShardReader(tmp_path / "eval").gather(np.arange(4))
+    loss, logits = module(batch["x"], batch["y"])
+    assert logits.shape == (4, 1)
+    expected = ((batch["x"].astype(np.float64) @ weight)[:, 0] - batch["y"]) ** 2
+    assert float(loss) == pytest.approx(expected.mean(), rel=1e-5)
+
+
+@pytest.mark.parametrize("outputs, shape, message", [
+    (30, [3, 10], "the model's output 'out' is [batch, 3, 10] but model.loss cross_entropy with the data's label 'y' "
+                  "([batch], 3 classes) needs [batch, 3]; end the model with one score per class in dimension 1 "
+                  "(classes first, then the label's own dimensions), or reshape the label to fit"),
+    (2, [2], "the model's output 'out' is [batch, 2] but model.loss cross_entropy with the data's label 'y' "
+             "([batch], 3 classes) needs [batch, 3]; end the model with one score per class"),
+])
+def test_an_output_that_does_not_fit_the_label_is_refused_naming_both_shapes(tmp_path, outputs, shape, message):
+    from ortflow.errors import ModelError
+
+    linear_model(tmp_path / "linear.onnx", outputs, shape)
+    with pytest.raises(ModelError) as error:
+        build_on(tmp_path, np.arange(24) % 3, {"kind": "onnx", "path": str(tmp_path / "linear.onnx")})
+    assert str(error.value).startswith(message), str(error.value)
+    assert not (tmp_path / "artifacts").exists()

@@ -60,23 +60,32 @@ def find(base, loss: str, manifest: dict) -> Logits:
                     "%s if it should take logits", output, node, loss, softmax.op_type)
     label = manifest["label"]
     shape = shapes.get(name)
-    if shape is None or shape == layout(shape, loss, label):
+    if shape is None or fits(shape, loss, manifest, reshaped=False):
         return Logits(name, reshape=False)
-    if not fits(shape, loss, manifest):
+    if not fits(shape, loss, manifest, reshaped=True):
+        classes = f", {manifest['num_classes']} classes" if loss in CLASS_LOSSES else ""
         raise ModelError(
-            f"the model's output {name!r} is {dims(shape)} but model.loss {loss} with the data's label "
-            f"{label['name']!r} ({dims(label['shape'])}, {manifest['num_classes'] or 'no'} classes) needs "
-            f"{dims(layout(shape, loss, label))}; " + fix(loss)
+            f"the model's {'output' if name == output else 'logits'} {name!r} is {dims(shape)} but model.loss {loss} "
+            f"with the data's label {label['name']!r} ({dims(label['shape'])}{classes}) needs "
+            f"{dims(layout(shape, loss, manifest))}; " + fix(loss)
         )
     log.warning("the model's logits %r are %s and the data's label %r is %s: the logits are reshaped to %s for "
                 "model.loss %s (they differ in size-1 dimensions only)", name, dims(shape), label["name"],
-                dims(label["shape"]), dims(layout(shape, loss, label)), loss)
+                dims(label["shape"]), dims(layout(shape, loss, manifest)), loss)
     return Logits(name, reshape=True)
 
 
-def layout(shape: list, loss: str, label: dict) -> list:
-    """The per-sample shape the loss takes: [classes (from `shape`), *label dims] for cross-entropy, else the label's."""
-    return [shape[0] if shape else "classes", *label["shape"]] if loss in CLASS_LOSSES else list(label["shape"])
+def layout(shape: list, loss: str, manifest: dict) -> list:
+    """The per-sample shape the loss takes: [classes, *label dims] for cross-entropy
+    (the model's classes, or the data's where the model has fewer or cannot tell),
+    else the label's."""
+    label = list(manifest["label"]["shape"])
+    if loss not in CLASS_LOSSES:
+        return label
+    classes = shape[0] if shape and shape[0] is not None else None
+    if classes is None or classes < (manifest["num_classes"] or 0):
+        classes = manifest["num_classes"]
+    return [classes, *label]
 
 
 def dims(shape: list) -> str:
@@ -91,17 +100,19 @@ def fix(loss: str) -> str:
     return "make the model's output the label's shape, or reshape the label (data.label) to fit"
 
 
-def fits(shape: list, loss: str, manifest: dict) -> bool:
-    """Whether `shape` (per sample; a dim is None where not static) is the loss's layout up to size-1 dimensions,
-    with at least a score per class for cross-entropy."""
-    label = manifest["label"]["shape"]
+def fits(shape: list, loss: str, manifest: dict, reshaped: bool) -> bool:
+    """Whether `shape` (per sample; a dim is None where not static, and then fits
+    any) is the loss's layout, with at least a score per class for cross-entropy;
+    `reshaped`: after a Reshape, which needs every dimension known and lets size-1
+    dimensions differ."""
+    label = list(manifest["label"]["shape"])
     if loss in CLASS_LOSSES:
         if not shape or (shape[0] is not None and manifest["num_classes"] and shape[0] < manifest["num_classes"]):
             return False
         shape = shape[1:]
-    if None in shape:
-        return False
-    return [d for d in shape if d != 1] == [d for d in label if d != 1]
+    if not reshaped:
+        return len(shape) == len(label) and all(have is None or have == need for have, need in zip(shape, label))
+    return None not in shape and [d for d in shape if d != 1] == [d for d in label if d != 1]
 
 
 def per_sample_shapes(base) -> dict[str, list]:
