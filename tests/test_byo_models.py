@@ -337,3 +337,28 @@ def test_an_output_that_does_not_fit_the_label_is_refused_naming_both_shapes(tmp
         build_on(tmp_path, np.arange(24) % 3, {"kind": "onnx", "path": str(tmp_path / "linear.onnx")})
     assert str(error.value).startswith(message), str(error.value)
     assert not (tmp_path / "artifacts").exists()
+
+
+def test_a_loss_that_fails_on_the_shapes_at_run_time_names_both_and_onnx_runtimes_words(tmp_path):
+    """Where shape inference cannot tell the output's shape, the smoke step finds the misfit: its message
+    gives both shapes (the output's from the forward model run alone) and ONNX Runtime's assertion without its
+    source path and C++ signature, which cut the message off (`... const onn`)."""
+    from ortflow.build_artifacts import smoke_step_error
+
+    linear_model(tmp_path / "linear.onnx", 30, [3, 10])
+    batch = {"x": np.ones((4, 3), np.float32), "y": np.zeros(4, np.int64)}
+    ort_text = (  # what ONNX Runtime 1.19.2 raised for the SqueezeNet of onnx's test data on a flat label
+        "/onnxruntime_src/orttraining/orttraining/training_api/module.cc:632 onnxruntime::common::Status "
+        "onnxruntime::training::api::Module::TrainStep(const std::vector<OrtValue>&, std::vector<OrtValue>&) "
+        "[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : Non-zero status code returned while running "
+        "SoftmaxCrossEntropyLoss node. Name:'onnx::SoftmaxCrossEntropyLoss::4' Status Message: "
+        "/onnxruntime_src/orttraining/orttraining/training_ops/cpu/loss/softmax_cross_entropy_loss.cc:62 void "
+        "onnxruntime::contrib::VerifyLogitWeightAndLabelShape(const onnxruntime::TensorShape&, const "
+        "onnxruntime::TensorShape&, const onnxruntime::TensorShape*) logit_shape.NumDimensions() == label_dims + 1 "
+        "was false. logit_shape must be (1 + label_shape)")
+    manifest = {"label": {"name": "y", "dtype": "int64", "shape": []}}
+    error = smoke_step_error(RuntimeError(ort_text), batch, manifest, tmp_path / "linear.onnx")
+    assert str(error) == (
+        "the model's output is [4, 3, 10] and the data's label 'y' is [4] on a batch of 4 records, which model.loss "
+        "cannot take (logit_shape.NumDimensions() == label_dims + 1 was false. logit_shape must be (1 + label_shape)); "
+        "the logits must be [batch, classes, *label dims] for cross_entropy, the label's shape for the other losses")

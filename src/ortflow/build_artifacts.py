@@ -31,7 +31,7 @@ import numpy as np
 from . import atomic
 from .artifacts import Artifacts
 from .errors import MissingInputError, ModelError
-from .sessions import quiet_logging
+from .sessions import inference_session, quiet_logging
 from .models import CLASS_LOSSES, LOGITS, batchnorm, is_float
 from .models.logits import Logits, find as find_logits
 
@@ -311,27 +311,39 @@ def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
         # (loss, logits), then BatchNorm's updated running statistics if the model has any
         loss, logits = module(*[batch[name] for name in module.input_names()])[:2]
     except Exception as error:
-        raise smoke_step_error(error, manifest, len(batch[manifest["label"]["name"]])) from None
+        raise smoke_step_error(error, batch, manifest, files.base_model) from None
     log.info("one training step on %d train records: loss %.6g, logits %s", SMOKE_RECORDS, float(loss), list(logits.shape))
     return float(loss)
 
 
-def smoke_step_error(error: Exception, manifest: dict, records: int) -> ModelError:
+def smoke_step_error(error: Exception, batch: dict, manifest: dict, base_model: Path) -> ModelError:
     """What failed in the smoke step: a node of the backward pass (ONNX Runtime's
     gradient nodes are named `<node>_Grad/...` and `AccumulateGrad_...`), or the
-    forward pass and loss, where the model's output most often does not fit the label."""
+    forward pass and loss, where the model's output most often does not fit the
+    label: then both shapes (the output's from running the forward model alone)
+    and ONNX Runtime's own words without its source path and C++ signature."""
     import re
 
     text = str(error).strip()
+    label = batch[manifest["label"]["name"]]
     node = re.search(r"running (\w+) node\. Name:'([^']*)' Status Message: (.*)", text)
     if node and ("_Grad/" in node[2] or node[2].startswith("AccumulateGrad")):
         return ModelError(
-            f"ONNX Runtime's backward pass fails at its node {node[2]!r} ({node[1]}) on a batch of {records} records: "
-            f"{node[3][:300]}; freeze the parameters before that node (model.frozen) or replace the operator "
+            f"ONNX Runtime's backward pass fails at its node {node[2]!r} ({node[1]}) on a batch of {len(label)} "
+            f"records: {node[3][:300]}; freeze the parameters before that node (model.frozen) or replace the operator "
             "it differentiates"
         )
-    return ModelError(f"the model's output does not fit model.loss with the data's label {manifest['label']} "
-                      f"on a batch of {records} records: {text[:600]}")
+    status = re.search(r"Status Message: (?:\S+:\d+ [^(]*\([^)]*\) )?(.*)", text)
+    try:
+        session = inference_session(base_model)
+        output = list(session.run(None, {i.name: batch[i.name] for i in session.get_inputs()})[0].shape)
+    except Exception:  # the forward model fails on its own: ORT's message below says why
+        output = "?"
+    return ModelError(
+        f"the model's output is {output} and the data's label {manifest['label']['name']!r} is {list(label.shape)} "
+        f"on a batch of {len(label)} records, which model.loss cannot take ({(status[1] if status else text)[:300]}); "
+        "the logits must be [batch, classes, *label dims] for cross_entropy, the label's shape for the other losses"
+    )
 
 
 def forward_flops(base, manifest: dict) -> int:
