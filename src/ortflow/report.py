@@ -271,7 +271,7 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     description = read_json(Path(artifacts) / "model.json") if artifacts else None
     lines = [f"ortflow: run {results.name} in {results}"]
     outputs = description["outputs"] if description else {}
-    if outputs.get("inference", outputs.get("logits")) != outputs.get("logits"):
+    if "inference" in outputs and outputs["inference"] != outputs["logits"]:
         lines.append(f"  output    {outputs['inference']!r} follows the logits {outputs['logits']!r} (a final Softmax "
                      "or LogSoftmax, kept in the exported model); the loss is computed on the logits")
     # An int8 model no smaller than the fp32 one is not offered (its warning below says why).
