@@ -49,6 +49,7 @@ onsuccess:
         reported=reported_files(),
         targets=workflow.dag_settings.targets,
         run_arguments=run_arguments(),
+        artifacts=rules.build_artifacts.output[0],
     )
     print(summary)
 

@@ -288,8 +288,8 @@ def test_gate_on_a_tiny_eval_split_says_what_one_record_is_worth():
     report = {"fp32": {"loss": 0.1, "accuracy": 0.95}, "int8": {"loss": 0.2, "accuracy": 0.90}}
     with pytest.raises(QualityGateError, match=r"is a loss of 5 points, more than export.max_accuracy_drop=1.0 "
                                                r"\(one of the 20 eval records is 5 points\); no int8 model"):
-        gate(report, {"max_accuracy_drop": 1.0}, Path("model.onnx"), 20)
-    assert gate(report, {"max_accuracy_drop": 5.0}, Path("model.onnx"), 20)["drop"] == pytest.approx(5.0)
+        gate(report, {"max_accuracy_drop": 1.0}, Path("model.onnx"), 20, ["export.quantize: none"])
+    assert gate(report, {"max_accuracy_drop": 5.0}, Path("model.onnx"), 20, [])["drop"] == pytest.approx(5.0)
 
 
 @pytest.mark.e2e
@@ -316,3 +316,25 @@ def test_user_cnn_and_its_opset_20_export_quantize_statically(digits_workdir, mo
         assert metrics["fp32"]["accuracy"] >= 0.5 and metrics["gate"]["drop"] <= 1.0, (model, metrics)
         assert "QuantizeLinear" in {n.op_type for n in onnx.load(str(_export(digits_workdir) / "model.int8.onnx")).graph.node}
         assert "quality gate passed" in _log(digits_workdir, "quantize_model")
+
+
+@pytest.mark.e2e
+def test_an_int8_model_larger_than_the_fp32_model_is_reported_and_not_offered(tmp_path):
+    """A two-unit MLP: int8's scales, zero points and quantization nodes outweigh its few weights.
+    The file is written (Snakemake wants it), but the log, metrics.json and the console say not to use it."""
+    workdir = tmp_path / "work"
+    config = {"run": {"name": "tiny"}, "model": {"hidden": [2]},
+              "train": {"steps": 20, "eval_every": 20, "checkpoint_every": 20}, "export": {"max_accuracy_drop": 100}}
+    result = run_snakemake(workdir, config)
+    metrics = _metrics(workdir, "tiny")
+    fp32, int8 = metrics["fp32"]["size_bytes"], metrics["int8"]["size_bytes"]
+    assert int8 > fp32 and int8 == (_export(workdir, "tiny") / "model.int8.onnx").stat().st_size
+    model = "results/tiny/export/model.onnx"
+    warning = (f"the int8 model ({int8 / 1024:.3g} KiB) is {int8 / fp32:.3g}x the size of the fp32 model "
+               f"({fp32 / 1024:.3g} KiB): on a model this small the quantization's scales, zero points and nodes "
+               f"outweigh what int8 saves on the weights; deploy the fp32 model {model}, and set export.quantize: "
+               "none to skip int8")
+    assert metrics["warnings"] == [warning]
+    assert f"WARNING {warning}" in _log(workdir, "quantize_model", "tiny")
+    assert f"  warning   {warning}" in result.stdout
+    assert f"  model     {model}\n" in result.stdout  # without "(int8: ...)"

@@ -120,3 +120,78 @@ def test_regression_reports_the_predict_the_mean_baseline(workdir):
     assert f"  loss      {fmt(train['eval']['loss'], 'float')}" in result.stdout
     assert ("mean_baseline_mse", "baseline (eval split)", f"{shown} (predicting the train mean)") in summary_rows(
         train, None)
+
+
+@pytest.mark.e2e
+def test_bce_with_logits_on_a_two_class_label_evaluates_and_exports(workdir):
+    """569 tumours, 30 unscaled features, a 0/1 label, with model.loss bce_with_logits (one logit per
+    record, as README documents for two classes): the first evaluation crashed every rank (`axis 1 is out
+    of bounds for array of dimension 1`). A record is predicted class 1 where its logit is positive."""
+    import onnxruntime as ort
+    from sklearn.datasets import load_breast_cancer
+
+    frame, features = write_csv(workdir, load_breast_cancer())
+    config = {"run": {"name": "cancer"}, "data": {"source": "data.csv", "features": features, "label": "target",
+                                                   "standardize": True},
+              "model": {"loss": "bce_with_logits"},
+              "train": {"steps": 30, "eval_every": 10, "checkpoint_every": 30}}
+    run_snakemake(workdir, config)
+    results = workdir / "results" / "cancer"
+    train = json.loads((results / "train" / "metrics.json").read_text())
+    assert [entry["step"] for entry in train["history"]["eval"]] == [10, 20, 30]
+    assert train["eval"]["accuracy"] > 0.9, train["eval"]  # chance: 63% (the larger class)
+
+    raw = frame[features].to_numpy(np.float32)
+    _, eval_rows = split_rows(len(frame), 0.2, SEED)
+    labels = frame["target"].to_numpy()[eval_rows]
+    session = ort.InferenceSession(str(results / "export" / "model.onnx"), providers=["CPUExecutionProvider"])
+    logits = session.run(None, {"x": raw[eval_rows]})[0]
+    assert logits.shape == (len(eval_rows),)
+    assert float(((logits > 0) == labels).mean()) == train["eval"]["accuracy"]
+    loss = loss_of(logits, labels, "bce_with_logits")
+    assert abs(loss - train["eval"]["loss"]) <= TOLERANCE["relative"] * train["eval"]["loss"] + 1e-6
+    quantized = json.loads((results / "export" / "metrics.json").read_text())
+    assert quantized["fp32"]["accuracy"] == train["eval"]["accuracy"] and "accuracy" in quantized["int8"]
+
+
+def test_unscaled_features_are_told_apart_from_scaled_ones():
+    from sklearn.datasets import load_digits, load_wine
+
+    wine = load_wine().data.astype(np.float32)
+    columns = [f"f{i}" for i in range(13)]
+    problem = standardize.unscaled([{"x": wine[:100]}, {"x": wine[100:]}], columns)
+    peaks = np.abs(wine).max(axis=0)
+    assert problem == (f"the features are unscaled: column f12 reaches {peaks[12]:.4g} and column "
+                       f"f{peaks.argmin()} at most {peaks.min():.4g}, {peaks[12] / peaks.min():.0f}x apart")
+    # Pixels of 0..16 (some never lit) are on one scale; so are standardized features.
+    assert standardize.unscaled([{"x": load_digits().data.astype(np.float32)}], ["x"]) is None
+    stats = standardize.statistics({"x": wine}, np.arange(len(wine)))
+    assert standardize.unscaled([standardize.apply({"x": wine}, stats)], columns) is None
+
+
+@pytest.mark.e2e
+def test_the_int8_gate_suggests_standardize_for_unscaled_features_and_only_settings_not_set(workdir):
+    """Wine unscaled, quantized statically: int8 misses the gate, and the message suggested
+    export.quantize: static (already set) but not data.standardize, which fixes it."""
+    from sklearn.datasets import load_wine
+
+    frame, features = write_csv(workdir, load_wine())
+    config = {"run": {"name": "wine"}, "data": {"source": "data.csv", "features": features, "label": "target"},
+              "train": {"steps": 100, "eval_every": 100, "checkpoint_every": 100}, "export": {"quantize": "static"}}
+    failed = run_snakemake(workdir, config, check=False)
+    assert failed.returncode != 0
+    error = next(line for line in failed.stderr.splitlines() if "quality gate: int8 accuracy" in line)
+    _, eval_rows = split_rows(len(frame), 0.2, SEED)
+    peaks = np.abs(frame[features].to_numpy(np.float32)[eval_rows]).max(axis=0)
+    low = int(peaks.argmin())
+    assert error.endswith(
+        f"(try data.standardize: true (the features are unscaled: column f12 reaches {peaks[12]:.4g} and column "
+        f"f{low} at most {peaks[low]:.4g}, {peaks[12] / peaks[low]:.0f}x apart); export.per_channel: true; "
+        "a larger export.max_accuracy_drop; or export.quantize: none)"), error
+    assert "export.quantize: static" not in error
+
+    config["data"]["standardize"] = True
+    run_snakemake(workdir, config)
+    quantized = json.loads((workdir / "results" / "wine" / "export" / "metrics.json").read_text())
+    assert quantized["quantize"] == "static" and quantized["gate"]["drop"] <= 1.0, quantized["gate"]
+    assert quantized["int8"]["accuracy"] > 0.9, quantized["int8"]

@@ -32,8 +32,10 @@ import numpy as np
 from . import atomic, ort_private
 from .artifacts import Artifacts
 from .errors import MissingInputError, ModelError
+from .inference import inference_session
 from .sessions import quiet_logging
-from .models import CLASS_LOSSES, LOGITS, batchnorm, vocabulary
+from .models import CLASS_LOSSES, LOGITS, batchnorm, is_float, vocabulary
+from .models.logits import Logits, find as find_logits
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -142,10 +144,7 @@ def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
 
 def float_initializers(base) -> dict[str, int]:
     """Name -> element count of the float initializers (the candidate parameters)."""
-    import onnx
-
-    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
-    return {t.name: math.prod(t.dims) for t in base.graph.initializer if t.data_type in floats}
+    return {t.name: math.prod(t.dims) for t in base.graph.initializer if is_float(t)}
 
 
 def split_parameters(base, model: dict, torch_trainable: list[str] | None) -> tuple[list[str], list[str]]:
@@ -215,12 +214,13 @@ def check_interface(base, manifest: dict) -> None:
         )
 
 
-def loss_block(loss: str, label: dict):
+def loss_block(loss: str, label: dict, logits: Logits):
     """ORT's loss block behind a label input that has the data's name, dtype
     and shape ([batch, *label shape]); ORT's own blocks would derive the label's
     shape from the logits, which is wrong for [batch, classes, time] logits.
     The label is cast to the type the loss wants (integer 0/1 labels to float
-    for bce_with_logits; a no-op otherwise)."""
+    for bce_with_logits; a no-op otherwise). Logits that differ from the label's
+    layout in size-1 dimensions only are reshaped to it (models/logits.py)."""
     import onnx
     from onnxruntime.training import onnxblock
 
@@ -236,6 +236,14 @@ def loss_block(loss: str, label: dict):
             )
 
         def build(self, logits_name: str):
+            if logits.reshape:  # Reshape's 0 keeps the batch (and classes) as they are: [N, C, 1, 1] -> [N, C]
+                dims = f"{logits_name}.label_layout_shape"
+                kept = [0, 0] if loss in CLASS_LOSSES else [0]
+                self.base.graph.initializer.append(
+                    onnx.numpy_helper.from_array(np.array([*kept, *label["shape"]], np.int64), dims))
+                squeezed = f"{logits_name}.label_layout"
+                self.base.graph.node.append(onnx.helper.make_node("Reshape", [logits_name, dims], [squeezed]))
+                logits_name = squeezed
             elem_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(label["dtype"]))
             shape = ["batch", *label["shape"]]
             self.base.graph.input.append(onnx.helper.make_tensor_value_info(label["name"], elem_type, shape))
@@ -263,7 +271,7 @@ def optimizer_block(optimizer: dict):
     return ort_private.torch_adamw_block(tuple(optimizer["betas"]), optimizer["eps"])
 
 
-def generate(base, trainable, frozen, loss, label, optimizer, out: Path) -> None:
+def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits: Logits) -> None:
     import onnx
     from onnxruntime.training import artifacts
 
@@ -276,10 +284,11 @@ def generate(base, trainable, frozen, loss, label, optimizer, out: Path) -> None
             base,
             requires_grad=trainable,
             frozen_params=frozen,
-            loss=loss_block(loss, label),
+            loss=loss_block(loss, label, logits),
             optimizer=optimizer_block(optimizer),
             artifact_directory=out,
-            additional_output_names=[base.graph.output[0].name],
+            loss_input_names=[logits.name],
+            additional_output_names=[logits.name],
         )
     except Exception as error:
         raise explain_generation_error(error, base) from error
@@ -321,27 +330,39 @@ def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
         # (loss, logits), then BatchNorm's updated running statistics if the model has any
         loss, logits = module(*[batch[name] for name in module.input_names()])[:2]
     except Exception as error:
-        raise smoke_step_error(error, manifest, len(batch[manifest["label"]["name"]])) from None
+        raise smoke_step_error(error, batch, manifest, files.base_model) from None
     log.info("one training step on %d train records: loss %.6g, logits %s", SMOKE_RECORDS, float(loss), list(logits.shape))
     return float(loss)
 
 
-def smoke_step_error(error: Exception, manifest: dict, records: int) -> ModelError:
+def smoke_step_error(error: Exception, batch: dict, manifest: dict, base_model: Path) -> ModelError:
     """What failed in the smoke step: a node of the backward pass (ONNX Runtime's
     gradient nodes are named `<node>_Grad/...` and `AccumulateGrad_...`), or the
-    forward pass and loss, where the model's output most often does not fit the label."""
+    forward pass and loss, where the model's output most often does not fit the
+    label: then both shapes (the output's from running the forward model alone)
+    and ONNX Runtime's own words without its source path and C++ signature."""
     import re
 
     text = str(error).strip()
+    label = batch[manifest["label"]["name"]]
     node = re.search(r"running (\w+) node\. Name:'([^']*)' Status Message: (.*)", text)
     if node and ("_Grad/" in node[2] or node[2].startswith("AccumulateGrad")):
         return ModelError(
-            f"ONNX Runtime's backward pass fails at its node {node[2]!r} ({node[1]}) on a batch of {records} records: "
-            f"{node[3][:300]}; freeze the parameters before that node (model.frozen) or replace the operator "
+            f"ONNX Runtime's backward pass fails at its node {node[2]!r} ({node[1]}) on a batch of {len(label)} "
+            f"records: {node[3][:300]}; freeze the parameters before that node (model.frozen) or replace the operator "
             "it differentiates"
         )
-    return ModelError(f"the model's output does not fit model.loss with the data's label {manifest['label']} "
-                      f"on a batch of {records} records: {text[:600]}")
+    status = re.search(r"Status Message: (?:\S+:\d+ [^(]*\([^)]*\) )?(.*)", text)
+    try:
+        session = inference_session(base_model)
+        output = list(session.run(None, {i.name: batch[i.name] for i in session.get_inputs()})[0].shape)
+    except Exception:  # the forward model fails on its own: ORT's message below says why
+        output = "?"
+    return ModelError(
+        f"the model's output is {output} and the data's label {manifest['label']['name']!r} is {list(label.shape)} "
+        f"on a batch of {len(label)} records, which model.loss cannot take ({(status[1] if status else text)[:300]}); "
+        "the logits must be [batch, classes, *label dims] for cross_entropy, the label's shape for the other losses"
+    )
 
 
 def forward_flops(base, manifest: dict) -> int:
@@ -390,7 +411,7 @@ def embedding_tables(base, trainable: list[str]) -> list[str]:
     return [name for name in trainable if name in tables]
 
 
-def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str) -> dict:
+def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logits: Logits) -> dict:
     import onnx
 
     training = onnx.load(str(Artifacts(out).training_model), load_external_data=False)
@@ -404,7 +425,10 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str) -> d
         "num_classes": manifest["num_classes"],
         "inputs": [{"name": f["name"], "dtype": f["dtype"], "shape": ["batch", *f["shape"]]} for f in manifest["features"]],
         "label": {"name": label["name"], "dtype": label["dtype"], "shape": ["batch", *label["shape"]]},
-        "outputs": {"loss": training.graph.output[0].name, "logits": base.graph.output[0].name},
+        # The graphs return the loss and the logits; the inference model returns the model's own output,
+        # which differs from the logits after a final Softmax (models/logits.py).
+        "outputs": {"loss": training.graph.output[0].name, "logits": logits.name,
+                    "inference": base.graph.output[0].name},
         "parameters": sum(sizes.values()),
         "trainable_parameters": sum(sizes[n] for n in trainable),
         "trainable": trainable,
@@ -428,13 +452,14 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
         base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], Artifacts(tmp).base_model)
         check_interface(base, manifest)
         vocabulary.check(base, manifest)
+        logits = find_logits(base, loss, manifest)
         trainable, frozen = split_parameters(base, model, torch_trainable)
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
                  len(frozen))
-        generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp)
+        generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp, logits)
         running_stats = batchnorm.adapt(tmp)
         smoke_step(tmp, train_dir, manifest)
-        description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"]) | {
+        description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"], logits) | {
             "running_stats": running_stats
         }
         Artifacts(tmp).model_json.write_text(json.dumps(description, indent=2) + "\n")

@@ -11,6 +11,7 @@ import math
 import numpy as np
 
 from .data.shards import ShardReader
+from .models import CLASS_LOSSES
 
 
 def feeds(batch: dict, input_names: list[str], label_input: str, data_label: str) -> list[np.ndarray]:
@@ -24,16 +25,32 @@ def outputs_of(result) -> tuple[float, np.ndarray | None]:
     return float(result), None
 
 
-def batch_totals(loss: float, logits: np.ndarray | None, labels: np.ndarray, task: str,
+def label_layout(logits: np.ndarray, labels: np.ndarray, loss: str) -> np.ndarray:
+    """The logits in the label's layout, as the loss takes them: [batch, classes,
+    *label dims] for cross-entropy, the label's shape for the other losses. A
+    model's logits may differ from it in size-1 dimensions ([N, 1000, 1, 1]
+    against a flat label), which the loss reshapes away too (models/logits.py)."""
+    if loss in CLASS_LOSSES:
+        return logits.reshape(len(labels), logits.shape[1], *labels.shape[1:])
+    return logits.reshape(labels.shape)
+
+
+def batch_totals(loss: float, logits: np.ndarray | None, labels: np.ndarray, info: dict,
                  num_classes: int = 0) -> np.ndarray:
     """[loss sum, correct predictions, count] of one eval batch, then with
     `num_classes` each class's correct predictions and count: to be summed over
-    batches (and ranks) and turned into results by `eval_results`."""
+    batches (and ranks) and turned into results by `eval_results`. `info` is
+    model.json: its task and loss. A prediction is the class of the largest logit
+    (cross-entropy), or class 1 where the logit is positive (bce_with_logits on two
+    classes)."""
     # The loss is a mean over the batch's elements (samples, or tokens for a language model).
+    task = info["task"]
     n = labels.size if task != "regression" else len(labels)
     hits = np.zeros(labels.shape, dtype=bool)
     if logits is not None and task != "regression":
-        hits = np.argmax(logits, axis=1) == labels
+        logits = label_layout(logits, labels, info["loss"])
+        predicted = np.argmax(logits, axis=1) if info["loss"] in CLASS_LOSSES else (logits > 0)
+        hits = predicted == labels
     per_class = []
     if num_classes:
         classes = labels.reshape(-1).astype(np.int64)
@@ -78,6 +95,6 @@ def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, dat
     totals = np.zeros(3 + 2 * len(classes or []))
     for batch in reader.eval_batches(comm.rank, comm.world_size, batch_size, records):
         loss, logits = outputs_of(module(*feeds(batch, names, info["label"]["name"], data_label)))
-        totals += batch_totals(loss, logits, batch[data_label], info["task"], len(classes or []))
+        totals += batch_totals(loss, logits, batch[data_label], info, len(classes or []))
     module.train()
     return eval_results(comm.allreduce_sum(totals), info["task"], classes)

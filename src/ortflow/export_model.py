@@ -3,7 +3,9 @@
 1. A training Module loaded with the merged checkpoint's weights writes its
    inference graph (`Module.export_model_for_inferencing`): the forward model
    with the loss, gradient and optimizer operators stripped, taking the data's
-   features by name and returning the logits, with the batch dimension dynamic.
+   features by name and returning the model's output (the logits, or for a
+   model that ends in a Softmax its probabilities, as the user's model returned
+   them: models/logits.py), with the batch dimension dynamic.
 2. The model's metadata properties record where it came from: `ortflow.run`,
    `ortflow.step`, `ortflow.identity_digest` (the training identity's sha256:
    seed, data, model, optimizer, schedule, global batch) and `ortflow.version`;
@@ -14,7 +16,8 @@
    and padding), so that the model is usable without the run's folder.
 3. Before it is renamed into place, the model must pass:
    - `onnx.checker.check_model(full_check=True)` (with shape inference);
-   - on a batch of eval records, its logits equal the eval graph's on the same
+   - on a batch of eval records, its logits (the model's output, or the
+     Softmax's input inside it) equal the eval graph's on the same
      weights (within TOLERANCE, scaled to the logits: the two graphs differ only
      in the loss behind the logits), and the loss computed from them (`loss_of`,
      which quantize_model also uses) equals the eval graph's loss. With
@@ -93,15 +96,21 @@ def copy_tokenizer(eval_dir: Path, manifest: dict, folder: Path) -> None:
     atomic.write_bytes(target, content)
 
 
+def inference_output(info: dict) -> str:
+    """The inference model's output: the model's own, which is the logits unless the model ends in a Softmax
+    (model.json `outputs`; artifacts built before that distinction have only `logits`)."""
+    return info["outputs"].get("inference", info["outputs"]["logits"])
+
+
 def check_interface(model, info: dict, where: Path) -> None:
-    """The data's feature names as inputs, the logits as the one output, a dynamic batch dimension."""
+    """The data's feature names as inputs, the model's output as the one output, a dynamic batch dimension."""
     expected = sorted(i["name"] for i in info["inputs"])
     inputs = sorted(i.name for i in model.graph.input)
     if inputs != expected:
         raise ExportError(f"{where}: inputs {inputs}, expected the data's features {expected}")
     outputs = [o.name for o in model.graph.output]
-    if outputs != [info["outputs"]["logits"]]:
-        raise ExportError(f"{where}: outputs {outputs}, expected [{info['outputs']['logits']!r}]")
+    if outputs != [inference_output(info)]:
+        raise ExportError(f"{where}: outputs {outputs}, expected [{inference_output(info)!r}]")
     for value in [*model.graph.input, *model.graph.output]:
         dims = value.type.tensor_type.shape.dim
         if dims and not dims[0].dim_param:
@@ -137,8 +146,10 @@ def check_outputs(path: Path, module, info: dict, batch: dict, eval_batch: dict,
     """The exported model on `batch` against the eval graph (same weights) on
     `eval_batch`, the same records as the eval graph takes them (standardized
     where the exported model standardizes itself), then ONNX's reference evaluator."""
-    session = inference_session(path)
-    logits = session.run(None, input_feeds(session, batch))[0]
+    names = list(dict.fromkeys([inference_output(info), info["outputs"]["logits"]]))
+    session = inference_session(path, also=tuple(names))
+    results = dict(zip(names, session.run(names, input_feeds(session, batch))))
+    logits = results[info["outputs"]["logits"]]
     module.eval()
     eval_loss, eval_logits = outputs_of(
         module(*feeds(eval_batch, module.input_names(), info["label"]["name"], data_label)))
@@ -148,11 +159,11 @@ def check_outputs(path: Path, module, info: dict, batch: dict, eval_batch: dict,
     log.info("%d eval records: logits within %.3g of the eval graph's, loss %.6g (eval graph %.6g)",
              len(batch[data_label]), worst, loss, eval_loss)
     few = {name: array[:REFERENCE_RECORDS] for name, array in batch.items()}
-    check_reference(path, input_feeds(session, few), logits[:REFERENCE_RECORDS])
+    check_reference(path, input_feeds(session, few), results[inference_output(info)][:REFERENCE_RECORDS])
 
 
-def check_reference(path: Path, feeds: dict, logits: np.ndarray) -> None:
-    """ONNX's reference evaluator against ONNX Runtime's logits; a warning naming
+def check_reference(path: Path, feeds: dict, output: np.ndarray) -> None:
+    """ONNX's reference evaluator against ONNX Runtime's output; a warning naming
     the operator where it disagrees (onnx 1.17's GatherElements, for one, fails
     on some shapes that ONNX Runtime evaluates correctly)."""
     import onnx
@@ -160,13 +171,13 @@ def check_reference(path: Path, feeds: dict, logits: np.ndarray) -> None:
 
     model = onnx.load(str(path))
     try:
-        worst, allowed = difference(ReferenceEvaluator(model).run(None, feeds)[0], logits)
+        worst, allowed = difference(ReferenceEvaluator(model).run(None, feeds)[0], output)
         problem = f"differs from ONNX Runtime by {worst:.3g} (allowed: {allowed:.3g})"
     except Exception as error:  # any failure of the second opinion is reported, not raised
         worst, allowed, problem = float("inf"), 0.0, f"fails ({type(error).__name__}: {str(error).strip()[:200]})"
     if worst <= allowed:
         log.info("ONNX reference evaluator agrees with ONNX Runtime on %d records: largest difference %.3g "
-                 "(allowed: %.3g)", len(logits), worst, allowed)
+                 "(allowed: %.3g)", len(output), worst, allowed)
         return
     try:
         where = first_disagreement(model, feeds)
@@ -174,7 +185,7 @@ def check_reference(path: Path, feeds: dict, logits: np.ndarray) -> None:
         where = f"a node not singled out ({type(error).__name__}: {str(error).strip()[:100]})"
     log.warning("ONNX's reference evaluator %s on %d records, at %s, while ONNX Runtime's eval graph agrees with "
                 "the exported model; the model is exported (the reference evaluator is taken to be wrong there)",
-                problem, len(logits), where)
+                problem, len(output), where)
 
 
 def first_disagreement(model, feeds: dict) -> str:
@@ -237,8 +248,12 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
     reader = ShardReader(eval_dir, raw=True)
     props |= data_properties(reader.manifest)
     with atomic.file(out) as tmp:
-        module.export_model_for_inferencing(str(tmp), [info["outputs"]["logits"]])
+        module.export_model_for_inferencing(str(tmp), [inference_output(info)])
         model = onnx.load(str(tmp))
+        if inference_output(info) != info["outputs"]["logits"]:
+            # The eval graph returns the logits; the model's own output keeps the type the model gave it.
+            base = onnx.load(str(files.base_model), load_external_data=False)
+            model.graph.output[0].CopyFrom(base.graph.output[0])
         standardize.prepend(model, reader.standardized)
         set_metadata(model, props)
         onnx.save(model, str(tmp))
@@ -250,7 +265,7 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
         check_outputs(tmp, module, info, batch, standardize.apply(batch, reader.standardized), reader.label_name)
         copy_tokenizer(eval_dir, reader.manifest, out.parent)
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config["run"]["name"], out,
-             out.stat().st_size, [i["name"] for i in info["inputs"]], info["outputs"]["logits"])
+             out.stat().st_size, [i["name"] for i in info["inputs"]], inference_output(info))
     return props
 
 

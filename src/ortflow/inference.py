@@ -9,14 +9,26 @@ from pathlib import Path
 import numpy as np
 
 from .errors import ModelError
+from .evaluation import label_layout
 from .sessions import session_options
 
 
-def inference_session(path: Path, threads: int | None = None):
-    """An ONNX Runtime CPU session; `threads` pins the intra-op pool (1 for latency figures)."""
+def inference_session(path: Path, threads: int | None = None, also: tuple[str, ...] = ()):
+    """An ONNX Runtime CPU session; `threads` pins the intra-op pool (1 for latency figures).
+    `also` names tensors inside the graph to return besides its outputs (the logits of a
+    model that ends in a Softmax, model.json `outputs`), for `session.run` to ask for."""
+    import onnx
     import onnxruntime as ort
 
-    return ort.InferenceSession(str(path), session_options(threads), providers=["CPUExecutionProvider"])
+    model = str(path)
+    if also:
+        proto = onnx.load(str(path))
+        outputs = {o.name for o in proto.graph.output}
+        extra = [name for name in also if name not in outputs]
+        if extra:
+            proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in extra)
+            model = proto.SerializeToString()
+    return ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
 
 
 def input_feeds(session, batch: dict) -> dict:
@@ -26,7 +38,7 @@ def input_feeds(session, batch: dict) -> dict:
 def loss_of(logits: np.ndarray, labels: np.ndarray, loss: str) -> float:
     """The training loss (`model.json` `loss`, a mean like ORT's loss blocks) of
     an inference model's logits, which have no loss output of their own."""
-    logits = logits.astype(np.float64)
+    logits = label_layout(logits, labels, loss).astype(np.float64)
     if loss == "cross_entropy":  # logits [batch, classes, ...], labels [batch, ...]
         shifted = logits - logits.max(axis=1, keepdims=True)
         log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))

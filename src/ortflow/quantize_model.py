@@ -16,7 +16,13 @@
 3. The quality gate: the int8 model may lose at most `export.max_accuracy_drop`
    accuracy points (perplexity, or the loss of a regression model: that many
    percent relative increase). Beyond it the stage fails with both numbers, no
-   int8 model and no metrics.json are written, and the fp32 model stays.
+   int8 model and no metrics.json are written, and the fp32 model stays. The
+   message suggests only settings not set already, and `data.standardize` where
+   the inputs are unscaled floats (standardize.unscaled).
+4. An int8 model no smaller than the fp32 model (a tiny model) is still written,
+   since Snakemake expects the file, but flagged: a warning in the log, in
+   metrics.json's `warnings`, and in the end-of-run summary, which then offers
+   the fp32 model alone.
 
 Outputs are written to temporary names and renamed when complete.
 """
@@ -33,6 +39,7 @@ import numpy as np
 
 from . import atomic, ort_private
 from .artifacts import Artifacts
+from .data import standardize
 from .errors import ModelError
 from .evaluation import batch_totals, eval_results
 from .inference import inference_session, input_feeds, loss_of, set_metadata
@@ -177,12 +184,13 @@ def quantize_once(source: Path, target: Path, how: str, op_types: list[str], exp
 
 def evaluate(path: Path, reader, info: dict, batch_size: int) -> dict:
     """What training's evaluation reports (`evaluation.eval_results`), for an inference model."""
-    session = inference_session(path)
+    logits_name = info["outputs"]["logits"]
+    session = inference_session(path, also=(logits_name,))
     totals = np.zeros(3)
     for batch in reader.eval_batches(0, 1, batch_size):
-        logits = session.run(None, input_feeds(session, batch))[0]
+        logits = session.run([logits_name], input_feeds(session, batch))[0]
         labels = batch[reader.label_name]
-        totals += batch_totals(loss_of(logits, labels, info["loss"]), logits, labels, info["task"])
+        totals += batch_totals(loss_of(logits, labels, info["loss"]), logits, labels, info)
     return eval_results(totals, info["task"])
 
 
@@ -245,10 +253,10 @@ def table(report: dict) -> str:
     return tabulate(rows, headers=headers, floatfmt=".4g")
 
 
-def gate(report: dict, export_cfg: dict, model: Path, records: int) -> dict:
-    """The quality gate's entry of the report; QualityGateError if int8 loses too much.
-    For accuracy it says what one record is worth: on a tiny eval split one wrong
-    answer is already several points."""
+def gate(report: dict, export_cfg: dict, model: Path, records: int, remedies: list[str]) -> dict:
+    """The quality gate's entry of the report; QualityGateError if int8 loses too much,
+    naming the `remedies`. For accuracy it says what one record is worth: on a tiny
+    eval split one wrong answer is already several points."""
     compared, drop, unit = quality_drop(report["fp32"], report["int8"])
     allowed = export_cfg["max_accuracy_drop"]
     granularity = f" (one of the {records} eval records is {100 / records:.3g} points)" if compared == "accuracy" else ""
@@ -258,11 +266,41 @@ def gate(report: dict, export_cfg: dict, model: Path, records: int) -> dict:
             f"quality gate: int8 {compared} {report['int8'][compared] * scale:.4g} against fp32 "
             f"{report['fp32'][compared] * scale:.4g} is a loss of {drop:.4g} {unit}, more than "
             f"export.max_accuracy_drop={allowed}{granularity}; no int8 model is written and "
-            f"the fp32 model {model} stays (try export.quantize: static, export.per_channel: true, "
-            "a larger export.max_accuracy_drop, or export.quantize: none)"
+            f"the fp32 model {model} stays (try {'; '.join(remedies)})"
         )
     log.info("quality gate passed: int8 loses %.4g %s of %s (allowed: %g)%s", drop, unit, compared, allowed, granularity)
     return {"metric": compared, "drop": drop, "unit": unit, "max_accuracy_drop": allowed}
+
+
+def remedies(export_cfg: dict, how: str, reader) -> list[str]:
+    """What may bring the int8 model within the gate, of the settings not set
+    already: standardized inputs where they are unscaled floats (with the data
+    as the model takes it), static quantization, per-channel weights."""
+    found = []
+    if not reader.standardized:
+        columns = reader.manifest["source"]["data"]["features"]
+        batches = ({name: batch[name] for name in reader.feature_names} for batch in reader.eval_batches(0, 1, 256))
+        problem = standardize.unscaled(batches, columns)
+        if problem:
+            found.append(f"data.standardize: true ({problem})")
+    if how != "static":
+        found.append("export.quantize: static")
+    if not export_cfg["per_channel"]:
+        found.append("export.per_channel: true")
+    return [*found, "a larger export.max_accuracy_drop", "or export.quantize: none"]
+
+
+def size_warning(report: dict, model: Path) -> str | None:
+    """The line that says the int8 model is no smaller than the fp32 model (a
+    tiny model: the scales, zero points and quantization nodes outweigh what its
+    few weights save), or None."""
+    fp32, int8 = report["fp32"]["size_bytes"], report["int8"]["size_bytes"]
+    if int8 < fp32:
+        return None
+    return (f"the int8 model ({int8 / 1024:.3g} KiB) is {int8 / fp32:.3g}x the size of the fp32 model "
+            f"({fp32 / 1024:.3g} KiB): on a model this small the quantization's scales, zero points and nodes "
+            f"outweigh what int8 saves on the weights; deploy the fp32 model {model}, and set export.quantize: "
+            "none to skip int8")
 
 
 def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: Path, metrics: Path) -> dict:
@@ -281,7 +319,7 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
         log.info("export.quantize is none: removed %s from an earlier run", int8)
     reader = ShardReader(eval_dir, raw=True)  # the exported model standardizes raw features itself
     batch_size = config["train"]["eval_batch_size"]
-    report: dict = {"quantize": how, "per_channel": export_cfg["per_channel"], "threads": 1}
+    report: dict = {"quantize": how, "per_channel": export_cfg["per_channel"], "threads": 1, "warnings": []}
     if how == "static":
         report["calibration_batches"] = export_cfg["calibration_batches"]
 
@@ -302,9 +340,14 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
         log.info("fp32 %s int8 (%s%s):\n%s", "without" if how == "none" else "versus", how,
                  ", per channel" if export_cfg["per_channel"] else "", table(report))
         if how != "none":
-            report["gate"] = gate(report, export_cfg, model, len(reader))
+            report["gate"] = gate(report, export_cfg, model, len(reader), remedies(export_cfg, how, reader))
             atomic.replace(paths["int8"], int8)
             report["int8"]["size_bytes"] = int8.stat().st_size
+            # Snakemake wants the int8 file; metrics.json and the end-of-run summary say not to use it.
+            warning = size_warning(report, model)
+            if warning:
+                log.warning(warning)
+                report["warnings"].append(warning)
         atomic.write_text(metrics, json.dumps(report, indent=2) + "\n")
     return report
 

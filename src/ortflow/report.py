@@ -271,17 +271,26 @@ def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchm
 
 def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
                 int8: str | Path, checkpoint: str | Path, report: str | Path, reported: Iterable[str | Path] = (),
-                targets: Iterable[str] = (), run_arguments: Sequence[str] = ()) -> str:
+                targets: Iterable[str] = (), run_arguments: Sequence[str] = (),
+                artifacts: str | Path | None = None) -> str:
     """A few lines on what exists of the run in the folder `results`: printed when
     `snakemake` finishes, whichever stages ran. The files are where the rules
     write them (the Snakefile passes their outputs); `report` is the report
     command's page. `run_arguments` are those that chose the run (--configfile,
-    --config): the report command needs them too."""
+    --config): the report command needs them too. `artifacts` (build_artifacts'
+    folder) tells whether the model's output follows its logits (a final Softmax)."""
     results, model, int8 = Path(results), Path(model), Path(int8)
     train, export = read_json(Path(train_metrics)), read_json(Path(export_metrics))
+    description = read_json(Path(artifacts) / "model.json") if artifacts else None
     lines = [f"ortflow: run {results.name} in {results}"]
+    outputs = description["outputs"] if description else {}
+    if "inference" in outputs and outputs["inference"] != outputs["logits"]:
+        lines.append(f"  output    {outputs['inference']!r} follows the logits {outputs['logits']!r} (a final Softmax "
+                     "or LogSoftmax, kept in the exported model); the loss is computed on the logits")
+    # An int8 model no smaller than the fp32 one is not offered (its warning below says why).
+    smaller = bool(export) and "int8" in export and export["int8"]["size_bytes"] < export["fp32"]["size_bytes"]
     if model.is_file():
-        lines.append(f"  model     {model}" + (f" (int8: {int8})" if int8.is_file() else ""))
+        lines.append(f"  model     {model}" + (f" (int8: {int8})" if int8.is_file() and smaller else ""))
     if export:
         name, shown = quality(export["fp32"])
         line = f"  {name:<9} {shown}"
@@ -305,6 +314,7 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     merged = read_json(Path(checkpoint) / "meta.json")
     if merged:
         lines.append(f"  exported  the checkpoint of step {merged['step']}, the {chosen(merged)}")
+    lines += [f"  warning   {warning}" for warning in (export or {}).get("warnings", [])]
     if len(lines) == 1:
         lines.append("  nothing trained yet")
     lines.append(f"  report    {shlex.join(report_command(report, reported, targets, run_arguments))}")

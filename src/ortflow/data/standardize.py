@@ -21,6 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 PREFIX = "ortflow.standardize"  # the names of the nodes and initializers that `prepend` adds
+# Float features whose largest magnitudes are further apart than this are unscaled:
+# per-tensor int8 quantization of the input gives them one step size, which rounds
+# the small ones away, and training is slower on them too. `data.standardize` fixes both.
+UNSCALED_RATIO = 100.0
 
 
 def statistics(features: dict[str, np.ndarray], rows: np.ndarray) -> dict:
@@ -35,6 +39,31 @@ def statistics(features: dict[str, np.ndarray], rows: np.ndarray) -> dict:
         std = np.where(std.astype(np.float32) == 0, 1.0, std)
         stats[name] = {"mean": train.mean(axis=0, dtype=np.float64).tolist(), "std": std.tolist()}
     return stats
+
+
+def unscaled(batches, columns: list[str]) -> str | None:
+    """Where the float features of `batches` (raw, as the model takes them) are
+    unscaled, said in a few words; None where no input is. A feature's magnitude
+    is its largest |value|; `columns` names the positions of a one-input table
+    (CSV, Parquet: data.features)."""
+    peaks: dict[str, np.ndarray] = {}
+    for batch in batches:
+        for name, array in batch.items():
+            if np.issubdtype(array.dtype, np.floating) and array.ndim > 1:
+                peak = np.abs(array.reshape(len(array), -1)).max(axis=0)
+                peaks[name] = np.maximum(peaks[name], peak) if name in peaks else peak
+    for name, peak in peaks.items():
+        present = np.flatnonzero(peak)
+        if not present.size:
+            continue
+        high, low = present[peak[present].argmax()], present[peak[present].argmin()]
+        if peak[high] > UNSCALED_RATIO * peak[low]:
+            def where(i):
+                return f"column {columns[i]}" if len(columns) == len(peak) else f"{name}[{i}]"
+
+            return (f"the features are unscaled: {where(high)} reaches {peak[high]:.4g} and {where(low)} at most "
+                    f"{peak[low]:.4g}, {peak[high] / peak[low]:.0f}x apart")
+    return None
 
 
 def float32(stats: dict, name: str) -> tuple[np.ndarray, np.ndarray]:

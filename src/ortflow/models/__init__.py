@@ -14,6 +14,14 @@ LOGITS = "logits"
 CLASS_LOSSES = ("cross_entropy",)
 
 
+def is_float(tensor) -> bool:
+    """Whether an ONNX tensor (an initializer) holds floating-point numbers: the candidate parameters."""
+    import onnx
+
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    return tensor.data_type in floats
+
+
 def output_shape(loss: str, manifest: dict) -> list[int]:
     """Per-sample shape of a built-in model's logits: one score per class for
     cross-entropy (classes first, then the label's own dims, as

@@ -2,7 +2,8 @@
 
 An ONNX file as the model zoo ships it is adapted on loading (`load_onnx`): an
 IR version above 10 lowered, an opset below 12 (14 with BatchNormalization)
-converted, initializers listed as inputs (IR < 4) made initializers only, a fixed
+converted, an IR version below what its opsets need (below 4: initializers
+listed as inputs) raised and the initializers made initializers only, a fixed
 batch dimension made dynamic, BatchNormalization switched to training mode.
 """
 
@@ -14,7 +15,7 @@ import sys
 from pathlib import Path
 
 from ..errors import ModelError
-from . import batchnorm
+from . import batchnorm, is_float
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -27,6 +28,10 @@ MAX_ELEM_TYPE_FOR_IR = 22
 # older models are converted to the opset that ortflow exports torch modules at.
 MIN_OPSET = 12
 CONVERTED_OPSET = 16
+# The domain of classical machine-learning operators (trees, linear models, ZipMap), without gradients.
+ML_DOMAIN = "ai.onnx.ml"
+# Before IR version 4 every initializer had to be listed as a graph input too.
+IR_WITHOUT_INITIALIZER_INPUTS = 4
 BATCH = "batch"
 
 
@@ -41,18 +46,40 @@ def load_onnx(path: str):
         model = onnx.load(str(file), load_external_data=False)
     except Exception as error:  # protobuf raises its own DecodeError
         raise ModelError(f"model.path: {file} is not a readable ONNX model ({error})") from None
+    check_trainable(model, str(file))
     check_external_data(model, file)
     onnx.load_external_data_for_model(model, str(file.parent))
     if model.ir_version > MAX_IR_VERSION:
         downgrade_ir(model, str(file))
     model = upgrade_opset(model, str(file))
+    upgrade_ir(model, str(file))
     drop_initializer_inputs(model, str(file))
     drop_unused_initializers(model, str(file))
     sums_to_adds(model, str(file))
     dynamic_batch(model, str(file))
     batchnorm.to_training_mode(model, str(file))
-    warn_probabilities(model, str(file))
     return model
+
+
+def check_trainable(model, where: str) -> None:
+    """Refuse, before converting anything, a model that ONNX Runtime cannot train:
+    one with operators of the `ai.onnx.ml` domain (trees, linear classifiers,
+    ZipMap: what scikit-learn models become in ONNX), which have no gradients, or
+    one without float initializers, which has no weights to train."""
+    ml = sorted({node.op_type for node in model.graph.node if node.domain == ML_DOMAIN})
+    if ml:
+        raise ModelError(
+            f"model.path: {where} has operators of the {ML_DOMAIN} domain ({', '.join(ml)}), as scikit-learn models "
+            "converted to ONNX have; ONNX Runtime has no gradients for them, so ortflow cannot train it (it trains "
+            "networks of standard ONNX operators whose weights are float initializers): fit it in scikit-learn, or "
+            "train a network instead (model.kind: mlp, or your own with model.kind: torch)"
+        )
+    if not any(is_float(t) for t in model.graph.initializer):
+        raise ModelError(
+            f"model.path: {where} has no float initializer, so nothing to train (its weights, if any, are held in "
+            "Constant nodes or node attributes); export the model with its weights as initializers (torch.onnx.export"
+            "(..., do_constant_folding=False) keeps parameters as initializers), or use model.kind: torch"
+        )
 
 
 def check_external_data(model, file: Path) -> None:
@@ -89,19 +116,6 @@ def check_external_data(model, file: Path) -> None:
                              "again together (onnx.save_model with save_as_external_data=True)")
 
 
-def warn_probabilities(model, where: str) -> None:
-    """Model-zoo classifiers often end in a Softmax: their output is probabilities,
-    which ortflow's cross_entropy would take for logits (it trains, but slowly)."""
-    producers = {name: node for node in model.graph.node for name in node.output}
-    node = producers.get(model.graph.output[0].name) if len(model.graph.output) == 1 else None
-    while node is not None and node.op_type in ("Reshape", "Flatten", "Squeeze", "Identity"):
-        node = producers.get(node.input[0])
-    if node is not None and node.op_type in ("Softmax", "LogSoftmax"):
-        log.warning("%s: the output %r comes from %s node %r: ortflow's losses take logits (cross_entropy applies "
-                    "the softmax itself); for training, end the model before the %s", where,
-                    model.graph.output[0].name, node.op_type, node.name or node.output[0], node.op_type)
-
-
 def default_opset(model) -> int:
     return max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
 
@@ -131,10 +145,24 @@ def upgrade_opset(model, where: str):
             f"cannot convert it to opset {CONVERTED_OPSET} ({str(error).strip()[:200]}); re-export the model at opset "
             f"{CONVERTED_OPSET}"
         ) from None
-    converted.ir_version = max(converted.ir_version, onnx.helper.find_min_ir_version_for(converted.opset_import))
     log.warning("%s: ONNX opset %d converted to %d by onnx's version converter (ortflow needs opset >= %d: %s)",
                 where, opset, CONVERTED_OPSET, minimum, why)
     return converted
+
+
+def upgrade_ir(model, where: str) -> None:
+    """Raise the IR version to the lowest that the model's opsets need (onnx's
+    version converter keeps the old one, and so do files converted by hand):
+    from IR version 4 on, initializers need not be graph inputs, which
+    `drop_initializer_inputs` relies on, and ONNX's checker insists on the
+    pairing below it (`... in initializer but not in graph input`)."""
+    import onnx
+
+    needed = max(onnx.helper.find_min_ir_version_for(model.opset_import), IR_WITHOUT_INITIALIZER_INPUTS)
+    if model.ir_version < needed:
+        log.warning("%s: IR version %d raised to %d (what ONNX opset %d needs)", where, model.ir_version, needed,
+                    default_opset(model))
+        model.ir_version = needed
 
 
 def drop_initializer_inputs(model, where: str) -> None:
