@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-import torch
 
 from ortflow.evaluation import batch_totals, eval_results
 from ortflow.inference import loss_of
@@ -40,20 +39,3 @@ def test_batch_totals_of_one_logit_per_record_and_of_trailing_size_one_dims():
     assert batch_totals(1.0, pooled, np.array([1, 2]), classes).tolist() == [2.0, 1.0, 2.0]
     expected = loss_of(pooled.reshape(2, 3), np.array([1, 2]), "cross_entropy")
     assert loss_of(pooled, np.array([1, 2]), "cross_entropy") == pytest.approx(expected, rel=1e-12)
-
-
-@pytest.mark.parametrize("loss, reference", [
-    ("cross_entropy", torch.nn.functional.cross_entropy),
-    ("mse", torch.nn.functional.mse_loss),
-    ("l1", torch.nn.functional.l1_loss),
-    ("bce_with_logits", torch.nn.functional.binary_cross_entropy_with_logits),
-])
-def test_losses_of_logits_equal_torchs(loss, reference):
-    rng = np.random.default_rng(0)
-    if loss == "cross_entropy":  # [batch, classes, positions], as a language model's logits
-        logits, labels = rng.standard_normal((4, 5, 3)) * 3, rng.integers(0, 5, (4, 3))
-        expected = reference(torch.from_numpy(logits), torch.from_numpy(labels))
-    else:
-        logits, labels = rng.standard_normal((6, 2)) * 3, rng.random((6, 2)).round()
-        expected = reference(torch.from_numpy(logits), torch.from_numpy(labels))
-    assert loss_of(logits.astype(np.float32), labels, loss) == pytest.approx(float(expected), rel=1e-6)
