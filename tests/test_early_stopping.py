@@ -55,10 +55,10 @@ def test_export_checkpoint_auto_is_best_with_early_stopping():
 def test_best_json_names_a_step_folder_beside_it_only(tmp_path):
     (tmp_path / store.BEST).write_text(json.dumps({"checkpoint": "../../etc", "identity_digest": "d"}))
     with pytest.raises(CheckpointError, match="'checkpoint' must name a step-XXXXXXXX folder beside it"):
-        store.best_folder(tmp_path, "d")
+        store.best_of(tmp_path, "d")
     (tmp_path / store.BEST).write_text(json.dumps({"checkpoint": "step-00000020", "identity_digest": "d"}))
-    assert store.best_folder(tmp_path, "d") == tmp_path / "step-00000020"
-    assert store.best_folder(tmp_path, "another identity") is None
+    assert store.best_of(tmp_path, "d")["checkpoint"] == "step-00000020"
+    assert store.best_of(tmp_path, "another identity") is None
 
 
 # --- through the workflow ----------------------------------------------------------------------------

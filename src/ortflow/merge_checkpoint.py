@@ -15,7 +15,7 @@ from . import atomic
 from .checkpoints.ort_format import CheckpointError, ort_checkpoint_bytes
 from .checkpoints.resume import checkpoint_folder
 from .checkpoints.store import (
-    BEST, COMPLETE, HISTORY, MANIFEST, MAX_SHARDS, best_folder, new_manifest, partition, read_best, read_checkpoint,
+    BEST, COMPLETE, HISTORY, MANIFEST, MAX_SHARDS, best_of, new_manifest, partition, read_checkpoint,
     shard_attrs, shard_bytes, write_json, write_shard,
 )
 
@@ -32,14 +32,14 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
     `identity_digest` if given) into `out_dir`: `checkpoint` (ONNX Runtime's format, with
     optimizer state), `checkpoint.h5` (every shard in one) and `meta.json`, which says
     which one it is."""
-    best = read_best(source) if which == "best" else None
+    best = best_of(source, identity_digest) if which == "best" else None
     if which == "best":
-        folder = best_folder(source, identity_digest)
-        if folder is None:
+        if best is None:
             raise CheckpointError(
                 f"{source}: no best checkpoint of this run (no {BEST}): training keeps one when export.checkpoint "
                 "is best (or auto with train.early_stopping.patience set); retrain with that, or export the last "
                 "step's with export.checkpoint: last")
+        folder = Path(source) / best["checkpoint"]
     else:
         folder = checkpoint_folder(source, identity_digest)
     checkpoint = read_checkpoint(folder, model)

@@ -282,7 +282,8 @@ def _prune(root: Path, identity_digest: str, keep: int) -> None:
     folders = sorted(p for p in Path(root).glob("step-*") if p.is_dir())
     ours = [p for p in folders if (p / COMPLETE).exists() and digest_of(p) == identity_digest]
     kept = ours[-keep:]
-    best = best_folder(root, identity_digest)
+    best_record = best_of(root, identity_digest)
+    best = Path(root) / best_record["checkpoint"] if best_record else None
     for folder in folders:
         incomplete = not (folder / COMPLETE).exists()
         if (folder in ours and folder not in kept and folder != best) or (incomplete and kept and folder < kept[0]):
@@ -295,12 +296,13 @@ def mark_best(root: Path, folder: Path, identity_digest: str, record: dict) -> N
     write_json(Path(root) / BEST, {**record, "checkpoint": folder.name, "identity_digest": identity_digest})
 
 
-def best_folder(root: Path, identity_digest: str | None = None) -> Path | None:
-    """The checkpoint folder best.json names (of this training identity, if given), or None."""
+def best_of(root: Path, identity_digest: str | None = None) -> dict | None:
+    """best.json of the checkpoints root `root` if it is of this training identity (if given), else None;
+    its "checkpoint" names the step folder in `root`."""
     record = read_best(root)
     if record is None or identity_digest not in (None, record.get("identity_digest")):
         return None
-    return Path(root) / record["checkpoint"]
+    return record
 
 
 def read_best(root: Path) -> dict | None:

@@ -8,11 +8,7 @@ one that never stopped."""
 
 from __future__ import annotations
 
-import logging
-
 from ..errors import ConfigError
-
-log = logging.getLogger("ortflow.train")
 
 # The eval metrics of each task (evaluation.eval_results).
 METRICS = {"classification": ("loss", "accuracy"), "language_model": ("loss", "accuracy", "perplexity"),

@@ -72,7 +72,7 @@ class Sessions:
     profiler on for the steps of `train.profile_steps` (traces of this run only),
     and the running statistics among the Module's outputs (`model.json` `running_stats`)."""
 
-    def __init__(self, artifacts: Artifacts, state, comm, train_cfg: dict, profile_dir: Path):
+    def __init__(self, artifacts: Artifacts, state, comm, train_cfg: dict, profile_dir: Path, running_stats: dict):
         self.artifacts, self.state, self.rank = artifacts, state, comm.rank
         self.device = f"cuda:{comm_mod.gpu_for(comm.local_rank, os.environ)}" if train_cfg["device"] == "cuda" \
             else "cpu"
@@ -81,9 +81,7 @@ class Sessions:
         for old in profile_dir.glob(f"rank{self.rank}-*"):
             old.unlink()
         self.module, self.optimizer = open_sessions(artifacts, state, self.device, self.threads)
-        # Absent from artifacts built before BatchNorm support.
-        stats = artifacts.description().get("running_stats", {})
-        self.running_stats = RunningStats(state, self.module.output_names(), stats, comm)
+        self.running_stats = RunningStats(state, self.module.output_names(), running_stats, comm)
 
     def at_step(self, step: int) -> None:
         """Trace training step `step` if train.profile_steps asks for it (and stop tracing after)."""

@@ -59,7 +59,7 @@ class Trainer:
 
     def __init__(self, config: dict, train_data: Path, eval_data: Path, artifacts: Artifacts, folder: TrainFolder,
                  stop: StopRequest):
-        self.config, self.train_cfg, self.folder, self.stop_request = config, config["train"], folder, stop
+        self.train_cfg, self.folder, self.stop_request = config["train"], folder, stop
         self.steps, self.seed = self.train_cfg["steps"], config["run"]["seed"]
         folder.folder.mkdir(parents=True, exist_ok=True)
         self.comm = comm_mod.create(self.train_cfg, folder.heartbeat)
@@ -68,19 +68,21 @@ class Trainer:
                                 f"{self.train_cfg['world_size']}")
         # Checked before the first step: checksums, batch size against the data.
         self.train_data, self.eval_data = ShardReader(train_data), ShardReader(eval_data)
-        self.train_data.check_batch(config_mod.global_batch_size(config))
+        self.global_batch = config_mod.global_batch_size(config)
+        self.train_data.check_batch(self.global_batch)
         self.artifacts, self.info = artifacts, artifacts.description()
         self.checkpointer = Checkpointer(folder.checkpoints, self.comm, config)
         resume = self.checkpointer.find_resume(self.train_cfg["resume_from"], artifacts.folder)
         self.start_step, self.resumed_from = (resume.step, resume.path) if resume else (0, None)
         self.state = resume_mod.load_state(resume, artifacts.folder) if resume else initial_state(artifacts)
-        self.sessions = Sessions(artifacts, self.state, self.comm, self.train_cfg, folder.profile)
+        self.sessions = Sessions(artifacts, self.state, self.comm, self.train_cfg, folder.profile,
+                                 self.info.get("running_stats", {}))  # absent from artifacts built before BatchNorm
         self.input_names = self.sessions.module.input_names()
         self.trainable = trainable(self.state)
         self.decay = weight_decay.for_run(self.state, self.trainable, self.info, self.train_cfg["optimizer"],
                                           self.comm.xp)
         self.metrics = Metrics(folder.tensorboard, self.comm.rank == 0, self.start_step, self.train_cfg,
-                               config_mod.global_batch_size(config),
+                               self.global_batch,
                                resume_mod.read_history(resume) if resume else None)
         self.best = Best(self.train_cfg["early_stopping"], self.info["task"], self.metrics.history["eval"])
         self.keep_best = config_mod.export_checkpoint(config) == "best"  # the export will want it
@@ -206,7 +208,7 @@ class Trainer:
         if self.comm.rank == 0:
             train = self.train_cfg
             log.info("%d ranks, global batch %d (%d x %d accumulated x %d ranks), %s, %d threads per rank",
-                     self.comm.world_size, config_mod.global_batch_size(self.config), train["micro_batch_size"],
+                     self.comm.world_size, self.global_batch, train["micro_batch_size"],
                      train["grad_accum_steps"], self.comm.world_size,
                      f"resuming at step {self.start_step} from {self.resumed_from}" if self.resumed_from
                      else "starting at step 0",
