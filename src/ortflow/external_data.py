@@ -126,3 +126,23 @@ def check(model, file: Path, where: str) -> None:
             raise ModelError(f"{said}: {read} from offset {start}, beyond the end "
                              f"of the file ({size} bytes): the model does not match its data file; save the two "
                              "again together (onnx.save_model with save_as_external_data=True)")
+
+
+def model_bytes(path: Path) -> int:
+    """The size of the model `path` with its external data file, if it has one."""
+    data = data_file(path)
+    return Path(path).stat().st_size + (data.stat().st_size if data.is_file() else 0)
+
+
+def replace(source: Path, path: Path) -> None:
+    """Rename the finished model `source`, saved for `path` (save_model's `name`), to `path`:
+    its external data file first, so that the model, once in place, finds its data; or,
+    without one, the data file of an earlier model at `path` removed."""
+    from . import atomic
+
+    data = Path(source).with_name(data_file(path).name)
+    if data.is_file():
+        atomic.replace(data, data_file(path))
+    else:
+        data_file(path).unlink(missing_ok=True)
+    atomic.replace(source, path)
