@@ -320,6 +320,16 @@ def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits:
             raise ModelError(f"{path}: written with IR version > 10, which ORT 1.19 refuses; is onnx==1.17 installed?")
 
 
+def drop_weights(base) -> None:
+    """Clear the values of the float initializers of `base` once the checkpoint holds them:
+    what follows (the smoke step, FLOPs, model.json) reads their shapes alone, so one
+    copy of the weights less is held from here on."""
+    for tensor in base.graph.initializer:
+        if is_float(tensor):
+            for field in ("raw_data", "float_data", "double_data", "int32_data"):  # float16 is in int32_data
+                tensor.ClearField(field)
+
+
 def explain_generation_error(error: Exception, base) -> Exception:
     """Name the operator that has no gradient, if that is what failed."""
     import re
@@ -480,6 +490,7 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
                  len(frozen))
         generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp, logits)
+        drop_weights(base)
         running_stats = batchnorm.adapt(tmp)
         smoke_step(tmp, train_dir, manifest)
         description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"], logits) | {

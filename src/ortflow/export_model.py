@@ -241,8 +241,6 @@ def trained_module(artifacts: Artifacts, checkpoint: Path):
 def write_inference_model(module, files: Artifacts, info: dict, tmp: Path, out: Path, reader, props: dict) -> None:
     """The module's inference graph into `tmp` (its weights in `<out>.data` over
     external_data.threshold()), with the data's standardization in front and `props` as metadata."""
-    import onnx
-
     # ONNX Runtime 1.19 writes the weights of a checkpoint that had external data to `<tmp>.data`,
     # and only when given a relative path.
     with contextlib.chdir(tmp.parent):
