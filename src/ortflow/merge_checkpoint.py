@@ -30,8 +30,8 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
     """Merge a checkpoint (a folder, or under a checkpoints root the newest complete one
     (`which` last) or the one that evaluated best (`which` best), of the training identity
     `identity_digest` if given) into `out_dir`: `checkpoint` (ONNX Runtime's format, with
-    optimizer state), `checkpoint.h5` (every shard in one) and `meta.json`, which says
-    which one it is."""
+    optimizer state; its tensors in `checkpoint.data` over external_data.threshold()),
+    `checkpoint.h5` (every shard in one) and `meta.json`, which says which one it is."""
     best = best_of(source, identity_digest) if which == "best" else None
     if which == "best":
         if best is None:
