@@ -295,7 +295,8 @@ def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits:
     # ORT names the nodes it adds from a process-wide counter; restarting it
     # makes the graphs depend on the model alone, byte for byte.
     ort_private.restart_node_names()
-    source = str(Artifacts(out).base_model.resolve()) if external_data.uses_external_data(base) else base
+    out = out.resolve()  # before the working folder changes
+    source = str(Artifacts(out).base_model) if external_data.uses_external_data(base) else base
     try:
         with contextlib.chdir(out):
             artifacts.generate_artifacts(
@@ -304,7 +305,7 @@ def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits:
                 frozen_params=frozen,
                 loss=loss_block(loss, label, logits),
                 optimizer=optimizer_block(optimizer),
-                artifact_directory=out.resolve(),
+                artifact_directory=out,
                 loss_input_names=[logits.name],
                 additional_output_names=[logits.name],
             )
