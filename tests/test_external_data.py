@@ -151,3 +151,27 @@ def test_every_stage_runs_with_external_data(workdir):
                              text=True, check=True).stdout
     assert "step 20, 2 shards (checksums verified)" in inspect
     assert f"checked against the model {Path('results/digits/artifacts')}" in inspect
+
+
+def test_artifacts_with_external_data_equal_those_without(tmp_path, monkeypatch):
+    """The same graphs, byte for byte, and the same initial weights; ONNX Runtime's blocks
+    leave none of the copies they save on the way, neither in the artifacts nor where the
+    command ran."""
+    from test_artifacts import SMALL, config
+
+    from ortflow import build_artifacts
+    from ortflow.artifacts import Artifacts
+    from ortflow.prepare_data import prepare
+
+    prepare(config(), tmp_path / "train", tmp_path / "eval")
+    monkeypatch.chdir(tmp_path)
+    build_artifacts.build(config(SMALL["mlp"]), Path("train"), Path("inline"))
+    monkeypatch.setenv(external_data.VARIABLE, "0")
+    build_artifacts.build(config(SMALL["mlp"]), Path("train"), Path("external"))
+    inline, external = Artifacts(tmp_path / "inline"), Artifacts(tmp_path / "external")
+    for graph in (*inline.graphs, inline.model_json):
+        assert graph.read_bytes() == (external.folder / graph.name).read_bytes(), graph.name
+    assert sorted(p.name for p in external.folder.iterdir()) == sorted(
+        [p.name for p in inline.folder.iterdir()] + ["checkpoint.data", "inference_base.onnx.data"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval", "external", "inline", "train"]
+    assert_same(ort_format.read_ort_checkpoint(external.checkpoint), ort_format.read_ort_checkpoint(inline.checkpoint))

@@ -26,7 +26,9 @@ def inference_session(path: Path, threads: int | None = None, also: tuple[str, .
     def session(model):
         return ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
 
-    proto = onnx.load(str(path), load_external_data=False)  # the graph; weights in external data stay in their file
+    if not also:
+        return session(str(path))
+    proto = onnx.load(str(path), load_external_data=False)  # weights in external data stay in their file
     outputs = {o.name for o in proto.graph.output}
     extra = [name for name in also if name not in outputs]
     if not extra:
