@@ -235,7 +235,8 @@ def trained_module(artifacts: Artifacts, checkpoint: Path):
 
     merged = read_ort_checkpoint(checkpoint)
     state = ort_state(TrainingState(merged.parameters, merged.requires_grad, {}, {}, {}, merged.version))
-    return Module(str(artifacts.training_model), state, str(artifacts.eval_model))
+    # Absolute: ONNX Runtime reads the eval graph again when it exports, from inside the export's folder.
+    return Module(str(artifacts.training_model.resolve()), state, str(artifacts.eval_model.resolve()))
 
 
 def write_inference_model(module, files: Artifacts, info: dict, tmp: Path, out: Path, reader, props: dict) -> None:
