@@ -229,12 +229,15 @@ def first_disagreement(model, feeds: dict) -> str:
 
 
 def trained_module(artifacts: Artifacts, checkpoint: Path):
-    """The training Module with the merged checkpoint's parameters, without its optimizer
-    state, which export has no use for (two copies of the weights fewer)."""
+    """The training Module with the merged checkpoint's parameters and nothing export has no
+    use for: no optimizer state (two copies of the weights), and every parameter frozen, so
+    that the Module allocates no gradient buffers (a third copy); its eval graph and the
+    model it exports are the same either way."""
     from onnxruntime.training.api import Module
 
     merged = read_ort_checkpoint(checkpoint)
-    state = ort_state(TrainingState(merged.parameters, merged.requires_grad, {}, {}, {}, merged.version))
+    frozen = dict.fromkeys(merged.parameters, False)
+    state = ort_state(TrainingState(merged.parameters, frozen, {}, {}, {}, merged.version))
     # Absolute: ONNX Runtime reads the eval graph again when it exports, from inside the export's folder.
     return Module(str(artifacts.training_model.resolve()), state, str(artifacts.eval_model.resolve()))
 
