@@ -109,9 +109,12 @@ def export_torch(module, manifest: dict, path: Path):
     except torch.onnx.errors.SymbolicValueError as error:  # its message goes on with the traced graph
         problem = str(error).splitlines()[0].split("  [Caused by")[0].strip()
         raise ModelError(f"model.path: torch.onnx cannot export {type(module).__name__}: {problem}") from None
-    # A model over 2 GB comes with one external data file per initializer, named after it:
-    # they are read in and written again as one (external_data.save_model), or not at all.
-    scattered = {entry.value for tensor in onnx.load(str(path), load_external_data=False).graph.initializer
+    # A model over 2 GB comes with one external data file per tensor (initializers and Constant
+    # nodes' values), named after it: they are read in and written again as one
+    # (external_data.save_model), or not at all.
+    from onnx.external_data_helper import _get_all_tensors
+
+    scattered = {entry.value for tensor in _get_all_tensors(onnx.load(str(path), load_external_data=False))
                  for entry in tensor.external_data if entry.key == "location"}
     exported = onnx.load(str(path))
     for name in scattered:
