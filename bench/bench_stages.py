@@ -10,6 +10,8 @@ rank), with the model's size in parameters and bytes.
     python bench/bench_stages.py --width 768 --layers 12 --heads 12                  # about GPT-2's 124M (86M with bytes)
     python bench/bench_stages.py --width 2048 --layers 11 --heads 16 --optimizer sgd \
         --stages prepare_data build_artifacts train merge_checkpoint export_model     # over 2 GB of weights
+    PYTHONPATH=<other ortflow>/src python bench/bench_stages.py --force \
+        --stages merge_checkpoint export_model quantize_model build_artifacts         # the same stages, other code
 
 Run it under the machine-wide lock on a shared machine; the model's files go to
 --workdir (several GB for the larger model).
@@ -46,10 +48,11 @@ def config(args) -> dict:
     }
 
 
-def run_stage(workdir: Path, configfile: Path, stage: str) -> dict:
-    """One Snakemake target: its wall time and the peak RSS of its largest process."""
+def run_stage(workdir: Path, configfile: Path, stage: str, force: bool) -> dict:
+    """One Snakemake target (`force`: run again though up to date): its wall time and the
+    peak RSS of its largest process."""
     command = [str(BIN / "snakemake"), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-               "--configfile", str(configfile), "--cores", "2", stage]
+               "--configfile", str(configfile), "--cores", "2", *(["-f"] if force else []), stage]
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(process.pid, 0)
@@ -72,6 +75,10 @@ def main() -> None:
     parser.add_argument("--eval-fraction", type=float, default=0.002)
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=STAGES)
+    parser.add_argument("--force", action="store_true",
+                        help="run the stages again in a workdir that has them (another version of ortflow on "
+                             "PYTHONPATH, the same inputs): merge_checkpoint export_model quantize_model "
+                             "build_artifacts, in that order, so that no stage before them reruns")
     args = parser.parse_args()
 
     args.workdir.mkdir(parents=True, exist_ok=True)
@@ -79,7 +86,7 @@ def main() -> None:
     configfile.write_text(yaml.safe_dump(config(args)))
     rows = []
     for stage in args.stages:
-        rows.append(run_stage(args.workdir, configfile, stage))
+        rows.append(run_stage(args.workdir, configfile, stage, args.force))
         if stage == "build_artifacts":
             info = json.loads((args.workdir / "results/stages/artifacts/model.json").read_text())
             print(f"model: {info['parameters']:,} parameters, {info['parameters'] * 4 / 1e9:.2f} GB float32",
