@@ -52,7 +52,9 @@ def run_stage(workdir: Path, configfile: Path, stage: str, force: bool) -> dict:
     """One Snakemake target (`force`: run again though up to date): its wall time and the
     peak RSS of its largest process."""
     command = [str(BIN / "snakemake"), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
-               "--configfile", str(configfile), "--cores", "2", *(["-f"] if force else []), stage]
+               "--configfile", str(configfile), "--cores", "2", stage]
+    if force:  # not mtime: stages forced earlier must not make the ones after them outdated
+        command += ["-f", "--rerun-triggers", "params", "input", "software-env", "code"]
     start = time.perf_counter()
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     _, status, usage = os.wait4(process.pid, 0)
@@ -77,8 +79,7 @@ def main() -> None:
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=STAGES)
     parser.add_argument("--force", action="store_true",
                         help="run the stages again in a workdir that has them (another version of ortflow on "
-                             "PYTHONPATH, the same inputs): merge_checkpoint export_model quantize_model "
-                             "build_artifacts, in that order, so that no stage before them reruns")
+                             "PYTHONPATH, the same inputs)")
     args = parser.parse_args()
 
     args.workdir.mkdir(parents=True, exist_ok=True)
