@@ -65,7 +65,7 @@ def test_checkpoint_over_the_threshold_keeps_its_tensors_in_a_data_file_that_onn
     assert_same(ort_format.read_ort_checkpoint(path), state())
 
 
-def test_a_checkpoint_whose_data_file_is_short_or_missing_is_refused_in_one_line(tmp_path, monkeypatch):
+def test_a_checkpoint_whose_data_file_is_short_a_link_or_missing_is_refused_in_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv(external_data.VARIABLE, "0")
     path = tmp_path / "checkpoint"
     ort_format.write_ort_checkpoint(path, state())
@@ -73,6 +73,11 @@ def test_a_checkpoint_whose_data_file_is_short_or_missing_is_refused_in_one_line
     data.write_bytes(data.read_bytes()[:100])
     with pytest.raises(CheckpointError, match=r"checkpoint: tensor '\w+' lies at bytes \d+\.\.\d+ of .*checkpoint"
                                               r"\.data, which has 100 bytes; the checkpoint and its data file"):
+        ort_format.read_ort_checkpoint(path)
+    data.unlink()
+    data.symlink_to(tmp_path / "elsewhere.bin")
+    (tmp_path / "elsewhere.bin").write_bytes(bytes(100_000))
+    with pytest.raises(CheckpointError, match=r"checkpoint\.data: the external data of checkpoint .* is a link"):
         ort_format.read_ort_checkpoint(path)
     data.unlink()
     with pytest.raises(CheckpointError, match=r"checkpoint\.data: not there \(an ONNX Runtime checkpoint with "

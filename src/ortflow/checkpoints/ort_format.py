@@ -75,7 +75,7 @@ def read_ort_checkpoint(path: Path) -> TrainingState:
         raise CheckpointError(f"{path}: not an ONNX Runtime checkpoint (no {ORT_IDENTIFIER.decode()} identifier)")
     root = Fbs.GetRootAs(buf, 0)
     module = root.ModuleState()
-    external = _mapped(data_file(path)) if module.HasExternalData() else None
+    external = _external_data(path) if module.HasExternalData() else None
 
     def array(tensor) -> np.ndarray:
         dims = [int(d) for d in tensor.DimsAsNumpy()] if not tensor.DimsIsNone() else []
@@ -129,6 +129,16 @@ def _mapped(path: Path) -> mmap.mmap:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not there (an ONNX Runtime checkpoint{' with external data' if path.suffix == '.data' else ''})") from None
+
+
+def _external_data(path: Path) -> mmap.mmap:
+    """The checkpoint's `<checkpoint>.data`, mapped: a regular file beside it, not a link
+    (which would read whatever it points at as weights)."""
+    data = data_file(path)
+    if data.is_symlink() or (data.exists() and not data.is_file()):
+        raise CheckpointError(f"{data}: the external data of checkpoint {path} is a link or not a regular file; "
+                              "it must be a regular file beside the checkpoint")
+    return _mapped(data)
 
 
 def ort_checkpoint_bytes(state: TrainingState) -> bytearray:
