@@ -56,6 +56,10 @@ class TrainingState:
     def nbytes(self, name: str) -> int:
         return self.parameters[name].nbytes + sum(a.nbytes for a in self.optimizer_states.get(name, {}).values())
 
+    def total_bytes(self) -> int:
+        """The bytes of every array: the parameters and their optimizer state."""
+        return sum(self.nbytes(name) for name in self.parameters)
+
 
 
 def _np_dtype(onnx_type: int) -> np.dtype:
@@ -122,13 +126,13 @@ def read_ort_checkpoint(path: Path) -> TrainingState:
     return TrainingState(parameters, requires_grad, optimizer_states, optimizer, properties, root.Version())
 
 
-def _mapped(path: Path) -> mmap.mmap:
+def _mapped(path: Path, what: str = "an ONNX Runtime checkpoint") -> mmap.mmap:
     """The file `path` mapped read-only into memory."""
     try:
         with open(path, "rb") as f:
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: not there (an ONNX Runtime checkpoint{' with external data' if path.suffix == '.data' else ''})") from None
+        raise CheckpointError(f"{path}: not there ({what})") from None
 
 
 def _external_data(path: Path) -> mmap.mmap:
@@ -138,7 +142,7 @@ def _external_data(path: Path) -> mmap.mmap:
     if data.is_symlink() or (data.exists() and not data.is_file()):
         raise CheckpointError(f"{data}: the external data of checkpoint {path} is a link or not a regular file; "
                               "it must be a regular file beside the checkpoint")
-    return _mapped(data)
+    return _mapped(data, "an ONNX Runtime checkpoint with external data")
 
 
 def ort_checkpoint_bytes(state: TrainingState) -> bytearray:
@@ -157,7 +161,7 @@ def write_ort_checkpoint(path: Path, state: TrainingState) -> bool:
     path = Path(path)
     data = data_file(path)
     data.unlink(missing_ok=True)
-    external = sum(state.nbytes(n) for n in state.parameters) > threshold()
+    external = state.total_bytes() > threshold()
     if external:
         try:
             with open(data, "wb") as f:
@@ -179,7 +183,7 @@ def apply_threshold(path: Path) -> None:
     if data_file(path).exists():
         return
     state = read_ort_checkpoint(path)
-    if sum(state.nbytes(n) for n in state.parameters) > threshold():
+    if state.total_bytes() > threshold():
         write_ort_checkpoint(path, state)
 
 
@@ -206,7 +210,7 @@ def _checkpoint(state: TrainingState, external: _External | None):
 
     C = checkpoint_schema("Checkpoint")
 
-    inside = 0 if external else sum(state.nbytes(n) for n in state.parameters)
+    inside = 0 if external else state.total_bytes()
     builder = flatbuffers.Builder(inside + 4096 * (len(state.parameters) + 1))
     module = _module_state(builder, state, external)
     groups = _optimizer_groups(builder, state, external)
