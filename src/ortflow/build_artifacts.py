@@ -263,7 +263,11 @@ def optimizer_block(optimizer: dict):
     differently), or plain SGD. No clip_grad: training clips after the all-reduce.
     No weight decay: ORT's operator has one for every parameter, and training
     applies it per group, to the parameters `train.optimizer.no_decay` leaves
-    decayed (train/weight_decay.py)."""
+    decayed (train/weight_decay.py).
+    For LAMB, AdamW's graph too: ORT has no LAMB kernel for the CPU, and training
+    steps LAMB itself (training/lamb.py); what LAMB takes from the artifacts is the
+    optimizer state AdamW's block gives the checkpoint, the same two moments
+    (`momentum0`, `momentum1`) per parameter. Its optimizer_model.onnx is not run."""
     from onnxruntime.training.onnxblock import optim
 
     if optimizer["name"] == "sgd":
