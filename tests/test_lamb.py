@@ -6,27 +6,32 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ortflow import build_artifacts
 from ortflow import config as config_mod
+from ortflow.artifacts import Artifacts
+from ortflow.data.shards import ShardReader
 from ortflow.errors import ConfigError
+from ortflow.training import engine, gradients, weight_decay
 from ortflow.training.lamb import Lamb, check_sharding
 from ortflow.training.weight_decay import WeightDecay
+from test_weight_decay import settings, train_dir  # noqa: F401 - the fixture
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-6, 0.01
 RATES = [0.05, 0.03, 0.02, 0.01, 0.005, 0.001]  # a changing learning rate, as a schedule gives
 
 
-def reference_lamb(x, g, m, v, t: int, lr: float, weight_decay: float):
+def reference_lamb(x, g, m, v, t: int, lr: float, weight_decay: float, betas=BETAS, eps=EPS):
     """One layer's update of LAMB as Algorithm 2 of You et al. (2019) writes it, in float64:
     bias correction of both moments, phi the identity (no bounds on the trust ratio),
     no gradient clipping (ortflow clips globally before the optimizer). The paper leaves
     the trust ratio of a zero norm open; this takes 1 (the plain step), as ONNX Runtime's
     LambOptimizer and NVIDIA's implementations do. Returns (x, m, v)."""
-    beta1, beta2 = BETAS
+    beta1, beta2 = betas
     m = beta1 * m + (1 - beta1) * g
     v = beta2 * v + (1 - beta2) * g * g
     m_hat = m / (1 - beta1 ** t)
     v_hat = v / (1 - beta2 ** t)
-    r = m_hat / (np.sqrt(v_hat) + EPS)
+    r = m_hat / (np.sqrt(v_hat) + eps)
     u = r + weight_decay * x
     x_norm, u_norm = np.linalg.norm(x), np.linalg.norm(u)
     trust_ratio = x_norm / u_norm if x_norm > 0 and u_norm > 0 else 1.0
@@ -78,6 +83,41 @@ def test_lamb_matches_the_paper_step_for_step():
     # Without a gradient the direction is the decay alone, whose trust ratio is 1 / weight_decay:
     # each step scales the weight by 1 - lr, whatever the decay.
     assert np.allclose(params[4], weights["unused.weight"] * np.prod([1 - lr for lr in RATES]), rtol=0, atol=1e-6)
+
+
+def test_lamb_on_the_gradients_onnx_runtime_computes_for_a_tiny_gpt(train_dir, tmp_path):  # noqa: F811
+    """Artifacts built for lamb, ORT's Module's gradients, and LAMB on ORT's live buffers
+    (what the next forward reads), against the paper's step from the same gradients;
+    the groups are the real model's (biases, LayerNorms and embeddings undecayed)."""
+    config = settings("lamb")
+    optimizer = config["train"]["optimizer"]
+    artifacts = Artifacts(tmp_path / "artifacts")
+    description = build_artifacts.build(config, train_dir, artifacts.folder)
+    state = engine.initial_state(artifacts)
+    names = engine.trainable(state)
+    module, _ = engine.open_sessions(artifacts, state, "cpu", 1)
+    module.train()
+    decays = weight_decay.for_run(state, names, description, optimizer, np).per_tensor(names)
+    assert sum(d > 0 for d in decays) == 4 and len(decays) == 16
+    lamb = Lamb(tuple(optimizer["betas"]), optimizer["eps"], decays, np)
+    m1 = [np.zeros_like(p) for p in gradients.parameters(state, names, np)]
+    m2 = [np.zeros_like(p) for p in m1]
+    reference = {n: (p.astype(np.float64), np.zeros(p.shape), np.zeros(p.shape))
+                 for n, p in zip(names, gradients.parameters(state, names, np))}
+    reader, worst = ShardReader(train_dir), 0.0
+    for t, lr in enumerate(RATES[:4], start=1):
+        batch = reader.gather(np.arange(8 * t, 8 * t + 8))
+        module(batch["x"], batch["y"])
+        grads = gradients.gradients(state, names, np)
+        for name, g, decay in zip(names, grads, decays):
+            x, m, v = reference[name]
+            reference[name] = reference_lamb(x, g.astype(np.float64), m, v, t, lr, decay, optimizer["betas"],
+                                             optimizer["eps"])
+        lamb.step(lr, t, gradients.parameters(state, names, np), grads, m1, m2)
+        module.lazy_reset_grad()
+        for name in names:
+            worst = max(worst, float(np.abs(state.parameters[name].data - reference[name][0]).max()))
+    assert worst < 1e-6
 
 
 def test_lamb_leaves_weight_decay_to_its_update():

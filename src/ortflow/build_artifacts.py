@@ -264,10 +264,10 @@ def optimizer_block(optimizer: dict):
     No weight decay: ORT's operator has one for every parameter, and training
     applies it per group, to the parameters `train.optimizer.no_decay` leaves
     decayed (train/weight_decay.py).
-    For LAMB, AdamW's graph too: ORT has no LAMB kernel for the CPU, and training
-    steps LAMB itself (training/lamb.py); what LAMB takes from the artifacts is the
-    optimizer state AdamW's block gives the checkpoint, the same two moments
-    (`momentum0`, `momentum1`) per parameter. Its optimizer_model.onnx is not run."""
+    For LAMB, AdamW's graph too, which training does not run: ORT has no LAMB
+    kernel for the CPU, so training steps LAMB itself (training/lamb.py), over the
+    same two moments per parameter as AdamW's; the artifacts folder keeps the same
+    files for every optimizer."""
     from onnxruntime.training.onnxblock import optim
 
     if optimizer["name"] == "sgd":
