@@ -31,7 +31,7 @@ def test_ort_s_graph_over_held_arrays_is_bit_for_bit_the_training_api_s_optimize
     module = Module(str(artifacts.training_model), theirs, str(artifacts.eval_model))
     ort_optimizer = OrtOptimizer(str(artifacts.optimizer_model), module)
     ours = engine.initial_state(artifacts)
-    our_module, step = engine.open_sessions(artifacts, ours, "cpu", 1, kind, np)
+    our_module, step = engine.open_sessions(artifacts, ours, "cpu", 1, settings(kind)["train"]["optimizer"], np)
     names = engine.trainable(ours)
     # Whole tensors for some parameters, two slices of one for the others: a slice steps as the whole does.
     pieces = [Piece(n, 0, p.size) for n, p in zip(names, gradients.parameters(ours, names, np))]

@@ -97,7 +97,7 @@ def open_training(artifacts: Path, description: dict, name: str = "adamw"):
     """ORT's Module on the initial checkpoint, the optimizer's step, an Optimizer over every
     trainable parameter and the run's WeightDecay."""
     state = engine.initial_state(Artifacts(artifacts))
-    module, step = engine.open_sessions(Artifacts(artifacts), state, "cpu", 1, name, np)
+    module, step = engine.open_sessions(Artifacts(artifacts), state, "cpu", 1, settings(name)["train"]["optimizer"], np)
     module.train()
     names = engine.trainable(state)
     shapes = {parameter: state.parameters[parameter].data.shape for parameter in names}

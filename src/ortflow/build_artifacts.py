@@ -279,7 +279,11 @@ def optimizer_block(optimizer: dict):
     differently), or plain SGD. No clip_grad: training clips after the all-reduce.
     No weight decay: ORT's operator has one for every parameter, and training
     applies it per group, to the parameters `train.optimizer.no_decay` leaves
-    decayed (train/weight_decay.py)."""
+    decayed (train/weight_decay.py).
+    For LAMB, AdamW's graph too, which training does not run: ORT has no LAMB
+    kernel for the CPU, so training steps LAMB itself (training/lamb.py), over the
+    same two moments per parameter as AdamW's; the artifacts folder keeps the same
+    files for every optimizer."""
     from onnxruntime.training.onnxblock import optim
 
     if optimizer["name"] == "sgd":

@@ -16,6 +16,7 @@ import jsonschema
 import yaml
 
 from .errors import ConfigError
+from .training import lamb
 
 # Where the workflow keeps its config, relative to the folder the commands run
 # in, as Snakemake reads the Snakefile's `configfile:` (config.load's default).
@@ -140,9 +141,21 @@ def validate(config: dict, partial: bool = False) -> dict:
     )
     if errors:
         raise ConfigError("\n".join(_describe(e) for e in errors))
+    _resolve_eps(config["train"]["optimizer"])
     if not partial:
         _check_cross_keys(config)
     return config
+
+
+# Each optimizer's own epsilon, train.optimizer.eps's null: torch.optim.AdamW's, and
+# the TrainingRunner's LAMB's (its LambOptimizer's default). SGD has none; it keeps
+# AdamW's, so that its runs' training identity is unchanged.
+OPTIMIZER_EPS = {"adamw": 1e-8, "sgd": 1e-8, "lamb": 1e-6}
+
+
+def _resolve_eps(optimizer: dict) -> None:
+    if optimizer["eps"] is None:
+        optimizer["eps"] = OPTIMIZER_EPS[optimizer["name"]]
 
 
 def _check_cross_keys(config: dict) -> None:
@@ -162,6 +175,7 @@ def _check_cross_keys(config: dict) -> None:
             f"config key 'model.heads': {model['heads']} does not divide model.width={model['width']}"
         )
     _check_text_keys(data)
+    lamb.check_sharding(train)
     if train["backend"] == "nccl" and train["device"] != "cuda":
         raise ConfigError("config key 'train.backend': 'nccl' needs train.device: cuda")
     if train["nodes"] > train["world_size"]:

@@ -43,7 +43,7 @@ SHA256 = re.compile(r"[0-9a-f]{64}")
 MAX_DIMS = 32
 FLOAT_KINDS = ("float16", "float32", "float64", "bfloat16")
 # The optimizer state ONNX Runtime keeps per trainable parameter.
-MOMENTS = {"adamw": {"momentum0", "momentum1"}, "sgd": {"momentum0"}}
+MOMENTS = {"adamw": {"momentum0", "momentum1"}, "sgd": {"momentum0"}, "lamb": {"momentum0", "momentum1"}}
 
 
 def check_manifest(manifest, where: Path, expected_files: list[str], history: str) -> list[dict]:

@@ -26,10 +26,10 @@ def threads_per_rank(local_size: int, affinity: int, environ: dict) -> int:
     return max(1, affinity // local_size)
 
 
-def open_sessions(artifacts: Artifacts, state, device: str, threads: int, optimizer: str, xp,
+def open_sessions(artifacts: Artifacts, state, device: str, threads: int, optimizer: dict, xp,
                   profile_prefix: Path | None = None):
-    """The Module over `state` and the step of the optimizer named `optimizer`
-    (optimizer.py). They can be reopened at any step: parameters and gradients live
+    """The Module over `state` and the step of the optimizer `optimizer`
+    (train.optimizer; optimizer.py). They can be reopened at any step: parameters and gradients live
     in `state`, the moments in the Trainer's Optimizer, so training goes on bit for
     bit. With `profile_prefix`, ONNX Runtime's profiler traces both sessions until
     they are dropped, into `<prefix>-train_<time>.json` and
@@ -92,7 +92,7 @@ class Sessions:
             else "cpu"
         self.threads = threads_per_rank(comm.local_size, len(os.sched_getaffinity(0)), os.environ)
         self.profile_steps, self.profile_dir, self.profiling = train_cfg["profile_steps"], profile_dir, False
-        self.optimizer_name, self.xp = train_cfg["optimizer"]["name"], comm.xp
+        self.optimizer_cfg, self.xp = train_cfg["optimizer"], comm.xp
         for old in profile_dir.glob(f"rank{self.rank}-*"):
             old.unlink()
         self.module, self.optimizer_step = self.open()
@@ -115,5 +115,5 @@ class Sessions:
         return self.module
 
     def open(self, profile_prefix: Path | None = None):
-        return open_sessions(self.artifacts, self.state, self.device, self.threads, self.optimizer_name, self.xp,
+        return open_sessions(self.artifacts, self.state, self.device, self.threads, self.optimizer_cfg, self.xp,
                              profile_prefix)

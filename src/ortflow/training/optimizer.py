@@ -19,9 +19,12 @@ does, and measured against the training API's Optimizer over the same model
 (tests/test_optimizer.py) it is bit for bit the same, AdamW and SGD, several steps:
 so this is the one optimizer path, and the training API's Optimizer is not used.
 
-Another optimizer plugs in by `train.optimizer.name` in STEPS: an object called as
-`step(lr, step, params, grads, moments)` that updates `params` and `moments` (one
-list of arrays per name of MOMENTS, in order) in place.
+Another optimizer plugs in by `train.optimizer.name` in open_step: an object called as
+`step(lr, step, params, grads, moments, decays)` that updates `params` and `moments`
+(one list of arrays per name of MOMENTS, in order) in place. `decays` is each
+tensor's weight decay, for an optimizer that decays inside its update: LAMB
+(LambStep), which ONNX Runtime has no CPU kernel for. ORT's graphs ignore it: their
+decay is applied before them (weight_decay.py), as torch does.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import numpy
 from ..checkpoints.checks import MOMENTS
 from ..errors import TrainingError
 from .gradients import gradients, parameters
+from .lamb import Lamb
 
 # ORT's optimizer graphs name their sequences of moments so, in the order of the sorted MOMENTS.
 GRAPH_MOMENTS = ("first_order_moments", "second_order_moments")
@@ -65,7 +69,8 @@ class GraphStep:
             self.check_in_place()
             GraphStep.checked = True
 
-    def __call__(self, lr: float, step: int, params: list, grads: list, moments: list[list]) -> None:
+    def __call__(self, lr: float, step: int, params: list, grads: list, moments: list[list],
+                 decays: list[float] | None = None) -> None:
         on_host = self.xp is not numpy
         host = [[a.get() for a in arrays] if on_host else arrays for arrays in (params, grads, *moments)]
         feeds = {"learning_rate": numpy.array([lr], numpy.float32), "step": numpy.array([step], numpy.int64),
@@ -95,12 +100,22 @@ def views(state, pieces: list[Piece], which: str, xp) -> list:
     return [array.reshape(-1)[p.start:p.stop] for p, array in zip(pieces, live)]
 
 
-# train.optimizer.name -> the step's class, built from (optimizer_model.onnx, session options, xp).
-STEPS = {"adamw": GraphStep, "sgd": GraphStep}
+class LambStep:
+    """LAMB (lamb.py), computed with `xp` over whole tensors (train.zero 1 is refused with it)."""
+
+    def __init__(self, optimizer: dict, xp):
+        self.betas, self.eps, self.xp = tuple(optimizer["betas"]), optimizer["eps"], xp
+
+    def __call__(self, lr: float, step: int, params: list, grads: list, moments: list[list],
+                 decays: list[float] | None = None) -> None:
+        Lamb(self.betas, self.eps, decays, self.xp).step(lr, step, params, grads, *moments)
 
 
-def open_step(name: str, path: Path, options, xp):
-    return STEPS[name](path, options, xp)
+def open_step(optimizer: dict, path: Path, options, xp):
+    """The step of train.optimizer `optimizer`: ORT's graph in the artifacts (AdamW, SGD), or LAMB."""
+    if optimizer["name"] == "lamb":
+        return LambStep(optimizer, xp)
+    return GraphStep(path, options, xp)
 
 
 class Optimizer:
@@ -117,15 +132,15 @@ class Optimizer:
 
     def step(self, lr: float, run, decay) -> None:
         """The weight decay (`decay`) then the optimizer's update (`run`, a step of
-        STEPS) of the pieces, at learning rate `lr`, in ORT's live buffers."""
+        open_step) of the pieces, at learning rate `lr`, in ORT's live buffers."""
         if not self.pieces:  # a rank that owns none of a tiny model's parameters
             self.count += 1
             return
-        params = views(self.state, self.pieces, "data", self.xp)
-        decay.apply(lr, [p.name for p in self.pieces], params)
+        params, names = views(self.state, self.pieces, "data", self.xp), [p.name for p in self.pieces]
+        decay.apply(lr, names, params)
         self.count += 1
         run(lr, self.count, params, views(self.state, self.pieces, "grad", self.xp),
-            [[self.moments[m][p.name] for p in self.pieces] for m in self.moment_names])
+            [[self.moments[m][p.name] for p in self.pieces] for m in self.moment_names], decay.per_tensor(names))
 
     def attributes(self) -> dict:
         """The optimizer group's scalars, as ONNX Runtime's checkpoint holds them."""

@@ -22,6 +22,10 @@ changing learning rates no parameter differs by more than 1.7e-7 (asserted: 1e-6
 For SGD, whose ORT graph has no weight decay at all, this is torch.optim.SGD's
 `weight_decay` without momentum: p - lr (g + wd p) = p (1 - lr wd) - lr g
 (five steps differ from torch's by at most 1.1e-8, asserted: 1e-7).
+
+For LAMB the decay is part of the update direction, inside the trust ratio
+(lamb.py): `apply` leaves the weights alone, and `per_tensor` gives LAMB each
+tensor's decay, by the same two groups.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class WeightDecay:
         """`shapes`: the trainable parameters' shapes, by name; `embeddings`: the
         parameters that an embedding lookup reads (model.json); `optimizer`: train.optimizer."""
         self.weight_decay = optimizer["weight_decay"]
+        self.inside_optimizer = optimizer["name"] == "lamb"  # LAMB decays inside its trust ratio (lamb.py)
         excluded = {name for name, shape in shapes.items()
                     if is_excluded(name, len(shape), set(embeddings), optimizer["no_decay"])}
         self.decayed = [name for name in shapes if name not in excluded]
@@ -72,14 +77,20 @@ class WeightDecay:
         def few(names: list[str]) -> str:
             return ", ".join(names[:shown]) + (f", ... ({len(names) - shown} more)" if len(names) > shown else "")
 
-        return (f"weight decay {self.weight_decay} on {len(self.decayed)} parameter tensors ({few(self.decayed)}); "
+        where = " (inside LAMB's update)" if self.inside_optimizer else ""
+        return (f"weight decay {self.weight_decay}{where} on {len(self.decayed)} parameter tensors ({few(self.decayed)}); "
                 f"none on {len(self.not_decayed)} (train.optimizer.no_decay: {few(self.not_decayed)})")
+
+    def per_tensor(self, names: list[str]) -> list[float]:
+        """The decay of each parameter `names` names, in that order: LAMB's `weight_decays`."""
+        return [self.weight_decay if name in self.decayed_set else 0.0 for name in names]
 
     def apply(self, lr: float, names: list[str], arrays: list) -> None:
         """p *= 1 - lr * weight_decay on the `arrays` (views of ORT's live buffers: whole
         parameters or slices) of the decayed parameters among `names`, as torch does
-        before Adam's update (training/optimizer.py calls it)."""
-        if not self.weight_decay:
+        before Adam's update (training/optimizer.py calls it); nothing for LAMB, whose
+        update decays them."""
+        if not self.weight_decay or self.inside_optimizer:
             return
         factor = 1.0 - lr * self.weight_decay  # in double, as torch; the multiply rounds it to the parameters' dtype
         for name, array in zip(names, arrays):
