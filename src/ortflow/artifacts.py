@@ -8,6 +8,9 @@ graph builder writes it; training, export, quantize and the checkpoint tools rea
     checkpoint            the initial weights and optimizer state, in ONNX Runtime's format
     model.json            inputs, label, outputs, loss, parameters and FLOPs (graphs.describe)
 
+A model over external_data.threshold() has `inference_base.onnx.data` and `checkpoint.data`
+beside them (its weights; external_data.py).
+
 ONNX Runtime's generate_artifacts names the graphs and the checkpoint itself; the
 names here are its names.
 """

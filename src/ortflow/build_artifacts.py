@@ -22,6 +22,8 @@ Everything is written to `<out>.tmp` and renamed to `<out>` when complete (atomi
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import logging
 import math
@@ -29,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import atomic, ort_private
+from . import atomic, external_data, ort_private
 from .artifacts import Artifacts
+from .checkpoints.ort_format import apply_threshold
 from .errors import MissingInputError, ModelError
 from .inference import inference_session
 from .sessions import quiet_logging
@@ -43,6 +46,8 @@ OPSET = 16
 SMOKE_RECORDS = 4
 # ORT's loss blocks by config name; bce_with_logits is ortflow's own (losses.py).
 LOSS_BLOCKS = {"cross_entropy": "CrossEntropyLoss", "mse": "MSELoss", "l1": "L1Loss"}
+# What onnxblock's blocks save of a model given by its path, in their working folder (blocks.Block's temp_file_name).
+ORT_BLOCK_FILES = ("temp.onnx", "temp.onnx.data")
 
 
 def resolve_loss(loss: str, manifest: dict) -> str:
@@ -69,8 +74,8 @@ def resolve_loss(loss: str, manifest: dict) -> str:
     return loss
 
 
-def export_torch(module, manifest: dict, path: Path) -> None:
-    """torch -> ONNX with the batch dimension dynamic, in training mode and
+def export_torch(module, manifest: dict, path: Path):
+    """torch -> ONNX (written to `path` and returned) with the batch dimension dynamic, in training mode and
     without constant folding, so that every parameter stays an initializer;
     with export_fixes' repairs (torch.diff, cumsum, the attention's dropout, the embedding's padding row,
     initializers merged by value),
@@ -104,21 +109,33 @@ def export_torch(module, manifest: dict, path: Path) -> None:
     except torch.onnx.errors.SymbolicValueError as error:  # its message goes on with the traced graph
         problem = str(error).splitlines()[0].split("  [Caused by")[0].strip()
         raise ModelError(f"model.path: torch.onnx cannot export {type(module).__name__}: {problem}") from None
+    # A model over 2 GB comes with one external data file per tensor (initializers and Constant
+    # nodes' values), named after it: they are read in and written again as one
+    # (external_data.save_model), or not at all.
+    from onnx.external_data_helper import _get_all_tensors
+
+    scattered = {entry.value for tensor in _get_all_tensors(onnx.load(str(path), load_external_data=False))
+                 for entry in tensor.external_data if entry.key == "location"}
     exported = onnx.load(str(path))
+    for name in scattered:
+        (path.parent / name).unlink()
     untied = export_fixes.untie_initializers(exported, module)
     if untied:
         log.warning("model.path: %s stayed in eval mode while exported, so torch.onnx merged its parameters and "
                     "buffers of equal value; each has its own initializer again: %s", type(module).__name__,
                     sorted(untied))
-    if len(untied) + export_fixes.give_dropout_its_mask(exported) + batchnorm.restore_buffers(exported, buffers):
-        onnx.save(exported, str(path))
+    export_fixes.give_dropout_its_mask(exported)
+    batchnorm.restore_buffers(exported, buffers)
+    external_data.save_model(exported, path)
+    return exported
 
 
 def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
     """Write the forward ONNX model to `path`, with `model.weights` loaded if given;
     return it and the names of the torch parameters that train (None for an ONNX
-    file: every float initializer)."""
-    import onnx
+    file: every float initializer). Over external_data.threshold() its initializers go
+    to `inference_base.onnx.data`, and the model returned holds their shapes, not their
+    values (what the checks and model.json read; generate_artifacts reads the file)."""
     import torch
 
     from .models import built_in, user, weights
@@ -127,7 +144,7 @@ def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
         base = user.load_onnx(model["path"])
         if model["weights"]:
             weights.load_into_onnx(base, model["weights"], model["weights_skip"])
-        onnx.save(base, str(path))
+        external_data.save_model(base, path)
         return base, None
     # Every weight drawn in the constructor comes from the seed, including a new
     # head that a wrapper adds to a model it loads with from_pretrained.
@@ -138,8 +155,7 @@ def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
     if model["weights"]:
         weights.load_into_module(module, model["weights"], model["weights_skip"])
     # As constructed, in training mode: torch.onnx deprecates its `training` argument for the module's own mode.
-    export_torch(module, manifest, path)
-    return onnx.load(str(path)), [n for n, p in module.named_parameters() if p.requires_grad]
+    return export_torch(module, manifest, path), [n for n, p in module.named_parameters() if p.requires_grad]
 
 
 def float_initializers(base) -> dict[str, int]:
@@ -276,6 +292,9 @@ def optimizer_block(optimizer: dict):
 
 
 def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits: Logits) -> None:
+    """ONNX Runtime's generate_artifacts on the base model: in memory, or (its weights in
+    external data) from its file, which ORT's blocks save again as they build, into their
+    working folder: `out`, so that nothing lands where the command runs."""
     import onnx
     from onnxruntime.training import artifacts
 
@@ -283,22 +302,40 @@ def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits:
     # ORT names the nodes it adds from a process-wide counter; restarting it
     # makes the graphs depend on the model alone, byte for byte.
     ort_private.restart_node_names()
+    out = out.resolve()  # before the working folder changes
+    source = str(Artifacts(out).base_model) if external_data.uses_external_data(base) else base
     try:
-        artifacts.generate_artifacts(
-            base,
-            requires_grad=trainable,
-            frozen_params=frozen,
-            loss=loss_block(loss, label, logits),
-            optimizer=optimizer_block(optimizer),
-            artifact_directory=out,
-            loss_input_names=[logits.name],
-            additional_output_names=[logits.name],
-        )
+        with contextlib.chdir(out):
+            artifacts.generate_artifacts(
+                source,
+                requires_grad=trainable,
+                frozen_params=frozen,
+                loss=loss_block(loss, label, logits),
+                optimizer=optimizer_block(optimizer),
+                artifact_directory=out,
+                loss_input_names=[logits.name],
+                additional_output_names=[logits.name],
+            )
     except Exception as error:
         raise explain_generation_error(error, base) from error
+    finally:
+        gc.collect()  # ORT's blocks remove their saved copies when they are collected
+        for scratch in ORT_BLOCK_FILES:
+            (out / scratch).unlink(missing_ok=True)
+    apply_threshold(Artifacts(out).checkpoint)
     for path in Artifacts(out).graphs:
         if onnx.load(str(path), load_external_data=False).ir_version > 10:
             raise ModelError(f"{path}: written with IR version > 10, which ORT 1.19 refuses; is onnx==1.17 installed?")
+
+
+def drop_weights(base) -> None:
+    """Clear the values of the float initializers of `base` once the checkpoint holds them:
+    what follows (the smoke step, FLOPs, model.json) reads their shapes alone, so one
+    copy of the weights less is held from here on."""
+    for tensor in base.graph.initializer:
+        if is_float(tensor):
+            for field in ("raw_data", "float_data", "double_data", "int32_data"):  # float16 is in int32_data
+                tensor.ClearField(field)
 
 
 def explain_generation_error(error: Exception, base) -> Exception:
@@ -461,6 +498,7 @@ def build(config: dict, train_dir: Path, out: Path) -> dict:
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
                  len(frozen))
         generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp, logits)
+        drop_weights(base)
         running_stats = batchnorm.adapt(tmp)
         smoke_step(tmp, train_dir, manifest)
         description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"], logits) | {

@@ -32,14 +32,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from pathlib import Path
 
 import numpy as np
 
-from . import atomic
+from . import atomic, external_data
 from .artifacts import Artifacts
+from .checkpoints.ort_format import TrainingState, ort_state, read_ort_checkpoint
 from .merge_checkpoint import chosen
 from .data import standardize
 from .data.shards import TOKENIZER
@@ -142,24 +144,30 @@ def compare(name: str, actual: np.ndarray, expected: np.ndarray) -> float:
     return worst
 
 
-def check_outputs(path: Path, module, info: dict, batch: dict, eval_batch: dict, data_label: str) -> None:
-    """The exported model on `batch` against the eval graph (same weights) on
-    `eval_batch`, the same records as the eval graph takes them (standardized
-    where the exported model standardizes itself), then ONNX's reference evaluator."""
+def eval_graph_outputs(module, info: dict, eval_batch: dict, data_label: str) -> tuple[float, np.ndarray]:
+    """(loss, logits) of the eval graph on `eval_batch`."""
+    module.eval()
+    return outputs_of(module(*feeds(eval_batch, module.input_names(), info["label"]["name"], data_label)))
+
+
+def check_outputs(path: Path, info: dict, batch: dict, expected: tuple[float, np.ndarray], data_label: str) -> None:
+    """The exported model on `batch` against the eval graph's (loss, logits) on the same
+    weights and records (`expected`, from eval_graph_outputs: standardized where the exported
+    model standardizes itself), then ONNX's reference evaluator, each with the other's weights
+    out of memory."""
     names = list(dict.fromkeys([inference_output(info), info["outputs"]["logits"]]))
     session = inference_session(path, also=tuple(names))
     results = dict(zip(names, session.run(names, input_feeds(session, batch))))
+    few = {name: array[:REFERENCE_RECORDS] for name, array in input_feeds(session, batch).items()}
+    del session
     logits = results[info["outputs"]["logits"]]
-    module.eval()
-    eval_loss, eval_logits = outputs_of(
-        module(*feeds(eval_batch, module.input_names(), info["label"]["name"], data_label)))
+    eval_loss, eval_logits = expected
     worst = compare("exported logits vs the eval graph's", logits, eval_logits)
     loss = loss_of(logits, batch[data_label], info["loss"])
     compare("loss from the exported logits vs the eval graph's", np.array(loss), np.array(eval_loss))
     log.info("%d eval records: logits within %.3g of the eval graph's, loss %.6g (eval graph %.6g)",
              len(batch[data_label]), worst, loss, eval_loss)
-    few = {name: array[:REFERENCE_RECORDS] for name, array in batch.items()}
-    check_reference(path, input_feeds(session, few), results[inference_output(info)][:REFERENCE_RECORDS])
+    check_reference(path, few, results[inference_output(info)][:REFERENCE_RECORDS])
 
 
 def check_reference(path: Path, feeds: dict, output: np.ndarray) -> None:
@@ -220,10 +228,42 @@ def first_disagreement(model, feeds: dict) -> str:
     return "no single node (each agrees on ONNX Runtime's inputs)"
 
 
+def trained_module(artifacts: Artifacts, checkpoint: Path):
+    """The training Module with the merged checkpoint's parameters and nothing export has no
+    use for: no optimizer state (two copies of the weights), and every parameter frozen, so
+    that the Module allocates no gradient buffers (a third copy); its eval graph and the
+    model it exports are the same either way."""
+    from onnxruntime.training.api import Module
+
+    merged = read_ort_checkpoint(checkpoint)
+    frozen = dict.fromkeys(merged.parameters, False)
+    state = ort_state(TrainingState(merged.parameters, frozen, {}, {}, {}, merged.version))
+    # Absolute: ONNX Runtime reads the eval graph again when it exports, from inside the export's folder.
+    return Module(str(artifacts.training_model.resolve()), state, str(artifacts.eval_model.resolve()))
+
+
+def write_inference_model(module, files: Artifacts, info: dict, tmp: Path, out: Path, reader, props: dict) -> None:
+    """The module's inference graph into `tmp` (its weights in `<out>.data` over
+    external_data.threshold()), with the data's standardization in front and `props` as metadata."""
+    # ONNX Runtime 1.19 writes the weights of a checkpoint that had external data to `<tmp>.data`,
+    # and only when given a relative path.
+    with contextlib.chdir(tmp.parent):
+        module.export_model_for_inferencing(tmp.name, [inference_output(info)])
+    model = external_data.load_model(tmp, f"{out}: the model ONNX Runtime exported")
+    external_data.data_file(tmp).unlink(missing_ok=True)  # read in: save_model writes `<out>.data`
+    if inference_output(info) != info["outputs"]["logits"]:
+        # The eval graph returns the logits; the model's own output keeps the type the model gave it.
+        base = external_data.load_model(files.base_model, load_data=False)
+        model.graph.output[0].CopyFrom(base.graph.output[0])
+    standardize.prepend(model, reader.standardized)
+    set_metadata(model, props)
+    external_data.save_model(model, tmp, out)
+    check_interface(model, info, out)
+
+
 def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, out: Path) -> dict:
     """Write and check `out` (the inference model); return its metadata properties."""
     import onnx
-    from onnxruntime.training.api import CheckpointState, Module
 
     from . import __version__
     from .data.shards import ShardReader
@@ -235,8 +275,7 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
     if not meta_path.is_file():
         raise MissingInputError(f"{meta_path}: no merged checkpoint (run the merge_checkpoint rule first)")
     meta = json.loads(meta_path.read_text())
-    state = CheckpointState.load_checkpoint(str(checkpoint_dir / "checkpoint"))
-    module = Module(str(files.training_model), state, str(files.eval_model))
+    module = trained_module(files, checkpoint_dir / "checkpoint")
 
     props = {
         "ortflow.run": config["run"]["name"],
@@ -247,25 +286,17 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
     }
     reader = ShardReader(eval_dir, raw=True)
     props |= data_properties(reader.manifest)
+    batch = reader.gather(np.arange(min(CHECK_RECORDS, len(reader))))
     with atomic.file(out) as tmp:
-        module.export_model_for_inferencing(str(tmp), [inference_output(info)])
-        model = onnx.load(str(tmp))
-        if inference_output(info) != info["outputs"]["logits"]:
-            # The eval graph returns the logits; the model's own output keeps the type the model gave it.
-            base = onnx.load(str(files.base_model), load_external_data=False)
-            model.graph.output[0].CopyFrom(base.graph.output[0])
-        standardize.prepend(model, reader.standardized)
-        set_metadata(model, props)
-        onnx.save(model, str(tmp))
-
-        check_interface(model, info, out)
-        onnx.checker.check_model(str(tmp), full_check=True)
-        batch = reader.gather(np.arange(min(CHECK_RECORDS, len(reader))))
+        write_inference_model(module, files, info, tmp, out, reader, props)
         # Standardized from the raw features as the exported model does it: both graphs see the same values.
-        check_outputs(tmp, module, info, batch, standardize.apply(batch, reader.standardized), reader.label_name)
+        expected = eval_graph_outputs(module, info, standardize.apply(batch, reader.standardized), reader.label_name)
+        del module  # its weights and gradients: the checks below load the exported model's
+        onnx.checker.check_model(str(tmp), full_check=True)
+        check_outputs(tmp, info, batch, expected, reader.label_name)
         copy_tokenizer(eval_dir, reader.manifest, out.parent)
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config["run"]["name"], out,
-             out.stat().st_size, [i["name"] for i in info["inputs"]], inference_output(info))
+             external_data.model_bytes(out), [i["name"] for i in info["inputs"]], inference_output(info))
     return props
 
 

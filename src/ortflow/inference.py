@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import external_data
 from .errors import ModelError
 from .evaluation import label_layout
 from .sessions import session_options
@@ -17,18 +18,28 @@ def inference_session(path: Path, threads: int | None = None, also: tuple[str, .
     """An ONNX Runtime CPU session; `threads` pins the intra-op pool (1 for latency figures).
     `also` names tensors inside the graph to return besides its outputs (the logits of a
     model that ends in a Softmax, model.json `outputs`), for `session.run` to ask for."""
+    import tempfile
+
     import onnx
     import onnxruntime as ort
 
-    model = str(path)
-    if also:
-        proto = onnx.load(str(path))
-        outputs = {o.name for o in proto.graph.output}
-        extra = [name for name in also if name not in outputs]
-        if extra:
-            proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in extra)
-            model = proto.SerializeToString()
-    return ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
+    def session(model):
+        return ort.InferenceSession(model, session_options(threads), providers=["CPUExecutionProvider"])
+
+    if not also:
+        return session(str(path))
+    proto = onnx.load(str(path), load_external_data=False)  # weights in external data stay in their file
+    outputs = {o.name for o in proto.graph.output}
+    extra = [name for name in also if name not in outputs]
+    if not extra:
+        return session(str(path))
+    proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in extra)
+    if not external_data.uses_external_data(proto):
+        return session(proto.SerializeToString())
+    # ONNX Runtime finds external data beside the model file it loads: the changed graph goes beside the original.
+    with tempfile.NamedTemporaryFile(dir=Path(path).parent, suffix=".onnx") as changed:
+        onnx.save(proto, changed.name)
+        return session(changed.name)
 
 
 def input_feeds(session, batch: dict) -> dict:

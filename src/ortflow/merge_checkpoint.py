@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from . import atomic
-from .checkpoints.ort_format import CheckpointError, ort_checkpoint_bytes
+from .checkpoints.ort_format import CheckpointError, write_ort_checkpoint
 from .checkpoints.resume import checkpoint_folder
 from .checkpoints.store import (
     BEST, COMPLETE, HISTORY, MANIFEST, MAX_SHARDS, best_of, new_manifest, partition, read_checkpoint,
@@ -30,8 +30,8 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
     """Merge a checkpoint (a folder, or under a checkpoints root the newest complete one
     (`which` last) or the one that evaluated best (`which` best), of the training identity
     `identity_digest` if given) into `out_dir`: `checkpoint` (ONNX Runtime's format, with
-    optimizer state), `checkpoint.h5` (every shard in one) and `meta.json`, which says
-    which one it is."""
+    optimizer state; its tensors in `checkpoint.data` over external_data.threshold()),
+    `checkpoint.h5` (every shard in one) and `meta.json`, which says which one it is."""
     best = best_of(source, identity_digest) if which == "best" else None
     if which == "best":
         if best is None:
@@ -52,7 +52,9 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
     meta["chosen"] = {"checkpoint": which, **({key: best[key] for key in ("metric", "mode", "value")} if best else {})}
     out_dir = Path(out_dir)
     with atomic.folder(out_dir) as tmp:
-        (tmp / "checkpoint").write_bytes(ort_checkpoint_bytes(checkpoint.state))
+        # ONNX Runtime's checkpoint (with `checkpoint.data` for a model over external_data.threshold())
+        # streamed from the arrays, then the HDF5 file: one serialized copy of the weights at a time.
+        write_ort_checkpoint(tmp / "checkpoint", checkpoint.state)
         (tmp / "checkpoint.h5").write_bytes(shard_bytes(state.part(partition(state, 1)[0]), attrs))
         (tmp / META).write_text(json.dumps({**meta, "merged_from": str(checkpoint.path)}, indent=2,
                                            sort_keys=True) + "\n")

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import atomic, ort_private
+from . import atomic, external_data, ort_private
 from .artifacts import Artifacts
 from .data import standardize
 from .errors import ModelError
@@ -93,20 +93,21 @@ def preprocess(source: Path, target: Path) -> None:
     """ONNX Runtime's `quant_pre_process`; where its symbolic shape inference
     cannot run (it raises TypeError on inputs of unknown shape, as some exports
     at newer opsets have), without it, and at worst the model as it is."""
-    import shutil
-
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
     attempts = [{}, {"skip_symbolic_shape": True}, {"skip_symbolic_shape": True, "skip_onnx_shape": True}]
+    external = {"save_as_external_data": True, "all_tensors_to_one_file": True,
+                "external_data_location": external_data.data_file(target).name} if is_external(source) else {}
     for skip in attempts:
         try:
-            quant_pre_process(str(source), str(target), **skip)
+            quant_pre_process(str(source), str(target), **skip, **external)
             return
         except Exception as error:  # ORT's pre-processing fails in many ways; quantization works without it
             log.warning("quantization pre-processing%s failed on %s (%s: %s); retrying without %s",
                         f" ({', '.join(skip)})" if skip else "", source, type(error).__name__,
                         str(error).strip()[:200], "shape inference" if skip else "symbolic shape inference")
-    shutil.copyfile(source, target)
+    # As it is, with its external data copied under the name the copy's tensors give it.
+    external_data.save_model(external_data.load_model(source), target)
 
 
 def unloadable_node(path: Path) -> str | None:
@@ -162,9 +163,10 @@ def quantize_once(source: Path, target: Path, how: str, op_types: list[str], exp
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     per_channel = export_cfg["per_channel"]
+    external = is_external(source)  # ONNX Runtime writes the int8 model's weights to `<target>.data` too
     if how == "dynamic":
         quantize_dynamic(str(source), str(target), op_types_to_quantize=op_types, per_channel=per_channel,
-                         weight_type=QuantType.QInt8)
+                         weight_type=QuantType.QInt8, use_external_data_format=external)
         return
     names = [i.name for i in inference_session(source).get_inputs()]
     batches = export_cfg["calibration_batches"]
@@ -179,7 +181,13 @@ def quantize_once(source: Path, target: Path, how: str, op_types: list[str], exp
         per_channel=per_channel,
         activation_type=QuantType.QUInt8,
         weight_type=QuantType.QInt8,
+        use_external_data_format=external,
     )
+
+
+def is_external(model: Path) -> bool:
+    """Whether the model keeps its weights in external data (the exported model over external_data.threshold())."""
+    return external_data.uses_external_data(external_data.load_model(model, load_data=False))
 
 
 def evaluate(path: Path, reader, info: dict, batch_size: int) -> dict:
@@ -329,20 +337,21 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
         if how != "none":
             paths["int8"] = Path(scratch) / "model.int8.onnx"
             quantize_file(model, paths["int8"], how, export_cfg, reader, batch_size)
-            quantized = onnx.load(str(paths["int8"]))
+            quantized = external_data.load_model(paths["int8"])
             source_props = {p.key: p.value for p in onnx.load(str(model), load_external_data=False).metadata_props}
             set_metadata(quantized, {**source_props, "ortflow.quantize": how})
-            onnx.save(quantized, str(paths["int8"]))
+            external_data.save_model(quantized, paths["int8"], int8)
+            del quantized
         timings = latencies(paths, reader)
         for name, path in paths.items():
             report[name] = {**evaluate(path, reader, info, batch_size), "latency_ms": timings[name],
-                            "size_bytes": path.stat().st_size}
+                            "size_bytes": external_data.model_bytes(path)}
         log.info("fp32 %s int8 (%s%s):\n%s", "without" if how == "none" else "versus", how,
                  ", per channel" if export_cfg["per_channel"] else "", table(report))
         if how != "none":
             report["gate"] = gate(report, export_cfg, model, len(reader), remedies(export_cfg, how, reader))
-            atomic.replace(paths["int8"], int8)
-            report["int8"]["size_bytes"] = int8.stat().st_size
+            external_data.replace(paths["int8"], int8)
+            report["int8"]["size_bytes"] = external_data.model_bytes(int8)
             # Snakemake wants the int8 file; metrics.json and the end-of-run summary say not to use it.
             warning = size_warning(report, model)
             if warning:

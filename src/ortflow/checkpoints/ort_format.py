@@ -10,6 +10,7 @@ resumes bit-identically.
 
 from __future__ import annotations
 
+import mmap
 import os
 import tempfile
 from contextlib import contextmanager
@@ -18,7 +19,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import atomic, storage
 from ..errors import CheckpointError
+from ..external_data import data_file, threshold
 from ..ort_private import checkpoint_schema
 
 ORT_IDENTIFIER = b"ODTC"  # the file identifier of ONNX Runtime's checkpoint flatbuffer
@@ -53,6 +56,10 @@ class TrainingState:
     def nbytes(self, name: str) -> int:
         return self.parameters[name].nbytes + sum(a.nbytes for a in self.optimizer_states.get(name, {}).values())
 
+    def total_bytes(self) -> int:
+        """The bytes of every array: the parameters and their optimizer state."""
+        return sum(self.nbytes(name) for name in self.parameters)
+
 
 
 def _np_dtype(onnx_type: int) -> np.dtype:
@@ -62,25 +69,32 @@ def _np_dtype(onnx_type: int) -> np.dtype:
 
 
 def read_ort_checkpoint(path: Path) -> TrainingState:
-    """Parse an ONNX Runtime checkpoint file. The arrays are read-only views of the
-    file mapped into memory (no copy; they stay valid after the file is deleted)."""
-    import mmap
-
+    """Parse an ONNX Runtime checkpoint file (and its `<checkpoint>.data`, if it has one).
+    The arrays are read-only views of the files mapped into memory (no copy; they stay
+    valid after the files are deleted)."""
     Fbs = checkpoint_schema("Checkpoint").Checkpoint
 
-    with open(path, "rb") as f:
-        buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    buf = _mapped(path)
     if not Fbs.CheckpointBufferHasIdentifier(buf, 0):
         raise CheckpointError(f"{path}: not an ONNX Runtime checkpoint (no {ORT_IDENTIFIER.decode()} identifier)")
     root = Fbs.GetRootAs(buf, 0)
     module = root.ModuleState()
-    if module.HasExternalData():
-        raise CheckpointError(f"{path}: parameters in an external data file (models over 2 GB) are not supported")
+    external = _external_data(path) if module.HasExternalData() else None
 
     def array(tensor) -> np.ndarray:
         dims = [int(d) for d in tensor.DimsAsNumpy()] if not tensor.DimsIsNone() else []
-        raw = tensor.RawDataAsNumpy() if not tensor.RawDataIsNone() else np.zeros(0, np.uint8)
-        return raw.view(_np_dtype(tensor.DataType())).reshape(dims)
+        dtype = _np_dtype(tensor.DataType())
+        offset = tensor.ExternalDataOffset()
+        if offset < 0:
+            raw = tensor.RawDataAsNumpy() if not tensor.RawDataIsNone() else np.zeros(0, np.uint8)
+            return raw.view(dtype).reshape(dims)
+        count = int(np.prod(dims, dtype=np.int64))
+        if external is None or offset + count * dtype.itemsize > len(external):
+            raise CheckpointError(f"{path}: tensor {tensor.Name().decode()!r} lies at bytes {offset}.."
+                                  f"{offset + count * dtype.itemsize} of {data_file(path)}, which "
+                                  f"{'has ' + str(len(external)) + ' bytes' if external is not None else 'is not there'}"
+                                  "; the checkpoint and its data file do not belong together")
+        return np.frombuffer(external, dtype, count, offset).reshape(dims)
 
     parameters, requires_grad = {}, {}
     for count, get, trainable in ((module.RequiresGradParamsLength(), module.RequiresGradParams, True),
@@ -112,17 +126,94 @@ def read_ort_checkpoint(path: Path) -> TrainingState:
     return TrainingState(parameters, requires_grad, optimizer_states, optimizer, properties, root.Version())
 
 
+def _mapped(path: Path, what: str = "an ONNX Runtime checkpoint") -> mmap.mmap:
+    """The file `path` mapped read-only into memory."""
+    try:
+        with open(path, "rb") as f:
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not there ({what})") from None
+
+
+def _external_data(path: Path) -> mmap.mmap:
+    """The checkpoint's `<checkpoint>.data`, mapped: a regular file beside it, not a link
+    (which would read whatever it points at as weights)."""
+    data = data_file(path)
+    if data.is_symlink() or (data.exists() and not data.is_file()):
+        raise CheckpointError(f"{data}: the external data of checkpoint {path} is a link or not a regular file; "
+                              "it must be a regular file beside the checkpoint")
+    return _mapped(data, "an ONNX Runtime checkpoint with external data")
+
+
 def ort_checkpoint_bytes(state: TrainingState) -> bytearray:
-    """The ONNX Runtime checkpoint file of `state` (what CheckpointState.load_checkpoint reads):
-    a flatbuffer of the parameters, the optimizer state and the properties, built in that order."""
+    """The ONNX Runtime checkpoint file of `state` (what CheckpointState.load_checkpoint reads)
+    with every tensor inside it, in memory (below 2 GiB)."""
+    builder = _checkpoint(state, None)
+    return builder.Output()
+
+
+def write_ort_checkpoint(path: Path, state: TrainingState) -> bool:
+    """Write `state` as the ONNX Runtime checkpoint `path`: its tensors inside the file,
+    or in `<path>.data` when they total more than external_data.threshold() bytes (a data
+    file of an earlier write is removed, never truncated: arrays read from it may still
+    map it). The flatbuffer goes to disk from the builder's own buffer, and `path` is
+    renamed into place last. Return whether the tensors went to the data file."""
+    path = Path(path)
+    data = data_file(path)
+    data.unlink(missing_ok=True)
+    external = state.total_bytes() > threshold()
+    if external:
+        try:
+            with open(data, "wb") as f:
+                builder = _checkpoint(state, _External(f))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as error:
+            raise storage.named(error, data)
+    else:
+        builder = _checkpoint(state, None)
+    atomic.write_bytes(path, memoryview(builder.Bytes)[builder.Head():])
+    return external
+
+
+def apply_threshold(path: Path) -> None:
+    """Rewrite ONNX Runtime's checkpoint `path` with its tensors in `<path>.data` if they total
+    more than external_data.threshold() bytes but ORT, whose own threshold is higher, kept them
+    inside."""
+    if data_file(path).exists():
+        return
+    state = read_ort_checkpoint(path)
+    if state.total_bytes() > threshold():
+        write_ort_checkpoint(path, state)
+
+
+class _External:
+    """The writer of a checkpoint's external data file: each tensor's bytes at an offset
+    aligned to its element size, as ORT writes them."""
+
+    def __init__(self, f):
+        self.f, self.offset = f, 0
+
+    def write(self, array: np.ndarray) -> int:
+        self.f.write(bytes(-self.offset % array.itemsize))
+        self.offset += -self.offset % array.itemsize
+        start = self.offset
+        self.f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+        self.offset += array.nbytes
+        return start
+
+
+def _checkpoint(state: TrainingState, external: _External | None):
+    """The finished flatbuffer builder of `state`: the parameters, the optimizer state and
+    the properties, built in that order; the tensors' bytes in `external`, if given."""
     import flatbuffers
 
     C = checkpoint_schema("Checkpoint")
 
-    total = sum(state.nbytes(n) for n in state.parameters)
-    builder = flatbuffers.Builder(total + 4096 * (len(state.parameters) + 1))
-    module = _module_state(builder, state)
-    groups = _optimizer_groups(builder, state)
+    inside = 0 if external else state.total_bytes()
+    builder = flatbuffers.Builder(inside + 4096 * (len(state.parameters) + 1))
+    module = _module_state(builder, state, external)
+    groups = _optimizer_groups(builder, state, external)
     bag = _property_bag(builder, state.properties)
     C.Start(builder)
     C.AddVersion(builder, state.version)
@@ -130,21 +221,25 @@ def ort_checkpoint_bytes(state: TrainingState) -> bytearray:
     C.AddOptimizerGroups(builder, groups)
     C.AddPropertyBag(builder, bag)
     builder.Finish(C.End(builder), file_identifier=ORT_IDENTIFIER)
-    return builder.Output()
+    return builder
 
 
-def _tensor(builder, name: str, array: np.ndarray) -> int:
+def _tensor(builder, name: str, array: np.ndarray, external: _External | None) -> int:
     from onnx.helper import np_dtype_to_tensor_dtype
     Tensor = checkpoint_schema("Tensor")
 
     name_offset = builder.CreateString(name)
-    raw = builder.CreateNumpyVector(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    raw = None if external else builder.CreateNumpyVector(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    offset = external.write(array) if external else None
     dims = builder.CreateNumpyVector(np.asarray(array.shape, dtype=np.int64))
     Tensor.Start(builder)
     Tensor.AddName(builder, name_offset)
     Tensor.AddDims(builder, dims)
     Tensor.AddDataType(builder, np_dtype_to_tensor_dtype(array.dtype))
-    Tensor.AddRawData(builder, raw)
+    if external:
+        Tensor.AddExternalDataOffset(builder, offset)
+    else:
+        Tensor.AddRawData(builder, raw)
     return Tensor.End(builder)
 
 
@@ -155,22 +250,24 @@ def _vector(builder, start, offsets: list[int]) -> int:
     return builder.EndVector()
 
 
-def _module_state(builder, state: TrainingState) -> int:
+def _module_state(builder, state: TrainingState, external: _External | None) -> int:
     """The trainable and the frozen parameters."""
     ModuleState = checkpoint_schema("ModuleState")
 
     names = sorted(state.parameters)
     trainable = _vector(builder, ModuleState.StartRequiresGradParamsVector,
-                        [_tensor(builder, n, state.parameters[n]) for n in names if state.requires_grad[n]])
+                        [_tensor(builder, n, state.parameters[n], external) for n in names if state.requires_grad[n]])
     frozen = _vector(builder, ModuleState.StartFrozenParamsVector,
-                     [_tensor(builder, n, state.parameters[n]) for n in names if not state.requires_grad[n]])
+                     [_tensor(builder, n, state.parameters[n], external) for n in names
+                      if not state.requires_grad[n]])
     ModuleState.Start(builder)
     ModuleState.AddRequiresGradParams(builder, trainable)
     ModuleState.AddFrozenParams(builder, frozen)
+    ModuleState.AddHasExternalData(builder, external is not None)
     return ModuleState.End(builder)
 
 
-def _optimizer_groups(builder, state: TrainingState) -> int:
+def _optimizer_groups(builder, state: TrainingState, external: _External | None) -> int:
     """The vector of optimizer groups: none, or one with every parameter's moments."""
     C, OptimizerGroup, ParameterOptimizerState = map(
         checkpoint_schema, ("Checkpoint", "OptimizerGroup", "ParameterOptimizerState"))
@@ -180,7 +277,7 @@ def _optimizer_groups(builder, state: TrainingState) -> int:
         entries = []
         for name in sorted(state.optimizer_states):
             moments = state.optimizer_states[name]
-            moment_offsets = [_tensor(builder, m, moments[m]) for m in sorted(moments)]
+            moment_offsets = [_tensor(builder, m, moments[m], external) for m in sorted(moments)]
             param_name = builder.CreateString(name)
             moments_vector = _vector(builder, ParameterOptimizerState.StartMomentumsVector, moment_offsets)
             ParameterOptimizerState.Start(builder)
@@ -234,6 +331,7 @@ def _scratch_file():
         yield Path(name)
     finally:
         Path(name).unlink(missing_ok=True)
+        data_file(Path(name)).unlink(missing_ok=True)
 
 
 def ort_state(state: TrainingState):
@@ -241,7 +339,7 @@ def ort_state(state: TrainingState):
     from onnxruntime.training.api import CheckpointState
 
     with _scratch_file() as scratch:
-        scratch.write_bytes(ort_checkpoint_bytes(state))
+        write_ort_checkpoint(scratch, state)
         return CheckpointState.load_checkpoint(str(scratch))
 
 

@@ -14,6 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
+from .. import external_data
 from ..errors import ModelError
 from . import batchnorm, is_float
 
@@ -47,7 +48,7 @@ def load_onnx(path: str):
     except Exception as error:  # protobuf raises its own DecodeError
         raise ModelError(f"model.path: {file} is not a readable ONNX model ({error})") from None
     check_trainable(model, str(file))
-    check_external_data(model, file)
+    external_data.check(model, file, f"model.path: {file}")
     onnx.load_external_data_for_model(model, str(file.parent))
     if model.ir_version > MAX_IR_VERSION:
         downgrade_ir(model, str(file))
@@ -80,40 +81,6 @@ def check_trainable(model, where: str) -> None:
             "Constant nodes or node attributes); export the model with its weights as initializers (torch.onnx.export"
             "(..., do_constant_folding=False) keeps parameters as initializers), or use model.kind: torch"
         )
-
-
-def check_external_data(model, file: Path) -> None:
-    """Initializers stored as external data are read only from regular files in
-    the model's own folder, after resolving symlinks: onnx refuses `../` and
-    absolute locations but follows a symlink, which would copy whatever it points
-    at (/etc/passwd, a private key) into the trained and exported model. Their
-    offset and length must lie within the file: onnx reads `length` bytes at
-    once, so a length of 2^40 on a small file is a MemoryError, not an error."""
-    from onnx.external_data_helper import _get_all_tensors, uses_external_data
-
-    folder = file.parent.resolve()
-    for tensor in _get_all_tensors(model):  # what onnx.load_external_data_for_model reads
-        if not uses_external_data(tensor):
-            continue
-        # The last entry of a key counts, as in onnx's ExternalDataInfo.
-        info = {entry.key: entry.value for entry in tensor.external_data}
-        location = info.get("location", "")
-        target = (folder / location).resolve()
-        where = f"model.path: {file}: initializer {tensor.name!r} has its data in {location!r}"
-        if not location or not target.is_relative_to(folder) or not target.is_file():
-            what = "a file outside the model's folder" if location and not target.is_relative_to(folder) else \
-                "not a regular file"
-            raise ModelError(f"{where}, which is {what} ({target}); external data must be a regular file in {folder}")
-        offset, length = (info.get(key) or "0" for key in ("offset", "length"))  # onnx: empty is absent
-        if not (offset.isdecimal() and length.isdecimal()):  # digits only: no sign, no space
-            raise ModelError(f"{where} at offset {offset!r}, length {length!r}; both must be whole numbers of bytes")
-        size, start, count = target.stat().st_size, int(offset), int(length)
-        # Without a length (or with 0), onnx reads from the offset to the end of the file.
-        if start > size or start + count > size:
-            read = f"{count} bytes" if count else "the rest of the file"
-            raise ModelError(f"{where}: {read} from offset {start}, beyond the end "
-                             f"of the file ({size} bytes): the model does not match its data file; save the two "
-                             "again together (onnx.save_model with save_as_external_data=True)")
 
 
 def default_opset(model) -> int:
