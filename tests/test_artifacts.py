@@ -21,6 +21,7 @@ from ortflow.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow import build_artifacts
 from ortflow.models import built_in
+from ortflow.training import gradients
 from ortflow.training.weight_decay import WeightDecay
 
 TESTS = Path(__file__).resolve().parent
@@ -112,7 +113,9 @@ def test_graphs_match_pytorch(kind, data, tmp_path):
     optimizer.set_learning_rate(OPTIMIZER["lr"])
     # The graph has no weight decay; training applies it, here to every parameter (no_decay: []), as one torch group.
     shapes = {name: state.parameters[name].data.shape for name in parameters}
-    WeightDecay(state, np, shapes, [], {**OPTIMIZER, "no_decay": []}).apply(OPTIMIZER["lr"])
+    names = list(parameters)
+    WeightDecay(shapes, [], {**OPTIMIZER, "no_decay": []}).apply(OPTIMIZER["lr"], names,
+                                                                 gradients.parameters(state, names, np))
     optimizer.step()
     torch_optimizer = torch.optim.AdamW(
         parameters.values(),
