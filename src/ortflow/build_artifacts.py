@@ -365,9 +365,14 @@ def smoke_step_error(error: Exception, batch: dict, manifest: dict, base_model: 
     )
 
 
-def forward_flops(base, manifest: dict) -> int:
-    """Multiply-adds x 2 of MatMul, Gemm and Conv for one sample, from inferred shapes."""
+def per_sample_shapes(base) -> dict[str, list[int]]:
+    """Name -> shape of every value of the forward model whose shape is known for a
+    batch of one sample. ONNX Runtime's symbolic shape inference follows shapes
+    through Shape, Gather, Concat and Reshape, which torch's exporter emits around
+    transformers' Conv1D (a Gemm on the flattened batch) and attention (MatMuls of
+    [batch, heads, time, head]); ONNX's own inference loses them there."""
     import onnx
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     model = onnx.ModelProto()
     model.CopyFrom(base)
@@ -377,15 +382,25 @@ def forward_flops(base, manifest: dict) -> int:
         if value.name not in initializers and value.type.tensor_type.shape.dim:
             value.type.tensor_type.shape.dim[0].ClearField("dim_param")
             value.type.tensor_type.shape.dim[0].dim_value = 1
-    model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    try:
+        model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    except Exception as error:  # an operator it does not know: ONNX's inference, which gives up more often
+        log.warning("symbolic shape inference failed (%s); counting FLOPs from ONNX's shape inference", error)
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
     shapes = {t.name: list(t.dims) for t in model.graph.initializer}
     for value in [*model.graph.input, *model.graph.value_info, *model.graph.output]:
         dims = value.type.tensor_type.shape.dim
         # A value whose shape inference could not tell has no shape at all (not that of a scalar).
         if value.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
             shapes[value.name] = [d.dim_value for d in dims]
+    return shapes
+
+
+def forward_flops(base) -> int:
+    """Multiply-adds x 2 of MatMul, Gemm and Conv for one sample, from inferred shapes."""
+    shapes = per_sample_shapes(base)
     total, unknown = 0, []
-    for node in model.graph.node:
+    for node in base.graph.node:
         if node.op_type not in ("MatMul", "Gemm", "Conv"):
             continue
         a, b, y = (shapes.get(name) for name in (node.input[0], node.input[1], node.output[0]))
@@ -416,7 +431,7 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
 
     training = onnx.load(str(Artifacts(out).training_model), load_external_data=False)
     sizes = float_initializers(base)
-    forward = forward_flops(base, manifest)
+    forward = forward_flops(base)
     label = manifest["label"]
     return {
         "kind": kind,
