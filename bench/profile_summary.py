@@ -1,0 +1,81 @@
+"""Where a traced training step's time goes, by operator type, from the ONNX
+Runtime profiler traces that `train.profile_steps` writes (one `-train_` and
+one `-optimizer_` trace per rank and step, under results/<run>/train/profile/).
+
+Node events (`cat: Node`, `dur` in microseconds) are summed by class: matrix
+multiplies (MatMul, Gemm, FusedMatMul, FusedGemm and their gradients' MatMuls),
+Softmax and its gradient, normalisation, elementwise and the rest, plus the
+optimizer session's whole run. The step's wall time (metrics.json, median) less
+the two sessions' runs is what ortflow does outside ONNX Runtime: the gradient
+all-reduce, clipping, the learning rate, reading the batch.
+
+    python bench/profile_summary.py results/<run>/train
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+CLASSES = {
+    "matmul": ("MatMul", "Gemm", "FusedMatMul", "FusedGemm", "MatMulInteger", "Conv", "ConvGrad", "GemmGrad"),
+    "softmax": ("Softmax", "SoftmaxGrad", "SoftmaxGrad_13", "SoftmaxCrossEntropyLoss", "SoftmaxCrossEntropyLossGrad",
+                "LogSoftmax", "LogSoftmaxGrad", "LogSoftmaxGrad_13"),
+    "normalisation": ("LayerNormalization", "LayerNormalizationGrad", "SimplifiedLayerNormalization",
+                      "SkipLayerNormalization", "InvertibleLayerNormalizationGrad"),
+    "data movement": ("Transpose", "Reshape", "Concat", "Split", "Slice", "SliceGrad", "Gather", "GatherGrad",
+                      "GatherElements", "Expand", "Squeeze", "Unsqueeze", "Cast", "Shape", "Identity", "Where",
+                      "GatherND", "ScatterND", "Tile", "SplitTraining", "ConcatTraining"),
+}
+
+
+def op_class(op: str) -> str:
+    return next((name for name, ops in CLASSES.items() if op in ops), "elementwise and other")
+
+
+def summarize(trace: Path) -> tuple[dict[str, float], dict[str, float], float]:
+    """(seconds by class, seconds by operator, seconds of the session's runs) of one trace."""
+    by_class, by_op, runs = defaultdict(float), defaultdict(float), 0.0
+    for event in json.loads(trace.read_text()):
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            op = event["args"]["op_name"]
+            by_class[op_class(op)] += event["dur"] / 1e6
+            by_op[op] += event["dur"] / 1e6
+        elif event.get("cat") == "Session" and event["name"] == "model_run":
+            runs += event["dur"] / 1e6
+    return by_class, by_op, runs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("train", type=Path, help="the training folder (results/<run>/train)")
+    parser.add_argument("--rank", type=int, default=0)
+    args = parser.parse_args()
+    step_s = json.loads((args.train / "metrics.json").read_text())["step_time_p50_s"]
+    traces = sorted((args.train / "profile").glob(f"rank{args.rank}-step*-train_*.json"))
+    steps = len(traces)
+    by_class, by_op, train_run = defaultdict(float), defaultdict(float), 0.0
+    for trace in traces:
+        classes, ops, runs = summarize(trace)
+        for name, seconds in classes.items():
+            by_class[name] += seconds / steps
+        for name, seconds in ops.items():
+            by_op[name] += seconds / steps
+        train_run += runs / steps
+    optimizer = sum(summarize(t)[2] for t in (args.train / "profile").glob(f"rank{args.rank}-step*-optimizer_*.json"))
+    optimizer /= steps
+    print(f"rank {args.rank}, {steps} traced step(s); median step {step_s:.3f} s (metrics.json)")
+    print(f"| part | s per step | share of the step |\n| --- | ---: | ---: |")
+    rows = sorted(by_class.items(), key=lambda item: -item[1])
+    rows += [("(training session, outside its kernels)", train_run - sum(by_class.values())),
+             ("optimizer session (AdamW)", optimizer),
+             ("outside ONNX Runtime (all-reduce, clipping, batch)", step_s - train_run - optimizer)]
+    for name, seconds in rows:
+        print(f"| {name} | {seconds:.3f} | {seconds / step_s:.2f} |")
+    print("top operators: " + ", ".join(f"{op} {s:.3f} s" for op, s in sorted(by_op.items(), key=lambda i: -i[1])[:8]))
+
+
+if __name__ == "__main__":
+    main()
