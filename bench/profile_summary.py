@@ -35,17 +35,18 @@ def op_class(op: str) -> str:
     return next((name for name, ops in CLASSES.items() if op in ops), "elementwise and other")
 
 
-def summarize(trace: Path) -> tuple[dict[str, float], dict[str, float], float]:
-    """(seconds by class, seconds by operator, seconds of the session's runs) of one trace."""
-    by_class, by_op, runs = defaultdict(float), defaultdict(float), 0.0
+def summarize(trace: Path) -> tuple[dict[str, float], dict[str, float], float, int]:
+    """(seconds by class, seconds by operator, seconds of the session's runs, runs) of one trace."""
+    by_class, by_op, seconds, runs = defaultdict(float), defaultdict(float), 0.0, 0
     for event in json.loads(trace.read_text()):
         if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
             op = event["args"]["op_name"]
             by_class[op_class(op)] += event["dur"] / 1e6
             by_op[op] += event["dur"] / 1e6
         elif event.get("cat") == "Session" and event["name"] == "model_run":
-            runs += event["dur"] / 1e6
-    return by_class, by_op, runs
+            seconds += event["dur"] / 1e6
+            runs += 1
+    return by_class, by_op, seconds, runs
 
 
 def main() -> None:
@@ -54,20 +55,21 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=0)
     args = parser.parse_args()
     step_s = json.loads((args.train / "metrics.json").read_text())["step_time_p50_s"]
-    traces = sorted((args.train / "profile").glob(f"rank{args.rank}-step*-train_*.json"))
-    steps = len(traces)
-    by_class, by_op, train_run = defaultdict(float), defaultdict(float), 0.0
-    for trace in traces:
-        classes, ops, runs = summarize(trace)
-        for name, seconds in classes.items():
-            by_class[name] += seconds / steps
-        for name, seconds in ops.items():
-            by_op[name] += seconds / steps
-        train_run += runs / steps
-    optimizer = sum(summarize(t)[2] for t in (args.train / "profile").glob(f"rank{args.rank}-step*-optimizer_*.json"))
+    profile = args.train / "profile"
+    # The optimizer session runs once a step: its runs count the traced steps (a trace spans train.profile_steps).
+    optimizer, steps = (sum(values) for values in zip(
+        *(summarize(t)[2:] for t in profile.glob(f"rank{args.rank}-step*-optimizer_*.json"))))
     optimizer /= steps
+    by_class, by_op, train_run = defaultdict(float), defaultdict(float), 0.0
+    for trace in sorted(profile.glob(f"rank{args.rank}-step*-train_*.json")):
+        classes, ops, seconds, _ = summarize(trace)
+        for name, value in classes.items():
+            by_class[name] += value / steps
+        for name, value in ops.items():
+            by_op[name] += value / steps
+        train_run += seconds / steps
     print(f"rank {args.rank}, {steps} traced step(s); median step {step_s:.3f} s (metrics.json)")
-    print(f"| part | s per step | share of the step |\n| --- | ---: | ---: |")
+    print("| part | s per step | share of the step |\n| --- | ---: | ---: |")
     rows = sorted(by_class.items(), key=lambda item: -item[1])
     rows += [("(training session, outside its kernels)", train_run - sum(by_class.values())),
              ("optimizer session (AdamW)", optimizer),

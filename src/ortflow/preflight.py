@@ -35,9 +35,11 @@ MEMORY_ENV = "ORTFLOW_MEMORY_AVAILABLE"
 # A training rank's memory beyond the model: Python, numpy, ONNX Runtime's
 # sessions and arenas. Calibrated with bench/bench_train.py --stages (docs/benchmarks.md).
 RANK_RUNTIME_BYTES = 600 * 2**20
-# ONNX Runtime holds the weights, gradients and optimizer state more than once at
-# the peak of a step (docs/benchmarks.md, "What fits"); this is the measured factor.
-STATE_COPIES = 1.5
+# A rank's peak holds the weights, gradients and optimizer state about twice: once
+# in ONNX Runtime's CheckpointState, and again while a checkpoint is saved (ONNX
+# Runtime serialises the whole state to /dev/shm, which the rank maps). Calibrated
+# on GPT-2 124M: docs/benchmarks.md, "What fits".
+STATE_COPIES = 2.0
 # Checkpoints on disk at once: train.keep_checkpoints, the best one, and the one
 # being written before the oldest is pruned.
 EXTRA_CHECKPOINTS = 2
