@@ -1,15 +1,17 @@
-"""Where a traced training step's time goes, by operator type, from the ONNX
-Runtime profiler traces that `train.profile_steps` writes (one `-train_` and
-one `-optimizer_` trace per rank and step, under results/<run>/train/profile/).
+"""Where a traced training step's time goes inside ONNX Runtime, by operator
+type, from the profiler traces that `train.profile_steps` writes (one `-train_`
+and one `-optimizer_` trace per rank, under results/<run>/train/profile/).
 
 Node events (`cat: Node`, `dur` in microseconds) are summed by class: matrix
-multiplies (MatMul, Gemm, FusedMatMul, FusedGemm and their gradients' MatMuls),
-Softmax and its gradient, normalisation, elementwise and the rest, plus the
-optimizer session's whole run. The step's wall time (metrics.json, median) less
-the two sessions' runs is what ortflow does outside ONNX Runtime: the gradient
-all-reduce, clipping, the learning rate, reading the batch.
+multiplies (MatMul, Gemm, FusedMatMul, FusedGemm), Softmax and the loss,
+normalisation, data movement, elementwise and the rest; plus the optimizer
+session's runs. Shares are of the two sessions' run time. What ortflow does
+outside ONNX Runtime (the gradient all-reduce, scaling, the batch) is not in the
+traces: compare with an untraced step's wall time (the last `train` entry of
+metrics.json's history, when train.profile_steps ends before the last step). The
+first traced step also pays for reopening the sessions with the profiler on.
 
-    python bench/profile_summary.py results/<run>/train
+    python bench/profile_summary.py results/<run>/train [--rank 1]
 """
 
 from __future__ import annotations
@@ -54,7 +56,6 @@ def main() -> None:
     parser.add_argument("train", type=Path, help="the training folder (results/<run>/train)")
     parser.add_argument("--rank", type=int, default=0)
     args = parser.parse_args()
-    step_s = json.loads((args.train / "metrics.json").read_text())["step_time_p50_s"]
     profile = args.train / "profile"
     # The optimizer session runs once a step: its runs count the traced steps (a trace spans train.profile_steps).
     optimizer, steps = (sum(values) for values in zip(
@@ -68,14 +69,14 @@ def main() -> None:
         for name, value in ops.items():
             by_op[name] += value / steps
         train_run += seconds / steps
-    print(f"rank {args.rank}, {steps} traced step(s); median step {step_s:.3f} s (metrics.json)")
-    print("| part | s per step | share of the step |\n| --- | ---: | ---: |")
+    total = train_run + optimizer
+    print(f"rank {args.rank}, {steps} traced step(s): {total:.3f} s a step in ONNX Runtime's two sessions")
+    print("| part | s per step | share |\n| --- | ---: | ---: |")
     rows = sorted(by_class.items(), key=lambda item: -item[1])
     rows += [("(training session, outside its kernels)", train_run - sum(by_class.values())),
-             ("optimizer session (AdamW)", optimizer),
-             ("outside ONNX Runtime (all-reduce, clipping, batch)", step_s - train_run - optimizer)]
+             ("optimizer session (AdamW)", optimizer)]
     for name, seconds in rows:
-        print(f"| {name} | {seconds:.3f} | {seconds / step_s:.2f} |")
+        print(f"| {name} | {seconds:.3f} | {seconds / total:.2f} |")
     print("top operators: " + ", ".join(f"{op} {s:.3f} s" for op, s in sorted(by_op.items(), key=lambda i: -i[1])[:8]))
 
 
