@@ -183,7 +183,7 @@ def test_a_model_that_does_not_fit_memory_is_refused_with_the_estimate_and_what_
     check = preflight.check_memory(GPT2_124M, train)
     assert check.status == preflight.FAIL
     assert check.detail.startswith("the model does not fit: 2 rank(s) x about ")
-    assert "activations of 4 4.0 GiB" in check.detail and f"available ({preflight.MEMORY_ENV})" in check.detail
+    assert "activations of 4 samples 4.0 GiB" in check.detail and f"available ({preflight.MEMORY_ENV})" in check.detail
     # ZeRO-1 saves less than two samples' activations here, so it is not offered.
     assert check.fix == ("set train.micro_batch_size to 2 (train.grad_accum_steps 2 keeps the batch); "
                          "or set train.world_size to 1")

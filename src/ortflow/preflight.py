@@ -298,7 +298,7 @@ def memory_estimate(description: dict, train: dict, world_size: int, micro_batch
         "weights": STATE_COPIES * 4 * description["parameters"],
         "gradients": STATE_COPIES * 4 * trainable,
         "AdamW moments": STATE_COPIES * moments,
-        f"activations of {micro_batch}": micro_batch * description["activation_bytes_per_sample"],
+        f"activations of {micro_batch} samples": micro_batch * description["activation_bytes_per_sample"],
         "runtime": RANK_RUNTIME_BYTES,
     }
 
