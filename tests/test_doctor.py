@@ -244,3 +244,12 @@ def test_doctor_checks_the_built_model_or_says_to_build_it(tmp_path, monkeypatch
     memory, disk = doctor.model_checks(Namespace(artifacts=tmp_path), cfg, 2)
     assert memory.status == preflight.FAIL and memory.detail.startswith("the model does not fit: 2 rank(s)")
     assert disk.status == preflight.OK
+
+
+def test_available_memory_is_the_hosts_unless_the_environment_says(monkeypatch):
+    monkeypatch.delenv(preflight.MEMORY_ENV, raising=False)
+    available, where = preflight.available_memory()
+    total = int(next(line for line in open("/proc/meminfo") if line.startswith("MemTotal:")).split()[1]) * 1024
+    assert 0 < available <= total and where in ("MemAvailable", "the cgroup's memory.max")
+    monkeypatch.setenv(preflight.MEMORY_ENV, "12345")
+    assert preflight.available_memory() == (12345, preflight.MEMORY_ENV)
