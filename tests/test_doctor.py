@@ -253,3 +253,7 @@ def test_available_memory_is_the_hosts_unless_the_environment_says(monkeypatch):
     assert 0 < available <= total and where in ("MemAvailable", "the cgroup's memory.max")
     monkeypatch.setenv(preflight.MEMORY_ENV, "12345")
     assert preflight.available_memory() == (12345, preflight.MEMORY_ENV)
+    monkeypatch.setenv(preflight.MEMORY_ENV, "12G")
+    with pytest.raises(preflight.PreflightError, match=r"ORTFLOW_MEMORY_AVAILABLE='12G' is not a number of bytes; "
+                                                       r"set it to bytes \(12884901888 for 12 GiB\)"):
+        preflight.available_memory()

@@ -272,7 +272,11 @@ def available_memory() -> tuple[int, str]:
     """(bytes the ranks may use, where that figure comes from): MEMORY_ENV if set,
     else the smaller of MemAvailable and what the cgroup's limit leaves."""
     if os.environ.get(MEMORY_ENV):
-        return int(os.environ[MEMORY_ENV]), MEMORY_ENV
+        value = os.environ[MEMORY_ENV]
+        if not value.isdigit():
+            raise PreflightError(f"{MEMORY_ENV}={value!r} is not a number of bytes; set it to bytes "
+                                 f"({12 * 2**30} for 12 GiB) or unset it to use this host's available memory")
+        return int(value), MEMORY_ENV
     meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
     available, where = int(meminfo["MemAvailable"].split()[0]) * 1024, "MemAvailable"
     cgroup = Path("/sys/fs/cgroup")
