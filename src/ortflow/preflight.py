@@ -295,8 +295,7 @@ def memory_estimate(description: dict, train: dict, world_size: int, micro_batch
     the forward pass's activations for a micro-batch, and the runtime."""
     trainable = description["trainable_parameters"]
     moments = 2 * 4 * trainable if train["optimizer"]["name"] == "adamw" else 0
-    # train.zero 1 (ZeRO-1) shards the moments over the ranks; read with a default until the schema has the key.
-    if train.get("zero", 0) >= 1:
+    if train["zero"] == 1:
         moments /= world_size
     return {
         "weights": STATE_COPIES * 4 * description["parameters"],
@@ -318,7 +317,7 @@ def memory_fixes(description: dict, train: dict, world_size: int, available: int
     if smaller:
         fixes.append(f"set train.micro_batch_size to {smaller} (train.grad_accum_steps {-(-micro // smaller)} keeps "
                      "the batch)")
-    if train["optimizer"]["name"] == "adamw" and world_size > 1 and not train.get("zero", 0) \
+    if train["optimizer"]["name"] == "adamw" and world_size > 1 and not train["zero"] \
             and fits(world_size, micro, {**train, "zero": 1}):
         fixes.append("set train.zero: 1 (each rank keeps 1/world_size of the AdamW moments)")
     fewer = next((w for w in range(world_size - 1, 0, -1) if fits(w, micro)), None)
