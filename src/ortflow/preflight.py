@@ -35,10 +35,10 @@ MEMORY_ENV = "ORTFLOW_MEMORY_AVAILABLE"
 # A training rank's memory beyond the model: Python, numpy, ONNX Runtime's
 # sessions and arenas. Calibrated with bench/bench_train.py --stages (docs/benchmarks.md).
 RANK_RUNTIME_BYTES = 600 * 2**20
-# A rank's peak holds the weights, gradients and optimizer state about twice: once
-# in ONNX Runtime's CheckpointState, and again while a checkpoint is saved (ONNX
-# Runtime serialises the whole state to /dev/shm, which the rank maps). Calibrated
-# on GPT-2 124M: docs/benchmarks.md, "What fits".
+# A rank's peak RSS counts the weights, gradients and optimizer state about twice
+# (ONNX Runtime's sessions and arenas around them, the optimizer step, a checkpoint
+# save): a factor calibrated on GPT-2 124M and BERT-base, which it overestimates by
+# 12 to 29% (docs/benchmarks.md, "What fits"), not a count of copies.
 STATE_COPIES = 2.0
 # Checkpoints on disk at once: train.keep_checkpoints, the best one, and the one
 # being written before the oldest is pruned.
