@@ -103,7 +103,7 @@ def inputs(workdir: Path) -> None:
 def prepare(workdir: Path, name: str, target: str = "build_artifacts", train: dict | None = None) -> dict:
     """Run the workflow up to `target` with the model's config; its train settings
     turn off periodic work (`train` overrides them) so that steps time the step."""
-    config = {"run": {"name": name}, **MODELS.get(name, STAGES.get(name))}
+    config = {"run": {"name": name}, **{**MODELS, **STAGES}[name]}
     config["train"] = {**config["train"], "eval_every": 10**6, "checkpoint_every": 10**6,
                        "histogram_every": 10**6, "log_every": 10**6, "clip_grad_norm": None, **(train or {})}
     (workdir / "bench.yaml").write_text(yaml.safe_dump(config))
