@@ -12,6 +12,13 @@ whatever else the machine does. Achieved FLOP/s is given as a fraction of the
 machine's float32 matrix-multiply peak, measured with numpy on all cores.
 
     python bench/bench_train.py [--rounds 3] [--steps 60] [--models mlp gpt gpt2-transformers]
+
+With --stages (GPT-2 124M, BERT-base 110M), each model instead goes once through
+every stage of the workflow at 2 ranks (prepare_data to quantize_model), with
+each stage's wall time and peak memory, and is compared with DDP on the same
+model, batch and steps:
+
+    python bench/bench_train.py --stages gpt2-124m bert-base --steps 10
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -49,6 +57,27 @@ MODELS = {
         "train": {"micro_batch_size": 16},
     },
 }
+# Realistic sizes, through every stage once (--stages): GPT-2 at the GPT2Config
+# defaults (124M: 12 layers, 12 heads, width 768, its 50,257-token vocabulary,
+# looked up with byte ids) on 256 KiB of Python's docs, and BERT-base (110M) for
+# classification on random token ids. The eval splits are small because the
+# final evaluation, the export check and quantize_model read all of them.
+STAGES = {
+    "gpt2-124m": {
+        "data": {"source": "text", "text_path": "docs.txt", "context": 128, "eval_fraction": 0.02},
+        "model": {"kind": "torch", "path": "transformers_models:GPT2",
+                  "kwargs": {"n_layer": 12, "n_head": 12, "n_embd": 768, "context": 128, "vocab_size": 50257}},
+        "train": {"micro_batch_size": 4},
+    },
+    "bert-base": {
+        "data": {"source": "tokens.npz", "features": ["input_ids", "attention_mask"], "eval_fraction": 0.05},
+        "model": {"kind": "torch", "path": "transformers_models:BertClassifier",
+                  "kwargs": {"vocab_size": 30522, "hidden_size": 768, "layers": 12, "heads": 12,
+                             "intermediate_size": 3072, "max_position_embeddings": 512}},
+        "train": {"micro_batch_size": 4},
+    },
+}
+STAGE_RULES = ["prepare_data", "build_artifacts", "train", "merge_checkpoint", "export_model", "quantize_model"]
 
 
 def mnist_like(path: Path, n: int = 8192) -> None:
@@ -57,13 +86,29 @@ def mnist_like(path: Path, n: int = 8192) -> None:
     np.savez(path, x=rng.random((n, 784), dtype=np.float32), y=rng.integers(0, 10, n))
 
 
-def prepare(workdir: Path, name: str) -> dict:
-    config = {"run": {"name": name}, **MODELS[name]}
+def inputs(workdir: Path) -> None:
+    """The raw data of every model: random MNIST-shaped records, 256 KiB of
+    Python's docs, 640 random sequences of 128 BERT token ids (a random length
+    of them unmasked) with random labels."""
+    from pydoc_data.topics import topics
+
+    mnist_like(workdir / "mnist_like.npz")
+    (workdir / "docs.txt").write_text("\n\n".join(topics.values())[: 256 * 1024])
+    rng = np.random.default_rng(0)
+    ids = rng.integers(1000, 30522, size=(640, 128))
+    mask = (np.arange(128)[None, :] < rng.integers(32, 129, 640)[:, None]).astype(np.int64)
+    np.savez(workdir / "tokens.npz", input_ids=ids * mask, attention_mask=mask, y=rng.integers(0, 2, 640))
+
+
+def prepare(workdir: Path, name: str, target: str = "build_artifacts", train: dict | None = None) -> dict:
+    """Run the workflow up to `target` with the model's config; its train settings
+    turn off periodic work (`train` overrides them) so that steps time the step."""
+    config = {"run": {"name": name}, **{**MODELS, **STAGES}[name]}
     config["train"] = {**config["train"], "eval_every": 10**6, "checkpoint_every": 10**6,
-                       "histogram_every": 10**6, "log_every": 10**6, "clip_grad_norm": None}
+                       "histogram_every": 10**6, "log_every": 10**6, "clip_grad_norm": None, **(train or {})}
     (workdir / "bench.yaml").write_text(yaml.safe_dump(config))
     subprocess.run([str(BIN / "snakemake"), "-s", str(REPO / "Snakefile"), "-d", str(workdir),
-                    "--configfile", str(workdir / "bench.yaml"), "--cores", "2", "build_artifacts",
+                    "--configfile", str(workdir / "bench.yaml"), "--cores", "2", target,
                     "--quiet", "all"], check=True)
     from ortflow import config as config_mod
 
@@ -130,23 +175,26 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: in
     opt = config["train"]["optimizer"]
     optimizer = torch.optim.AdamW(decay_groups(module, opt), lr=opt["lr"], betas=opt["betas"], eps=opt["eps"])
     micro = config["train"]["micro_batch_size"]
-    feature, label = reader.feature_names[0], reader.label_name
+    features, label = reader.feature_names, reader.label_name
     times = []
     for step in range(steps):
         started = time.perf_counter()
         (batch,) = reader.micro_batches(step, 0, rank, world_size, micro, 1)
-        logits = model(torch.from_numpy(batch[feature]))
+        logits = model(*[torch.from_numpy(batch[feature]) for feature in features])
         loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(batch[label]))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         times.append(time.perf_counter() - started)
     dist.destroy_process_group()
-    if rank == 0:
-        queue.put(micro * world_size / float(np.mean(times[WARMUP:])))
+    # ru_maxrss is in KiB on Linux.
+    queue.put((rank, micro * world_size / float(np.mean(times[WARMUP:])),
+               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
 
 
-def run_ddp(workdir: Path, config: dict, world_size: int, steps: int, share_cores: bool = True) -> float:
+def run_ddp(workdir: Path, config: dict, world_size: int, steps: int, share_cores: bool = True,
+            peak_mb: list | None = None) -> float:
+    """Rank 0's samples/s; each rank's peak RSS in MB goes to `peak_mb` when given."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
@@ -154,7 +202,10 @@ def run_ddp(workdir: Path, config: dict, world_size: int, steps: int, share_core
     port = 29500 + os.getpid() % 1000
     mp.start_processes(ddp_worker, args=(world_size, str(workdir), config, steps, port, queue, share_cores),
                        nprocs=world_size, start_method="spawn")
-    return queue.get()
+    reports = sorted(queue.get() for _ in range(world_size))
+    if peak_mb is not None:
+        peak_mb.extend(report[2] for report in reports)
+    return reports[0][1]
 
 
 def matmul_peak(seconds: float = 3.0, n: int = 1024) -> float:
@@ -169,11 +220,41 @@ def matmul_peak(seconds: float = 3.0, n: int = 1024) -> float:
     return best
 
 
+def stages(workdir: Path, name: str, steps: int, peak: float) -> None:
+    """Every stage of `name` once at 2 ranks, from Snakemake's benchmark files
+    (wall time, peak RSS; train's covers mpirun and both ranks), each rank's peak
+    RSS from metrics.json, then DDP on the same model, batch and steps."""
+    from ortflow.training.run_folder import TrainFolder
+
+    # One small evaluation at the end of training; no checkpoint but the final one.
+    config = prepare(workdir, name, "quantize_model", {"steps": steps, "eval_batches": 1, "eval_batch_size": 8,
+                                                        "world_size": 2})
+    results = workdir / f"results/{name}"
+    print(f"{name}: stage | wall s | peak RSS MB (Snakemake's benchmark file)")
+    for rule in STAGE_RULES:
+        row = (results / f"benchmarks/{rule}.tsv").read_text().splitlines()
+        values = dict(zip(row[0].split("\t"), row[1].split("\t")))
+        print(f"{name}: {rule} | {float(values['s']):.1f} | {float(values['max_rss']):,.0f}")
+    model = json.loads((results / "artifacts/model.json").read_text())
+    metrics = json.loads(TrainFolder(results / "train").metrics.read_text())
+    ddp_peak: list[float] = []
+    ddp = run_ddp(workdir, config, 2, steps, peak_mb=ddp_peak)
+    per_sample = sum(model["flops_per_sample"].values())
+    print(f"{name}: {model['parameters']:,} parameters, {per_sample / 1e9:.2f} GFLOP per sample (forward + backward)")
+    for label, samples_per_s, rss in (("ortflow W=2", metrics["samples_per_s"], metrics["peak_rss_mb"]),
+                                      ("DDP W=2", ddp, ddp_peak)):
+        print(f"{name}: {label} {samples_per_s:.2f} samples/s, {samples_per_s * per_sample / peak:.2f} of the matmul "
+              f"peak, peak RSS per rank {', '.join(f'{mb:,.0f}' for mb in rss)} MB")
+    print(f"{name}: ortflow/DDP {metrics['samples_per_s'] / ddp:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--models", nargs="+", default=list(MODELS))
+    parser.add_argument("--stages", nargs="+", choices=list(STAGES), default=[],
+                        help="instead of --models: these realistic-size models through every stage, --steps steps")
     args = parser.parse_args()
     os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
     # The transformers wrapper, for build_artifacts (PYTHONPATH) and the DDP
@@ -184,8 +265,10 @@ def main() -> None:
     print(f"matmul peak (numpy float32, {len(os.sched_getaffinity(0))} cores): {peak / 1e9:.1f} GFLOP/s")
     with tempfile.TemporaryDirectory(prefix="ortflow-bench-") as tmp:
         workdir = Path(tmp)
-        mnist_like(workdir / "mnist_like.npz")
-        for name in args.models:
+        inputs(workdir)
+        for name in args.stages:
+            stages(workdir, name, args.steps, peak)
+        for name in [] if args.stages else args.models:
             config = prepare(workdir, name)
             runs = {
                 "ortflow W=2": lambda: run_ortflow(workdir, config, 2, args.steps),

@@ -1,6 +1,7 @@
 """`ortflow doctor` on this machine (real mpirun), with MPI taken away, with a
 world size the machine cannot host, with a bad config; and preflight's problems."""
 
+import json
 import logging
 import os
 import shutil
@@ -165,3 +166,94 @@ def test_cuda_library_check_agrees_with_ldd():
     check = preflight.check_cuda_libraries()
     assert (check.status == "FAIL") == bool(not_found), (check, output.stdout)
     assert all(name in check.detail for name in not_found)
+
+
+# GPT-2 at the GPT2Config defaults, as model.json describes it (activations made up: 1 GiB a sample).
+GPT2_124M = {"parameters": 124_439_808, "trainable_parameters": 124_439_808, "activation_bytes_per_sample": 2**30}
+
+
+def rank_bytes(train: dict, world_size: int, micro: int) -> float:
+    return sum(preflight.memory_estimate(GPT2_124M, train, world_size, micro).values())
+
+
+def test_a_model_that_does_not_fit_memory_is_refused_with_the_estimate_and_what_fits(monkeypatch):
+    train = config.validate({"train": {"world_size": 2, "micro_batch_size": 4}})["train"]
+    # Room for two ranks at a micro-batch of 2, not 4.
+    monkeypatch.setenv(preflight.MEMORY_ENV, str(int(2 * rank_bytes(train, 2, 2))))
+    check = preflight.check_memory(GPT2_124M, train)
+    assert check.status == preflight.FAIL
+    assert check.detail.startswith("the model does not fit: 2 rank(s) x about ")
+    assert "activations of 4 samples 4.0 GiB" in check.detail and f"available ({preflight.MEMORY_ENV})" in check.detail
+    # ZeRO-1 saves less than two samples' activations here, so it is not offered.
+    assert check.fix == ("set train.micro_batch_size to 2 (train.grad_accum_steps 2 keeps the batch); "
+                         "or set train.world_size to 1")
+
+
+def test_zero_1_is_offered_when_sharding_the_moments_makes_the_model_fit(monkeypatch):
+    small = {**GPT2_124M, "activation_bytes_per_sample": 2**20}
+    train = config.validate({"train": {"world_size": 2, "micro_batch_size": 4}})["train"]
+    sharded = sum(preflight.memory_estimate(small, {**train, "zero": 1}, 2, 4).values())
+    monkeypatch.setenv(preflight.MEMORY_ENV, str(int(2 * sharded)))
+    check = preflight.check_memory(small, train)
+    assert check.status == preflight.FAIL
+    assert check.fix.startswith("set train.zero: 1 (each rank keeps 1/world_size of the AdamW moments)")
+    monkeypatch.setenv(preflight.MEMORY_ENV, str(10**12))
+    assert preflight.check_memory(small, train).status == preflight.OK
+
+
+def test_train_refuses_before_any_rank_starts(tmp_path):
+    """The launcher's preflight reads model.json: one message, no rank, no training folder."""
+    artifacts = tmp_path / "artifacts"
+    artifacts.mkdir()
+    (artifacts / "model.json").write_text(json.dumps(GPT2_124M))
+    env = dict(os.environ, **{preflight.MEMORY_ENV: str(2**30)})
+    result = subprocess.run(
+        [sys.executable, "-m", "ortflow.cli", "train", "--config-json", json.dumps({"train": {"micro_batch_size": 4}}),
+         "--train", str(tmp_path / "train"), "--eval", str(tmp_path / "eval"), "--artifacts", str(artifacts),
+         "--out", str(tmp_path / "results/run/train")],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode != 0
+    assert "cannot start training:\n  - memory: the model does not fit: 2 rank(s) x about" in result.stderr
+    assert "fix: the model does not fit this host's memory at any of these settings: use a host with more" in result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "results/run/train").exists()
+
+
+def test_checkpoints_larger_than_the_free_disk_are_named(tmp_path):
+    train = config.validate({})["train"]
+    free = shutil.disk_usage(tmp_path).free
+    huge = {**GPT2_124M, "parameters": free, "trainable_parameters": free}
+    check = preflight.check_checkpoint_disk(huge, train, tmp_path / "results")
+    assert check.status == preflight.FAIL
+    assert check.detail.startswith("the checkpoints do not fit: 4 checkpoints (train.keep_checkpoints 2, the best, "
+                                   "the one being written) x ")
+    assert check.fix == "free disk space there, or lower train.keep_checkpoints, or write results/ to a larger disk"
+    assert preflight.check_checkpoint_disk(GPT2_124M, train, tmp_path / "results").status == preflight.OK
+
+
+def test_doctor_checks_the_built_model_or_says_to_build_it(tmp_path, monkeypatch):
+    from argparse import Namespace
+
+    from ortflow import doctor
+
+    cfg = config.validate({})
+    missing = doctor.model_checks(Namespace(artifacts=tmp_path), cfg, 2)
+    assert [(c.name, c.status) for c in missing] == [("memory", "skip"), ("checkpoint disk", "skip")]
+    assert "build the artifacts first: snakemake build_artifacts" in missing[0].detail
+    (tmp_path / "model.json").write_text(json.dumps(GPT2_124M))
+    monkeypatch.setenv(preflight.MEMORY_ENV, str(2**30))
+    memory, disk = doctor.model_checks(Namespace(artifacts=tmp_path), cfg, 2)
+    assert memory.status == preflight.FAIL and memory.detail.startswith("the model does not fit: 2 rank(s)")
+    assert disk.status == preflight.OK
+
+
+def test_available_memory_is_the_hosts_unless_the_environment_says(monkeypatch):
+    monkeypatch.delenv(preflight.MEMORY_ENV, raising=False)
+    available, where = preflight.available_memory()
+    total = int(next(line for line in open("/proc/meminfo") if line.startswith("MemTotal:")).split()[1]) * 1024
+    assert 0 < available <= total and where in ("MemAvailable", "the cgroup's memory.max")
+    monkeypatch.setenv(preflight.MEMORY_ENV, "12345")
+    assert preflight.available_memory() == (12345, preflight.MEMORY_ENV)
+    monkeypatch.setenv(preflight.MEMORY_ENV, "12G")
+    with pytest.raises(preflight.PreflightError, match=r"ORTFLOW_MEMORY_AVAILABLE='12G' is not a number of bytes; "
+                                                       r"set it to bytes \(12884901888 for 12 GiB\)"):
+        preflight.available_memory()

@@ -177,3 +177,27 @@ def test_bert_sequence_classification_on_token_ids(tmp_path, monkeypatch):
     assert _export_difference(outcome["export_log"]) <= 1e-4
     gate = outcome["quantize"]["gate"]
     assert gate["metric"] == "accuracy" and gate["drop"] <= gate["max_accuracy_drop"], outcome["quantize"]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_flops_per_sample_count_every_matmul_of_transformers_models(kind, tmp_path):
+    """forward_flops against torch's own FLOP counter on the same module: every
+    Conv1D (a Gemm on the flattened batch), every attention MatMul (shapes built
+    at run time from Shape and Reshape), the LM head, BERT's pooler and classifier."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from transformers_models import GPT2, BertClassifier
+
+    torch.manual_seed(0)
+    module = GPT2(context=16) if kind == "gpt2" else BertClassifier()
+    names = ["x"] if kind == "gpt2" else ["input_ids", "attention_mask"]
+    features = [{"name": name, "dtype": "int64", "shape": [16]} for name in names]
+    counter = FlopCounterMode(display=False)
+    with counter:
+        module(*[torch.ones(1, 16, dtype=torch.int64) for _ in names])
+    # By hand for GPT-2 (width 64, 2 layers, context 16, vocabulary 256): per token and layer the
+    # Conv1Ds 2 x 12 x 64^2 and attention 2 x 2 x 16 x 64, then the LM head 2 x 64 x 256.
+    by_hand = {"gpt2": 16 * (2 * (24 * 64**2 + 4 * 16 * 64) + 2 * 64 * 256)}
+    base = _export(module, features, tmp_path)
+    assert build_artifacts.forward_flops(base, build_artifacts.per_sample_values(base)) == counter.get_total_flops()
+    assert counter.get_total_flops() == by_hand.get(kind, counter.get_total_flops())

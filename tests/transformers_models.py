@@ -15,11 +15,12 @@ class GPT2(nn.Module):
     time], the layout ortflow's cross-entropy takes (transformers gives [batch,
     time, vocab])."""
 
-    def __init__(self, n_layer: int = 2, n_head: int = 2, n_embd: int = 64, context: int = 64, **config):
+    def __init__(self, n_layer: int = 2, n_head: int = 2, n_embd: int = 64, context: int = 64, vocab_size: int = 256,
+                 **config):
         super().__init__()
         self.model = GPT2LMHeadModel(
             GPT2Config(
-                n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=256, n_positions=context,
+                n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size, n_positions=context,
                 bos_token_id=0, eos_token_id=0, **config,
             )
         )
@@ -33,12 +34,14 @@ class BertClassifier(nn.Module):
     """BertForSequenceClassification on token ids and their attention mask (two
     inputs, in the order of data.features); the logits are [batch, classes]."""
 
-    def __init__(self, vocab_size: int = 32, classes: int = 2, hidden_size: int = 32, layers: int = 2, **config):
+    def __init__(self, vocab_size: int = 32, classes: int = 2, hidden_size: int = 32, layers: int = 2, heads: int = 2,
+                 intermediate_size: int | None = None, max_position_embeddings: int = 64, **config):
         super().__init__()
         self.model = BertForSequenceClassification(
             BertConfig(
-                vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers, num_attention_heads=2,
-                intermediate_size=2 * hidden_size, max_position_embeddings=64, num_labels=classes, **config,
+                vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers, num_attention_heads=heads,
+                intermediate_size=intermediate_size or 2 * hidden_size, max_position_embeddings=max_position_embeddings,
+                num_labels=classes, **config,
             )
         )
 

@@ -406,9 +406,14 @@ def smoke_step_error(error: Exception, batch: dict, manifest: dict, base_model: 
     )
 
 
-def forward_flops(base, manifest: dict) -> int:
-    """Multiply-adds x 2 of MatMul, Gemm and Conv for one sample, from inferred shapes."""
+def per_sample_values(base) -> dict[str, tuple[list[int], int]]:
+    """Name -> (shape, bytes per element) of every value of the forward model whose
+    shape is known for a batch of one sample. ONNX Runtime's symbolic shape
+    inference follows shapes through Shape, Gather, Concat and Reshape, which torch's
+    exporter emits around transformers' Conv1D (a Gemm on the flattened batch) and
+    attention (MatMuls of [batch, heads, time, head]); ONNX's own inference loses them there."""
     import onnx
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     model = onnx.ModelProto()
     model.CopyFrom(base)
@@ -418,18 +423,29 @@ def forward_flops(base, manifest: dict) -> int:
         if value.name not in initializers and value.type.tensor_type.shape.dim:
             value.type.tensor_type.shape.dim[0].ClearField("dim_param")
             value.type.tensor_type.shape.dim[0].dim_value = 1
-    model = onnx.shape_inference.infer_shapes(model, data_prop=True)
-    shapes = {t.name: list(t.dims) for t in model.graph.initializer}
+    try:
+        model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    except Exception as error:  # an operator it does not know: ONNX's inference, which gives up more often
+        log.warning("symbolic shape inference failed (%s); counting FLOPs from ONNX's shape inference", error)
+        model = onnx.shape_inference.infer_shapes(model, data_prop=True)
+    values = {t.name: (list(t.dims), onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize)
+              for t in model.graph.initializer}
     for value in [*model.graph.input, *model.graph.value_info, *model.graph.output]:
-        dims = value.type.tensor_type.shape.dim
+        tensor = value.type.tensor_type
         # A value whose shape inference could not tell has no shape at all (not that of a scalar).
-        if value.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
-            shapes[value.name] = [d.dim_value for d in dims]
+        if tensor.HasField("shape") and all(d.HasField("dim_value") for d in tensor.shape.dim) and tensor.elem_type:
+            values[value.name] = ([d.dim_value for d in tensor.shape.dim],
+                                  onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).itemsize)
+    return values
+
+
+def forward_flops(base, values: dict) -> int:
+    """Multiply-adds x 2 of MatMul, Gemm and Conv for one sample, from `per_sample_values`."""
     total, unknown = 0, []
-    for node in model.graph.node:
+    for node in base.graph.node:
         if node.op_type not in ("MatMul", "Gemm", "Conv"):
             continue
-        a, b, y = (shapes.get(name) for name in (node.input[0], node.input[1], node.output[0]))
+        a, b, y = (values[name][0] if name in values else None for name in (node.input[0], node.input[1], node.output[0]))
         if a is None or b is None or y is None:
             unknown.append(node.name or node.op_type)
         elif node.op_type == "Conv":
@@ -442,6 +458,15 @@ def forward_flops(base, manifest: dict) -> int:
     if unknown:
         log.warning("FLOPs leave out %d node(s) whose shapes are not static: %s", len(unknown), unknown[:5])
     return total
+
+
+def activation_bytes(base, values: dict) -> int:
+    """Bytes of the values the forward pass computes for one sample (every node's
+    outputs but Constants', which is what training keeps for the backward pass at
+    most), the part of a rank's memory that grows with the micro-batch
+    (preflight.memory_estimate)."""
+    outputs = {name for node in base.graph.node if node.op_type != "Constant" for name in node.output if name in values}
+    return sum(math.prod(values[name][0]) * values[name][1] for name in outputs)
 
 
 def embedding_tables(base, trainable: list[str]) -> list[str]:
@@ -457,7 +482,8 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
 
     training = onnx.load(str(Artifacts(out).training_model), load_external_data=False)
     sizes = float_initializers(base)
-    forward = forward_flops(base, manifest)
+    values = per_sample_values(base)
+    forward = forward_flops(base, values)
     label = manifest["label"]
     return {
         "kind": kind,
@@ -478,6 +504,7 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
         # Backward is counted as twice the forward (a gradient for the input and
         # one for the weights per multiply-add), the usual estimate.
         "flops_per_sample": {"forward": forward, "backward": 2 * forward},
+        "activation_bytes_per_sample": activation_bytes(base, values),
     }
 
 

@@ -19,10 +19,12 @@ from importlib import metadata
 from pathlib import Path
 
 from . import atomic, config as config_mod, cuda_libraries, ort_private
+from .artifacts import Artifacts
 from .errors import OrtflowError
 from .preflight import (
-    FAIL, OK, SKIP, WARN, Check, check_disk, check_launcher, check_onnxruntime_distributions, check_training_import,
-    check_world_size, cuda_checks, host_cores, installed_distributions, requirement,
+    FAIL, OK, SKIP, WARN, Check, check_checkpoint_disk, check_disk, check_launcher, check_memory,
+    check_onnxruntime_distributions, check_training_import, check_world_size, cuda_checks, host_cores,
+    installed_distributions, requirement,
 )
 from .train import ROOT_ENV, launcher_command, launcher_env
 
@@ -268,7 +270,18 @@ def diagnose(args) -> list[Check]:
     else:
         checks.append(Check("NCCL all-reduce", OK, f"{world_size} ranks, correct"))
     checks.append(check_disk(Path("results")))
-    return checks
+    return checks + model_checks(args, config, world_size)
+
+
+def model_checks(args, config: dict, world_size: int) -> list[Check]:
+    """Whether the built model (--artifacts' model.json) fits this host's memory at the
+    config's world size and micro-batch, and its checkpoints the disk."""
+    model = Artifacts(args.artifacts or Path("results", config["run"]["name"], "artifacts"))
+    if not model.model_json.is_file():
+        why = f"skipped: no {model.model_json} (build the artifacts first: snakemake build_artifacts)"
+        return [Check("memory", SKIP, why), Check("checkpoint disk", SKIP, why)]
+    description, train = model.description(), {**config["train"], "world_size": world_size}
+    return [check_memory(description, train), check_checkpoint_disk(description, train, Path("results"))]
 
 
 def render(checks: list[Check]) -> str:
@@ -293,6 +306,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--world-size", type=positive, help="ranks to check (default: train.world_size of the config)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds the mpirun rank check may take (default: 60)")
     parser.add_argument("--output", help="also write the table to this file")
+    parser.add_argument("--artifacts", type=Path,
+                        help="the built model whose memory and checkpoints are checked against this host "
+                             "(default: results/<run.name>/artifacts)")
 
 
 def run(args) -> int:

@@ -29,6 +29,20 @@ MAX_RANKS_PER_CORE = 4
 # first, and warn below the second.
 MIN_FREE_BYTES = 200 * 2**20
 LOW_FREE_BYTES = 2 * 2**30
+# The memory a rank may use, in bytes, instead of what the host reports (MemAvailable,
+# or the cgroup's limit): for a host whose memory other jobs share, and for tests.
+MEMORY_ENV = "ORTFLOW_MEMORY_AVAILABLE"
+# A training rank's memory beyond the model: Python, numpy, ONNX Runtime's
+# sessions and arenas. Calibrated with bench/bench_train.py --stages (docs/benchmarks.md).
+RANK_RUNTIME_BYTES = 600 * 2**20
+# A rank's peak RSS counts the weights, gradients and optimizer state about twice
+# (ONNX Runtime's sessions and arenas around them, the optimizer step, a checkpoint
+# save): a factor calibrated on GPT-2 124M and BERT-base, which it overestimates by
+# 12 to 29% (docs/benchmarks.md, "What fits"), not a count of copies.
+STATE_COPIES = 2.0
+# Checkpoints on disk at once: train.keep_checkpoints, the best one, and the one
+# being written before the oldest is pruned.
+EXTRA_CHECKPOINTS = 2
 
 # Distributions that install the `onnxruntime` package without the training
 # engine; next to onnxruntime-training, whichever was installed last wins.
@@ -232,11 +246,16 @@ def check_world_size(world_size: int, device: str, launcher: str = "mpirun") -> 
     )
 
 
-def check_disk(results: Path) -> Check:
+def free_disk(results: Path) -> tuple[int, Path]:
+    """(bytes free, where) on the disk that `results` is or will be on."""
     where = Path(results).resolve()
     while not where.exists():
         where = where.parent
-    free = shutil.disk_usage(where).free
+    return shutil.disk_usage(where).free, where
+
+
+def check_disk(results: Path) -> Check:
+    free, where = free_disk(results)
     detail = f"{free / 2**30:.1f} GiB free under {where}"
     if free < MIN_FREE_BYTES:
         return Check("free disk", FAIL, detail, f"free at least {MIN_FREE_BYTES // 2**20} MiB, e.g. delete old results/<run>/ folders")
@@ -245,11 +264,111 @@ def check_disk(results: Path) -> Check:
     return Check("free disk", OK, detail)
 
 
+def gib(size: float) -> str:
+    return f"{size / 2**30:.1f} GiB"
+
+
+def available_memory() -> tuple[int, str]:
+    """(bytes the ranks may use, where that figure comes from): MEMORY_ENV if set,
+    else the smaller of MemAvailable and what the cgroup's limit leaves."""
+    if os.environ.get(MEMORY_ENV):
+        value = os.environ[MEMORY_ENV]
+        if not value.isdigit():
+            raise PreflightError(f"{MEMORY_ENV}={value!r} is not a number of bytes; set it to bytes "
+                                 f"({12 * 2**30} for 12 GiB) or unset it to use this host's available memory")
+        return int(value), MEMORY_ENV
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    available, where = int(meminfo["MemAvailable"].split()[0]) * 1024, "MemAvailable"
+    cgroup = Path("/sys/fs/cgroup")
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max" and int(limit) - int((cgroup / "memory.current").read_text()) < available:
+            available, where = int(limit) - int((cgroup / "memory.current").read_text()), "the cgroup's memory.max"
+    except (OSError, ValueError):  # no cgroup v2 memory controller: MemAvailable is all there is
+        pass
+    return available, where
+
+
+def memory_estimate(description: dict, train: dict, world_size: int, micro_batch: int) -> dict[str, float]:
+    """A rank's peak memory in bytes, by part, from model.json: float32 weights, their
+    gradients, AdamW's two moments (a 1/world_size share of them with train.zero 1),
+    the forward pass's activations for a micro-batch, and the runtime."""
+    trainable = description["trainable_parameters"]
+    moments = 2 * 4 * trainable if train["optimizer"]["name"] == "adamw" else 0
+    if train["zero"] == 1:
+        moments /= world_size
+    return {
+        "weights": STATE_COPIES * 4 * description["parameters"],
+        "gradients": STATE_COPIES * 4 * trainable,
+        "AdamW moments": STATE_COPIES * moments,
+        f"activations of {micro_batch} samples": micro_batch * description["activation_bytes_per_sample"],
+        "runtime": RANK_RUNTIME_BYTES,
+    }
+
+
+def memory_fixes(description: dict, train: dict, world_size: int, available: int) -> list[str]:
+    """The settings that would fit `world_size` ranks in `available` bytes, each alone."""
+    def fits(ranks: int, micro: int, settings: dict = train) -> bool:
+        return ranks * sum(memory_estimate(description, settings, ranks, micro).values()) <= available
+
+    micro = train["micro_batch_size"]
+    fixes = []
+    smaller = next((m for m in range(micro - 1, 0, -1) if fits(world_size, m)), None)
+    if smaller:
+        fixes.append(f"set train.micro_batch_size to {smaller} (train.grad_accum_steps {-(-micro // smaller)} keeps "
+                     "the batch)")
+    if train["optimizer"]["name"] == "adamw" and world_size > 1 and not train["zero"] \
+            and fits(world_size, micro, {**train, "zero": 1}):
+        fixes.append("set train.zero: 1 (each rank keeps 1/world_size of the AdamW moments)")
+    fewer = next((w for w in range(world_size - 1, 0, -1) if fits(w, micro)), None)
+    if fewer:
+        fixes.append(f"set train.world_size to {fewer}")
+    return fixes or ["the model does not fit this host's memory at any of these settings: use a host with more"]
+
+
+def check_memory(description: dict, train: dict, launcher: str = "mpirun") -> Check:
+    """Whether train.world_size ranks of this model fit this host's memory."""
+    name = "memory"
+    if launcher != "mpirun" or train["device"] == "cuda":
+        why = f"{launcher} places the ranks on Slurm's nodes" if launcher != "mpirun" else "train.device is cuda"
+        return Check(name, SKIP, f"skipped: {why}")
+    world_size, micro = train["world_size"], train["micro_batch_size"]
+    parts = memory_estimate(description, train, world_size, micro)
+    available, where = available_memory()
+    per_rank = sum(parts.values())
+    detail = (f"{world_size} rank(s) x about {gib(per_rank)} ({', '.join(f'{k} {gib(v)}' for k, v in parts.items())})"
+              f" = {gib(world_size * per_rank)}; {gib(available)} available ({where})")
+    if world_size * per_rank > available:
+        return Check(name, FAIL, f"the model does not fit: {detail}",
+                     "; or ".join(memory_fixes(description, train, world_size, available)))
+    return Check(name, OK, detail)
+
+
+def checkpoint_bytes(description: dict, train: dict) -> int:
+    """One checkpoint on disk: float32 weights and, with AdamW, its two moments (all ranks' shards)."""
+    moments = 2 * 4 * description["trainable_parameters"] if train["optimizer"]["name"] == "adamw" else 0
+    return 4 * description["parameters"] + moments
+
+
+def check_checkpoint_disk(description: dict, train: dict, results: Path) -> Check:
+    """Whether the checkpoints a run keeps fit the free disk under `results`."""
+    (free, where), size = free_disk(results), checkpoint_bytes(description, train)
+    count = train["keep_checkpoints"] + EXTRA_CHECKPOINTS
+    detail = (f"{count} checkpoints (train.keep_checkpoints {train['keep_checkpoints']}, the best, the one being "
+              f"written) x {gib(size)} = {gib(count * size)}; {gib(free)} free under {where}")
+    if count * size > free:
+        return Check("checkpoint disk", FAIL, f"the checkpoints do not fit: {detail}",
+                     "free disk space there, or lower train.keep_checkpoints, or write results/ to a larger disk")
+    return Check("checkpoint disk", OK, detail)
+
+
 # --- preflight: what the training stage runs before it starts the ranks ---------
 
 
-def preflight(config: dict, launcher: str = "mpirun", results: Path = Path("results")) -> list[Problem]:
-    """The cheap checks (no ranks started) for a validated config."""
+def preflight(config: dict, launcher: str = "mpirun", results: Path = Path("results"),
+              description: dict | None = None) -> list[Problem]:
+    """The cheap checks (no ranks started) for a validated config; with model.json's
+    `description`, also whether the model fits memory and its checkpoints the disk."""
     train = config["train"]
     checks = [
         check_launcher(launcher),
@@ -259,6 +378,8 @@ def preflight(config: dict, launcher: str = "mpirun", results: Path = Path("resu
     if train["device"] == "cuda":
         checks += cuda_checks()
     checks += [check_world_size(train["world_size"], train["device"], launcher), check_disk(results)]
+    if description:
+        checks += [check_memory(description, train, launcher), check_checkpoint_disk(description, train, results)]
     return [Problem(f"{c.name}: {c.detail}", c.fix, fatal=c.status == FAIL) for c in checks if c.status in (WARN, FAIL)]
 
 

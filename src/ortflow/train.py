@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from . import atomic, config as config_mod
+from .artifacts import Artifacts
 from .errors import ConfigError
 from .preflight import host_cores, preflight, raise_if_problems
 from .training.run_folder import TrainFolder
@@ -84,7 +85,10 @@ def run(args) -> int:
     # Cheap checks first: a missing launcher or GPU is reported with its fix
     # in a second, rather than as a hang or a traceback from inside a rank.
     folder = args.out
-    raise_if_problems(preflight(config, args.mpi, folder.folder.parent))
+    model = Artifacts(args.artifacts)
+    # Without model.json the ranks stop at once, naming the missing artifacts.
+    description = model.description() if model.model_json.is_file() else None
+    raise_if_problems(preflight(config, args.mpi, folder.folder.parent, description))
     append_to_log()
     lock = lock_attempt(folder)
     if lock is None:

@@ -11,5 +11,7 @@ rule doctor:
         "../../envs/ortflow.yaml"
     params:
         config=config_json("train"),
+        # Not an input: the doctor runs before the artifacts exist, and then skips the model's checks.
+        artifacts=f"{RESULTS}/artifacts",
     shell:
-        "ortflow doctor --config-json {params.config:q} --output {output:q} > {log:q} 2>&1"
+        "ortflow doctor --config-json {params.config:q} --artifacts {params.artifacts:q} --output {output:q} > {log:q} 2>&1"
