@@ -15,9 +15,11 @@ import numpy as np
 import onnx
 import onnxruntime
 import pytest
+import yaml
 from safetensors.numpy import load_file
 
 from conftest import run_snakemake
+from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.data.shards import ShardReader
@@ -166,3 +168,26 @@ def test_bert_under_a_new_head_on_jsonl_texts_with_string_labels(tmp_path, user_
     accuracy = np.mean(predicted == frame["animal"].to_numpy()[eval_rows])
     assert accuracy == pytest.approx(json.loads((export / "metrics.json").read_text())["fp32"]["accuracy"])
     assert accuracy > 0.9
+
+
+def test_the_readme_examples_folder_fits_its_config(tmp_path, monkeypatch):
+    """README's Fine-tuning, short of running the stages (which the GPT-2 test above
+    does at a smaller size): examples/fine_tuning.py writes one folder that
+    AutoTokenizer and the config's wrapper both load, of one vocabulary, with the
+    end-of-text token that text needs; config/fine_tuning.yaml is valid and names it."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(TESTS.parent))
+    from examples import fine_tuning
+
+    fine_tuning.main()
+    config = config_mod.validate(yaml.safe_load((TESTS.parent / "config/fine_tuning.yaml").read_text()))
+    folder = Path(config["data"]["tokenizer"])
+    assert folder == fine_tuning.FOLDER and config["model"]["kwargs"] == {"folder": str(folder)}
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = fine_tuning.PretrainedGPT2(**config["model"]["kwargs"]).model
+    assert (len(tokenizer), tokenizer.eos_token) == (model.config.vocab_size, "<|endoftext|>")
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    assert model.config.n_positions >= config["data"]["context"]
+    assert config["model"]["path"] == "examples.fine_tuning:PretrainedGPT2"
