@@ -2,7 +2,9 @@
 CPU): a GPT-2 saved with save_pretrained on a `.txt` text with a byte-level BPE
 tokenizer, and a BERT encoder under a new head of 3 labels on a `.jsonl` of texts
 with string labels and a WordPiece tokenizer. The folders and tokenizers are made
-here (tests/transformers_models.py, tests/text_models.py): nothing is downloaded."""
+here (tests/transformers_models.py, tests/text_models.py): nothing is downloaded.
+And README's Fine-tuning example (examples/fine_tuning.py, config/fine_tuning.yaml)
+up to the stages."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.data.shards import ShardReader
 from ortflow.prepare_data import split_rows
+from test_pretrained import bits
 from test_tokenizers import ANIMALS, SEED, animal_texts, whole
 from text_models import pydoc_text, train_bpe, train_wordpiece
 from transformers_models import save_bert, save_gpt2
@@ -35,10 +38,6 @@ TESTS = Path(__file__).resolve().parent
 def user_models(monkeypatch):
     """The wrappers of tests/transformers_models.py importable by the stages, as a user's my_models.py."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
-
-
-def bits(array: np.ndarray) -> tuple:
-    return array.dtype, array.shape, np.ascontiguousarray(array).tobytes()
 
 
 def assert_initial_is_the_folders(artifacts: Path, folder: Path, prefix: str, new: list[str]) -> None:
