@@ -2,12 +2,12 @@
 
 Builds training artifacts for an MLP (AdamW) of about `--megabytes` of parameters,
 then starts `--ranks` MPI ranks. Each rank takes one optimizer step (so that the
-AdamW moments exist), then, `--repeats` times, with a barrier before each:
+AdamW moments are not zeros), then, `--repeats` times, with a barrier before each:
 
-- save: `ortflow.checkpoints.store.save`, the call the training loop makes (ONNX Runtime
-  writes its checkpoint to /dev/shm, this rank's part is read out of it, built
-  as HDF5 in memory, hashed, written, fsynced, renamed; then the manifest and
-  the COMPLETE marker by rank 0);
+- save: what the training loop does (`checkpointer.live_part`, this rank's part as
+  views of ORT's live parameter buffers and of the moments the rank holds, then
+  `ortflow.checkpoints.store.save`: built as HDF5 in memory, hashed, written,
+  fsynced, renamed; then the manifest and the COMPLETE marker by rank 0);
 - plain: the same number of bytes as this rank's shard, from memory, written to
   a file in the same folder, fsynced, renamed.
 
@@ -65,28 +65,37 @@ def plain_write(path: Path, data: np.ndarray) -> None:
 
 
 def worker(args) -> None:
-    from onnxruntime.training.api import CheckpointState, Module, Optimizer
-
+    from ortflow.artifacts import Artifacts
     from ortflow.checkpoints import store
     from ortflow.sessions import quiet_logging
+    from ortflow.training import engine, sharding
+    from ortflow.training.checkpointer import live_part
     from ortflow.training.comm import MPIComm
+    from ortflow.training.optimizer import Optimizer
+    from ortflow.training.weight_decay import WeightDecay
 
     quiet_logging()
     comm = MPIComm(args.out / "heartbeat", 600)
-    artifacts = args.out / "artifacts"
-    state = CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
-    module = Module(str(artifacts / "training_model.onnx"), state, str(artifacts / "eval_model.onnx"))
-    optimizer = Optimizer(str(artifacts / "optimizer_model.onnx"), module)
+    artifacts = Artifacts(args.out / "artifacts")
+    state = engine.initial_state(artifacts)
+    module, step = engine.open_sessions(artifacts, state, "cpu", 1, "adamw", np)
+    trainable = engine.trainable(state)
+    slices = sharding.layout(state, trainable, 2, comm.world_size, np)
+    owned = sharding.for_run({"zero": args.zero}, state, trainable, comm, slices)
+    settings = {"name": "adamw", "lr": 0.001, "weight_decay": 0.0, "no_decay": []}
+    optimizer = Optimizer(state, owned.pieces, settings, np)
     rng = np.random.default_rng(comm.rank)
+    module.train()
     module(rng.random((16, 64), dtype=np.float32), rng.integers(0, 10, 16).astype(np.int64))
-    optimizer.step()
+    optimizer.step(0.001, step, WeightDecay({}, [], settings))
 
     root = args.out / "checkpoints"
     save_s, plain_s = [], []
     for repeat in range(args.repeats):
         comm.barrier()
         started = time.perf_counter()
-        folder = store.save(root, repeat + 1, state, comm, {"bench": True}, "bench", {"step": repeat + 1}, 1)
+        part = live_part(state, slices[comm.rank], set(trainable), optimizer, np)
+        folder = store.save(root, repeat + 1, part, comm, {"bench": True}, "bench", {"step": repeat + 1}, 1)
         save_s.append(time.perf_counter() - started)
     shard = folder / store.shard_name(comm.rank, comm.world_size)
     shard_bytes = shard.stat().st_size
@@ -107,6 +116,7 @@ def main() -> None:
     parser.add_argument("--megabytes", type=int, default=100, help="parameters, in MiB")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--zero", type=int, choices=(0, 1), default=0, help="train.zero of the ranks")
     parser.add_argument("--dir", type=Path, help="where to write (default: a temporary folder)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
@@ -115,14 +125,14 @@ def main() -> None:
         worker(args)
         return
 
-    from ortflow.training import launcher_command, launcher_env
+    from ortflow.train import launcher_command, launcher_env
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         out = Path(tmp)
         (out / "artifacts").mkdir()
         build_artifacts(out / "artifacts", args.megabytes)
         command = launcher_command("mpirun", args.ranks, os.cpu_count() or 1) + [
-            sys.executable, __file__, "--worker", "--out", str(out), "--repeats", str(args.repeats)]
+            sys.executable, __file__, "--worker", "--out", str(out), "--repeats", str(args.repeats), "--zero", str(args.zero)]
         output = subprocess.run(command, env=launcher_env(os.environ), check=True, capture_output=True, text=True)
         results = json.loads(output.stdout.strip().splitlines()[-1])
     total = sum(r["shard_bytes"] for r in results)

@@ -26,13 +26,12 @@ class _OneRank:
         return [value]
 
 
-def _save(root: Path, step: int, monkeypatch, history: dict | None = None) -> Path:
+def _save(root: Path, step: int, history: dict | None = None) -> Path:
     """A real checkpoint folder of one small parameter, written by store.save on one rank."""
-    monkeypatch.setattr(store, "training_state", lambda state: state)
     weight = np.arange(6, dtype=np.float32).reshape(2, 3) + step
     state = TrainingState({"w": weight}, {"w": True}, {"w": {"momentum0": weight * 0, "momentum1": weight * 0}},
                           {"group_name": "g", "step": step, "initial_learning_rate": 0.1}, {})
-    return store.save(root, step, state, _OneRank(), IDENTITY, DIGEST, {"step": step}, keep=10,
+    return store.save(root, step, state.part(store.partition(state, 1)[0]), _OneRank(), IDENTITY, DIGEST, {"step": step}, keep=10,
                            history=history or {"train": [{"step": step}], "eval": []})
 
 
@@ -46,7 +45,7 @@ def _flip_byte(file: Path) -> None:
 def test_a_damaged_newest_checkpoint_is_skipped_naming_the_file(tmp_path, monkeypatch, caplog, damage):
     root = tmp_path / "checkpoints"
     for step in (10, 20):
-        _save(root, step, monkeypatch)
+        _save(root, step)
     newest = root / "step-00000020"
     shard, manifest = newest / "shard-00000-of-00001.h5", newest / "manifest.json"
     if damage == "checksum":
@@ -74,7 +73,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_naming_the_file(tmp_path, monkey
 def test_a_checkpoint_beyond_train_steps_is_not_used(tmp_path, monkeypatch, caplog):
     root = tmp_path / "checkpoints"
     for step in (10, 20, 30):
-        _save(root, step, monkeypatch)
+        _save(root, step)
     with caplog.at_level(logging.INFO, logger="ortflow.checkpoint"):
         assert resume.find_resume(root, IDENTITY, DIGEST, None, steps=25).step == 20
     assert "skipping checkpoint " + str(root / "step-00000030") + ": step 30 is beyond train.steps 25" in caplog.text

@@ -17,7 +17,7 @@ import pytest
 
 from ortflow import storage
 from ortflow.checkpoints import resume, store
-from ortflow.checkpoints.ort_format import TrainingState, ort_state
+from ortflow.checkpoints.ort_format import TrainingState
 
 BIN = Path(sys.executable).parent
 IDENTITY = {"optimizer": {"name": "adamw"}}
@@ -52,12 +52,13 @@ def mount(tmp_path):
 
 
 def state_of(megabytes: float):
-    """A live ONNX Runtime CheckpointState whose checkpoint shard takes about `megabytes`."""
+    """A one-rank checkpoint shard of about `megabytes`."""
     n = int(megabytes * 1e6 / 12)  # a parameter and two AdamW moments of float32
     rng = np.random.default_rng(0)
     w = rng.normal(size=n).astype(np.float32)
-    return ort_state(TrainingState({"w": w}, {"w": True}, {"w": {"momentum0": w * 0, "momentum1": w * 0}},
-                                   {"group_name": "group0", "step": 1, "initial_learning_rate": 0.1}, {"step": 1}))
+    state = TrainingState({"w": w}, {"w": True}, {"w": {"momentum0": w * 0, "momentum1": w * 0}},
+                          {"group_name": "group0", "step": 1, "initial_learning_rate": 0.1}, {"step": 1})
+    return state.part(store.partition(state, 1)[0])
 
 
 def save(root: Path, step: int, state) -> Path:

@@ -25,6 +25,7 @@ from ortflow.training import engine, gradients, weight_decay
 from ortflow.training.run_folder import TrainFolder
 from ortflow.training.stop import StopRequest
 from ortflow.training.trainer import Trainer
+from ortflow.training.optimizer import Optimizer, Piece
 from ortflow.training.weight_decay import WeightDecay, is_excluded
 
 MODEL = {"kind": "gpt", "layers": 1, "heads": 2, "width": 8}
@@ -93,13 +94,17 @@ def test_artifacts_name_the_embedding_tables(built):
 
 
 def open_training(artifacts: Path, description: dict, name: str = "adamw"):
-    """ORT's Module and Optimizer on the initial checkpoint, and the run's WeightDecay."""
+    """ORT's Module on the initial checkpoint, the optimizer's step, an Optimizer over every
+    trainable parameter and the run's WeightDecay."""
     state = engine.initial_state(Artifacts(artifacts))
-    module, optimizer = engine.open_sessions(Artifacts(artifacts), state, "cpu", 1)
+    module, step = engine.open_sessions(Artifacts(artifacts), state, "cpu", 1, name, np)
     module.train()
-    shapes = {parameter: state.parameters[parameter].data.shape for parameter in engine.trainable(state)}
-    decay = WeightDecay(state, np, shapes, description["embeddings"], settings(name)["train"]["optimizer"])
-    return state, module, optimizer, decay
+    names = engine.trainable(state)
+    shapes = {parameter: state.parameters[parameter].data.shape for parameter in names}
+    optimizer = Optimizer(state, [Piece(n, 0, int(np.prod(shapes[n]))) for n in names],
+                          settings(name)["train"]["optimizer"], np)
+    decay = WeightDecay(shapes, description["embeddings"], settings(name)["train"]["optimizer"])
+    return state, module, (optimizer, step), decay
 
 
 def torch_training(train_dir: Path, state, decay: WeightDecay, optimizer: str):
@@ -165,9 +170,7 @@ def test_with_zero_gradients_only_the_decayed_parameters_shrink_by_exactly_one_m
     for _ in range(3):
         for g in gradients.gradients(state, engine.trainable(state), np):
             g[...] = 0.0  # Adam's update of a zero gradient is zero: what changes is the decay alone
-        optimizer.set_learning_rate(RATES[0])
-        decay.apply(RATES[0])
-        optimizer.step()
+        optimizer[0].step(RATES[0], optimizer[1], decay)
     cfg = settings()["train"]["optimizer"]
     for name in decay.decayed:
         np.testing.assert_array_equal(state.parameters[name].data, before[name] * factor * factor * factor, name)

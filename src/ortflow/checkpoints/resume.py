@@ -7,7 +7,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .ort_format import CheckpointError, ort_state
+from .ort_format import CheckpointError, TrainingState
 from .store import COMPLETE, MANIFEST, Checkpoint, digest_of, manifest_of, read_checkpoint
 
 log = logging.getLogger("ortflow.checkpoint")
@@ -21,10 +21,10 @@ class Resume:
     checkpoint: Checkpoint | None = field(default=None, repr=False)  # its shards, once read and checked
 
 
-def load_state(resume: Resume, model: Path | None = None):
-    """The CheckpointState to train on from the checkpoint `resume` (any world size),
-    checked against the parameters of `model` (the artifacts) before ONNX Runtime sees it."""
-    return ort_state((resume.checkpoint or read_checkpoint(resume.path, model)).state)
+def load_state(resume: Resume, model: Path | None = None) -> TrainingState:
+    """The whole state to train on from the checkpoint `resume` (any world size), checked
+    against the parameters of `model` (the artifacts) before ONNX Runtime sees any of it."""
+    return (resume.checkpoint or read_checkpoint(resume.path, model)).state
 
 
 def read_history(resume: Resume) -> dict | None:

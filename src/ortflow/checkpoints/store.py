@@ -12,9 +12,10 @@ A checkpoint is a folder `step-XXXXXXXX` (optimizer steps done) under the run's
 Beside the step folders, `best.json` names the checkpoint that evaluated best
 (train.early_stopping's metric), which pruning keeps.
 
-Every rank holds the same state after a step (data parallelism), so each one
-writes a different 1/W of the bytes (see `partition`), in parallel. A shard is
-an HDF5 file:
+Each rank writes a different 1/W of the bytes (see `partition`), in parallel:
+every rank holds the same parameters after a step (data parallelism), and the
+optimizer state of its part at least (all of it, or under train.zero 1 exactly
+its part: ZeRO-1's ownership is this partition). A shard is an HDF5 file:
 
     attrs          format, checkpoint_id, step, rank, world_size, identity (JSON),
                    identity_digest, ort_checkpoint_version
@@ -27,10 +28,10 @@ an HDF5 file:
                    position; batch order is a function of run.seed and the step, so there
                    is no other random state to keep)
 
-ONNX Runtime reads and writes only its own checkpoint file, a flatbuffer whose
-schema ships in the wheel. Saving writes that file to memory (/dev/shm) and
-reads this rank's part out of it; resuming builds one from the shards. Either
-way the same bytes reach the optimizer, so a resumed run is bit-identical.
+Saving writes the arrays the rank trains on (views of ONNX Runtime's live
+parameter buffers and the optimizer's moments, training/optimizer.py) straight
+into its shard; resuming copies them back. The same bytes reach the optimizer,
+so a resumed run is bit-identical.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ import numpy as np
 from .. import atomic
 from ..artifacts import Artifacts
 from . import checks
-from .ort_format import CheckpointError, TrainingState, read_ort_checkpoint, training_state
+from .ort_format import CheckpointError, TrainingState, read_ort_checkpoint
 
 log = logging.getLogger("ortflow.checkpoint")
 
@@ -84,25 +85,32 @@ def shard_name(rank: int, world_size: int) -> str:
 
 
 def partition(state: TrainingState, world_size: int) -> list[dict[str, tuple[int, int]]]:
-    """What each rank writes: {parameter: (start, stop)} in flattened elements. The
-    parameters, sorted by name, are laid end to end (with their optimizer state) and
-    cut into W runs of equal bytes, so a large parameter can span ranks and a model
-    with one huge matrix still splits evenly. Integer arithmetic: the same on every rank."""
-    total = sum(state.nbytes(n) for n in state.parameters)
+    """What each rank writes of `state` (see `cut`)."""
+    return cut({name: (array.size, state.nbytes(name)) for name, array in state.parameters.items()}, world_size)
+
+
+def cut(sizes: dict[str, tuple[int, int]], world_size: int) -> list[dict[str, tuple[int, int]]]:
+    """What each rank writes: {parameter: (start, stop)} in flattened elements, from each
+    parameter's (elements, bytes with its optimizer state) in `sizes`. The parameters,
+    sorted by name, are laid end to end and cut into W runs of equal bytes, so a large
+    parameter can span ranks and a model with one huge matrix still splits evenly.
+    Integer arithmetic: the same on every rank. A rank's slices of the trainable
+    parameters are one run of them laid end to end (sorted by name): ZeRO-1's flat space."""
+    total = sum(nbytes for _, nbytes in sizes.values())
     cuts = [total * r // world_size for r in range(world_size + 1)]
     parts: list[dict[str, tuple[int, int]]] = [{} for _ in range(world_size)]
     offset = 0  # bytes of the parameters before this one
-    for name in sorted(state.parameters):
-        size = state.parameters[name].size
+    for name in sorted(sizes):
+        size, nbytes = sizes[name]
         if size == 0:
             parts[0][name] = (0, 0)
             continue
-        per_element = state.nbytes(name) // size
+        per_element = nbytes // size
         bounds = [min(max(-((offset - cut) // per_element), 0), size) for cut in cuts]  # ceil, clamped
         for rank in range(world_size):
             if bounds[rank + 1] > bounds[rank]:
                 parts[rank][name] = (bounds[rank], bounds[rank + 1])
-        offset += state.nbytes(name)
+        offset += nbytes
     return parts
 
 
@@ -244,9 +252,10 @@ def new_manifest(checkpoint_id: str, step: int, world_size: int, identity: dict,
             "identity_digest": identity_digest, "properties": properties, "shards": shards}
 
 
-def save(root: Path, step: int, state, comm, identity: dict, identity_digest: str, properties: dict, keep: int,
-         history: dict | None = None) -> Path:
-    """Every rank writes its shard of the checkpoint of optimizer step `step` (steps done so far);
+def save(root: Path, step: int, part: TrainingState, comm, identity: dict, identity_digest: str, properties: dict,
+         keep: int, history: dict | None = None) -> Path:
+    """Every rank writes its shard of the checkpoint of optimizer step `step` (steps done so far):
+    `part`, its slices (`partition`) of the parameters and of their optimizer state;
     rank 0 also writes `history` (the run's logged metrics so far), so that a resumed run reports all of it."""
     final = step_dir(root, step)
     checkpoint_id = None
@@ -259,14 +268,12 @@ def save(root: Path, step: int, state, comm, identity: dict, identity_digest: st
         checkpoint_id = f"{step}-{uuid.uuid4().hex}"
     # Also keeps the other ranks from writing before the folder is fresh.
     checkpoint_id = comm.allgather(checkpoint_id)[0]
-    for key, value in properties.items():
-        state.properties[key] = value
-    full = training_state(state)
-    part = full.part(partition(full, comm.world_size)[comm.rank])
-    attrs = shard_attrs(checkpoint_id, step, comm.rank, comm.world_size, identity, identity_digest, full.version)
+    part.properties.update(properties)
+    attrs = shard_attrs(checkpoint_id, step, comm.rank, comm.world_size, identity, identity_digest, part.version)
     entries = comm.allgather(write_shard(final, part, attrs))
     if comm.rank == 0:
-        manifest = new_manifest(checkpoint_id, step, comm.world_size, identity, identity_digest, full.properties, entries)
+        manifest = new_manifest(checkpoint_id, step, comm.world_size, identity, identity_digest, part.properties,
+                                entries)
         if history is not None:
             manifest["history"] = write_history(final, history)
         write_json(final / MANIFEST, manifest)

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy
+
 from .. import config as config_mod
 from ..checkpoints import resume, store
+from ..checkpoints.ort_format import TrainingState
+from .gradients import parameters
 from .metrics import strict
 from .schedule import is_time
 
@@ -30,13 +34,14 @@ class Checkpointer:
         """The checkpoint to go on from (see checkpoints/resume.py), or None to start at step 0."""
         return resume.find_resume(self.root, self.identity, self.identity_digest, resume_from, self.steps, artifacts)
 
-    def save(self, done: int, state, lr: float, history: dict) -> Path:
-        """The checkpoint after `done` steps (written once, however often it is asked for)."""
+    def save(self, done: int, part, lr: float, history: dict) -> Path:
+        """The checkpoint after `done` steps (written once, however often it is asked for);
+        `part()` gives this rank's shard of it (`live_part`)."""
         if self.last and self.last[0] == done:
             return self.last[1]
         self.comm.watchdog.beat(done - 1, "checkpoint")
         properties = {"step": done, "lr": lr, "samples_seen": done * self.global_batch}
-        folder = store.save(self.root, done, state, self.comm, self.identity, self.identity_digest, properties,
+        folder = store.save(self.root, done, part(), self.comm, self.identity, self.identity_digest, properties,
                             self.keep, strict(history))
         self.last = (done, folder)
         return folder
@@ -45,3 +50,18 @@ class Checkpointer:
         """The checkpoint after `done` steps (written) is the best so far, by `record`."""
         if self.comm.rank == 0:
             store.mark_best(self.root, store.step_dir(self.root, done), self.identity_digest, record)
+
+
+def live_part(state, slices: dict[str, tuple[int, int]], trainable: set[str], optimizer, xp) -> TrainingState:
+    """This rank's shard of a checkpoint, straight from the arrays it trains on: its
+    `slices` (store.partition's) of every parameter, views of ORT's live buffers (copied
+    to the host from a GPU), and of the moments of the `trainable` ones, which
+    `optimizer` holds (under train.zero 1, exactly the slices it owns)."""
+    names = list(slices)
+    to_numpy = getattr(xp, "asnumpy", numpy.asarray)
+    live = dict(zip(names, parameters(state, names, xp)))
+    return TrainingState(
+        {name: to_numpy(live[name].reshape(-1)[slice(*slices[name])]) for name in names},
+        {name: name in trainable for name in names},
+        {name: optimizer.moments_of(name, *slices[name]) for name in names if name in trainable},
+        optimizer.attributes(), {}, slices={name: (tuple(live[name].shape), slices[name][0]) for name in names})

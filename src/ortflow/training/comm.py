@@ -4,7 +4,9 @@ Both sum the gradients in place, packed into buckets by `gradients.allreduce_in_
 (the same lines on both devices); they differ in the one call that sums a flat
 buffer across ranks: `MPIComm` with mpi4py (host buffers; device buffers are
 staged through the host), `NCCLComm` on the GPU with CuPy's NCCL bindings. Both
-use MPI to start up and for the small reductions of metrics. A watchdog thread ends the run when a collective does not finish in
+use MPI to start up and for the small reductions of metrics, and MPI (through
+the host) for ZeRO-1's reduce-scatter and all-gather of uneven runs, which NCCL
+has no call for. A watchdog thread ends the run when a collective does not finish in
 time, naming the rank that is behind, instead of hanging forever.
 """
 
@@ -122,6 +124,25 @@ class MPIComm:
         host = flat if isinstance(flat, np.ndarray) else flat.get()
         with self.watchdog.collective("allreduce(gradients)"):
             self.world.Allreduce(self.MPI.IN_PLACE, host)
+        if host is not flat:
+            flat.set(host)
+
+    def reduce_scatter_flat(self, flat, mine, counts: list[int]) -> None:
+        """ZeRO-1: sum `flat` across ranks; this rank receives into `mine` its run of the sum,
+        the runs of `counts` elements laid end to end in rank order (device buffers through the host)."""
+        host = flat if isinstance(flat, np.ndarray) else flat.get()
+        received = mine if isinstance(mine, np.ndarray) else np.empty(mine.shape, host.dtype)
+        with self.watchdog.collective("reduce_scatter(gradients)"):
+            self.world.Reduce_scatter(host, received, counts, op=self.MPI.SUM)
+        if received is not mine:
+            mine.set(received)
+
+    def allgather_flat(self, mine, flat, counts: list[int]) -> None:
+        """ZeRO-1: every rank's run (this rank's is `mine`) of `counts` elements into `flat`, in rank order."""
+        sent = mine if isinstance(mine, np.ndarray) else mine.get()
+        host = flat if isinstance(flat, np.ndarray) else np.empty(flat.shape, sent.dtype)
+        with self.watchdog.collective("allgather(parameters)"):
+            self.world.Allgatherv(sent, [host, counts])
         if host is not flat:
             flat.set(host)
 

@@ -1,5 +1,5 @@
 """This rank's ONNX Runtime training engine: the Module (training and eval
-graphs) and the Optimizer over the live CheckpointState, with its threads and
+graphs) over the live CheckpointState and the optimizer's step (optimizer.py), with its threads and
 device, reopened with ONNX Runtime's profiler for the steps of train.profile_steps."""
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import numpy as np
 from ..artifacts import Artifacts
 from ..sessions import session_options
 from . import comm as comm_mod
+from .gradients import parameters
+from .optimizer import open_step
 from .running_stats import RunningStats
 
 
@@ -24,15 +26,17 @@ def threads_per_rank(local_size: int, affinity: int, environ: dict) -> int:
     return max(1, affinity // local_size)
 
 
-def open_sessions(artifacts: Artifacts, state, device: str, threads: int, profile_prefix: Path | None = None):
-    """The Module and the Optimizer over `state`. They can be reopened at any step:
-    parameters, gradients and optimizer moments live in `state`, so training goes
-    on bit for bit. With `profile_prefix`, ONNX Runtime's profiler traces both
-    sessions until they are dropped, into `<prefix>-train_<time>.json` and
+def open_sessions(artifacts: Artifacts, state, device: str, threads: int, optimizer: str, xp,
+                  profile_prefix: Path | None = None):
+    """The Module over `state` and the step of the optimizer named `optimizer`
+    (optimizer.py). They can be reopened at any step: parameters and gradients live
+    in `state`, the moments in the Trainer's Optimizer, so training goes on bit for
+    bit. With `profile_prefix`, ONNX Runtime's profiler traces both sessions until
+    they are dropped, into `<prefix>-train_<time>.json` and
     `<prefix>-optimizer_<time>.json`. A traced Module has no eval graph: its
     session would take the same prefix and second as the training graph's, and
     the two traces would write over each other."""
-    from onnxruntime.training.api import Module, Optimizer
+    from onnxruntime.training.api import Module
 
     options = session_options(threads)
     if profile_prefix:
@@ -42,7 +46,17 @@ def open_sessions(artifacts: Artifacts, state, device: str, threads: int, profil
     module = Module(str(artifacts.training_model), state, eval_model, device=device, session_options=options)
     if profile_prefix:  # sessions copy their options when created
         options.profile_file_prefix = f"{profile_prefix}-optimizer"
-    return module, Optimizer(str(artifacts.optimizer_model), module)
+    return module, open_step(optimizer, artifacts.optimizer_model, options, xp)
+
+
+def with_parameters(artifacts: Artifacts, whole, xp):
+    """The CheckpointState of the artifacts with the parameters of `whole` (a checkpoint's
+    TrainingState, checked against the artifacts) copied into its live buffers."""
+    state = initial_state(artifacts)
+    names = list(whole.parameters)
+    for array, value in zip(parameters(state, names, xp), (whole.parameters[name] for name in names)):
+        array[...] = xp.asarray(value)
+    return state
 
 
 def initial_state(artifacts: Artifacts):
@@ -68,7 +82,7 @@ def seed_random_operators(seed: int, step: int, rank: int, micro_batch: int) -> 
 
 
 class Sessions:
-    """The Module and Optimizer of this rank, reopened with ONNX Runtime's
+    """The Module and the optimizer's step of this rank, reopened with ONNX Runtime's
     profiler on for the steps of `train.profile_steps` (traces of this run only),
     and the running statistics among the Module's outputs (`model.json` `running_stats`)."""
 
@@ -78,9 +92,10 @@ class Sessions:
             else "cpu"
         self.threads = threads_per_rank(comm.local_size, len(os.sched_getaffinity(0)), os.environ)
         self.profile_steps, self.profile_dir, self.profiling = train_cfg["profile_steps"], profile_dir, False
+        self.optimizer_name, self.xp = train_cfg["optimizer"]["name"], comm.xp
         for old in profile_dir.glob(f"rank{self.rank}-*"):
             old.unlink()
-        self.module, self.optimizer = open_sessions(artifacts, state, self.device, self.threads)
+        self.module, self.optimizer_step = self.open()
         self.running_stats = RunningStats(state, self.module.output_names(), running_stats, comm)
 
     def at_step(self, step: int) -> None:
@@ -89,12 +104,16 @@ class Sessions:
         if traced != self.profiling:
             self.profile_dir.mkdir(exist_ok=True)
             prefix = self.profile_dir / f"rank{self.rank}-step{step}" if traced else None
-            self.module, self.optimizer = open_sessions(self.artifacts, self.state, self.device, self.threads, prefix)
+            self.module, self.optimizer_step = self.open(prefix)
             self.profiling = traced
 
     def for_eval(self):
         """The module, with its eval graph: a traced Module has none, so tracing pauses (until the next step)."""
         if self.profiling:
-            self.module, self.optimizer = open_sessions(self.artifacts, self.state, self.device, self.threads)
+            self.module, self.optimizer_step = self.open()
             self.profiling = False
         return self.module
+
+    def open(self, profile_prefix: Path | None = None):
+        return open_sessions(self.artifacts, self.state, self.device, self.threads, self.optimizer_name, self.xp,
+                             profile_prefix)

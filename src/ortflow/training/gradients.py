@@ -87,9 +87,14 @@ def allreduce_in_buckets(grads: list, xp, reduce_flat, buffers: dict) -> None:
             offset += g.size
 
 
+def sum_of_squares(grads: list, xp) -> float:
+    """The squared L2 norm of all of `grads` together (torch.nn.utils.clip_grad_norm_'s total_norm, squared)."""
+    return sum(float(xp.vdot(g.reshape(-1), g.reshape(-1))) for g in grads)
+
+
 def global_norm(grads: list, xp) -> float:
     """The L2 norm of all gradients together (torch.nn.utils.clip_grad_norm_'s total_norm)."""
-    return math.sqrt(sum(float(xp.vdot(g.reshape(-1), g.reshape(-1))) for g in grads))
+    return math.sqrt(sum_of_squares(grads, xp))
 
 
 def average_and_clip(comm, grads: list, scale_to_mean: float, clip: float | None) -> float:
@@ -100,9 +105,15 @@ def average_and_clip(comm, grads: list, scale_to_mean: float, clip: float | None
     clipping decision."""
     comm.allreduce_gradients(grads)
     norm = global_norm(grads, comm.xp) * scale_to_mean
+    scale_and_clip(grads, norm, scale_to_mean, clip)
+    return norm
+
+
+def scale_and_clip(grads: list, norm: float, scale_to_mean: float, clip: float | None) -> None:
+    """Scale summed gradients to their mean, and clip them to the global norm `clip` given
+    their mean's global `norm`, in place."""
     factor = scale_to_mean
     if clip is not None:
         factor *= min(1.0, clip / (norm + 1e-6))  # the epsilon of torch.nn.utils.clip_grad_norm_
     for g in grads:
         g *= factor
-    return norm

@@ -5,11 +5,14 @@ One optimizer step, on each rank (Trainer.train_step):
      part of the global batch (ORT sums the gradients across the calls; each
      forward updates BatchNorm's running statistics, running_stats.py, and
      draws Dropout's masks from a generator seeded by its position);
-  2. sum the gradients across ranks in place, scale the sum to the mean over
+  2. sum the gradients across ranks in place (all of them, or under train.zero 1
+     each rank the part it owns: sharding.py), scale the sum to the mean over
      every micro-batch of every rank, and clip it to the global norm; the
      running statistics become their mean over the ranks;
-  3. the optimizer step at the schedule's learning rate: the weight decay of
-     the decayed parameters, then the optimizer's update (weight_decay.py).
+  3. the optimizer step at the schedule's learning rate over what the rank
+     owns (optimizer.py): the weight decay of the decayed parameters
+     (weight_decay.py), then the optimizer's update; under train.zero 1 the
+     updated parts are then gathered on every rank.
 Every rank then holds the same parameters, so evaluation is split across ranks
 and checkpoints can be written by all of them. Around the step (Trainer.step):
 the log (metrics.py decides when), evaluation, the checkpoint (checkpointer.py
@@ -35,14 +38,17 @@ from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
 from ..sessions import quiet_logging
+from ..checkpoints.checks import MOMENTS
 from . import comm as comm_mod
+from . import sharding
 from . import stop as stop_mod
 from . import weight_decay
 from .best import Best
-from .checkpointer import Checkpointer
-from .engine import Sessions, initial_state, seed_random_operators, trainable
+from .checkpointer import Checkpointer, live_part
+from .engine import Sessions, initial_state, seed_random_operators, trainable, with_parameters
 from .faults import Fault
-from .gradients import average_and_clip, gradients, parameters_on_host
+from .gradients import parameters_on_host
+from .optimizer import Optimizer
 from .metrics import Metrics, mean_baseline_mse, peak_rss_mb, unigram_perplexity
 from .run_folder import TrainFolder
 from .schedule import is_time, learning_rate
@@ -74,11 +80,20 @@ class Trainer:
         self.checkpointer = Checkpointer(folder.checkpoints, self.comm, config)
         resume = self.checkpointer.find_resume(self.train_cfg["resume_from"], artifacts.folder)
         self.start_step, self.resumed_from = (resume.step, resume.path) if resume else (0, None)
-        self.state = resume_mod.load_state(resume, artifacts.folder) if resume else initial_state(artifacts)
+        whole = resume_mod.load_state(resume, artifacts.folder) if resume else None
+        self.state = with_parameters(artifacts, whole, self.comm.xp) if whole else initial_state(artifacts)
         self.sessions = Sessions(artifacts, self.state, self.comm, self.train_cfg, folder.profile,
                                  self.info.get("running_stats", {}))  # absent from artifacts built before BatchNorm
         self.input_names = self.sessions.module.input_names()
         self.trainable = trainable(self.state)
+        # What each rank writes of a checkpoint, which is also what it owns under train.zero 1.
+        layout = sharding.layout(self.state, self.trainable, len(MOMENTS[self.train_cfg["optimizer"]["name"]]),
+                                 self.comm.world_size, self.comm.xp)
+        self.slices = layout[self.comm.rank]
+        self.sharding = sharding.for_run(self.train_cfg, self.state, self.trainable, self.comm, layout)
+        self.optimizer = Optimizer(self.state, self.sharding.pieces, self.train_cfg["optimizer"], self.comm.xp)
+        if whole:
+            self.optimizer.load(whole.optimizer, whole.optimizer_states)
         self.decay = weight_decay.for_run(self.state, self.trainable, self.info, self.train_cfg["optimizer"],
                                           self.comm.xp)
         self.metrics = Metrics(folder.tensorboard, self.comm.rank == 0, self.start_step, self.train_cfg,
@@ -128,7 +143,7 @@ class Trainer:
             new_best = self.best.update(done, self.last_eval) and self.keep_best
         reason = stop_mod.agreed(votes)  # every rank knows it from the same all-reduce
         if self.checkpointer.due(done) or reason or new_best or self.best.exhausted:
-            self.checkpointer.save(done, self.state, lr, self.metrics.history)
+            self.checkpointer.save(done, self.checkpoint_part, lr, self.metrics.history)
         if new_best:
             self.checkpointer.mark_best(done, self.best.describe())
         if reason:
@@ -138,7 +153,7 @@ class Trainer:
         """Forward, backward, all-reduce and the optimizer step at learning rate `lr`
         (see the top of this file). Returns the mean loss, the gradient norm before
         clipping, and every rank's stop votes summed."""
-        module, optimizer, running_stats = self.sessions.module, self.sessions.optimizer, self.sessions.running_stats
+        module, running_stats = self.sessions.module, self.sessions.running_stats
         scale_to_mean = 1.0 / (self.train_cfg["grad_accum_steps"] * self.comm.world_size)
         loss_sum = 0.0
         for micro_batch, batch in enumerate(batches):
@@ -147,20 +162,23 @@ class Trainer:
             running_stats.keep(outputs)
             loss_sum += outputs_of(outputs)[0]
         self.comm.watchdog.beat(step, "allreduce")
-        grads = gradients(self.state, self.trainable, self.comm.xp)
-        norm = average_and_clip(self.comm, grads, scale_to_mean, self.train_cfg["clip_grad_norm"])
+        norm = self.sharding.average_and_clip(scale_to_mean, self.train_cfg["clip_grad_norm"])
         # The stop votes and BatchNorm's running statistics ride along with the loss:
         # neither costs a collective of its own.
         votes = self.stop_request.votes()
         summed = self.comm.allreduce_sum(np.concatenate([[loss_sum], votes, running_stats.local()]))
         loss, votes = float(summed[0]) * scale_to_mean, list(summed[1:1 + len(votes)])
         running_stats.set_mean(summed[1 + len(votes):])
-        if math.isfinite(loss) and math.isfinite(norm):
-            optimizer.set_learning_rate(lr)
-            self.decay.apply(lr)  # torch's order: the decay, then the optimizer's update
-            optimizer.step()
+        if math.isfinite(loss) and math.isfinite(norm):  # the same on every rank: both are sums over all of them
+            # torch's order: the decay, then the optimizer's update
+            self.optimizer.step(lr, self.sessions.optimizer_step, self.decay)
+            self.sharding.gather()
         module.lazy_reset_grad()
         return loss, norm, votes
+
+    def checkpoint_part(self):
+        """This rank's shard of a checkpoint now (checkpointer.live_part)."""
+        return live_part(self.state, self.slices, set(self.trainable), self.optimizer, self.comm.xp)
 
     def feeds(self, batch: dict) -> list[np.ndarray]:
         """`batch` as the Module's inputs, in order."""

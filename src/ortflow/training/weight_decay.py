@@ -12,6 +12,8 @@ rank decays the parameters itself, in torch's order (torch.optim.adamw,
 _single_tensor_adamw): `p *= 1 - lr * weight_decay` with the step's scheduled
 lr, after the gradients are final and before the optimizer step, which then
 applies Adam's update (that update reads the gradient and the moments, not p).
+Elementwise, it applies to whole parameters or, under train.zero 1, to the slices
+a rank owns (training/optimizer.py).
 The decay is a function of the step alone, so a resumed run stays bit-identical.
 Measured against torch.optim.AdamW with two groups (tests/test_weight_decay.py,
 a tiny GPT): the decay alone is bit for bit torch's; after five AdamW steps at
@@ -55,15 +57,15 @@ def is_excluded(name: str, ndim: int, embeddings: set[str], no_decay: list[str])
 class WeightDecay:
     """The two groups of one run's trainable parameters, and the decay of each step."""
 
-    def __init__(self, state, xp, shapes: dict[str, tuple], embeddings: list[str], optimizer: dict):
-        """`state`: the live CheckpointState, `xp` its array module; `shapes`: the
-        trainable parameters' shapes, by name; `embeddings`: the parameters that an
-        embedding lookup reads (model.json); `optimizer`: train.optimizer."""
-        self.state, self.xp, self.weight_decay = state, xp, optimizer["weight_decay"]
+    def __init__(self, shapes: dict[str, tuple], embeddings: list[str], optimizer: dict):
+        """`shapes`: the trainable parameters' shapes, by name; `embeddings`: the
+        parameters that an embedding lookup reads (model.json); `optimizer`: train.optimizer."""
+        self.weight_decay = optimizer["weight_decay"]
         excluded = {name for name, shape in shapes.items()
                     if is_excluded(name, len(shape), set(embeddings), optimizer["no_decay"])}
         self.decayed = [name for name in shapes if name not in excluded]
         self.not_decayed = [name for name in shapes if name in excluded]
+        self.decayed_set = set(self.decayed)
 
     def describe(self, shown: int = 4) -> str:
         """One log line: how many parameter tensors are decayed, and a few names of each group."""
@@ -73,14 +75,16 @@ class WeightDecay:
         return (f"weight decay {self.weight_decay} on {len(self.decayed)} parameter tensors ({few(self.decayed)}); "
                 f"none on {len(self.not_decayed)} (train.optimizer.no_decay: {few(self.not_decayed)})")
 
-    def apply(self, lr: float) -> None:
-        """p *= 1 - lr * weight_decay on the decayed parameters, in ORT's live buffers
-        (the ones the Module and the Optimizer read), as torch does before Adam's update."""
-        if not self.weight_decay or not self.decayed:
+    def apply(self, lr: float, names: list[str], arrays: list) -> None:
+        """p *= 1 - lr * weight_decay on the `arrays` (views of ORT's live buffers: whole
+        parameters or slices) of the decayed parameters among `names`, as torch does
+        before Adam's update (training/optimizer.py calls it)."""
+        if not self.weight_decay:
             return
         factor = 1.0 - lr * self.weight_decay  # in double, as torch; the multiply rounds it to the parameters' dtype
-        for array in parameters(self.state, self.decayed, self.xp):
-            array *= factor
+        for name, array in zip(names, arrays):
+            if name in self.decayed_set:
+                array *= factor
 
 
 def for_run(state, names: list[str], info: dict, optimizer: dict, xp) -> WeightDecay:
@@ -90,7 +94,7 @@ def for_run(state, names: list[str], info: dict, optimizer: dict, xp) -> WeightD
         raise TrainingError("the artifacts' model.json names no embeddings (built by an older ortflow), which "
                             "train.optimizer.no_decay's <embedding> needs; rebuild them (--forcerun build_artifacts)")
     arrays = parameters(state, names, xp)
-    decay = WeightDecay(state, xp, {name: tuple(array.shape) for name, array in zip(names, arrays)},
-                        info.get("embeddings", []), optimizer)
+    decay = WeightDecay({name: tuple(array.shape) for name, array in zip(names, arrays)}, info.get("embeddings", []),
+                        optimizer)
     log.info("%s", decay.describe())  # rank 0's: the other ranks log warnings only
     return decay
