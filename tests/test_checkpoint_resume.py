@@ -4,6 +4,7 @@ same through real mpirun and Snakemake is in test_checkpoint.py."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -81,3 +82,16 @@ def test_a_checkpoint_beyond_train_steps_is_not_used(tmp_path, monkeypatch, capl
     assert resume.find_resume(root, {"seed": 2}, config_mod.digest({"seed": 2}), None, steps=100) is None
 
 
+
+def test_a_resharded_checkpoint_keeps_its_history(tmp_path):
+    """`ortflow checkpoint reshard` copies history.json (checksummed in the new
+    manifest), so that a run resumed from the copy reports the metrics logged before it."""
+    from ortflow import merge_checkpoint
+
+    history = {"train": [{"step": s, "loss": 1.0 / s} for s in (5, 10)], "eval": [{"step": 10, "loss": 0.4}]}
+    source = _save(tmp_path / "checkpoints", 10, history)
+    copy = merge_checkpoint.reshard(source, tmp_path / "three", 3)
+    manifest = json.loads((copy / store.MANIFEST).read_text())
+    assert manifest["world_size"] == 3 and manifest["history"]["file"] == store.HISTORY
+    found = resume.find_resume(tmp_path, IDENTITY, DIGEST, str(copy), steps=100)
+    assert (found.step, resume.read_history(found)) == (10, history)

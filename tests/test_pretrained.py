@@ -28,6 +28,7 @@ from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.errors import ConfigError, ModelError
 from ortflow.prepare_data import prepare
+from transformers_models import save_bert, save_gpt2
 
 TESTS = Path(__file__).resolve().parent
 HIDDEN = 16
@@ -47,25 +48,6 @@ def bits(array: np.ndarray) -> tuple:
 
 def checkpoint_of(folder: Path):
     return read_ort_checkpoint(Artifacts(folder).checkpoint)
-
-
-def bert_folder(folder: Path, **config) -> Path:
-    """A tiny pretrained BERT encoder (BertModel, no classification head), saved as transformers saves it."""
-    from transformers import BertConfig, BertModel
-
-    torch.manual_seed(0)
-    BertModel(BertConfig(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         intermediate_size=64, max_position_embeddings=64, **config)).save_pretrained(folder)
-    return folder
-
-
-def gpt2_folder(folder: Path) -> Path:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=256, n_positions=16, bos_token_id=0,
-                               eos_token_id=0)).save_pretrained(folder)
-    return folder
 
 
 def token_classes(path: Path, n: int = 200, length: int = 12) -> None:
@@ -366,7 +348,7 @@ def test_config_refusals_of_the_weights_keys(tmp_path, monkeypatch):
 def test_gpt2_from_pretrained_folder_bit_for_bit(data, tmp_path, monkeypatch):
     """The wrapper's from_pretrained folder is the initial checkpoint, name for
     name under the wrapper's `model.` (the tied lm_head is the embedding)."""
-    folder = gpt2_folder(tmp_path / "gpt2")
+    folder = save_gpt2(tmp_path / "gpt2")
     monkeypatch.syspath_prepend(str(TESTS))
     model = {"kind": "torch", "path": "transformers_models:PretrainedGPT2", "kwargs": {"folder": str(folder)}}
     build_artifacts.build(validated(model, {"source": "text", "context": 16}), data["text"], tmp_path / "out")
@@ -382,7 +364,7 @@ def test_safetensors_into_a_torch_module_with_a_tied_head(data, tmp_path, monkey
     wrapper) by its state_dict names: the tied lm_head is given by the embedding's
     name alone, as save_pretrained writes it; two different values for the one
     tensor are refused."""
-    folder = gpt2_folder(tmp_path / "gpt2")
+    folder = save_gpt2(tmp_path / "gpt2")
     pretrained = {f"model.{name}": array for name, array in load_file(str(folder / "model.safetensors")).items()}
     save_file(pretrained, str(tmp_path / "gpt2.safetensors"))
     monkeypatch.syspath_prepend(str(TESTS))
@@ -417,7 +399,7 @@ def test_bert_with_a_new_head_frozen_encoder_through_the_workflow(tmp_path, monk
     another seed another head."""
     workdir = tmp_path / "work"
     workdir.mkdir()
-    folder = bert_folder(tmp_path / "bert")
+    folder = save_bert(tmp_path / "bert")
     token_classes(workdir / "tokens.npz")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
     model = {"kind": "torch", "path": "transformers_models:PretrainedBert",
@@ -518,7 +500,7 @@ def test_fine_tuning_equals_torch_step_for_step(tmp_path):
     from torch_reference import load_initial, train_like_ortflow
     from transformers_models import PretrainedBert
 
-    folder = bert_folder(tmp_path / "bert", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    folder = save_bert(tmp_path / "bert", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     token_classes(tmp_path / "tokens.npz")
     config = config_mod.validate({
         "run": {"name": "fine", "seed": 3},

@@ -1,12 +1,15 @@
 """Hugging Face transformers models as ortflow trains them (`model.kind: torch`),
 randomly initialised from a config or loaded from a local folder with
 from_pretrained (nothing downloaded): the wrappers that docs/models.md's "Hugging
-Face transformers" example shows, for tests/test_transformers.py,
-tests/test_pretrained.py and bench/bench_train.py."""
+Face transformers" example shows, and the small pretrained folders they load
+(written here with save_pretrained), for tests/test_transformers.py,
+tests/test_pretrained.py, tests/test_fine_tuning.py and bench/bench_train.py."""
+
+from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import BertConfig, BertForSequenceClassification, GPT2Config, GPT2LMHeadModel
+from transformers import BertConfig, BertForSequenceClassification, BertModel, GPT2Config, GPT2LMHeadModel
 
 
 class GPT2(nn.Module):
@@ -64,11 +67,33 @@ class PretrainedGPT2(nn.Module):
 
 class PretrainedBert(nn.Module):
     """A pretrained BERT encoder (a BertModel's folder) under a new classification
-    head of `classes` labels, which from_pretrained initialises (from torch's seed)."""
+    head of `classes` labels, which from_pretrained initialises (from torch's seed).
+    token_type_ids is optional, as in transformers: a WordPiece tokenizer with
+    BERT's template gives them, an .npz of ids and masks does not."""
 
     def __init__(self, folder: str, classes: int = 2):
         super().__init__()
         self.model = BertForSequenceClassification.from_pretrained(folder, num_labels=classes)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids.long(), attention_mask=attention_mask.long()).logits
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        types = None if token_type_ids is None else token_type_ids.long()
+        return self.model(input_ids=input_ids.long(), attention_mask=attention_mask.long(),
+                          token_type_ids=types).logits
+
+
+def save_gpt2(folder: Path, vocab_size: int = 256, context: int = 16, eos_token_id: int = 0) -> Path:
+    """A tiny GPT-2 language model (weights from torch's seed 0), saved as transformers saves it."""
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=vocab_size, n_positions=context,
+                               bos_token_id=eos_token_id, eos_token_id=eos_token_id)).save_pretrained(folder)
+    return folder
+
+
+def save_bert(folder: Path, vocab_size: int = 32, **config) -> Path:
+    """A tiny pretrained BERT encoder (BertModel, no classification head; weights
+    from torch's seed 0), saved as transformers saves it."""
+    torch.manual_seed(0)
+    BertModel(BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         intermediate_size=64, max_position_embeddings=64, **config)).save_pretrained(folder)
+    return folder

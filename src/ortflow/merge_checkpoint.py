@@ -16,7 +16,7 @@ from .checkpoints.ort_format import CheckpointError, write_ort_checkpoint
 from .checkpoints.resume import checkpoint_folder
 from .checkpoints.store import (
     BEST, COMPLETE, HISTORY, MANIFEST, MAX_SHARDS, best_of, new_manifest, partition, read_checkpoint,
-    shard_attrs, shard_bytes, write_json, write_shard,
+    shard_attrs, shard_bytes, write_history, write_json, write_shard,
 )
 
 log = logging.getLogger("ortflow.checkpoint")
@@ -83,9 +83,12 @@ def reshard(source: Path, out_dir: Path, world_size: int, model: Path | None = N
             attrs = shard_attrs(manifest["checkpoint_id"], manifest["step"], rank, world_size,
                                  manifest["identity"], manifest["identity_digest"], state.version)
             entries.append(write_shard(tmp, state.part(ranges), attrs))
-        write_json(tmp / MANIFEST, new_manifest(manifest["checkpoint_id"], manifest["step"], world_size,
-                                              manifest["identity"], manifest["identity_digest"],
-                                              manifest["properties"], entries))
+        resharded = new_manifest(manifest["checkpoint_id"], manifest["step"], world_size, manifest["identity"],
+                                 manifest["identity_digest"], manifest["properties"], entries)
+        # The metrics logged up to this step: a run resumed from the copy still reports all of them.
+        if checkpoint.history is not None:
+            resharded["history"] = write_history(tmp, checkpoint.history)
+        write_json(tmp / MANIFEST, resharded)
         atomic.write_bytes(tmp / COMPLETE, b"")
     log.info("resharded %s (%d shards) -> %s (%d shards)", checkpoint.path, manifest["world_size"], out_dir,
              world_size)

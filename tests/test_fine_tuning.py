@@ -1,0 +1,192 @@
+"""Fine-tuning what users already have, through every stage (snakemake, on the
+CPU): a GPT-2 saved with save_pretrained on a `.txt` text with a byte-level BPE
+tokenizer, and a BERT encoder under a new head of 3 labels on a `.jsonl` of texts
+with string labels and a WordPiece tokenizer. The folders and tokenizers are made
+here (tests/transformers_models.py, tests/text_models.py): nothing is downloaded.
+And README's Fine-tuning example (examples/fine_tuning.py, config/fine_tuning.yaml)
+up to the stages."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+import yaml
+from safetensors.numpy import load_file
+
+from conftest import run_snakemake
+from ortflow import config as config_mod
+from ortflow.artifacts import Artifacts
+from ortflow.checkpoints.ort_format import read_ort_checkpoint
+from ortflow.data.shards import ShardReader
+from ortflow.prepare_data import split_rows
+from test_pretrained import bits
+from test_tokenizers import ANIMALS, SEED, animal_texts, whole
+from text_models import pydoc_text, train_bpe, train_wordpiece
+from transformers_models import save_bert, save_gpt2
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def user_models(monkeypatch):
+    """The wrappers of tests/transformers_models.py importable by the stages, as a user's my_models.py."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
+
+
+def assert_initial_is_the_folders(artifacts: Path, folder: Path, prefix: str, new: list[str]) -> None:
+    """The initial checkpoint holds the folder's tensors bit for bit under the
+    wrapper's `prefix`, and nothing else than the `new` ones (a new head)."""
+    pretrained = {prefix + name: array for name, array in load_file(str(folder / "model.safetensors")).items()}
+    initial = read_ort_checkpoint(Artifacts(artifacts).checkpoint).parameters
+    assert sorted(initial) == sorted([*pretrained, *new])
+    for name, array in pretrained.items():
+        assert bits(initial[name]) == bits(array), name
+
+
+def assert_tokenizer_travels(export: Path) -> dict[str, str]:
+    """export/ holds the tokenizer the data were encoded with, named with its
+    sha256 in the exported model's metadata; returns that metadata."""
+    metadata = {p.key: p.value for p in onnx.load(str(export / "model.onnx")).metadata_props}
+    assert metadata["ortflow.tokenizer"] == "tokenizer.json"
+    assert metadata["ortflow.tokenizer_sha256"] == hashlib.sha256((export / "tokenizer.json").read_bytes()).hexdigest()
+    return metadata
+
+
+@pytest.mark.e2e
+def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, user_models):
+    """GPT-2 from its folder on Python's documentation as a .txt file, tokenized by
+    a BPE tokenizer trained here: the vocabulary check passes, step 0 is the
+    folder's weights, the loss falls from about ln(vocabulary), and the exported
+    model with its tokenizer gives the eval loss that training measured."""
+    from tokenizers import Tokenizer
+
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "docs.txt").write_text(pydoc_text()[:300_000])
+    tokenizer = train_bpe(workdir / "tokenizer.json", 400)
+    vocab, eos = tokenizer.get_vocab_size(), tokenizer.token_to_id("<|endoftext|>")
+    folder = save_gpt2(tmp_path / "gpt2", vocab, context=32, eos_token_id=eos)
+    config = {
+        "run": {"name": "gpt2"},
+        "data": {"source": "text", "text_path": "docs.txt", "tokenizer": "tokenizer.json", "context": 32,
+                 "shards": 1},
+        "model": {"kind": "torch", "path": "transformers_models:PretrainedGPT2", "kwargs": {"folder": str(folder)}},
+        "train": {"world_size": 2, "steps": 300, "micro_batch_size": 8, "log_every": 1, "eval_every": 300,
+                  "optimizer": {"lr": 0.003}, "lr_schedule": {"warmup_steps": 10}},
+    }
+    run_snakemake(workdir, config)
+    results = workdir / "results/gpt2"
+
+    assert_initial_is_the_folders(results / "artifacts", folder, "model.", [])
+    manifest = ShardReader(results / "data/train").manifest
+    assert (manifest["num_classes"], manifest["tokenizer"]["eos_token"]) == (vocab, "<|endoftext|>")
+    assert (f"data.tokenizer tokenizer.json has a vocabulary of {vocab} token ids, the model's embedding "
+            f"'model.transformer.wte.weight' (which looks up 'x') {vocab} rows: they match") in \
+        (workdir / "logs/gpt2/build_artifacts.log").read_text()
+
+    metrics = json.loads((results / "train/metrics.json").read_text())
+    losses = [entry["loss"] for entry in metrics["history"]["train"]]
+    assert abs(losses[0] - np.log(vocab)) < 0.05, losses[0]  # the folder's GPT-2: nearly uniform at first
+    assert np.mean(losses[-20:]) < losses[0] - 1.0, losses[-20:]
+    # Better than the tokens' frequencies alone: it learned from the context.
+    assert metrics["eval"]["perplexity"] < metrics["eval"]["unigram_perplexity"], metrics["eval"]
+
+    export = results / "export"
+    assert_tokenizer_travels(export)
+    eval_ = whole(ShardReader(results / "data/eval"))
+    session = onnxruntime.InferenceSession(str(export / "model.onnx"))
+    logits = session.run(None, {"x": eval_["x"]})[0]  # [windows, vocab, time]
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    loss = -np.take_along_axis(log_probs, eval_["y"][:, None, :], axis=1).mean()
+    assert loss == pytest.approx(metrics["eval"]["loss"], rel=1e-4)
+    text = "The for statement is used to iterate over the elements of a sequence"
+    ids = Tokenizer.from_file(str(export / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+    assert ids == tokenizer.encode(text, add_special_tokens=False).ids
+
+
+@pytest.mark.e2e
+def test_bert_under_a_new_head_on_jsonl_texts_with_string_labels(tmp_path, user_models):
+    """A BERT encoder from its folder under a new head of 3 labels, on a .jsonl of
+    sentences labelled with the animal they mention, tokenized by a WordPiece
+    tokenizer trained here: step 0 is the folder's encoder, the class names are
+    in the manifest, metrics.json and the exported model's metadata, and the
+    exported model with its tokenizer classifies raw text well above chance."""
+    from tokenizers import Tokenizer
+
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    frame = animal_texts(400)
+    frame.to_json(workdir / "animals.jsonl", orient="records", lines=True)
+    vocab = train_wordpiece(workdir / "tokenizer.json", 120, list(frame["review"])).get_vocab_size()
+    folder = save_bert(tmp_path / "bert", vocab)
+    config = {
+        "run": {"name": "bert"},
+        "data": {"source": "animals.jsonl", "text": "review", "label": "animal", "tokenizer": "tokenizer.json",
+                 "context": 16, "shards": 1},
+        "model": {"kind": "torch", "path": "transformers_models:PretrainedBert",
+                  "kwargs": {"folder": str(folder), "classes": len(ANIMALS)}},
+        "train": {"world_size": 2, "steps": 200, "micro_batch_size": 16, "log_every": 10, "eval_every": 100,
+                  "optimizer": {"lr": 0.002}, "lr_schedule": {"warmup_steps": 10}},
+    }
+    run_snakemake(workdir, config)
+    results = workdir / "results/bert"
+    classes = sorted(ANIMALS)
+    _, eval_rows = split_rows(len(frame), 0.2, SEED)
+
+    assert_initial_is_the_folders(results / "artifacts", folder, "model.bert.",
+                                  ["model.classifier.weight", "model.classifier.bias"])
+    manifest = ShardReader(results / "data/train").manifest
+    assert (manifest["classes"], manifest["num_classes"]) == (classes, 3)
+    assert [f["name"] for f in manifest["features"]] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert (f"data.tokenizer tokenizer.json has a vocabulary of {vocab} token ids, the model's embedding "
+            f"'model.bert.embeddings.word_embeddings.weight' (which looks up 'input_ids') {vocab} rows: they match") \
+        in (workdir / "logs/bert/build_artifacts.log").read_text()
+    trained = json.loads((results / "train/metrics.json").read_text())["eval"]
+    assert list(trained["per_class"]) == classes
+    assert sum(c["count"] for c in trained["per_class"].values()) == len(eval_rows)
+    assert trained["accuracy"] > 0.9, trained  # chance: 1/3 (measured: 1.0)
+
+    export = results / "export"
+    metadata = assert_tokenizer_travels(export)
+    assert json.loads(metadata["ortflow.classes"]) == classes
+    tokenizer = Tokenizer.from_file(str(export / "tokenizer.json"))
+    encodings = tokenizer.encode_batch(list(frame["review"][eval_rows]))
+    feeds = {"input_ids": [e.ids for e in encodings], "attention_mask": [e.attention_mask for e in encodings],
+             "token_type_ids": [e.type_ids for e in encodings]}
+    session = onnxruntime.InferenceSession(str(export / "model.onnx"))
+    logits = session.run(None, {name: np.array(value, dtype=np.int64) for name, value in feeds.items()})[0]
+    predicted = np.array(classes)[logits.argmax(axis=1)]
+    accuracy = np.mean(predicted == frame["animal"].to_numpy()[eval_rows])
+    assert accuracy == pytest.approx(json.loads((export / "metrics.json").read_text())["fp32"]["accuracy"])
+    assert accuracy > 0.9
+
+
+def test_the_readme_examples_folder_fits_its_config(tmp_path, monkeypatch):
+    """README's Fine-tuning, short of running the stages (which the GPT-2 test above
+    does at a smaller size): examples/fine_tuning.py writes one folder that
+    AutoTokenizer and the config's wrapper both load, of one vocabulary, with the
+    end-of-text token that text needs; config/fine_tuning.yaml is valid and names it."""
+    from transformers import AutoTokenizer
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(TESTS.parent))
+    from examples import fine_tuning
+
+    fine_tuning.main()
+    config = config_mod.validate(yaml.safe_load((TESTS.parent / "config/fine_tuning.yaml").read_text()))
+    folder = Path(config["data"]["tokenizer"])
+    assert folder == fine_tuning.FOLDER and config["model"]["kwargs"] == {"folder": str(folder)}
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = fine_tuning.PretrainedGPT2(**config["model"]["kwargs"]).model
+    assert (len(tokenizer), tokenizer.eos_token) == (model.config.vocab_size, "<|endoftext|>")
+    assert model.config.eos_token_id == tokenizer.eos_token_id
+    assert model.config.n_positions >= config["data"]["context"]
+    assert config["model"]["path"] == "examples.fine_tuning:PretrainedGPT2"
