@@ -3,6 +3,7 @@ import os
 from pathlib import Path
 
 from ortflow import config as ortflow_config
+from ortflow import sweep as ortflow_sweep
 from ortflow.training.run_folder import TrainFolder
 
 # Validate before any job runs: a typo or a bad value fails here, naming the key.
@@ -17,8 +18,9 @@ config.clear()
 config.update(_validated)
 
 RUN = config["run"]["name"]
-RESULTS = f"results/{RUN}"
-LOGS = f"logs/{RUN}"
+# A sweep's point (sweep.point, set by workflow/rules/sweep.smk) lives in its sweep's folder.
+RESULTS = str(ortflow_sweep.results(config))
+LOGS = str(ortflow_sweep.logs(config))
 # The training folder's layout is ortflow's (src/ortflow/training/run_folder.py).
 TRAIN = TrainFolder(f"{RESULTS}/train")
 
@@ -26,14 +28,35 @@ TRAIN = TrainFolder(f"{RESULTS}/train")
 def config_json(*keys):
     """The parts of the config a rule depends on (dotted keys, any depth), as JSON for `--config-json`.
     A rule reruns when these change, and only these."""
-    picked = {}
-    for key in keys:
-        *sections, name = key.split(".")
-        source, target = config, picked
-        for section in sections:
-            source, target = source[section], target.setdefault(section, {})
-        target[name] = source[name]
-    return json.dumps(picked, sort_keys=True)
+    return json.dumps(ortflow_config.pick(config, keys), sort_keys=True)
+
+
+# The keys the data stage depends on, and the graphs (besides the data): the
+# optimizer graph bakes in the optimizer's name, betas and eps; the learning
+# rate is set by training at run time and the weight decay (with its groups,
+# train.optimizer.no_decay) is applied by training, so they and the other
+# train.* keys are left out and do not rebuild the artifacts.
+DATA_KEYS = ("run.seed", "data")
+ARTIFACTS_KEYS = (
+    "run.seed",
+    "model",
+    "train.optimizer.name",
+    "train.optimizer.betas",
+    "train.optimizer.eps",
+)
+# A sweep's points share these stages: each lives in the sweep's shared/ folder,
+# named by the digest of the keys it depends on, and runs once for the points
+# whose keys are equal (workflow/rules/sweep.smk).
+if config["sweep"]["point"]:
+    DATA = str(ortflow_sweep.shared(config, "data", DATA_KEYS))
+    ARTIFACTS = str(
+        ortflow_sweep.shared(config, "artifacts", DATA_KEYS + ARTIFACTS_KEYS)
+    )
+else:
+    DATA = f"{RESULTS}/data"
+    ARTIFACTS = f"{RESULTS}/artifacts"
+DATA_TRAIN = f"{DATA}/train"
+DATA_EVAL = f"{DATA}/eval"
 
 
 def data_files(wildcards):
