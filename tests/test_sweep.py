@@ -22,12 +22,23 @@ def sweep_config(**section) -> dict:
 def test_a_grid_makes_every_combination_named_by_its_values():
     config = sweep_config(grid={"train.optimizer.lr": [0.01, 0.001], "train.micro_batch_size": [16, 32]})
     points = sweep.points(config)
-    assert [p.name for p in points] == ["lr-0.01_micro_batch_size-16", "lr-0.01_micro_batch_size-32",
-                                        "lr-0.001_micro_batch_size-16", "lr-0.001_micro_batch_size-32"]
+    assert [p.name for p in points] == ["micro_batch_size-16_lr-0.01", "micro_batch_size-16_lr-0.001",
+                                        "micro_batch_size-32_lr-0.01", "micro_batch_size-32_lr-0.001"]
     assert points[3].config["train"]["optimizer"]["lr"] == 0.001
     assert points[3].config["train"]["micro_batch_size"] == 32
-    assert points[3].config["sweep"]["point"] == "lr-0.001_micro_batch_size-32"
-    assert sweep.results(points[3].config) == Path("results/sweeps/s/lr-0.001_micro_batch_size-32")
+    assert points[3].config["sweep"]["point"] == "micro_batch_size-32_lr-0.001"
+    assert sweep.results(points[3].config) == Path("results/sweeps/s/micro_batch_size-32_lr-0.001")
+
+
+def test_the_names_do_not_depend_on_the_order_the_keys_are_written_in():
+    one = sweep.points(sweep_config(grid={"train.optimizer.lr": [0.1], "model.hidden": [[8]]}))
+    other = sweep.points(sweep_config(grid={"model.hidden": [[8]], "train.optimizer.lr": [0.1]}))
+    assert [p.name for p in one] == [p.name for p in other] == ["hidden-8_lr-0.1"]
+
+
+def test_values_read_as_folder_names():
+    assert [sweep.format_value(v) for v in (0.001, 3e-05, 1e9, 16, True, [256, 128], "cosine")] == [
+        "0.001", "3e-5", "1e9", "16", "true", "256-128", "cosine"]
 
 
 def test_adding_a_value_keeps_the_other_points_names():
@@ -43,7 +54,7 @@ def test_random_draws_are_seeded_and_adding_draws_keeps_the_earlier_ones():
     assert [p.values for p in five[:3]] == [p.values for p in three]
     for point in five:
         lr = point.values["train.optimizer.lr"]
-        assert 1e-4 <= lr <= 1e-2 and point.name.startswith(f"lr-{lr:g}_")
+        assert 1e-4 <= lr <= 1e-2 and point.name.endswith(f"_lr-{sweep.format_value(lr)}")
 
 
 def test_repeats_train_each_point_with_the_next_seeds():
@@ -86,11 +97,14 @@ GRID = {
 
 
 def jobs(result) -> list[str]:
-    """The rules of the jobs Snakemake ran (its `rule <name>:` lines)."""
-    return [line[len("rule "):-1] for line in (result.stdout + result.stderr).splitlines()
-            if line.startswith(("rule ", "localrule "))] + [
-        line[len("localrule "):-1] for line in (result.stdout + result.stderr).splitlines()
-        if line.startswith("localrule ")]
+    """The rules of the jobs Snakemake ran (its `rule <name>:` and `localrule <name>:` lines)."""
+    return [line.split()[1].rstrip(":") for line in (result.stdout + result.stderr).splitlines()
+            if line.startswith(("rule ", "localrule "))]
+
+
+def comparison(folder: Path) -> list[dict]:
+    with open(folder / "comparison.tsv") as f:
+        return list(csv.DictReader(f, delimiter="\t"))
 
 
 @pytest.mark.e2e
@@ -101,8 +115,7 @@ def test_a_grid_sweep_shares_its_stages_and_compares_its_points(workdir):
     assert sum(job.endswith("_build_artifacts") for job in ran) == 2
     assert sum(job.endswith("_train") for job in ran) == 4
     folder = workdir / "results" / "sweeps" / "grid"
-    with open(folder / "comparison.tsv") as f:
-        rows = list(csv.DictReader(f, delimiter="\t"))
+    rows = comparison(folder)
     assert len(rows) == 4 and [r["rank"] for r in rows] == ["1", "2", "3", "4"]
     for row in rows:
         metrics = json.loads(TrainFolder(folder / row["point"] / "train").metrics.read_text())
@@ -114,3 +127,25 @@ def test_a_grid_sweep_shares_its_stages_and_compares_its_points(workdir):
     assert best["point"] == rows[0]["point"]
     assert (folder / "best" / "model.onnx").read_bytes() == (folder / best["point"] / "export" / "model.onnx").read_bytes()
     assert f"best point {best['point']}" in result.stdout + result.stderr
+
+
+@pytest.mark.e2e
+def test_a_failing_point_leaves_the_others_and_an_added_point_runs_alone(workdir):
+    # A learning rate of 1e9 makes the loss non-finite: that point's training fails.
+    failing = {**GRID, "sweep": {"name": "lr", "grid": {"train.optimizer.lr": [0.01, 1e9]}}}
+    result = run_snakemake(workdir, failing, "--keep-going", check=False)
+    assert result.returncode != 0
+    folder = workdir / "results" / "sweeps" / "lr"
+    rows = {row["point"]: row for row in comparison(folder)}
+    assert rows["lr-1e9"]["status"] == "failed" and rows["lr-1e9"]["rank"] == ""
+    assert rows["lr-0.01"]["status"] == "finished" and rows["lr-0.01"]["rank"] == "1"
+    assert "best point lr-0.01" in result.stderr and "failed: lr-1e9" in result.stderr
+    finished = TrainFolder(folder / "lr-0.01" / "train").metrics.stat().st_mtime_ns
+
+    # The failing point removed, another added: only the new one trains, and the comparison is redone.
+    adding = {**GRID, "sweep": {"name": "lr", "grid": {"train.optimizer.lr": [0.01, 0.001]}}}
+    ran = jobs(run_snakemake(workdir, adding))
+    assert sorted(job for job in ran if job.endswith("_train")) == ["point_lr_0_001_train"]
+    assert "sweep_compare" in ran and not any(job.endswith("_prepare_data") for job in ran)
+    assert TrainFolder(folder / "lr-0.01" / "train").metrics.stat().st_mtime_ns == finished
+    assert [row["point"] for row in comparison(folder)] in (["lr-0.01", "lr-0.001"], ["lr-0.001", "lr-0.01"])

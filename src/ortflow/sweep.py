@@ -40,7 +40,7 @@ COLUMNS = ("rank", "point", "status", "best", "best_step", "last", "steps", "wal
 
 @dataclass(frozen=True)
 class Point:
-    name: str  # readable and stable: from the point's values alone (lr-0.001_micro_batch_size-16)
+    name: str  # readable and stable: from the point's values alone (micro_batch_size-16_lr-0.001)
     values: dict  # dotted config key -> this point's value
     config: dict  # the validated config of the point's run
 
@@ -92,10 +92,12 @@ def points(config: dict) -> list[Point]:
         if key == "run.name" or key.split(".")[0] == "sweep":
             raise ConfigError(f"config key 'sweep': '{key}' cannot be swept (the sweep names each point's run)")
     combinations = [{}]
-    for key, values in sweep["grid"].items():
+    # Keys in sorted order, here and in the draws: the names and the draws do not depend on the
+    # order the keys are written in (the rules pass the config as JSON with sorted keys).
+    for key, values in sorted(sweep["grid"].items()):
         combinations = [{**c, key: value} for c in combinations for value in values]
     draws = random_draws(sweep["random"])
-    chosen = [{**c, **d} for c in combinations for d in draws]
+    chosen = [dict(sorted({**c, **d}.items())) for c in combinations for d in draws]
     if sweep["repeats"] > 1:
         seed = config["run"]["seed"]
         chosen = [{**c, "run.seed": seed + r} for c in chosen for r in range(sweep["repeats"])]
@@ -106,8 +108,8 @@ def points(config: dict) -> list[Point]:
 
 
 def random_draws(random_search: dict) -> list[dict]:
-    """random.points draws from random.ranges with random.seed, one value per range in the
-    order written: adding draws keeps the earlier ones. Floats keep 4 significant digits,
+    """random.points draws from random.ranges with random.seed, one value per range (by key):
+    adding draws keeps the earlier ones. Floats keep 4 significant digits,
     so that the name shows the value trained."""
     if not random_search["points"]:
         return [{}]
@@ -115,7 +117,7 @@ def random_draws(random_search: dict) -> list[dict]:
     draws = []
     for _ in range(random_search["points"]):
         draw = {}
-        for key, ((kind, bounds),) in ((k, tuple(r.items())) for k, r in random_search["ranges"].items()):
+        for key, ((kind, bounds),) in ((k, tuple(r.items())) for k, r in sorted(random_search["ranges"].items())):
             if kind == "choice":
                 draw[key] = generator.choice(bounds)
                 continue
@@ -127,7 +129,7 @@ def random_draws(random_search: dict) -> list[dict]:
 
 
 def point_name(values: dict) -> str:
-    """`lr-0.001_micro_batch_size-16`: each key by its last part (the whole dotted key when
+    """`micro_batch_size-16_lr-0.001`: each key (in sorted order) by its last part (the whole dotted key when
     two keys share it), then the value; characters a folder name should not have become '_'."""
     last = [key.split(".")[-1] for key in values]
     parts = []
@@ -140,8 +142,8 @@ def point_name(values: dict) -> str:
 def format_value(value) -> str:
     if isinstance(value, bool):
         return str(value).lower()
-    if isinstance(value, float):
-        return f"{value:g}"
+    if isinstance(value, float):  # 0.001, 3e-05 as 3e-5, 1e+09 as 1e9
+        return re.sub(r"e([+-])0*(\d)", lambda m: "e" + m[1].strip("+") + m[2], f"{value:g}")
     if isinstance(value, (list, tuple)):
         return "-".join(format_value(v) for v in value)
     return str(value)
