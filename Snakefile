@@ -53,12 +53,9 @@ onsuccess:
     from ortflow.report import run_summary
 
     if ortflow_sweep.is_sweep(config):
-        print(
-            ortflow_sweep.summary(
-                config,
-                ortflow_sweep.read_json(Path(rules.sweep_compare.output.best)),
-            )
-        )
+        best = ortflow_sweep.read_json(Path(rules.sweep_compare.output.best))
+        if best:  # not when the targets stopped before the comparison
+            print(ortflow_sweep.summary(config, best, run_arguments()))
         return
     summary = run_summary(
         RESULTS,

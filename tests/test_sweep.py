@@ -4,10 +4,13 @@ and checks, and a sweep run through Snakemake, compared in results/sweeps/<name>
 import csv
 import json
 import re
+import shlex
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from chromium import Chromium
 from conftest import run_snakemake
 from ortflow import config as ortflow_config
 from ortflow import sweep
@@ -96,10 +99,9 @@ GRID = {
 }
 
 
-def jobs(result) -> list[str]:
+def jobs(output: str) -> list[str]:
     """The rules of the jobs Snakemake ran (its `rule <name>:` and `localrule <name>:` lines)."""
-    return [line.split()[1].rstrip(":") for line in (result.stdout + result.stderr).splitlines()
-            if line.startswith(("rule ", "localrule "))]
+    return [line.split()[1].rstrip(":") for line in output.splitlines() if line.startswith(("rule ", "localrule "))]
 
 
 def comparison(folder: Path) -> list[dict]:
@@ -107,10 +109,18 @@ def comparison(folder: Path) -> list[dict]:
         return list(csv.DictReader(f, delimiter="\t"))
 
 
-@pytest.mark.e2e
-def test_a_grid_sweep_shares_its_stages_and_compares_its_points(workdir):
+@pytest.fixture(scope="module")
+def grid_run(tmp_path_factory):
+    """The grid of 4 points, run to the end once; and Snakemake's output."""
+    workdir = tmp_path_factory.mktemp("sweep") / "work"
     result = run_snakemake(workdir, GRID)
-    ran = jobs(result)
+    return workdir, result.stdout + result.stderr
+
+
+@pytest.mark.e2e
+def test_a_grid_sweep_shares_its_stages_and_compares_its_points(grid_run):
+    workdir, output = grid_run
+    ran = jobs(output)
     assert sum(job.endswith("_prepare_data") for job in ran) == 1
     assert sum(job.endswith("_build_artifacts") for job in ran) == 2
     assert sum(job.endswith("_train") for job in ran) == 4
@@ -126,7 +136,30 @@ def test_a_grid_sweep_shares_its_stages_and_compares_its_points(workdir):
     best = json.loads((folder / "best" / "best.json").read_text())
     assert best["point"] == rows[0]["point"]
     assert (folder / "best" / "model.onnx").read_bytes() == (folder / best["point"] / "export" / "model.onnx").read_bytes()
-    assert f"best point {best['point']}" in result.stdout + result.stderr
+    assert f"best point {best['point']}" in output
+
+
+@pytest.mark.e2e
+def test_the_sweeps_report_in_chromium_shows_the_comparison(grid_run, tmp_path):
+    workdir, output = grid_run
+    (command,) = [line.split(None, 1)[1] for line in output.splitlines() if line.startswith("  report: ")]
+    report = subprocess.run(shlex.split(command), cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stderr[-4000:]
+    folder = workdir / "results" / "sweeps" / "grid"
+    browser = Chromium(tmp_path / "chromium-profile")
+    try:
+        browser.open((folder / "report.html").as_uri())
+        paths = browser.wait_for("typeof app !== 'undefined' && app.state && Object.keys(results)", "its results")
+        files = {Path(p).name: p for p in paths if "/sweeps/grid/" in p and "/report/" not in p}
+        assert set(files) == {"comparison.html", "curves.png", "by_key.png"}
+        path = json.dumps(files["comparison.html"])
+        browser.evaluate(f"app.setView({{content: 'html', contentPath: results[{path}].data_uri, "
+                         f"resultPath: {path}}})")
+        shown = browser.frame_rows()
+    finally:
+        browser.close()
+    # The table as the browser shows it: the cells of comparison.tsv, point by point.
+    assert {row["point"]: list(row.values()) for row in comparison(folder)} == shown
 
 
 @pytest.mark.e2e
@@ -144,8 +177,10 @@ def test_a_failing_point_leaves_the_others_and_an_added_point_runs_alone(workdir
 
     # The failing point removed, another added: only the new one trains, and the comparison is redone.
     adding = {**GRID, "sweep": {"name": "lr", "grid": {"train.optimizer.lr": [0.01, 0.001]}}}
-    ran = jobs(run_snakemake(workdir, adding))
+    result = run_snakemake(workdir, adding)
+    ran = jobs(result.stdout + result.stderr)
     assert sorted(job for job in ran if job.endswith("_train")) == ["point_lr_0_001_train"]
     assert "sweep_compare" in ran and not any(job.endswith("_prepare_data") for job in ran)
     assert TrainFolder(folder / "lr-0.01" / "train").metrics.stat().st_mtime_ns == finished
     assert [row["point"] for row in comparison(folder)] in (["lr-0.01", "lr-0.001"], ["lr-0.001", "lr-0.01"])
+

@@ -17,6 +17,7 @@ import json
 import math
 import random
 import re
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,7 +241,7 @@ def write_table(rows: list[dict], swept: list[str], sweep: dict, out: Path) -> N
             writer = csv.writer(f, delimiter="\t", lineterminator="\n")
             writer.writerows([header, *lines])
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join(f"<tr data-point='{html.escape(row['point'])}' class='{row['status']}'>"
+    body = "".join(f"<tr data-key='{html.escape(row['point'])}' class='{row['status']}'>"
                    + "".join(f"<td>{html.escape(c)}</td>" for c in line) + "</tr>" for row, line in zip(rows, lines))
     style = ("body{font-family:sans-serif;margin:1.5em} table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:4px 10px} tr.failed{color:#a00}")
@@ -286,8 +287,9 @@ def plot_comparison(rows: list[dict], swept: list[str], sweep: dict, out: Path) 
     save(figure, out / "by_key.png")
 
 
-def summary(config: dict, best: dict | None) -> str:
-    """The lines `snakemake` prints at the end of a sweep: the best point and where everything is."""
+def summary(config: dict, best: dict | None, arguments: list[str]) -> str:
+    """The lines `snakemake` prints at the end of a sweep: the best point, where everything is,
+    and the command that writes the HTML report (`arguments`: those that chose this sweep)."""
     out, name = folder(config), config["sweep"]["name"]
     if best is None:
         return f"sweep {name!r}: no point finished training; the table: {out / 'comparison.tsv'}"
@@ -297,6 +299,7 @@ def summary(config: dict, best: dict | None) -> str:
              f"  every point: {out / 'comparison.tsv'} (plots: {out / 'curves.png'}, {out / 'by_key.png'})"]
     if best["failed"]:
         lines.append(f"  failed: {', '.join(best['failed'])} (their logs: {SWEEP_LOGS / name}/<point>/)")
+    lines.append(f"  report: {shlex.join(['snakemake', '--report', str(out / 'report.html'), *arguments])}")
     return "\n".join(lines)
 
 
@@ -312,5 +315,5 @@ def run(args) -> int:
     from .config import load_config
 
     config = load_config(args)
-    print(summary(config, compare(config)))
+    print(summary(config, compare(config), []))
     return 0

@@ -12,7 +12,6 @@ SWEEP = ortflow_sweep.folder(config)
 SWEEP_LOGS = ortflow_sweep.SWEEP_LOGS / config["sweep"]["name"]
 
 
-
 def inherit_train_settings(rule):
     """Give rule `rule`, a point's training, the settings that the profile and the command
     line give the rule `train` (set-resources, set-threads, preemptible-rules), which name
@@ -20,12 +19,17 @@ def inherit_train_settings(rule):
     train.world_size tasks started with srun, submitted again after a stop. Snakemake
     applies them by rule name when it makes the rule, from these (private) tables."""
     settings = workflow.resource_settings
-    for table in (settings._parsed_overwrite_resources, settings._parsed_overwrite_threads):
+    for table in (
+        settings._parsed_overwrite_resources,
+        settings._parsed_overwrite_threads,
+    ):
         if "train" in table:
             table[rule] = table["train"]
     remote = workflow.remote_execution_settings  # None in a dry run
     if remote is not None and remote.preemptible_rules.is_preemptible("train"):
-        remote.preemptible_rules.rules = frozenset(remote.preemptible_rules.rules) | {rule}
+        remote.preemptible_rules.rules = frozenset(remote.preemptible_rules.rules) | {
+            rule
+        }
 
 
 _made = set()
