@@ -91,6 +91,39 @@ def test_stages_are_shared_by_the_keys_they_depend_on():
     assert len({sweep.shared(p.config, "artifacts", graph_keys) for p in points}) == 2
 
 
+def fake_point(folder: Path, losses: list[float], exported: bool) -> None:
+    """What a point's stages leave: train/metrics.json with these eval losses, and the exported model."""
+    history = {"train": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)],
+               "eval": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)]}
+    metrics = {"steps": 10 * len(losses), "eval": {"loss": losses[-1]}, "wall_time_s": 1.5, "samples_per_s": 100.0,
+               "history": history}
+    TrainFolder(folder / "train").folder.mkdir(parents=True)
+    TrainFolder(folder / "train").metrics.write_text(json.dumps(metrics))
+    if exported:
+        (folder / "export").mkdir()
+        (folder / "export" / "model.onnx").write_bytes(folder.name.encode())
+
+
+def test_the_comparison_ranks_the_points_and_marks_the_failed_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = sweep_config(grid={"train.optimizer.lr": [0.1, 0.01, 0.001, 0.0001]})
+    folder = Path("results/sweeps/s")
+    fake_point(folder / "lr-0.1", [0.9, 0.5, 0.7], exported=True)  # best at step 20, last 0.7
+    fake_point(folder / "lr-0.01", [0.8, 0.6], exported=True)
+    fake_point(folder / "lr-0.001", [0.4], exported=False)  # trained best, but never exported
+    best = sweep.compare(config)  # lr-0.0001 left nothing: it failed
+    rows = comparison(folder)
+    assert [(r["rank"], r["point"], r["status"], r["best eval_loss (min)"], r["best step"], r["last eval_loss (min)"])
+            for r in rows] == [("1", "lr-0.001", "trained", "0.4", "10", "0.4"),
+                               ("2", "lr-0.1", "finished", "0.5", "20", "0.7"),
+                               ("3", "lr-0.01", "finished", "0.6", "20", "0.6"),
+                               ("", "lr-0.0001", "failed", "", "", "")]
+    assert (best["point"], best["value"], best["failed"]) == ("lr-0.1", 0.5, ["lr-0.0001"])
+    assert (folder / "best" / "model.onnx").read_bytes() == b"lr-0.1"
+    assert {"curves.png", "by_key.png", "comparison.html"} <= {f.name for f in folder.iterdir()}
+    assert "best point lr-0.1 (eval_loss 0.5, min, at step 20)" in sweep.summary(config, best, [])
+
+
 # A grid of 4 points on the default data, few steps of a tiny MLP on one rank each.
 GRID = {
     "train": {"steps": 20, "world_size": 1, "eval_every": 10, "log_every": 5},

@@ -179,7 +179,9 @@ def point_row(point: Point, sweep: dict) -> dict:
     best = pick(evals, key=lambda e: e[key]) if evals else None
     export = read_json(run / EXPORT_METRICS) or {}
     int8 = export.get("int8") or {}
-    return {**row, "status": "finished", "best": best[key] if best else None, "best_step": best["step"] if best else None,
+    # `trained`: its export did not run or failed, so it cannot be the sweep's model.
+    status = "finished" if (run / EXPORTED_MODEL).is_file() else "trained"
+    return {**row, "status": status, "best": best[key] if best else None, "best_step": best["step"] if best else None,
             "last": train["eval"].get(key), "steps": train["steps"], "wall_time_s": train["wall_time_s"],
             "samples_per_s": train["samples_per_s"],
             "fp32_mb": megabytes(export.get("fp32", {}).get("size_bytes")), "int8_mb": megabytes(int8.get("size_bytes")),
@@ -210,7 +212,7 @@ def compare(config: dict) -> dict | None:
     rows = ranked([point_row(p, sweep) for p in points(config)], sweep)
     write_table(rows, swept, sweep, out)
     plot_comparison(rows, swept, sweep, out)
-    best = next((row for row in rows if row["rank"] == 1), None)
+    best = next((row for row in rows if row["status"] == "finished"), None)
     if best is None:
         return None
     record = {"point": best["point"], "metric": sweep["metric"], "goal": goal(sweep), "value": best["best"],
@@ -263,7 +265,7 @@ def plot_comparison(rows: list[dict], swept: list[str], sweep: dict, out: Path) 
     from .report import save
 
     key = EVAL_KEYS[sweep["metric"]]
-    finished = [row for row in rows if row["status"] == "finished"]
+    finished = [row for row in rows if row["status"] != "failed"]
     figure, (loss_axes, metric_axes) = plt.subplots(1, 2, figsize=(11, 4))
     for row in finished:
         train, evals = row["history"]["train"], [e for e in row["history"]["eval"] if e.get(key) is not None]
