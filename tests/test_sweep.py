@@ -217,3 +217,60 @@ def test_a_failing_point_leaves_the_others_and_an_added_point_runs_alone(workdir
     assert TrainFolder(folder / "lr-0.01" / "train").metrics.stat().st_mtime_ns == finished
     assert [row["point"] for row in comparison(folder)] in (["lr-0.01", "lr-0.001"], ["lr-0.001", "lr-0.01"])
 
+
+
+HALVING = {
+    "train": {**GRID["train"], "lr_schedule": {"name": "constant"}},
+    "model": {"hidden": [16]},
+    "sweep": {"name": "halve", "grid": {"train.optimizer.lr": [0.01, 0.003, 0.0001]},
+              "halving": {"steps": 10, "keep": 0.5}},
+}
+
+
+def initializers(model: Path) -> dict:
+    import onnx
+    from onnx import numpy_helper
+
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(model)).graph.initializer}
+
+
+def test_halving_needs_a_constant_schedule_and_a_budget_below_the_steps():
+    with pytest.raises(ConfigError, match="^sweep point 'lr-0.1': config key 'sweep.halving.steps' needs "
+                                          "train.lr_schedule.name: constant, not 'cosine'"):
+        sweep.points(sweep_config(grid={"train.optimizer.lr": [0.1]}, halving={"steps": 10}))
+    config = ortflow_config.validate({**HALVING, "sweep": {**HALVING["sweep"], "halving": {"steps": 20}}})
+    with pytest.raises(ConfigError, match=r"'sweep.halving.steps': 20 is not below train.steps=20"):
+        sweep.points(config)
+
+
+@pytest.mark.e2e
+def test_halving_stops_the_weak_points_and_its_survivors_go_on_bit_for_bit(workdir):
+    result = run_snakemake(workdir, HALVING)
+    ran = jobs(result.stdout + result.stderr)
+    assert sum(job.endswith("_first_train") for job in ran) == 3
+    folder = workdir / "results" / "sweeps" / "halve"
+    halving = json.loads((folder / "halving.json").read_text())
+    assert len(halving["survivors"]) == 2 and len(halving["stopped"]) == 1
+    assert sorted(job for job in ran if job.endswith("_train") and "_first" not in job) == sorted(
+        f"point_{name.replace('-', '_').replace('.', '_')}_train" for name in halving["survivors"])
+    rows = {row["point"]: row for row in comparison(folder)}
+    assert rows[halving["stopped"][0]]["status"] == "stopped" and rows[halving["stopped"][0]]["steps"] == "10"
+    assert {rows[name]["steps"] for name in halving["survivors"]} == {"20"}
+
+    # A survivor against the same config trained to the end without the stop.
+    survivor = halving["survivors"][0]
+    (point,) = [p for p in sweep.points(ortflow_config.validate(HALVING)) if p.name == survivor]
+    reference = {"run": {"name": "reference"}, "train": {**HALVING["train"], "optimizer": {
+        "lr": point.values["train.optimizer.lr"]}}, "model": HALVING["model"]}
+    run_snakemake(workdir, reference)
+    resumed = json.loads(TrainFolder(folder / survivor / "train").metrics.read_text())
+    uninterrupted = json.loads(TrainFolder(workdir / "results" / "reference" / "train").metrics.read_text())
+    # The losses, not the whole history: it holds each step's throughput too.
+    for kind in ("train", "eval"):
+        assert [(r["step"], r["loss"]) for r in resumed["history"][kind]] == [
+            (r["step"], r["loss"]) for r in uninterrupted["history"][kind]]
+    ours = initializers(folder / survivor / "export" / "model.onnx")
+    theirs = initializers(workdir / "results" / "reference" / "export" / "model.onnx")
+    assert ours.keys() == theirs.keys()
+    for name, array in ours.items():
+        assert array.tobytes() == theirs[name].tobytes(), name

@@ -35,6 +35,8 @@ EVAL_KEYS = {"eval_loss": "loss", "accuracy": "accuracy", "perplexity": "perplex
 # Where a point's stages leave them (workflow/rules/export.smk).
 EXPORTED_MODEL = Path("export", "model.onnx")
 EXPORT_METRICS = Path("export", "metrics.json")
+# With sweep.halving: which points go on after the first budget (`ortflow sweep halve`).
+HALVING = "halving.json"
 COLUMNS = ("rank", "point", "status", "best", "best_step", "last", "steps", "wall_time_s", "samples_per_s",
            "fp32_mb", "int8_mb", "int8_metric")
 
@@ -44,6 +46,7 @@ class Point:
     name: str  # readable and stable: from the point's values alone (micro_batch_size-16_lr-0.001)
     values: dict  # dotted config key -> this point's value
     config: dict  # the validated config of the point's run
+    first: dict | None = None  # with sweep.halving: the config of its run to the first budget
 
 
 def is_sweep(config: dict) -> bool:
@@ -105,7 +108,40 @@ def points(config: dict) -> list[Point]:
     named = {point_name(values): values for values in chosen}
     if len(named) < len(chosen):
         raise ConfigError("config key 'sweep': two points have the same values; list each value once")
-    return [Point(name, values, point_config(config, name, values)) for name, values in named.items()]
+    chosen = [Point(name, values, point_config(config, name, values)) for name, values in named.items()]
+    return [halved(point, sweep["halving"]) for point in chosen] if sweep["halving"]["steps"] else chosen
+
+
+def halved(point: Point, halving: dict) -> Point:
+    """`point` with the run to the first budget of steps (its name `<point>.steps-<budget>`), from
+    whose last checkpoint the point's own run goes on when the point is kept (train.resume_from)."""
+    budget, train = halving["steps"], point.config["train"]
+    if train["lr_schedule"]["name"] != "constant":
+        raise ConfigError(f"sweep point {point.name!r}: config key 'sweep.halving.steps' needs "
+                          f"train.lr_schedule.name: constant, not {train['lr_schedule']['name']!r} (a decaying "
+                          "schedule spreads over train.steps: the first budget would train differently)")
+    if budget >= train["steps"]:
+        raise ConfigError(f"sweep point {point.name!r}: config key 'sweep.halving.steps': {budget} is not below "
+                          f"train.steps={train['steps']}")
+    from .checkpoints.store import step_dir  # numpy and ONNX: not for every Snakefile that imports this
+
+    first = copy.deepcopy(point.config)
+    first["sweep"]["point"] = f"{point.name}.steps-{budget}"
+    first["run"]["name"] += f".steps-{budget}"
+    first["train"]["steps"] = budget
+    final = copy.deepcopy(point.config)
+    final["train"]["resume_from"] = str(step_dir(TrainFolder(results(first) / "train").checkpoints, budget))
+    return Point(point.name, point.values, final, first)
+
+
+def survivors(config: dict) -> list[str]:
+    """With sweep.halving: the points that go on after the first budget, by the metric at
+    their best evaluation so far (halving.keep of them, at least one); a failed one never."""
+    sweep = config["sweep"]
+    every = points(config)
+    first = [point_row(Point(p.name, p.values, p.first), sweep) for p in every]
+    ranked_first = [row["point"] for row in ranked(first, sweep) if row.get("best") is not None]
+    return ranked_first[:max(1, math.ceil(len(every) * sweep["halving"]["keep"]))]
 
 
 def random_draws(random_search: dict) -> list[dict]:
@@ -188,6 +224,11 @@ def point_row(point: Point, sweep: dict) -> dict:
             "int8_metric": int8.get(key), "history": train["history"]}
 
 
+def stopped(row: dict) -> dict:
+    """The row of a point that successive halving stopped at the first budget."""
+    return {**row, "status": "stopped" if row["status"] != "failed" else "failed"}
+
+
 def megabytes(size: int | None) -> float | None:
     return None if size is None else size / 1e6
 
@@ -197,9 +238,11 @@ def read_json(path: Path) -> dict | None:
 
 
 def ranked(rows: list[dict], sweep: dict) -> list[dict]:
-    """Finished points by their best metric (best first), then failed ones; each gets its rank."""
+    """Trained points by their best metric (best first; those that halving stopped after them),
+    then failed ones; each gets its rank."""
     sign = -1 if goal(sweep) == "max" else 1
-    scored = sorted((r for r in rows if r.get("best") is not None), key=lambda r: sign * r["best"])
+    scored = sorted((r for r in rows if r.get("best") is not None),
+                    key=lambda r: (r["status"] == "stopped", sign * r["best"]))
     rest = [r for r in rows if r.get("best") is None]
     return [{**row, "rank": i + 1 if row.get("best") is not None else ""} for i, row in enumerate(scored + rest)]
 
@@ -208,8 +251,11 @@ def compare(config: dict) -> dict | None:
     """Write results/sweeps/<name>/: the table, the plots and best/; return the best
     point's record (None when no point finished)."""
     sweep, out = config["sweep"], folder(config)
-    swept = [key for key in points(config)[0].values]
-    rows = ranked([point_row(p, sweep) for p in points(config)], sweep)
+    swept = list(points(config)[0].values)
+    every = points(config)
+    kept = survivors(config) if sweep["halving"]["steps"] else [p.name for p in every]
+    rows = ranked([point_row(p, sweep) if p.name in kept else stopped(point_row(Point(p.name, p.values, p.first), sweep))
+                   for p in every], sweep)
     write_table(rows, swept, sweep, out)
     plot_comparison(rows, swept, sweep, out)
     best = next((row for row in rows if row["status"] == "finished"), None)
@@ -311,11 +357,21 @@ def add_arguments(parser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     comparison = sub.add_parser("compare", help="results/sweeps/<name>/: the table, the plots and best/")
     add_config_arguments(comparison)
+    halving = sub.add_parser("halve", help="results/sweeps/<name>/halving.json: the points that go on")
+    add_config_arguments(halving)
 
 
 def run(args) -> int:
     from .config import load_config
 
     config = load_config(args)
+    if args.action == "halve":
+        kept = survivors(config)
+        record = {"steps": config["sweep"]["halving"]["steps"], "survivors": kept,
+                  "stopped": [p.name for p in points(config) if p.name not in kept]}
+        with atomic.file(folder(config) / HALVING) as temporary:
+            temporary.write_text(json.dumps(record, indent=2))
+        print(f"sweep {config['sweep']['name']!r}: {', '.join(kept)} go on; {', '.join(record['stopped'])} stop")
+        return 0
     print(summary(config, compare(config), []))
     return 0

@@ -12,8 +12,8 @@ SWEEP = ortflow_sweep.folder(config)
 SWEEP_LOGS = ortflow_sweep.SWEEP_LOGS / config["sweep"]["name"]
 
 
-def inherit_train_settings(rule):
-    """Give rule `rule`, a point's training, the settings that the profile and the command
+def inherit_train_settings(name):
+    """Give rule `name`, a point's training, the settings that the profile and the command
     line give the rule `train` (set-resources, set-threads, preemptible-rules), which name
     it alone: through the Slurm profile each point's training is then one MPI job of
     train.world_size tasks started with srun, submitted again after a stop. Snakemake
@@ -24,52 +24,87 @@ def inherit_train_settings(rule):
         settings._parsed_overwrite_threads,
     ):
         if "train" in table:
-            table[rule] = table["train"]
+            table[name] = table["train"]
     remote = workflow.remote_execution_settings  # None in a dry run
     if remote is not None and remote.preemptible_rules.is_preemptible("train"):
-        remote.preemptible_rules.rules = frozenset(remote.preemptible_rules.rules) | {
-            rule
-        }
+        remote.preemptible_rules.rules = frozenset(remote.preemptible_rules.rules) | {name}
 
 
 _made = set()
 for _point in SWEEP_POINTS:
-    # Variables, not literals: Snakemake resolves a module's name and the rules' prefix from them.
-    point_module = ortflow_sweep.rule_prefix(_point)
-    point_rules = f"{point_module}_*"
-    inherit_train_settings(f"{point_module}_train")
+    # With sweep.halving, a point is two runs: to the first budget, and on from it.
+    _runs = {ortflow_sweep.rule_prefix(_point): _point.config}
+    if _point.first:
+        _runs[f"{ortflow_sweep.rule_prefix(_point)}_first"] = _point.first
+    for point_module, _config in _runs.items():
+        # Variables, not literals: Snakemake resolves a module's name and the rules' prefix from them.
+        point_rules = f"{point_module}_*"
+        inherit_train_settings(f"{point_module}_train")
 
-    module:
-        name: point_module
-        snakefile:
-            "../../Snakefile"
-        config:
-            _point.config
+        module:
+            name: point_module
+            snakefile:
+                "../../Snakefile"
+            config:
+                _config
 
-    _data = ortflow_sweep.shared(_point.config, "data", DATA_KEYS)
-    _artifacts = ortflow_sweep.shared(
-        _point.config, "artifacts", DATA_KEYS + ARTIFACTS_KEYS
+        _data = ortflow_sweep.shared(_config, "data", DATA_KEYS)
+        _artifacts = ortflow_sweep.shared(
+            _config, "artifacts", DATA_KEYS + ARTIFACTS_KEYS
+        )
+        if _data not in _made:
+
+            use rule * from point_module exclude all as point_rules
+
+        elif _artifacts not in _made:
+
+            use rule * from point_module exclude all, prepare_data as point_rules
+
+        else:
+
+            use rule * from point_module exclude all, prepare_data, build_artifacts as point_rules
+
+        _made |= {_data, _artifacts}
+
+
+def point_rule(point, name, first=False):
+    """Rule `name` of a point's run (`first`: of its run to the first budget)."""
+    return getattr(
+        rules, f"{ortflow_sweep.rule_prefix(point)}{'_first' if first else ''}_{name}"
     )
-    if _data not in _made:
-
-        use rule * from point_module exclude all as point_rules
-
-    elif _artifacts not in _made:
-
-        use rule * from point_module exclude all, prepare_data as point_rules
-
-    else:
-
-        use rule * from point_module exclude all, prepare_data, build_artifacts as point_rules
-
-    _made |= {_data, _artifacts}
 
 
-def point_outputs(rule):
-    """The outputs of rule `rule` of every point."""
-    return [
-        getattr(rules, f"{ortflow_sweep.rule_prefix(p)}_{rule}").output
-        for p in SWEEP_POINTS
+# With sweep.halving, the points whose runs go on, decided when every run to the
+# first budget is done (a Snakemake checkpoint: the jobs after it depend on it).
+if config["sweep"]["halving"]["steps"]:
+
+    checkpoint sweep_halving:
+        input:
+            [point_rule(p, "train", first=True).output for p in SWEEP_POINTS],
+        output:
+            f"{SWEEP}/{ortflow_sweep.HALVING}",
+        log:
+            f"{SWEEP_LOGS}/sweep_halving.log",
+        conda:
+            "../../envs/ortflow.yaml"
+        params:
+            config=config_json("run", "data", "model", "train", "export", "sweep"),
+        shell:
+            "ortflow sweep halve --config-json {params.config:q} > {log:q} 2>&1"
+
+
+def going_on():
+    """The points whose own runs are made: all of them, or halving's survivors."""
+    if not config["sweep"]["halving"]["steps"]:
+        return SWEEP_POINTS
+    halving = json.loads(Path(checkpoints.sweep_halving.get().output[0]).read_text())
+    return [p for p in SWEEP_POINTS if p.name in halving["survivors"]]
+
+
+def point_outputs(name):
+    """The outputs of rule `name` of every point that goes on (an input function)."""
+    return lambda wildcards: [
+        str(f) for p in going_on() for f in point_rule(p, name).output
     ]
 
 
@@ -80,6 +115,12 @@ rule sweep_compare:
         train=point_outputs("train"),
         export=point_outputs("quantize_model"),
         model=point_outputs("export_model"),
+        # With sweep.halving, the runs to the first budget: those of the stopped points are in the table.
+        first=[
+            point_rule(p, "train", first=True).output
+            for p in SWEEP_POINTS
+            if config["sweep"]["halving"]["steps"]
+        ],
     output:
         table=report(
             f"{SWEEP}/comparison.html",
