@@ -27,44 +27,47 @@ def inherit_train_settings(name):
             table[name] = table["train"]
     remote = workflow.remote_execution_settings  # None in a dry run
     if remote is not None and remote.preemptible_rules.is_preemptible("train"):
-        remote.preemptible_rules.rules = frozenset(remote.preemptible_rules.rules) | {name}
+        remote.preemptible_rules.rules = frozenset(remote.preemptible_rules.rules) | {
+            name
+        }
 
+
+# With sweep.halving, a point is two runs: to the first budget, and on from it.
+SWEEP_RUNS = {ortflow_sweep.rule_prefix(p): p.config for p in SWEEP_POINTS}
+for _point in SWEEP_POINTS:
+    if _point.first:
+        SWEEP_RUNS[f"{ortflow_sweep.rule_prefix(_point)}_first"] = _point.first
 
 _made = set()
-for _point in SWEEP_POINTS:
-    # With sweep.halving, a point is two runs: to the first budget, and on from it.
-    _runs = {ortflow_sweep.rule_prefix(_point): _point.config}
-    if _point.first:
-        _runs[f"{ortflow_sweep.rule_prefix(_point)}_first"] = _point.first
-    for point_module, _config in _runs.items():
-        # Variables, not literals: Snakemake resolves a module's name and the rules' prefix from them.
-        point_rules = f"{point_module}_*"
-        inherit_train_settings(f"{point_module}_train")
+for point_module, _config in SWEEP_RUNS.items():
+    # Variables, not literals: Snakemake resolves a module's name and the rules' prefix from them.
+    point_rules = f"{point_module}_*"
+    inherit_train_settings(f"{point_module}_train")
 
-        module:
-            name: point_module
-            snakefile:
-                "../../Snakefile"
-            config:
-                _config
+    module:
+        name: point_module
+        snakefile:
+            "../../Snakefile"
+        config:
+            _config
 
-        _data = ortflow_sweep.shared(_config, "data", DATA_KEYS)
-        _artifacts = ortflow_sweep.shared(
-            _config, "artifacts", DATA_KEYS + ARTIFACTS_KEYS
-        )
-        if _data not in _made:
+    _data = ortflow_sweep.shared(_config, "data", DATA_KEYS)
+    _artifacts = ortflow_sweep.shared(
+        _config, "artifacts", DATA_KEYS + ARTIFACTS_KEYS
+    )
+    if _data not in _made:
 
-            use rule * from point_module exclude all as point_rules
+        use rule * from point_module exclude all as point_rules
 
-        elif _artifacts not in _made:
+    elif _artifacts not in _made:
 
-            use rule * from point_module exclude all, prepare_data as point_rules
+        use rule * from point_module exclude all, prepare_data as point_rules
 
-        else:
+    else:
 
-            use rule * from point_module exclude all, prepare_data, build_artifacts as point_rules
+        use rule * from point_module exclude all, prepare_data, build_artifacts as point_rules
 
-        _made |= {_data, _artifacts}
+    _made |= {_data, _artifacts}
 
 
 def point_rule(point, name, first=False):
