@@ -12,26 +12,6 @@ SWEEP = ortflow_sweep.folder(config)
 SWEEP_LOGS = ortflow_sweep.SWEEP_LOGS / config["sweep"]["name"]
 
 
-def inherit_train_settings(name):
-    """Give rule `name`, a point's training, the settings that the profile and the command
-    line give the rule `train` (set-resources, set-threads, preemptible-rules), which name
-    it alone: through the Slurm profile each point's training is then one MPI job of
-    train.world_size tasks started with srun, submitted again after a stop. Snakemake
-    applies them by rule name when it makes the rule, from these (private) tables."""
-    settings = workflow.resource_settings
-    for table in (
-        settings._parsed_overwrite_resources,
-        settings._parsed_overwrite_threads,
-    ):
-        if "train" in table:
-            table[name] = table["train"]
-    remote = workflow.remote_execution_settings  # None in a dry run
-    if remote is not None and remote.preemptible_rules.is_preemptible("train"):
-        remote.preemptible_rules.rules = frozenset(remote.preemptible_rules.rules) | {
-            name
-        }
-
-
 # With sweep.halving, a point is two runs: to the first budget, and on from it.
 SWEEP_RUNS = {ortflow_sweep.rule_prefix(p): p.config for p in SWEEP_POINTS}
 for _point in SWEEP_POINTS:
@@ -70,13 +50,6 @@ for point_module, _config in SWEEP_RUNS.items():
     _made |= {_data, _artifacts}
 
 
-def point_rule(point, name, first=False):
-    """Rule `name` of a point's run (`first`: of its run to the first budget)."""
-    return getattr(
-        rules, f"{ortflow_sweep.rule_prefix(point)}{'_first' if first else ''}_{name}"
-    )
-
-
 # With sweep.halving, the points whose runs go on, decided when every run to the
 # first budget is done (a Snakemake checkpoint: the jobs after it depend on it).
 if config["sweep"]["halving"]["steps"]:
@@ -94,21 +67,6 @@ if config["sweep"]["halving"]["steps"]:
             config=config_json("run", "data", "model", "train", "export", "sweep"),
         shell:
             "ortflow sweep halve --config-json {params.config:q} > {log:q} 2>&1"
-
-
-def going_on():
-    """The points whose own runs are made: all of them, or halving's survivors."""
-    if not config["sweep"]["halving"]["steps"]:
-        return SWEEP_POINTS
-    halving = json.loads(Path(checkpoints.sweep_halving.get().output[0]).read_text())
-    return [p for p in SWEEP_POINTS if p.name in halving["survivors"]]
-
-
-def point_outputs(name):
-    """The outputs of rule `name` of every point that goes on (an input function)."""
-    return lambda wildcards: [
-        str(f) for p in going_on() for f in point_rule(p, name).output
-    ]
 
 
 # The comparison of every point (a failed point, with --keep-going, is marked
