@@ -251,8 +251,8 @@ def compare(config: dict) -> dict | None:
     """Write results/sweeps/<name>/: the table, the plots and best/; return the best
     point's record (None when no point finished)."""
     sweep, out = config["sweep"], folder(config)
-    swept = list(points(config)[0].values)
     every = points(config)
+    swept = list(every[0].values)
     kept = survivors(config) if sweep["halving"]["steps"] else [p.name for p in every]
     rows = ranked([point_row(p, sweep) if p.name in kept else stopped(point_row(Point(p.name, p.values, p.first), sweep))
                    for p in every], sweep)
