@@ -82,10 +82,8 @@ onerror:
     print(stage_failures(failed), file=sys.stderr)
     # With --keep-going the points that finished are compared, the failed ones marked.
     if ortflow_sweep.is_sweep(config):
-        print(
-            ortflow_sweep.summary(config, ortflow_sweep.compare(config)),
-            file=sys.stderr,
-        )
+        best = ortflow_sweep.compare(config)
+        print(ortflow_sweep.summary(config, best, run_arguments()), file=sys.stderr)
 
 
 # A run that starts from an earlier run's merged checkpoint (model.weights:
