@@ -318,7 +318,7 @@ def plot_comparison(rows: list[dict], swept: list[str], sweep: dict, out: Path) 
         loss_axes.plot([r["step"] for r in train], [r["loss"] for r in train], label=row["point"])
         metric_axes.plot([e["step"] for e in evals], [e[key] for e in evals], marker="o", label=row["point"])
     loss_axes.set(xlabel="optimizer step", ylabel="train loss", title="Train loss")
-    metric_axes.set(xlabel="optimizer step", ylabel=sweep["metric"], title=f"Eval {sweep['metric']}")
+    metric_axes.set(xlabel="optimizer step", ylabel=sweep["metric"], title=f"{sweep['metric']} on the eval split")
     if finished:
         metric_axes.legend(fontsize="small")
     save(figure, out / "curves.png")
@@ -327,9 +327,14 @@ def plot_comparison(rows: list[dict], swept: list[str], sweep: dict, out: Path) 
     for axis, name in zip(axes[0], swept):
         values = [row[name] for row in finished]
         numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
-        positions = values if numeric else [format_value(v) for v in values]
-        axis.plot(positions, [row["best"] for row in finished], "o")
-        if numeric and values and min(values) > 0 and max(values) > 10 * min(values):
+        # Categories (lists, strings) in the order of their values ([8] before [16]), not the ranking's.
+        try:
+            order = sorted(range(len(values)), key=lambda i: values[i])
+        except TypeError:  # values of different types: by their names
+            order = sorted(range(len(values)), key=lambda i: format_value(values[i]))
+        axis.plot([values[i] if numeric else format_value(values[i]) for i in order],
+                  [finished[i]["best"] for i in order], "o")
+        if numeric and values and min(values) > 0 and max(values) >= 10 * min(values):
             axis.set_xscale("log")
         axis.set(xlabel=name, ylabel=f"best {sweep['metric']}", title=f"{sweep['metric']} by {name}")
     save(figure, out / "by_key.png")
