@@ -34,10 +34,29 @@ rule all:
         rules.report_tables.output,
 
 
+# A sweep's points and their comparison; the default target is then `sweep`
+# (here, after `all`: the last default target wins, but not one from an include).
+if ortflow_sweep.is_sweep(config):
+
+    include: "workflow/rules/sweep.smk"
+
+    rule sweep:
+        default_target: True
+        input:
+            rules.sweep_compare.output,
+            point_outputs("plot_training"),
+            point_outputs("report_tables"),
+
+
 # Where the model is and how good it is, from whatever stages have run.
 onsuccess:
     from ortflow.report import run_summary
 
+    if ortflow_sweep.is_sweep(config):
+        best = ortflow_sweep.read_json(Path(rules.sweep_compare.output.best))
+        if best:  # not when the targets stopped before the comparison
+            print(ortflow_sweep.summary(config, best, run_arguments()))
+        return
     summary = run_summary(
         RESULTS,
         train_metrics=rules.train.output.metrics,
@@ -49,7 +68,7 @@ onsuccess:
         reported=reported_files(),
         targets=workflow.dag_settings.targets,
         run_arguments=run_arguments(),
-        artifacts=rules.build_artifacts.output[0],
+        artifacts=ARTIFACTS,
     )
     print(summary)
 
@@ -61,6 +80,10 @@ onerror:
 
     failed = [(job.rule.name, list(job.log)) for job in workflow.scheduler.failed]
     print(stage_failures(failed), file=sys.stderr)
+    # With --keep-going the points that finished are compared, the failed ones marked.
+    if ortflow_sweep.is_sweep(config):
+        best = ortflow_sweep.compare(config)
+        print(ortflow_sweep.summary(config, best, run_arguments()), file=sys.stderr)
 
 
 # A run that starts from an earlier run's merged checkpoint (model.weights:

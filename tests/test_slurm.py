@@ -135,3 +135,20 @@ def test_only_training_is_retried(slurm_cluster, tmp_path):
     assert "column(s) c not found" in result.stderr, result.stderr[-4000:]
     jobs = [rows[0] for rows in slurm_jobs(workdir).values()]
     assert [(job["Comment"], job["State"]) for job in jobs] == [("rule_prepare_data", "FAILED")], jobs
+
+
+def test_each_sweep_points_training_is_its_own_slurm_job(slurm_cluster, tmp_path):
+    """A sweep (docs/sweeps.md) through the profile: each point's training is one Slurm
+    job of train.world_size tasks (the profile's settings for `train`), seen in sacct."""
+    workdir = tmp_path / "work"
+    config = {**CONFIG, "sweep": {"name": "slurm", "grid": {"train.optimizer.lr": [0.01, 0.001]}}}
+    run_snakemake(workdir, config, *SLURM_ARGS)
+    jobs = slurm_jobs(workdir)
+    training = {rows[0]["Comment"]: rows[0] for rows in jobs.values() if rows[0]["Comment"].endswith("_train")}
+    assert sorted(training) == ["rule_point_lr_0_001_train", "rule_point_lr_0_01_train"], jobs
+    for job in training.values():
+        assert (job["State"], job["AllocCPUS"]) == ("COMPLETED", "2"), job
+    with open(workdir / "results" / "sweeps" / "slurm" / "comparison.tsv") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    assert sorted((row["point"], row["status"]) for row in rows) == [("lr-0.001", "finished"),
+                                                                       ("lr-0.01", "finished")]

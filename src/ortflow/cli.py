@@ -28,6 +28,7 @@ COMMANDS = {
     "quantize-model": "ortflow.quantize_model",
     "checkpoint": "ortflow.merge_checkpoint",
     "report": "ortflow.report",
+    "sweep": "ortflow.sweep",
 }
 
 

@@ -291,6 +291,18 @@ def _yaml_error(path: Path, error: yaml.YAMLError) -> str:
     return f"config file {path}{where}: not valid YAML ({problem or error})"
 
 
+def pick(config: dict, keys) -> dict:
+    """The parts of `config` that dotted `keys` name (any depth), nested as in the config."""
+    picked: dict = {}
+    for key in keys:
+        *sections, name = key.split(".")
+        source, target = config, picked
+        for section in sections:
+            source, target = source[section], target.setdefault(section, {})
+        target[name] = source[name]
+    return picked
+
+
 def global_batch_size(config: dict) -> int:
     train = config["train"]
     return train["micro_batch_size"] * train["grad_accum_steps"] * train["world_size"]

@@ -1,13 +1,10 @@
-# The optimizer graph bakes in the optimizer's name, betas and eps; the learning
-# rate is set by training at run time and the weight decay (with its groups,
-# train.optimizer.no_decay) is applied by training, so they and the other
-# train.* keys are left out of params and do not rebuild the artifacts.
+# ARTIFACTS_KEYS (common.smk): the train.* keys the graphs depend on.
 rule build_artifacts:
     input:
-        train=rules.prepare_data.output.train,
+        train=DATA_TRAIN,
         model=model_files,
     output:
-        directory(f"{RESULTS}/artifacts"),
+        directory(ARTIFACTS),
     log:
         f"{LOGS}/build_artifacts.log",
     benchmark:
@@ -15,13 +12,7 @@ rule build_artifacts:
     conda:
         "../../envs/ortflow.yaml"
     params:
-        config=config_json(
-            "run.seed",
-            "model",
-            "train.optimizer.name",
-            "train.optimizer.betas",
-            "train.optimizer.eps",
-        ),
+        config=config_json(*ARTIFACTS_KEYS),
     shell:
         "ortflow build-artifacts --config-json {params.config:q}"
         " --train {input.train:q} --out {output:q} > {log:q} 2>&1"

@@ -1,7 +1,7 @@
 rule merge_checkpoint:
     input:
         metrics=rules.train.output.metrics,
-        artifacts=rules.build_artifacts.output[0],
+        artifacts=ARTIFACTS,
     output:
         # `checkpoint` (ONNX Runtime's format, with optimizer state), `checkpoint.h5`, `meta.json`
         directory(f"{RESULTS}/checkpoint"),

@@ -3,6 +3,7 @@ import os
 from pathlib import Path
 
 from ortflow import config as ortflow_config
+from ortflow import sweep as ortflow_sweep
 from ortflow.training.run_folder import TrainFolder
 
 # Validate before any job runs: a typo or a bad value fails here, naming the key.
@@ -17,8 +18,9 @@ config.clear()
 config.update(_validated)
 
 RUN = config["run"]["name"]
-RESULTS = f"results/{RUN}"
-LOGS = f"logs/{RUN}"
+# A sweep's point (sweep.point, set by workflow/rules/sweep.smk) lives in its sweep's folder.
+RESULTS = str(ortflow_sweep.results(config))
+LOGS = str(ortflow_sweep.logs(config))
 # The training folder's layout is ortflow's (src/ortflow/training/run_folder.py).
 TRAIN = TrainFolder(f"{RESULTS}/train")
 
@@ -26,14 +28,35 @@ TRAIN = TrainFolder(f"{RESULTS}/train")
 def config_json(*keys):
     """The parts of the config a rule depends on (dotted keys, any depth), as JSON for `--config-json`.
     A rule reruns when these change, and only these."""
-    picked = {}
-    for key in keys:
-        *sections, name = key.split(".")
-        source, target = config, picked
-        for section in sections:
-            source, target = source[section], target.setdefault(section, {})
-        target[name] = source[name]
-    return json.dumps(picked, sort_keys=True)
+    return json.dumps(ortflow_config.pick(config, keys), sort_keys=True)
+
+
+# The keys the data stage depends on, and the graphs (besides the data): the
+# optimizer graph bakes in the optimizer's name, betas and eps; the learning
+# rate is set by training at run time and the weight decay (with its groups,
+# train.optimizer.no_decay) is applied by training, so they and the other
+# train.* keys are left out and do not rebuild the artifacts.
+DATA_KEYS = ("run.seed", "data")
+ARTIFACTS_KEYS = (
+    "run.seed",
+    "model",
+    "train.optimizer.name",
+    "train.optimizer.betas",
+    "train.optimizer.eps",
+)
+# A sweep's points share these stages: each lives in the sweep's shared/ folder,
+# named by the digest of the keys it depends on, and runs once for the points
+# whose keys are equal (workflow/rules/sweep.smk).
+if config["sweep"]["point"]:
+    DATA = str(ortflow_sweep.shared(config, "data", DATA_KEYS))
+    ARTIFACTS = str(
+        ortflow_sweep.shared(config, "artifacts", DATA_KEYS + ARTIFACTS_KEYS)
+    )
+else:
+    DATA = f"{RESULTS}/data"
+    ARTIFACTS = f"{RESULTS}/artifacts"
+DATA_TRAIN = f"{DATA}/train"
+DATA_EVAL = f"{DATA}/eval"
 
 
 def data_files(wildcards):
@@ -119,3 +142,48 @@ def run_arguments():
     if workflow.config_settings.config_args:
         arguments += ["--config", *workflow.config_settings.config_args]
     return arguments
+
+
+# --- a sweep's points (workflow/rules/sweep.smk) ---
+
+
+def inherit_train_settings(name):
+    """Give rule `name`, a point's training, the settings that the profile and the command
+    line give the rule `train` (set-resources, set-threads, preemptible-rules), which name
+    it alone: through the Slurm profile each point's training is then one MPI job of
+    train.world_size tasks started with srun, submitted again after a stop. Snakemake
+    applies them by rule name when it makes the rule, from these (private) tables."""
+    settings = workflow.resource_settings
+    for table in (
+        settings._parsed_overwrite_resources,
+        settings._parsed_overwrite_threads,
+    ):
+        if "train" in table:
+            table[name] = table["train"]
+    remote = workflow.remote_execution_settings  # None in a dry run
+    if remote is not None and remote.preemptible_rules.is_preemptible("train"):
+        remote.preemptible_rules.rules = frozenset(remote.preemptible_rules.rules) | {
+            name
+        }
+
+
+def point_rule(point, name, first=False):
+    """Rule `name` of a point's run (`first`: of its run to the first budget)."""
+    return getattr(
+        rules, f"{ortflow_sweep.rule_prefix(point)}{'_first' if first else ''}_{name}"
+    )
+
+
+def going_on():
+    """The points whose own runs are made: all of them, or halving's survivors."""
+    if not config["sweep"]["halving"]["steps"]:
+        return SWEEP_POINTS
+    halving = json.loads(Path(checkpoints.sweep_halving.get().output[0]).read_text())
+    return [p for p in SWEEP_POINTS if p.name in halving["survivors"]]
+
+
+def point_outputs(name):
+    """The outputs of rule `name` of every point that goes on (an input function)."""
+    return lambda wildcards: [
+        str(f) for p in going_on() for f in point_rule(p, name).output
+    ]

@@ -2,8 +2,8 @@ rule prepare_data:
     input:
         data_files,
     output:
-        train=directory(f"{RESULTS}/data/train"),
-        eval=directory(f"{RESULTS}/data/eval"),
+        train=directory(DATA_TRAIN),
+        eval=directory(DATA_EVAL),
     log:
         f"{LOGS}/prepare_data.log",
     benchmark:
@@ -11,7 +11,7 @@ rule prepare_data:
     conda:
         "../../envs/ortflow.yaml"
     params:
-        config=config_json("run.seed", "data"),
+        config=config_json(*DATA_KEYS),
     shell:
         "ortflow prepare-data --config-json {params.config:q}"
         " --train {output.train:q} --eval {output.eval:q} > {log:q} 2>&1"

@@ -13,9 +13,9 @@ TOKENIZER = (
 
 rule export_model:
     input:
-        artifacts=rules.build_artifacts.output[0],
+        artifacts=ARTIFACTS,
         checkpoint=rules.merge_checkpoint.output[0],
-        eval=rules.prepare_data.output.eval,
+        eval=DATA_EVAL,
     output:
         **TOKENIZER,
         model=f"{RESULTS}/export/model.onnx",
@@ -35,8 +35,8 @@ rule export_model:
 rule quantize_model:
     input:
         model=rules.export_model.output.model,
-        artifacts=rules.build_artifacts.output[0],
-        eval=rules.prepare_data.output.eval,
+        artifacts=ARTIFACTS,
+        eval=DATA_EVAL,
     output:
         **QUANTIZED,
         metrics=f"{RESULTS}/export/metrics.json",

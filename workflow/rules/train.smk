@@ -1,8 +1,8 @@
 rule train:
     input:
-        train=rules.prepare_data.output.train,
-        eval=rules.prepare_data.output.eval,
-        artifacts=rules.build_artifacts.output[0],
+        train=DATA_TRAIN,
+        eval=DATA_EVAL,
+        artifacts=ARTIFACTS,
     output:
         # Checkpoints and TensorBoard events live beside metrics.json but are not
         # outputs: Snakemake deletes a failed job's outputs, and a rerun resumes from them.

@@ -1,0 +1,276 @@
+"""Sweeps (src/ortflow/sweep.py, workflow/rules/sweep.smk): the points, their names
+and checks, and a sweep run through Snakemake, compared in results/sweeps/<name>/."""
+
+import csv
+import json
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from chromium import Chromium
+from conftest import run_snakemake
+from ortflow import config as ortflow_config
+from ortflow import sweep
+from ortflow.errors import ConfigError
+from ortflow.training.run_folder import TrainFolder
+
+
+def sweep_config(**section) -> dict:
+    return ortflow_config.validate({"sweep": {"name": "s", **section}})
+
+
+def test_a_grid_makes_every_combination_named_by_its_values():
+    config = sweep_config(grid={"train.optimizer.lr": [0.01, 0.001], "train.micro_batch_size": [16, 32]})
+    points = sweep.points(config)
+    assert [p.name for p in points] == ["micro_batch_size-16_lr-0.01", "micro_batch_size-16_lr-0.001",
+                                        "micro_batch_size-32_lr-0.01", "micro_batch_size-32_lr-0.001"]
+    assert points[3].config["train"]["optimizer"]["lr"] == 0.001
+    assert points[3].config["train"]["micro_batch_size"] == 32
+    assert points[3].config["sweep"]["point"] == "micro_batch_size-32_lr-0.001"
+    assert sweep.results(points[3].config) == Path("results/sweeps/s/micro_batch_size-32_lr-0.001")
+
+
+def test_the_names_do_not_depend_on_the_order_the_keys_are_written_in():
+    one = sweep.points(sweep_config(grid={"train.optimizer.lr": [0.1], "model.hidden": [[8]]}))
+    other = sweep.points(sweep_config(grid={"model.hidden": [[8]], "train.optimizer.lr": [0.1]}))
+    assert [p.name for p in one] == [p.name for p in other] == ["hidden-8_lr-0.1"]
+
+
+def test_values_read_as_folder_names():
+    assert [sweep.format_value(v) for v in (0.001, 3e-05, 1e9, 16, True, [256, 128], "cosine")] == [
+        "0.001", "3e-5", "1e9", "16", "true", "256-128", "cosine"]
+
+
+def test_adding_a_value_keeps_the_other_points_names():
+    before = sweep.points(sweep_config(grid={"train.optimizer.lr": [0.01, 0.001]}))
+    after = sweep.points(sweep_config(grid={"train.optimizer.lr": [0.01, 0.0003, 0.001]}))
+    assert {p.name for p in before} < {p.name for p in after}
+
+
+def test_random_draws_are_seeded_and_adding_draws_keeps_the_earlier_ones():
+    ranges = {"train.optimizer.lr": {"log_uniform": [1e-4, 1e-2]}, "train.micro_batch_size": {"choice": [16, 32]}}
+    three = sweep.points(sweep_config(random={"points": 3, "seed": 7, "ranges": ranges}))
+    five = sweep.points(sweep_config(random={"points": 5, "seed": 7, "ranges": ranges}))
+    assert [p.values for p in five[:3]] == [p.values for p in three]
+    for point in five:
+        lr = point.values["train.optimizer.lr"]
+        assert 1e-4 <= lr <= 1e-2 and point.name.endswith(f"_lr-{sweep.format_value(lr)}")
+
+
+def test_repeats_train_each_point_with_the_next_seeds():
+    config = ortflow_config.validate({"run": {"seed": 5}, "sweep": {"grid": {"train.optimizer.lr": [0.01]},
+                                                                     "repeats": 2}})
+    assert [(p.name, p.config["run"]["seed"]) for p in sweep.points(config)] == [("lr-0.01_seed-5", 5),
+                                                                                ("lr-0.01_seed-6", 6)]
+
+
+@pytest.mark.parametrize("grid, message", [
+    ({"train.optimizer.lrr": [0.1]}, "sweep point 'lrr-0.1': config section 'train.optimizer': unknown key(s) lrr"),
+    ({"train.optimizer.lr": [0.1, -1]}, "sweep point 'lr--1': config key 'train.optimizer.lr'"),
+    ({"run.name": ["a"]}, "config key 'sweep': 'run.name' cannot be swept"),
+])
+def test_a_bad_key_or_value_names_the_point_and_the_key(grid, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        sweep.points(sweep_config(grid=grid))
+
+
+def test_only_a_config_with_points_is_a_sweep():
+    assert not sweep.is_sweep(ortflow_config.validate({}))
+    assert sweep.is_sweep(sweep_config(grid={"train.optimizer.lr": [0.1]}))
+    point = sweep.points(sweep_config(grid={"train.optimizer.lr": [0.1]}))[0]
+    assert not sweep.is_sweep(point.config)
+
+
+def test_stages_are_shared_by_the_keys_they_depend_on():
+    points = sweep.points(sweep_config(grid={"train.optimizer.lr": [0.1, 0.01], "model.hidden": [[8], [16]]}))
+    data_keys, graph_keys = ("run.seed", "data"), ("run.seed", "data", "model", "train.optimizer.name")
+    assert len({sweep.shared(p.config, "data", data_keys) for p in points}) == 1
+    assert len({sweep.shared(p.config, "artifacts", graph_keys) for p in points}) == 2
+
+
+def fake_point(folder: Path, losses: list[float], exported: bool) -> None:
+    """What a point's stages leave: train/metrics.json with these eval losses, and the exported model."""
+    history = {"train": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)],
+               "eval": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)]}
+    metrics = {"steps": 10 * len(losses), "eval": {"loss": losses[-1]}, "wall_time_s": 1.5, "samples_per_s": 100.0,
+               "history": history}
+    TrainFolder(folder / "train").folder.mkdir(parents=True)
+    TrainFolder(folder / "train").metrics.write_text(json.dumps(metrics))
+    if exported:
+        (folder / "export").mkdir()
+        (folder / "export" / "model.onnx").write_bytes(folder.name.encode())
+
+
+def test_the_comparison_ranks_the_points_and_marks_the_failed_one(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = sweep_config(grid={"train.optimizer.lr": [0.1, 0.01, 0.001, 0.0001]})
+    folder = Path("results/sweeps/s")
+    fake_point(folder / "lr-0.1", [0.9, 0.5, 0.7], exported=True)  # best at step 20, last 0.7
+    fake_point(folder / "lr-0.01", [0.8, 0.6], exported=True)
+    fake_point(folder / "lr-0.001", [0.4], exported=False)  # trained best, but never exported
+    best = sweep.compare(config)  # lr-0.0001 left nothing: it failed
+    rows = comparison(folder)
+    assert [(r["rank"], r["point"], r["status"], r["best eval_loss (min)"], r["best step"], r["last eval_loss (min)"])
+            for r in rows] == [("1", "lr-0.001", "trained", "0.4", "10", "0.4"),
+                               ("2", "lr-0.1", "finished", "0.5", "20", "0.7"),
+                               ("3", "lr-0.01", "finished", "0.6", "20", "0.6"),
+                               ("", "lr-0.0001", "failed", "", "", "")]
+    assert (best["point"], best["value"], best["failed"]) == ("lr-0.1", 0.5, ["lr-0.0001"])
+    assert (folder / "best" / "model.onnx").read_bytes() == b"lr-0.1"
+    assert {"curves.png", "by_key.png", "comparison.html"} <= {f.name for f in folder.iterdir()}
+    assert "best point lr-0.1 (eval_loss 0.5, min, at step 20)" in sweep.summary(config, best, [])
+
+
+# A grid of 4 points on the default data, few steps of a tiny MLP on one rank each.
+GRID = {
+    "train": {"steps": 20, "world_size": 1, "eval_every": 10, "log_every": 5},
+    "model": {"hidden": [16]},
+    "sweep": {"name": "grid", "grid": {"train.optimizer.lr": [0.01, 0.001], "model.hidden": [[16], [32]]}},
+}
+
+
+def jobs(output: str) -> list[str]:
+    """The rules of the jobs Snakemake ran (its `rule <name>:` and `localrule <name>:` lines)."""
+    return [line.split()[1].rstrip(":") for line in output.splitlines() if line.startswith(("rule ", "localrule "))]
+
+
+def comparison(folder: Path) -> list[dict]:
+    with open(folder / "comparison.tsv") as f:
+        return list(csv.DictReader(f, delimiter="\t"))
+
+
+@pytest.fixture(scope="module")
+def grid_run(tmp_path_factory):
+    """The grid of 4 points, run to the end once; and Snakemake's output."""
+    workdir = tmp_path_factory.mktemp("sweep") / "work"
+    result = run_snakemake(workdir, GRID)
+    return workdir, result.stdout + result.stderr
+
+
+@pytest.mark.e2e
+def test_a_grid_sweep_shares_its_stages_and_compares_its_points(grid_run):
+    workdir, output = grid_run
+    ran = jobs(output)
+    assert sum(job.endswith("_prepare_data") for job in ran) == 1
+    assert sum(job.endswith("_build_artifacts") for job in ran) == 2
+    assert sum(job.endswith("_train") for job in ran) == 4
+    folder = workdir / "results" / "sweeps" / "grid"
+    rows = comparison(folder)
+    assert len(rows) == 4 and [r["rank"] for r in rows] == ["1", "2", "3", "4"]
+    for row in rows:
+        metrics = json.loads(TrainFolder(folder / row["point"] / "train").metrics.read_text())
+        losses = [e["loss"] for e in metrics["history"]["eval"]]
+        assert float(row["best eval_loss (min)"]) == pytest.approx(min(losses), rel=1e-5)
+        assert float(row["last eval_loss (min)"]) == pytest.approx(metrics["eval"]["loss"], rel=1e-5)
+        assert int(row["steps"]) == metrics["steps"] == 20
+    best = json.loads((folder / "best" / "best.json").read_text())
+    assert best["point"] == rows[0]["point"]
+    assert (folder / "best" / "model.onnx").read_bytes() == (folder / best["point"] / "export" / "model.onnx").read_bytes()
+    assert f"best point {best['point']}" in output
+
+
+@pytest.mark.e2e
+def test_the_sweeps_report_in_chromium_shows_the_comparison(grid_run, tmp_path):
+    workdir, output = grid_run
+    (command,) = [line.split(None, 1)[1] for line in output.splitlines() if line.startswith("  report: ")]
+    report = subprocess.run(shlex.split(command), cwd=workdir, capture_output=True, text=True, timeout=600)
+    assert report.returncode == 0, report.stderr[-4000:]
+    folder = workdir / "results" / "sweeps" / "grid"
+    browser = Chromium(tmp_path / "chromium-profile")
+    try:
+        browser.open((folder / "report.html").as_uri())
+        paths = browser.wait_for("typeof app !== 'undefined' && app.state && Object.keys(results)", "its results")
+        files = {Path(p).name: p for p in paths if "/sweeps/grid/" in p and "/report/" not in p}
+        assert set(files) == {"comparison.html", "curves.png", "by_key.png"}
+        path = json.dumps(files["comparison.html"])
+        browser.evaluate(f"app.setView({{content: 'html', contentPath: results[{path}].data_uri, "
+                         f"resultPath: {path}}})")
+        shown = browser.frame_rows()
+    finally:
+        browser.close()
+    # The table as the browser shows it: the cells of comparison.tsv, point by point.
+    assert {row["point"]: list(row.values()) for row in comparison(folder)} == shown
+
+
+@pytest.mark.e2e
+def test_a_failing_point_leaves_the_others_and_an_added_point_runs_alone(workdir):
+    # A learning rate of 1e9 makes the loss non-finite: that point's training fails.
+    failing = {**GRID, "sweep": {"name": "lr", "grid": {"train.optimizer.lr": [0.01, 1e9]}}}
+    result = run_snakemake(workdir, failing, "--keep-going", check=False)
+    assert result.returncode != 0
+    folder = workdir / "results" / "sweeps" / "lr"
+    rows = {row["point"]: row for row in comparison(folder)}
+    assert rows["lr-1e9"]["status"] == "failed" and rows["lr-1e9"]["rank"] == ""
+    assert rows["lr-0.01"]["status"] == "finished" and rows["lr-0.01"]["rank"] == "1"
+    assert "best point lr-0.01" in result.stderr and "failed: lr-1e9" in result.stderr
+    finished = TrainFolder(folder / "lr-0.01" / "train").metrics.stat().st_mtime_ns
+
+    # The failing point removed, another added: only the new one trains, and the comparison is redone.
+    adding = {**GRID, "sweep": {"name": "lr", "grid": {"train.optimizer.lr": [0.01, 0.001]}}}
+    result = run_snakemake(workdir, adding)
+    ran = jobs(result.stdout + result.stderr)
+    assert sorted(job for job in ran if job.endswith("_train")) == ["point_lr_0_001_train"]
+    assert "sweep_compare" in ran and not any(job.endswith("_prepare_data") for job in ran)
+    assert TrainFolder(folder / "lr-0.01" / "train").metrics.stat().st_mtime_ns == finished
+    assert [row["point"] for row in comparison(folder)] in (["lr-0.01", "lr-0.001"], ["lr-0.001", "lr-0.01"])
+
+
+
+HALVING = {
+    "train": {**GRID["train"], "lr_schedule": {"name": "constant"}},
+    "model": {"hidden": [16]},
+    "sweep": {"name": "halve", "grid": {"train.optimizer.lr": [0.01, 0.003, 0.0001]},
+              "halving": {"steps": 10, "keep": 0.5}},
+}
+
+
+def initializers(model: Path) -> dict:
+    import onnx
+    from onnx import numpy_helper
+
+    return {t.name: numpy_helper.to_array(t) for t in onnx.load(str(model)).graph.initializer}
+
+
+def test_halving_needs_a_constant_schedule_and_a_budget_below_the_steps():
+    with pytest.raises(ConfigError, match="^sweep point 'lr-0.1': config key 'sweep.halving.steps' needs "
+                                          "train.lr_schedule.name: constant, not 'cosine'"):
+        sweep.points(sweep_config(grid={"train.optimizer.lr": [0.1]}, halving={"steps": 10}))
+    config = ortflow_config.validate({**HALVING, "sweep": {**HALVING["sweep"], "halving": {"steps": 20}}})
+    with pytest.raises(ConfigError, match=r"'sweep.halving.steps': 20 is not below train.steps=20"):
+        sweep.points(config)
+
+
+@pytest.mark.e2e
+def test_halving_stops_the_weak_points_and_its_survivors_go_on_bit_for_bit(workdir):
+    result = run_snakemake(workdir, HALVING)
+    ran = jobs(result.stdout + result.stderr)
+    assert sum(job.endswith("_first_train") for job in ran) == 3
+    folder = workdir / "results" / "sweeps" / "halve"
+    halving = json.loads((folder / "halving.json").read_text())
+    assert len(halving["survivors"]) == 2 and len(halving["stopped"]) == 1
+    assert sorted(job for job in ran if job.endswith("_train") and "_first" not in job) == sorted(
+        f"point_{name.replace('-', '_').replace('.', '_')}_train" for name in halving["survivors"])
+    rows = {row["point"]: row for row in comparison(folder)}
+    assert rows[halving["stopped"][0]]["status"] == "stopped" and rows[halving["stopped"][0]]["steps"] == "10"
+    assert {rows[name]["steps"] for name in halving["survivors"]} == {"20"}
+
+    # A survivor against the same config trained to the end without the stop.
+    survivor = halving["survivors"][0]
+    (point,) = [p for p in sweep.points(ortflow_config.validate(HALVING)) if p.name == survivor]
+    reference = {"run": {"name": "reference"}, "train": {**HALVING["train"], "optimizer": {
+        "lr": point.values["train.optimizer.lr"]}}, "model": HALVING["model"]}
+    run_snakemake(workdir, reference)
+    resumed = json.loads(TrainFolder(folder / survivor / "train").metrics.read_text())
+    uninterrupted = json.loads(TrainFolder(workdir / "results" / "reference" / "train").metrics.read_text())
+    # The losses, not the whole history: it holds each step's throughput too.
+    for kind in ("train", "eval"):
+        assert [(r["step"], r["loss"]) for r in resumed["history"][kind]] == [
+            (r["step"], r["loss"]) for r in uninterrupted["history"][kind]]
+    ours = initializers(folder / survivor / "export" / "model.onnx")
+    theirs = initializers(workdir / "results" / "reference" / "export" / "model.onnx")
+    assert ours.keys() == theirs.keys()
+    for name, array in ours.items():
+        assert array.tobytes() == theirs[name].tobytes(), name
