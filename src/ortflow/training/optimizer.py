@@ -144,7 +144,9 @@ class Optimizer:
 
     def attributes(self) -> dict:
         """The optimizer group's scalars, as ONNX Runtime's checkpoint holds them."""
-        return {"group_name": GROUP, "step": self.count, "initial_learning_rate": float(self.initial_lr)}
+        # ORT's checkpoint holds the rate as a float32: the same number here, so that a merged
+        # checkpoint (written in ORT's format) and its shards agree.
+        return {"group_name": GROUP, "step": self.count, "initial_learning_rate": float(numpy.float32(self.initial_lr))}
 
     def moments_of(self, name: str, start: int, stop: int) -> dict:
         """{moment: elements [start, stop) of parameter `name`'s}, which this rank holds, on the host."""
