@@ -6,6 +6,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import REPO, run_snakemake
 from ortflow import config
@@ -167,3 +168,13 @@ def test_rules_quote_every_path_they_pass_to_the_shell():
                     for match in re.findall(r"\{(?:input|output|log|params|resources)[^}]*\}", rule.read_text())]
     assert len(placeholders) > 30
     assert [p for p in placeholders if not p[1].endswith(":q}") and p[1] != "{resources.tasks}"] == []
+
+
+def test_an_exponent_without_a_dot_is_a_number():
+    """YAML 1.1 (PyYAML's, Snakemake's) reads 1e-3 as text; users, Python and JSON read a number."""
+    raw = yaml.safe_load("train: {optimizer: {lr: 1e-3}, clip_grad_norm: 5e0}")
+    assert raw["train"]["optimizer"]["lr"] == "1e-3"
+    cfg = config.validate(raw)
+    assert cfg["train"]["optimizer"]["lr"] == 0.001 and cfg["train"]["clip_grad_norm"] == 5.0
+    with pytest.raises(config.ConfigError, match="config key 'train.optimizer.lr': 'fast' is not of type 'number'"):
+        config.validate({"train": {"optimizer": {"lr": "fast"}}})

@@ -9,6 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from chromium import Chromium
 from conftest import run_snakemake
@@ -31,6 +32,15 @@ def test_a_grid_makes_every_combination_named_by_its_values():
     assert points[3].config["train"]["micro_batch_size"] == 32
     assert points[3].config["sweep"]["point"] == "micro_batch_size-32_lr-0.001"
     assert sweep.results(points[3].config) == Path("results/sweeps/s/micro_batch_size-32_lr-0.001")
+
+
+def test_values_yaml_reads_as_text_are_read_as_the_config_reads_them():
+    """README's grid, as YAML gives it: 1e-3 is text to YAML 1.1, a number to the config and the point's name."""
+    grid = yaml.safe_load("{train.optimizer.lr: [1e-3, 3e-4], model.hidden: [[256], [512]]}")
+    points = sweep.points(sweep_config(grid=grid, metric="accuracy"))
+    assert [p.name for p in points] == ["hidden-256_lr-0.001", "hidden-256_lr-0.0003", "hidden-512_lr-0.001",
+                                        "hidden-512_lr-0.0003"]
+    assert [p.values["train.optimizer.lr"] for p in points] == [0.001, 0.0003, 0.001, 0.0003]
 
 
 def test_the_names_do_not_depend_on_the_order_the_keys_are_written_in():

@@ -112,7 +112,9 @@ def _describe(error: jsonschema.ValidationError) -> str:
 
 def _coerce(value: Any, schema: dict) -> Any:
     """Snakemake's `--config 'train={world_size: 1}'` delivers nested values as
-    strings; read them as YAML scalars wherever the schema wants no string."""
+    strings; read them as YAML scalars wherever the schema wants no string. And
+    YAML (1.1, PyYAML's and Snakemake's) reads `1e-3`, without a dot, as text:
+    where the schema wants a number, such text is read as Python reads it."""
     if isinstance(value, dict):
         properties = schema.get("properties", {})
         return {k: _coerce(v, properties.get(k, {})) for k, v in value.items()}
@@ -122,10 +124,23 @@ def _coerce(value: Any, schema: dict) -> Any:
     types = [types] if isinstance(types, str) else types
     if isinstance(value, str) and types and "string" not in types:
         try:
-            return yaml.safe_load(value)
+            value = yaml.safe_load(value)
         except yaml.YAMLError:
             return value
+        if isinstance(value, str) and "number" in types:
+            try:
+                return float(value)
+            except ValueError:
+                return value
     return value
+
+
+def read_value(key: str, value: Any) -> Any:
+    """`value` of the dotted config key `key`, read as `validate` reads it (`1e-3` a number)."""
+    node = _coerce(expand_dotted({key: value}), _schema())
+    for part in key.split("."):
+        node = node[part]
+    return node
 
 
 def validate(config: dict, partial: bool = False) -> dict:

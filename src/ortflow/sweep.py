@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import atomic
-from .config import ConfigError, _merge, digest, expand_dotted, pick, validate
+from .config import ConfigError, _merge, digest, expand_dotted, pick, read_value, validate
 from .training.run_folder import TrainFolder
 
 HELP = "compare the points of a sweep (the table, the plots and the best point's model)"
@@ -101,7 +101,10 @@ def points(config: dict) -> list[Point]:
     for key, values in sorted(sweep["grid"].items()):
         combinations = [{**c, key: value} for c in combinations for value in values]
     draws = random_draws(sweep["random"])
-    chosen = [dict(sorted({**c, **d}.items())) for c in combinations for d in draws]
+    # Each value as the point's config will read it, so that its name and its column say the
+    # same (YAML gives `1e-3` as text, the config reads it as 0.001).
+    chosen = [{key: read_value(key, value) for key, value in sorted({**c, **d}.items())}
+              for c in combinations for d in draws]
     if sweep["repeats"] > 1:
         seed = config["run"]["seed"]
         chosen = [{**c, "run.seed": seed + r} for c in chosen for r in range(sweep["repeats"])]
