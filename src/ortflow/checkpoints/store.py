@@ -123,7 +123,9 @@ def write_hdf5(path: Path, state: TrainingState, attrs: dict) -> tuple[int, str]
     import h5py
 
     try:
-        with h5py.File(path, "w") as f:
+        # Only this process ever opens its temporary file: no HDF5 file lock, which some
+        # cluster file systems (NFS, Lustre without flock) refuse.
+        with h5py.File(path, "w", locking=False) as f:
             _fill_shard(f, state, attrs)
         return _synced_digest(path)
     except OSError as error:
