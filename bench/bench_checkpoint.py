@@ -94,11 +94,11 @@ def worker(args) -> None:
     comm = MPIComm(args.out / "heartbeat", 600)
     artifacts = Artifacts(args.out / "artifacts")
     state = engine.initial_state(artifacts)
-    module, step = engine.open_sessions(artifacts, state, "cpu", 1, "adamw", np)
+    settings = {"name": "adamw", "lr": 0.001, "weight_decay": 0.0, "no_decay": []}
+    module, step = engine.open_sessions(artifacts, state, "cpu", 1, settings, np)
     trainable = engine.trainable(state)
     slices = sharding.layout(state, trainable, 2, comm.world_size, np)
     owned = sharding.for_run({"zero": args.zero}, state, trainable, comm, slices)
-    settings = {"name": "adamw", "lr": 0.001, "weight_decay": 0.0, "no_decay": []}
     optimizer = Optimizer(state, owned.pieces, settings, np)
     rng = np.random.default_rng(comm.rank)
     module.train()
@@ -149,7 +149,9 @@ def main() -> None:
         build_artifacts(out / "artifacts", args.megabytes)
         command = launcher_command("mpirun", args.ranks, os.cpu_count() or 1) + [
             sys.executable, __file__, "--worker", "--out", str(out), "--repeats", str(args.repeats), "--zero", str(args.zero)]
-        output = subprocess.run(command, env=launcher_env(os.environ), check=True, capture_output=True, text=True)
+        output = subprocess.run(command, env=launcher_env(os.environ), capture_output=True, text=True)
+        if output.returncode:
+            raise SystemExit(f"the ranks failed:\n{output.stderr[-4000:]}")
         results = json.loads(output.stdout.strip().splitlines()[-1])
         merged = merge(out)
     total = sum(r["shard_bytes"] for r in results)
