@@ -6,13 +6,16 @@ AdamW moments are not zeros), then, `--repeats` times, with a barrier before eac
 
 - save: what the training loop does (`checkpointer.live_part`, this rank's part as
   views of ORT's live parameter buffers and of the moments the rank holds, then
-  `ortflow.checkpoints.store.save`: built as HDF5 in memory, hashed, written,
-  fsynced, renamed; then the manifest and the COMPLETE marker by rank 0);
+  `ortflow.checkpoints.store.save`: the HDF5 shard written from those arrays to its
+  temporary file, read back once to hash it (sha256) while it is fsynced, renamed;
+  then the manifest and the COMPLETE marker by rank 0);
 - plain: the same number of bytes as this rank's shard, from memory, written to
   a file in the same folder, fsynced, renamed.
 
 Throughput is the shard's bytes over the time, per rank; the median of the repeats.
 Parameters plus both AdamW moments make a checkpoint 3x the parameters' size.
+Then `ortflow checkpoint merge` of the last checkpoint, in its own process: its wall
+time and peak RSS (from wait4), against the checkpoint's state S.
 
     python bench/bench_checkpoint.py --megabytes 100 --ranks 2
 """
@@ -64,6 +67,19 @@ def plain_write(path: Path, data: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
+def merge(out: Path) -> dict:
+    """`ortflow checkpoint merge` of the newest checkpoint under `out`: its wall time and peak RSS."""
+    command = [str(Path(sys.executable).parent / "ortflow"), "checkpoint", "merge", str(out / "checkpoints"),
+               str(out / "merged")]
+    started = time.perf_counter()
+    with open(out / "merge.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=log)
+        _, status, usage = os.wait4(process.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"merge failed:\n{(out / 'merge.log').read_text()[-4000:]}")
+    return {"seconds": time.perf_counter() - started, "peak_rss_bytes": usage.ru_maxrss * 1024}
+
+
 def worker(args) -> None:
     from ortflow.artifacts import Artifacts
     from ortflow.checkpoints import store
@@ -78,11 +94,11 @@ def worker(args) -> None:
     comm = MPIComm(args.out / "heartbeat", 600)
     artifacts = Artifacts(args.out / "artifacts")
     state = engine.initial_state(artifacts)
-    module, step = engine.open_sessions(artifacts, state, "cpu", 1, "adamw", np)
+    settings = {"name": "adamw", "lr": 0.001, "weight_decay": 0.0, "no_decay": []}
+    module, step = engine.open_sessions(artifacts, state, "cpu", 1, settings, np)
     trainable = engine.trainable(state)
     slices = sharding.layout(state, trainable, 2, comm.world_size, np)
     owned = sharding.for_run({"zero": args.zero}, state, trainable, comm, slices)
-    settings = {"name": "adamw", "lr": 0.001, "weight_decay": 0.0, "no_decay": []}
     optimizer = Optimizer(state, owned.pieces, settings, np)
     rng = np.random.default_rng(comm.rank)
     module.train()
@@ -133,8 +149,11 @@ def main() -> None:
         build_artifacts(out / "artifacts", args.megabytes)
         command = launcher_command("mpirun", args.ranks, os.cpu_count() or 1) + [
             sys.executable, __file__, "--worker", "--out", str(out), "--repeats", str(args.repeats), "--zero", str(args.zero)]
-        output = subprocess.run(command, env=launcher_env(os.environ), check=True, capture_output=True, text=True)
+        output = subprocess.run(command, env=launcher_env(os.environ), capture_output=True, text=True)
+        if output.returncode:
+            raise SystemExit(f"the ranks failed:\n{output.stderr[-4000:]}")
         results = json.loads(output.stdout.strip().splitlines()[-1])
+        merged = merge(out)
     total = sum(r["shard_bytes"] for r in results)
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; {args.ranks} ranks, "
           f"checkpoint {total / 2**20:.1f} MiB (parameters + AdamW moments), median of {args.repeats}")
@@ -144,6 +163,8 @@ def main() -> None:
         mib = r["shard_bytes"] / 2**20
         print(f"| {r['rank']} | {mib:.1f} | {r['save_s']:.3f} | {mib / r['save_s']:.0f} | {r['plain_s']:.3f} | "
               f"{mib / r['plain_s']:.0f} | {r['save_s'] / r['plain_s']:.2f}x |")
+    print(f"merge: {merged['seconds']:.1f} s, peak RSS {merged['peak_rss_bytes'] / 2**20:.0f} MiB, "
+          f"{merged['peak_rss_bytes'] / total:.2f}x the checkpoint's {total / 2**20:.0f} MiB")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from .checkpoints.ort_format import CheckpointError, write_ort_checkpoint
 from .checkpoints.resume import checkpoint_folder
 from .checkpoints.store import (
     BEST, COMPLETE, HISTORY, MANIFEST, MAX_SHARDS, best_of, new_manifest, partition, read_checkpoint,
-    shard_attrs, shard_bytes, write_history, write_json, write_shard,
+    shard_attrs, write_hdf5, write_history, write_json, write_shard,
 )
 
 log = logging.getLogger("ortflow.checkpoint")
@@ -55,7 +55,7 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
         # ONNX Runtime's checkpoint (with `checkpoint.data` for a model over external_data.threshold())
         # streamed from the arrays, then the HDF5 file: one serialized copy of the weights at a time.
         write_ort_checkpoint(tmp / "checkpoint", checkpoint.state)
-        (tmp / "checkpoint.h5").write_bytes(shard_bytes(state.part(partition(state, 1)[0]), attrs))
+        write_hdf5(tmp / "checkpoint.h5", state.part(partition(state, 1)[0]), attrs)
         (tmp / META).write_text(json.dumps({**meta, "merged_from": str(checkpoint.path)}, indent=2,
                                            sort_keys=True) + "\n")
     log.info("merged %s (%d shards, step %d) -> %s", checkpoint.path, manifest["world_size"], manifest["step"], out_dir)

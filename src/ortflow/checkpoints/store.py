@@ -39,6 +39,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import mmap
 import os
 import re
 import shutil
@@ -50,7 +52,7 @@ from urllib.parse import quote, unquote
 
 import numpy as np
 
-from .. import atomic
+from .. import atomic, storage
 from ..artifacts import Artifacts
 from . import checks
 from .ort_format import CheckpointError, TrainingState, read_ort_checkpoint
@@ -114,30 +116,56 @@ def cut(sizes: dict[str, tuple[int, int]], world_size: int) -> list[dict[str, tu
     return parts
 
 
-def shard_bytes(state: TrainingState, attrs: dict) -> bytes:
-    """The HDF5 file of one shard, built in memory (so that it is hashed without reading it back)."""
+def write_hdf5(path: Path, state: TrainingState, attrs: dict) -> tuple[int, str]:
+    """Write one shard's HDF5 file at `path` and flush it to disk; its (bytes, sha256).
+    h5py's default driver writes each array from the rank's own buffers into the file:
+    no image of the file is built in memory (a merged checkpoint's is the whole state)."""
     import h5py
 
-    with h5py.File(f"shard-{uuid.uuid4().hex}", "w", driver="core", backing_store=False) as f:
-        for key, value in attrs.items():
-            f.attrs[key] = json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
-        params = f.create_group("parameters")
-        for name, array in state.parameters.items():
-            dataset = params.create_dataset(quote(name, safe=""), data=array)
-            dataset.attrs["requires_grad"] = state.requires_grad[name]
-            shape, start = state.slices[name]
-            dataset.attrs["shape"], dataset.attrs["start"] = np.asarray(shape, dtype=np.int64), start
-        optimizer = f.create_group("optimizer")
-        for key, value in state.optimizer.items():
-            optimizer.attrs[key] = value
-        for name, moments in state.optimizer_states.items():
-            for moment, array in moments.items():
-                optimizer.require_group(moment).create_dataset(quote(name, safe=""), data=array)
-        properties = f.create_group("properties")
-        for key, value in state.properties.items():
-            properties.attrs[key] = np.float32(value) if isinstance(value, float) else value
-        f.flush()
-        return f.id.get_file_image()
+    try:
+        # Only this process ever opens its temporary file: no HDF5 file lock, which some
+        # cluster file systems (NFS, Lustre without flock) refuse.
+        with h5py.File(path, "w", locking=False) as f:
+            _fill_shard(f, state, attrs)
+        return _synced_digest(path)
+    except OSError as error:
+        raise storage.named(error, path)
+
+
+def _fill_shard(f, state: TrainingState, attrs: dict) -> None:
+    for key, value in attrs.items():
+        f.attrs[key] = json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+    params = f.create_group("parameters")
+    for name, array in state.parameters.items():
+        dataset = params.create_dataset(quote(name, safe=""), data=array)
+        dataset.attrs["requires_grad"] = state.requires_grad[name]
+        shape, start = state.slices[name]
+        dataset.attrs["shape"], dataset.attrs["start"] = np.asarray(shape, dtype=np.int64), start
+    optimizer = f.create_group("optimizer")
+    for key, value in state.optimizer.items():
+        optimizer.attrs[key] = value
+    for name, moments in state.optimizer_states.items():
+        for moment, array in moments.items():
+            optimizer.require_group(moment).create_dataset(quote(name, safe=""), data=array)
+    properties = f.create_group("properties")
+    for key, value in state.properties.items():
+        properties.attrs[key] = np.float32(value) if isinstance(value, float) else value
+
+
+def _synced_digest(path: Path) -> tuple[int, str]:
+    """(bytes, sha256) of the file just written at `path`, read back once from the page cache
+    while fsync flushes it to disk: both release the GIL, so they overlap."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with open(path, "rb") as f, ThreadPoolExecutor(1) as pool:
+        synced = pool.submit(os.fsync, f.fileno())
+        size = os.fstat(f.fileno()).st_size
+        digest = hashlib.sha256()
+        if size:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                digest.update(mapped)
+        synced.result()
+    return size, digest.hexdigest()
 
 
 def read_shard(file, entry: dict | None = None, where=None) -> tuple[dict, TrainingState]:
@@ -193,19 +221,28 @@ def _shard_contents(f, entry: dict | None, where, size: int) -> tuple[dict, Trai
 
 
 def assemble(parts: list[TrainingState], where: Path) -> TrainingState:
-    """The whole state from the parts of every shard of the checkpoint `where`."""
+    """The whole state from the parts of every shard of the checkpoint `where`. A parameter
+    that one shard holds whole (all but at most W-1 of them: `cut`) keeps that shard's
+    array, reshaped, with its optimizer state: only the parameters cut between shards are
+    copied, so the merged state does not sit in memory twice."""
     parameters: dict[str, np.ndarray] = {}
     states: dict[str, dict[str, np.ndarray]] = {}
     requires_grad, filled = {}, {}
     for part in parts:
         for name, flat in part.parameters.items():
             shape, start = part.slices[name]
+            moments = part.optimizer_states.get(name, {})
+            requires_grad[name] = part.requires_grad[name]
+            if flat.size == math.prod(shape) and name not in parameters:
+                parameters[name], filled[name] = flat.reshape(shape), flat.size
+                if moments:
+                    states[name] = {moment: array.reshape(shape) for moment, array in moments.items()}
+                continue
             if name not in parameters:
-                parameters[name], requires_grad[name], filled[name] = np.empty(shape, flat.dtype), \
-                    part.requires_grad[name], 0
+                parameters[name], filled[name] = np.empty(shape, flat.dtype), 0
             parameters[name].reshape(-1)[start:start + flat.size] = flat
             filled[name] += flat.size
-            for moment, array in part.optimizer_states.get(name, {}).items():
+            for moment, array in moments.items():
                 whole = states.setdefault(name, {}).setdefault(moment, np.empty(shape, array.dtype))
                 whole.reshape(-1)[start:start + array.size] = array
     short = sorted(n for n in parameters if filled[n] != parameters[n].size)
@@ -226,16 +263,12 @@ def shard_attrs(checkpoint_id: str, step: int, rank: int, world_size: int, ident
 
 
 def write_shard(folder: Path, state: TrainingState, attrs: dict) -> dict:
-    """Write one shard into `folder`; its manifest entry."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    data = shard_bytes(state, attrs)
+    """Write one shard into `folder` (under its temporary name, renamed into place once
+    it is on disk and hashed: atomic.file); its manifest entry."""
     name = shard_name(attrs["rank"], attrs["world_size"])
-    # hashlib and the write both release the GIL: hash while the bytes go to disk.
-    with ThreadPoolExecutor(1) as pool:
-        digest = pool.submit(lambda: hashlib.sha256(data).hexdigest())
-        atomic.write_bytes(folder / name, data)
-    return {"file": name, "bytes": len(data), "sha256": digest.result(),
+    with atomic.file(folder / name) as tmp:
+        size, digest = write_hdf5(tmp, state, attrs)
+    return {"file": name, "bytes": size, "sha256": digest,
             "parameters": {n: [start, start + state.parameters[n].size] for n, (_, start) in state.slices.items()}}
 
 
