@@ -19,6 +19,12 @@ each stage's wall time and peak memory, and is compared with DDP on the same
 model, batch and steps:
 
     python bench/bench_train.py --stages gpt2-124m bert-base --steps 10
+
+With --zero, ZeRO-1's memory at 2 ranks: ortflow with train.zero 0 and 1, and
+DDP with torch.optim.AdamW and with torch's ZeroRedundancyOptimizer around it,
+each rank's peak RSS and optimizer state, and the step time:
+
+    python bench/bench_train.py --zero gpt2-124m --steps 5 --warmup 2
 """
 
 from __future__ import annotations
@@ -118,6 +124,12 @@ def prepare(workdir: Path, name: str, target: str = "build_artifacts", train: di
 def run_ortflow(workdir: Path, config: dict, world_size: int, steps: int, one_core: bool = False) -> float:
     """Steady-state samples/s and FLOP/s of `ortflow train`; `one_core` pins the
     run to one core (the resources of one rank of a 2-rank run)."""
+    metrics = ortflow_metrics(workdir, config, world_size, steps, one_core)
+    return metrics["samples_per_s"], metrics["flops_per_s"]
+
+
+def ortflow_metrics(workdir: Path, config: dict, world_size: int, steps: int, one_core: bool = False) -> dict:
+    """metrics.json of `ortflow train` on the artifacts `prepare` built (see run_ortflow)."""
     from ortflow.training.run_folder import TrainFolder
 
     name = config["run"]["name"]
@@ -132,7 +144,7 @@ def run_ortflow(workdir: Path, config: dict, world_size: int, steps: int, one_co
                    check=True, cwd=workdir, stderr=subprocess.DEVNULL)
     metrics = json.loads(TrainFolder(out).metrics.read_text())
     subprocess.run(["rm", "-rf", str(out)], check=True)
-    return metrics["samples_per_s"], metrics["flops_per_s"]
+    return metrics
 
 
 def decay_groups(module, opt: dict) -> list[dict]:
@@ -149,11 +161,30 @@ def decay_groups(module, opt: dict) -> list[dict]:
     return [{"params": groups[False], "weight_decay": opt["weight_decay"]}, {"params": groups[True], "weight_decay": 0.0}]
 
 
-def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: int, port: int, queue,
-               share_cores: bool) -> None:
+def ddp_optimizer(module, opt: dict, zero: bool):
+    """torch.optim.AdamW over ortflow's decay groups; `zero`: inside torch's
+    ZeroRedundancyOptimizer, which gives each rank the AdamW state of a part of the
+    parameters (whole tensors, balanced by size) and broadcasts what it updated."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    groups, settings = decay_groups(module, opt), {"lr": opt["lr"], "betas": opt["betas"], "eps": opt["eps"]}
+    if zero:
+        return ZeroRedundancyOptimizer(groups, optimizer_class=torch.optim.AdamW, **settings)
+    return torch.optim.AdamW(groups, **settings)
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """The bytes of the optimizer state this rank holds (AdamW: its two moments and a step count a tensor)."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's own AdamW
+    return sum(value.nbytes for state in local.state.values() for value in state.values() if hasattr(value, "nbytes"))
+
+
+def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, port: int, queue, run: dict) -> None:
     """One rank of the PyTorch DDP baseline: same model, data, batch and optimizer.
-    `share_cores`: each rank gets cores // ranks threads, as ortflow's ranks do;
-    otherwise torch's default (every rank a thread per core)."""
+    `run`: steps; warmup, the first steps left out of the timing; share_cores: each
+    rank gets cores // ranks threads, as ortflow's ranks do, otherwise torch's
+    default (every rank a thread per core); zero: ZeroRedundancyOptimizer."""
     import torch
     import torch.distributed as dist
 
@@ -161,7 +192,7 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: in
     from ortflow.models import built_in, user
     from ortflow.build_artifacts import resolve_loss
 
-    if share_cores:
+    if run["share_cores"]:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     name = config["run"]["name"]
@@ -172,12 +203,11 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: in
     module = (user.import_torch(spec["path"], spec["kwargs"]) if spec["kind"] == "torch"
               else built_in(spec, manifest, resolve_loss(spec["loss"], manifest)))
     model = torch.nn.parallel.DistributedDataParallel(module)
-    opt = config["train"]["optimizer"]
-    optimizer = torch.optim.AdamW(decay_groups(module, opt), lr=opt["lr"], betas=opt["betas"], eps=opt["eps"])
+    optimizer = ddp_optimizer(module, config["train"]["optimizer"], run["zero"])
     micro = config["train"]["micro_batch_size"]
     features, label = reader.feature_names, reader.label_name
     times = []
-    for step in range(steps):
+    for step in range(run["steps"]):
         started = time.perf_counter()
         (batch,) = reader.micro_batches(step, 0, rank, world_size, micro, 1)
         logits = model(*[torch.from_numpy(batch[feature]) for feature in features])
@@ -187,25 +217,26 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, steps: in
         optimizer.step()
         times.append(time.perf_counter() - started)
     dist.destroy_process_group()
-    # ru_maxrss is in KiB on Linux.
-    queue.put((rank, micro * world_size / float(np.mean(times[WARMUP:])),
-               resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
+    steady = times[run["warmup"]:]
+    queue.put({"rank": rank, "samples_per_s": micro * world_size / float(np.mean(steady)),
+               "step_s": float(np.median(steady)), "optimizer_state_bytes": optimizer_state_bytes(optimizer),
+               "parameter_bytes": sum(parameter.nbytes for parameter in module.parameters()),
+               "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})  # ru_maxrss: KiB on Linux
 
 
-def run_ddp(workdir: Path, config: dict, world_size: int, steps: int, share_cores: bool = True,
-            peak_mb: list | None = None) -> float:
-    """Rank 0's samples/s; each rank's peak RSS in MB goes to `peak_mb` when given."""
+def run_ddp(workdir: Path, config: dict, world_size: int, steps: int, share_cores: bool = True, zero: bool = False,
+            warmup: int = WARMUP) -> list[dict]:
+    """Each rank's report, by rank: samples/s and median step time after `warmup`
+    steps, optimizer state bytes and peak RSS in MB (see ddp_worker)."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     port = 29500 + os.getpid() % 1000
-    mp.start_processes(ddp_worker, args=(world_size, str(workdir), config, steps, port, queue, share_cores),
+    run = {"steps": steps, "warmup": warmup, "share_cores": share_cores, "zero": zero}
+    mp.start_processes(ddp_worker, args=(world_size, str(workdir), config, port, queue, run),
                        nprocs=world_size, start_method="spawn")
-    reports = sorted(queue.get() for _ in range(world_size))
-    if peak_mb is not None:
-        peak_mb.extend(report[2] for report in reports)
-    return reports[0][1]
+    return sorted((queue.get() for _ in range(world_size)), key=lambda report: report["rank"])
 
 
 def matmul_peak(seconds: float = 3.0, n: int = 1024) -> float:
@@ -237,8 +268,8 @@ def stages(workdir: Path, name: str, steps: int, peak: float) -> None:
         print(f"{name}: {rule} | {float(values['s']):.1f} | {float(values['max_rss']):,.0f}")
     model = json.loads((results / "artifacts/model.json").read_text())
     metrics = json.loads(TrainFolder(results / "train").metrics.read_text())
-    ddp_peak: list[float] = []
-    ddp = run_ddp(workdir, config, 2, steps, peak_mb=ddp_peak)
+    ddp_reports = run_ddp(workdir, config, 2, steps)
+    ddp, ddp_peak = ddp_reports[0]["samples_per_s"], [report["peak_rss_mb"] for report in ddp_reports]
     per_sample = sum(model["flops_per_sample"].values())
     print(f"{name}: {model['parameters']:,} parameters, {per_sample / 1e9:.2f} GFLOP per sample (forward + backward)")
     for label, samples_per_s, rss in (("ortflow W=2", metrics["samples_per_s"], metrics["peak_rss_mb"]),
@@ -248,6 +279,59 @@ def stages(workdir: Path, name: str, steps: int, peak: float) -> None:
     print(f"{name}: ortflow/DDP {metrics['samples_per_s'] / ddp:.2f}x")
 
 
+def ortflow_state_bytes(artifacts: Path, world_size: int, zero: int) -> tuple[int, list[int]]:
+    """The parameters' bytes, and the bytes of AdamW's two moments each rank holds:
+    all of them, or under train.zero 1 those of its own slices, which the trainer
+    lays out from the parameters (sharding.layout_of; here the artifacts' initial ones)."""
+    from ortflow.artifacts import Artifacts
+    from ortflow.checkpoints.ort_format import read_ort_checkpoint
+    from ortflow.training.sharding import layout_of
+
+    state = read_ort_checkpoint(Artifacts(artifacts).checkpoint)
+    trained = [name for name, flag in state.requires_grad.items() if flag]
+    moments = 2 * sum(state.parameters[name].nbytes for name in trained)
+    if not zero:
+        return sum(array.nbytes for array in state.parameters.values()), [moments] * world_size
+    owned = [sum(2 * state.parameters[name].itemsize * (stop - start) for name, (start, stop) in part.items()
+                 if name in trained) for part in layout_of(state.parameters, trained, 2, world_size)]
+    return sum(array.nbytes for array in state.parameters.values()), owned
+
+
+def zero_memory(workdir: Path, name: str, steps: int, warmup: int) -> None:
+    """ZeRO-1 at 2 ranks: ortflow with train.zero 0 and 1, DDP with AdamW and with
+    ZeroRedundancyOptimizer around it, on the same model, batch and steps. For each,
+    every rank's peak RSS, the optimizer state it holds (ortflow's computed from the
+    trainer's layout, DDP's summed from its optimizer), its weights, gradients and
+    optimizer state, and the median step after `warmup` steps; each sharded run's
+    peak and state against its unsharded peer's."""
+    config = prepare(workdir, name, "build_artifacts", {"log_every": 1, "eval_batches": 1, "eval_batch_size": 8})
+    artifacts = workdir / f"results/{name}/artifacts"
+    rows = {}
+    for zero in (0, 1):
+        metrics = ortflow_metrics(workdir, {**config, "train": {**config["train"], "zero": zero}}, 2, steps)
+        parameter_bytes, moments = ortflow_state_bytes(artifacts, 2, zero)
+        step_s = [metrics["global_batch_size"] / entry["samples_per_s"] for entry in metrics["history"]["train"]
+                  if entry["step"] > warmup]
+        rows[f"ortflow, train.zero: {zero}"] = (metrics["peak_rss_mb"], moments,
+                                                [2 * parameter_bytes + m for m in moments], float(np.median(step_s)))
+    for zero in (False, True):
+        reports = run_ddp(workdir, config, 2, steps, zero=zero, warmup=warmup)
+        rows["DDP, " + ("ZeroRedundancyOptimizer(AdamW)" if zero else "AdamW")] = (
+            [r["peak_rss_mb"] for r in reports], [r["optimizer_state_bytes"] for r in reports],
+            [2 * r["parameter_bytes"] + r["optimizer_state_bytes"] for r in reports], reports[0]["step_s"])
+    print(f"{name}, 2 ranks x {config['train']['micro_batch_size']}, median of steps {warmup + 1} to {steps}: "
+          "run | peak RSS a rank MiB | / unsharded | optimizer state a rank MB | weights + gradients + "
+          "optimizer state a rank MB | / unsharded | step s")
+    labels = list(rows)
+    for index, label in enumerate(labels):
+        peak, moments, state, step = rows[label]
+        peer_peak, _, peer_state, _ = rows[labels[index - index % 2]]  # the unsharded run of its pair
+        print(f"{name}: {label} | {' / '.join(f'{mb:,.0f}' for mb in peak)} | "
+              f"{' / '.join(f'{mb / peer:.2f}' for mb, peer in zip(peak, peer_peak))} | "
+              f"{' / '.join(f'{b / 1e6:,.0f}' for b in moments)} | {' / '.join(f'{b / 1e6:,.0f}' for b in state)} | "
+              f"{' / '.join(f'{b / peer:.2f}' for b, peer in zip(state, peer_state))} | {step:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -255,6 +339,10 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS))
     parser.add_argument("--stages", nargs="+", choices=list(STAGES), default=[],
                         help="instead of --models: these realistic-size models through every stage, --steps steps")
+    parser.add_argument("--zero", nargs="+", choices=[*MODELS, *STAGES], default=[],
+                        help="instead of --models: ZeRO-1's memory on these models (train.zero 0 and 1, DDP with "
+                             "and without ZeroRedundancyOptimizer), --steps steps")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="with --zero: steps left out of the step time")
     args = parser.parse_args()
     os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
     # The transformers wrapper, for build_artifacts (PYTHONPATH) and the DDP
@@ -268,12 +356,15 @@ def main() -> None:
         inputs(workdir)
         for name in args.stages:
             stages(workdir, name, args.steps, peak)
-        for name in [] if args.stages else args.models:
+        for name in args.zero:
+            zero_memory(workdir, name, args.steps, args.warmup)
+        for name in [] if args.stages or args.zero else args.models:
             config = prepare(workdir, name)
             runs = {
                 "ortflow W=2": lambda: run_ortflow(workdir, config, 2, args.steps),
-                "DDP W=2": lambda: (run_ddp(workdir, config, 2, args.steps), 0.0),
-                "DDP W=2 torch default threads": lambda: (run_ddp(workdir, config, 2, args.steps, False), 0.0),
+                "DDP W=2": lambda: (run_ddp(workdir, config, 2, args.steps)[0]["samples_per_s"], 0.0),
+                "DDP W=2 torch default threads":
+                    lambda: (run_ddp(workdir, config, 2, args.steps, False)[0]["samples_per_s"], 0.0),
                 "ortflow W=1 one core": lambda: run_ortflow(workdir, config, 1, args.steps, one_core=True),
                 "ortflow W=1 all cores": lambda: run_ortflow(workdir, config, 1, args.steps),
             }

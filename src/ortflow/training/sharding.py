@@ -33,13 +33,18 @@ from .optimizer import Piece, views
 
 
 def layout(state, trainable: list[str], moments: int, world_size: int, xp) -> list[dict[str, tuple[int, int]]]:
-    """Each rank's slices {parameter: (start, stop)} of every parameter of the live
-    `state`, as checkpoints cut them, each trainable one counted with its `moments`."""
+    """Each rank's slices {parameter: (start, stop)} of every parameter of the live `state`."""
     names = [name for name, _ in state.parameters]
+    return layout_of(dict(zip(names, parameters(state, names, xp))), trainable, moments, world_size)
+
+
+def layout_of(arrays: dict, trainable: list[str], moments: int, world_size: int) -> list[dict[str, tuple[int, int]]]:
+    """Each rank's slices of the parameters `arrays` (name -> array), as checkpoints
+    cut them, each trainable one counted with its `moments`. Without a live state,
+    bench/bench_train.py reads from it what a rank owns under train.zero 1."""
     trained = set(trainable)
-    sizes = {name: (array.size, array.nbytes * (1 + moments * (name in trained)))
-             for name, array in zip(names, parameters(state, names, xp))}
-    return cut(sizes, world_size)
+    return cut({name: (array.size, array.nbytes * (1 + moments * (name in trained))) for name, array in arrays.items()},
+               world_size)
 
 
 class Replicated:
