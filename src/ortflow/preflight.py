@@ -37,8 +37,8 @@ MEMORY_ENV = "ORTFLOW_MEMORY_AVAILABLE"
 RANK_RUNTIME_BYTES = 600 * 2**20
 # A rank's peak RSS counts the weights, gradients and optimizer state about twice
 # (ONNX Runtime's sessions and arenas around them, the optimizer step, a checkpoint
-# save): a factor calibrated on GPT-2 124M and BERT-base, which it overestimates by
-# 12 to 29% (docs/benchmarks.md, "What fits"), not a count of copies.
+# save): a factor calibrated on GPT-2 124M and BERT-base, which it now overestimates
+# by about 30% (docs/benchmarks.md, "What fits"), not a count of copies.
 STATE_COPIES = 2.0
 # Checkpoints on disk at once: train.keep_checkpoints, the best one, and the one
 # being written before the oldest is pruned.
