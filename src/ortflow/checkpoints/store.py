@@ -40,7 +40,6 @@ import hashlib
 import json
 import logging
 import math
-import mmap
 import os
 import re
 import shutil
@@ -154,18 +153,15 @@ def _fill_shard(f, state: TrainingState, attrs: dict) -> None:
 
 def _synced_digest(path: Path) -> tuple[int, str]:
     """(bytes, sha256) of the file just written at `path`, read back once from the page cache
-    while fsync flushes it to disk: both release the GIL, so they overlap."""
+    while fsync flushes it to disk: both release the GIL, so they overlap. Read in blocks,
+    not mapped: a mapped file's pages count in the rank's peak RSS."""
     from concurrent.futures import ThreadPoolExecutor
 
     with open(path, "rb") as f, ThreadPoolExecutor(1) as pool:
         synced = pool.submit(os.fsync, f.fileno())
-        size = os.fstat(f.fileno()).st_size
-        digest = hashlib.sha256()
-        if size:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                digest.update(mapped)
+        digest, size = checks.sha256_of(f, os.fstat(f.fileno()).st_size)
         synced.result()
-    return size, digest.hexdigest()
+    return size, digest
 
 
 def read_shard(file, entry: dict | None = None, where=None) -> tuple[dict, TrainingState]:
