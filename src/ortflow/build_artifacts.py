@@ -423,6 +423,16 @@ def per_sample_values(base) -> dict[str, tuple[list[int], int]]:
         if value.name not in initializers and value.type.tensor_type.shape.dim:
             value.type.tensor_type.shape.dim[0].ClearField("dim_param")
             value.type.tensor_type.shape.dim[0].dim_value = 1
+    # The float initializers as graph inputs of their shapes, which is all shape inference needs
+    # of them: their values are gone once the checkpoint holds them (drop_weights), and symbolic
+    # shape inference would read the empty tensors (BERT: "cannot reshape array of size 0").
+    weights = [t for t in model.graph.initializer if is_float(t)]
+    kept = [t for t in model.graph.initializer if not is_float(t)]
+    inputs = {value.name for value in model.graph.input}
+    model.graph.input.extend(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims))
+                             for t in weights if t.name not in inputs)
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
     try:
         model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
     except Exception as error:  # an operator it does not know: ONNX's inference, which gives up more often
