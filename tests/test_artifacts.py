@@ -145,6 +145,9 @@ def test_same_config_same_bytes_and_model_json(data, tmp_path):
     assert first["flops_per_sample"] == {"forward": 2 * (64 * 16 + 16 * 8 + 8 * 10), "backward": 4 * (64 * 16 + 16 * 8 + 8 * 10)}
     # float32 outputs of the nodes: Flatten and Cast (64, 64), Gemm and ReLU (16, 16, 8, 8), Gemm and Reshape (10, 10).
     assert first["activation_bytes_per_sample"] == 4 * (64 + 64 + 16 + 16 + 8 + 8 + 10 + 10)
+    # An evaluation holds at most Flatten's and Cast's outputs at once (each is freed after the node
+    # that reads it), then the logits once more for the loss.
+    assert first["eval_bytes_per_sample"] == 4 * (64 + 64) + 4 * 10
     assert first["parameters"] == first["trainable_parameters"] == 64 * 16 + 16 + 16 * 8 + 8 + 8 * 10 + 10
     assert first["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 64]}]
     assert first["label"] == {"name": "y", "dtype": "int64", "shape": ["batch"]}

@@ -201,6 +201,28 @@ def test_zero_1_is_offered_when_sharding_the_moments_makes_the_model_fit(monkeyp
     assert preflight.check_memory(small, train).status == preflight.OK
 
 
+def test_an_evaluation_batch_that_does_not_fit_is_refused_naming_train_eval_batch_size(monkeypatch):
+    """GPT-2 124M's evaluation at the default train.eval_batch_size (256 sequences of 128 tokens)
+    holds the logits over its 50,257-token vocabulary twice (model.json's eval_bytes_per_sample,
+    as build_artifacts counts it): 18.4 GiB a rank, where a training step holds far less."""
+    model = {**GPT2_124M, "activation_bytes_per_sample": 2**29, "eval_bytes_per_sample": 77_194_752}
+    train = config.validate({"train": {"world_size": 2, "micro_batch_size": 4}})["train"]
+    assert train["eval_batch_size"] == 256
+    room = 2 * sum(preflight.memory_estimate(model, {**train, "eval_batch_size": 64}, 2, 4).values())
+    monkeypatch.setenv(preflight.MEMORY_ENV, str(int(room) + 1))
+    check = preflight.check_memory(model, train)
+    assert check.status == preflight.FAIL
+    assert "an evaluation batch of 256 samples 18.4 GiB" in check.detail
+    assert check.fix == "set train.eval_batch_size to 64 (an evaluation reads the same records, in smaller batches)"
+    # Where no smaller evaluation batch fits alone, each fix comes with evaluation batches no larger
+    # than a step's activations (4 x 2**29 bytes: 27 samples).
+    room = 2 * sum(preflight.memory_estimate(model, {**train, "eval_batch_size": 27, "zero": 1}, 2, 4).values())
+    monkeypatch.setenv(preflight.MEMORY_ENV, str(int(room) + 1))
+    assert preflight.check_memory(model, train).fix == (
+        "set train.eval_batch_size to 27 and train.zero: 1 (each rank keeps 1/world_size of the AdamW moments); "
+        "or set train.eval_batch_size to 27 and train.world_size to 1")
+
+
 def test_train_refuses_before_any_rank_starts(tmp_path):
     """The launcher's preflight reads model.json: one message, no rank, no training folder."""
     artifacts = tmp_path / "artifacts"

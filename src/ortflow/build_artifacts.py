@@ -470,13 +470,52 @@ def forward_flops(base, values: dict) -> int:
     return total
 
 
+def batched(base) -> set[str]:
+    """The values of the forward pass that grow with the batch: those computed from the
+    graph's inputs. A value computed from weights alone (a tied embedding's transpose,
+    154 MB in GPT-2) is held once whatever the batch."""
+    initializers = {t.name for t in base.graph.initializer}
+    grown = {value.name for value in base.graph.input if value.name not in initializers}
+    for node in base.graph.node:
+        if any(name in grown for name in node.input):
+            grown.update(node.output)
+    return grown
+
+
 def activation_bytes(base, values: dict) -> int:
     """Bytes of the values the forward pass computes for one sample (every node's
-    outputs but Constants', which is what training keeps for the backward pass at
-    most), the part of a rank's memory that grows with the micro-batch
-    (preflight.memory_estimate)."""
-    outputs = {name for node in base.graph.node if node.op_type != "Constant" for name in node.output if name in values}
+    outputs that grow with the batch but Constants', which is what training keeps for
+    the backward pass at most), the part of a rank's memory that grows with the
+    micro-batch (preflight.memory_estimate)."""
+    grown = batched(base)
+    outputs = {name for node in base.graph.node if node.op_type != "Constant" for name in node.output
+               if name in values and name in grown}
     return sum(math.prod(values[name][0]) * values[name][1] for name in outputs)
+
+
+def eval_bytes(base, values: dict, logits: str) -> int:
+    """Bytes an evaluation holds for one sample beyond the weights: the most the forward
+    pass's values that grow with the batch take at once when its nodes run in the graph's
+    order (each value from the node that computes it until the last node that reads it,
+    the outputs until the end), and the logits once more, for the loss's
+    log-probabilities (preflight.memory_estimate)."""
+    grown = batched(base)
+
+    def size(name: str) -> int:
+        return math.prod(values[name][0]) * values[name][1] if name in values and name in grown else 0
+
+    nodes = [node for node in base.graph.node if node.op_type != "Constant"]
+    last_read = {name: index for index, node in enumerate(nodes) for name in node.input}
+    last_read.update({output.name: len(nodes) for output in base.graph.output})
+    live = peak = 0
+    freed_after: dict[int, list[str]] = {}
+    for index, node in enumerate(nodes):
+        for name in node.output:
+            live += size(name)
+            freed_after.setdefault(last_read.get(name, index), []).append(name)
+        peak = max(peak, live)
+        live -= sum(size(name) for name in freed_after.pop(index, []))
+    return peak + size(logits)
 
 
 def embedding_tables(base, trainable: list[str]) -> list[str]:
@@ -515,6 +554,7 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
         # one for the weights per multiply-add), the usual estimate.
         "flops_per_sample": {"forward": forward, "backward": 2 * forward},
         "activation_bytes_per_sample": activation_bytes(base, values),
+        "eval_bytes_per_sample": eval_bytes(base, values, logits.name),
     }
 
 

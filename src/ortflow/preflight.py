@@ -16,6 +16,7 @@ from importlib import metadata
 from pathlib import Path
 
 from . import cuda_libraries
+from .checkpoints.checks import MOMENTS
 from .errors import PreflightError
 
 log = logging.getLogger("ortflow.preflight")
@@ -291,38 +292,57 @@ def available_memory() -> tuple[int, str]:
 
 def memory_estimate(description: dict, train: dict, world_size: int, micro_batch: int) -> dict[str, float]:
     """A rank's peak memory in bytes, by part, from model.json: float32 weights, their
-    gradients, AdamW's two moments (a 1/world_size share of them with train.zero 1),
-    the forward pass's activations for a micro-batch, and the runtime."""
+    gradients, the optimizer's moments (a 1/world_size share of them with train.zero 1),
+    the larger of the forward pass's activations for a micro-batch and what an evaluation
+    batch of train.eval_batch_size holds (an evaluation runs between steps, never during
+    one), and the runtime."""
     trainable = description["trainable_parameters"]
-    moments = 2 * 4 * trainable if train["optimizer"]["name"] == "adamw" else 0
+    moments = len(MOMENTS[train["optimizer"]["name"]]) * 4 * trainable
     if train["zero"] == 1:
         moments /= world_size
+    training = micro_batch * description["activation_bytes_per_sample"]
+    # model.json of artifacts built before evaluations were counted has no eval_bytes_per_sample.
+    evaluation = train["eval_batch_size"] * description.get("eval_bytes_per_sample", 0)
+    batch = ({f"activations of {micro_batch} samples": training} if training >= evaluation
+             else {f"an evaluation batch of {train['eval_batch_size']} samples": evaluation})
     return {
         "weights": STATE_COPIES * 4 * description["parameters"],
         "gradients": STATE_COPIES * 4 * trainable,
-        "AdamW moments": STATE_COPIES * moments,
-        f"activations of {micro_batch} samples": micro_batch * description["activation_bytes_per_sample"],
+        "optimizer moments": STATE_COPIES * moments,
+        **batch,
         "runtime": RANK_RUNTIME_BYTES,
     }
 
 
 def memory_fixes(description: dict, train: dict, world_size: int, available: int) -> list[str]:
-    """The settings that would fit `world_size` ranks in `available` bytes, each alone."""
-    def fits(ranks: int, micro: int, settings: dict = train) -> bool:
+    """The settings that would fit `world_size` ranks in `available` bytes, each alone; where
+    an evaluation batch is the larger part and no smaller one fits alone, each together with
+    evaluation batches no larger than a training step's activations."""
+    def fits(ranks: int, micro: int, settings: dict) -> bool:
         return ranks * sum(memory_estimate(description, settings, ranks, micro).values()) <= available
 
-    micro = train["micro_batch_size"]
-    fixes = []
-    smaller = next((m for m in range(micro - 1, 0, -1) if fits(world_size, m)), None)
+    micro, fixes, also = train["micro_batch_size"], [], ""
+    # Smaller evaluation batches read the same records: the cheapest fix, where it is one.
+    eval_batch = next((e for e in range(train["eval_batch_size"] - 1, 0, -1)
+                       if fits(world_size, micro, {**train, "eval_batch_size": e})), None)
+    step_bytes = micro * description["activation_bytes_per_sample"]
+    sample_eval_bytes = description.get("eval_bytes_per_sample", 0)
+    if eval_batch:
+        fixes.append(f"set train.eval_batch_size to {eval_batch} (an evaluation reads the same records, in smaller "
+                     "batches)")
+    elif sample_eval_bytes * train["eval_batch_size"] > step_bytes:
+        eval_batch = max(1, int(step_bytes // sample_eval_bytes))
+        train, also = {**train, "eval_batch_size": eval_batch}, f"train.eval_batch_size to {eval_batch} and "
+    smaller = next((m for m in range(micro - 1, 0, -1) if fits(world_size, m, train)), None)
     if smaller:
-        fixes.append(f"set train.micro_batch_size to {smaller} (train.grad_accum_steps {-(-micro // smaller)} keeps "
-                     "the batch)")
+        fixes.append(f"set {also}train.micro_batch_size to {smaller} (train.grad_accum_steps {-(-micro // smaller)} "
+                     "keeps the batch)")
     if train["optimizer"]["name"] == "adamw" and world_size > 1 and not train["zero"] \
             and fits(world_size, micro, {**train, "zero": 1}):
-        fixes.append("set train.zero: 1 (each rank keeps 1/world_size of the AdamW moments)")
-    fewer = next((w for w in range(world_size - 1, 0, -1) if fits(w, micro)), None)
+        fixes.append(f"set {also}train.zero: 1 (each rank keeps 1/world_size of the AdamW moments)")
+    fewer = next((w for w in range(world_size - 1, 0, -1) if fits(w, micro, train)), None)
     if fewer:
-        fixes.append(f"set train.world_size to {fewer}")
+        fixes.append(f"set {also}train.world_size to {fewer}")
     return fixes or ["the model does not fit this host's memory at any of these settings: use a host with more"]
 
 
@@ -345,8 +365,8 @@ def check_memory(description: dict, train: dict, launcher: str = "mpirun") -> Ch
 
 
 def checkpoint_bytes(description: dict, train: dict) -> int:
-    """One checkpoint on disk: float32 weights and, with AdamW, its two moments (all ranks' shards)."""
-    moments = 2 * 4 * description["trainable_parameters"] if train["optimizer"]["name"] == "adamw" else 0
+    """One checkpoint on disk: float32 weights and the optimizer's moments (all ranks' shards)."""
+    moments = len(MOMENTS[train["optimizer"]["name"]]) * 4 * description["trainable_parameters"]
     return 4 * description["parameters"] + moments
 
 
