@@ -36,10 +36,11 @@ MEMORY_ENV = "ORTFLOW_MEMORY_AVAILABLE"
 # A training rank's memory beyond the model: Python, numpy, ONNX Runtime's
 # sessions and arenas. Calibrated with bench/bench_train.py --stages (docs/benchmarks.md).
 RANK_RUNTIME_BYTES = 600 * 2**20
-# A rank's peak RSS counts the weights, gradients and optimizer state about twice
-# (ONNX Runtime's sessions and arenas around them, the optimizer step, a checkpoint
-# save): a factor calibrated on GPT-2 124M and BERT-base, which it now overestimates
-# by about 30% (docs/benchmarks.md, "What fits"), not a count of copies.
+# The weights, gradients and optimizer state counted twice: a factor calibrated on
+# GPT-2 124M and BERT-base when a checkpoint save copied the state. Saves copy nothing
+# now, and the estimate errs high by 32 to 75%; counted once it would fall below
+# GPT-2's measured peak, whose step holds more than the estimate names
+# (docs/benchmarks.md, "What fits"). Not a count of copies.
 STATE_COPIES = 2.0
 # Checkpoints on disk at once: train.keep_checkpoints, the best one, and the one
 # being written before the oldest is pruned.
