@@ -470,40 +470,27 @@ def forward_flops(base, values: dict) -> int:
     return total
 
 
-def batched(base) -> set[str]:
-    """The values of the forward pass that grow with the batch: those computed from the
-    graph's inputs. A value computed from weights alone (a tied embedding's transpose,
-    154 MB in GPT-2) is held once whatever the batch."""
+def batch_values(base, values: dict) -> dict[str, int]:
+    """Name -> bytes for one sample of each value the forward pass computes that grows with
+    the batch: the outputs of the nodes that read the graph's inputs or values computed
+    from them (`per_sample_values` gives their shapes). A value computed from weights
+    alone (a tied embedding's transpose, 154 MB in GPT-2) is held once whatever the batch."""
     initializers = {t.name for t in base.graph.initializer}
     grown = {value.name for value in base.graph.input if value.name not in initializers}
+    sizes = {}
     for node in base.graph.node:
         if any(name in grown for name in node.input):
             grown.update(node.output)
-    return grown
+            sizes.update({name: math.prod(values[name][0]) * values[name][1] for name in node.output if name in values})
+    return sizes
 
 
-def activation_bytes(base, values: dict) -> int:
-    """Bytes of the values the forward pass computes for one sample (every node's
-    outputs that grow with the batch but Constants', which is what training keeps for
-    the backward pass at most), the part of a rank's memory that grows with the
-    micro-batch (preflight.memory_estimate)."""
-    grown = batched(base)
-    outputs = {name for node in base.graph.node if node.op_type != "Constant" for name in node.output
-               if name in values and name in grown}
-    return sum(math.prod(values[name][0]) * values[name][1] for name in outputs)
-
-
-def eval_bytes(base, values: dict, logits: str) -> int:
-    """Bytes an evaluation holds for one sample beyond the weights: the most the forward
-    pass's values that grow with the batch take at once when its nodes run in the graph's
+def eval_bytes(base, sizes: dict[str, int], logits: str) -> int:
+    """Bytes an evaluation holds for one sample beyond the weights: the most the values of
+    `batch_values` take at once when the forward pass runs node by node in the graph's
     order (each value from the node that computes it until the last node that reads it,
     the outputs until the end), and the logits once more, for the loss's
     log-probabilities (preflight.memory_estimate)."""
-    grown = batched(base)
-
-    def size(name: str) -> int:
-        return math.prod(values[name][0]) * values[name][1] if name in values and name in grown else 0
-
     nodes = [node for node in base.graph.node if node.op_type != "Constant"]
     last_read = {name: index for index, node in enumerate(nodes) for name in node.input}
     last_read.update({output.name: len(nodes) for output in base.graph.output})
@@ -511,11 +498,11 @@ def eval_bytes(base, values: dict, logits: str) -> int:
     freed_after: dict[int, list[str]] = {}
     for index, node in enumerate(nodes):
         for name in node.output:
-            live += size(name)
+            live += sizes.get(name, 0)
             freed_after.setdefault(last_read.get(name, index), []).append(name)
         peak = max(peak, live)
-        live -= sum(size(name) for name in freed_after.pop(index, []))
-    return peak + size(logits)
+        live -= sum(sizes.get(name, 0) for name in freed_after.pop(index, []))
+    return peak + sizes.get(logits, 0)
 
 
 def embedding_tables(base, trainable: list[str]) -> list[str]:
@@ -533,6 +520,7 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
     sizes = float_initializers(base)
     values = per_sample_values(base)
     forward = forward_flops(base, values)
+    batch = batch_values(base, values)
     label = manifest["label"]
     return {
         "kind": kind,
@@ -553,8 +541,10 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
         # Backward is counted as twice the forward (a gradient for the input and
         # one for the weights per multiply-add), the usual estimate.
         "flops_per_sample": {"forward": forward, "backward": 2 * forward},
-        "activation_bytes_per_sample": activation_bytes(base, values),
-        "eval_bytes_per_sample": eval_bytes(base, values, logits.name),
+        # What training keeps for the backward pass at most, the part of a rank's memory that
+        # grows with the micro-batch (preflight.memory_estimate).
+        "activation_bytes_per_sample": sum(batch.values()),
+        "eval_bytes_per_sample": eval_bytes(base, batch, logits.name),
     }
 
 
