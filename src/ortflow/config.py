@@ -4,6 +4,7 @@ and derive the hashes that decide what a checkpoint or an artifact belongs to.""
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -31,7 +32,10 @@ def schema_file():
     return resources.files(__package__) / SCHEMA
 
 
+@functools.cache
 def _schema() -> dict:
+    """The schema, read once a process: a sweep validates every point's config, and reads
+    every swept value, through it. Nothing changes it (defaults are copied out of it)."""
     return yaml.safe_load(schema_file().read_text())
 
 
