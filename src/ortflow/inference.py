@@ -28,7 +28,7 @@ def inference_session(path: Path, threads: int | None = None, also: tuple[str, .
 
     if not also:
         return session(str(path))
-    proto = onnx.load(str(path), load_external_data=False)  # weights in external data stay in their file
+    proto = external_data.load_model(path, load_data=False)  # weights in external data stay in their file
     outputs = {o.name for o in proto.graph.output}
     extra = [name for name in also if name not in outputs]
     if not extra:
