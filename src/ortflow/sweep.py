@@ -207,9 +207,11 @@ def point_config(config: dict, name: str, values: dict) -> dict:
 def point_row(point: Point, sweep: dict) -> dict:
     """A point's line of the comparison, from its train/metrics.json and export/metrics.json;
     `failed` when training left no metrics."""
+    from .report import read_json  # numpy and ONNX behind it: not for every Snakefile that imports this
+
     run = results(point.config)
     train = read_json(TrainFolder(run / "train").metrics)
-    row = {"point": point.name, **{f"{key}": value for key, value in point.values.items()}}
+    row = {"point": point.name, **point.values}
     if train is None:
         return {**row, "status": "failed"}
     key = EVAL_KEYS[sweep["metric"]]
@@ -234,10 +236,6 @@ def stopped(row: dict) -> dict:
 
 def megabytes(size: int | None) -> float | None:
     return None if size is None else size / 1e6
-
-
-def read_json(path: Path) -> dict | None:
-    return json.loads(path.read_text()) if path.is_file() else None
 
 
 def ranked(rows: list[dict], sweep: dict) -> list[dict]:
