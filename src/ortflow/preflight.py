@@ -275,7 +275,7 @@ def available_memory() -> tuple[int, str]:
     else the smaller of MemAvailable and what the cgroup's limit leaves."""
     if os.environ.get(MEMORY_ENV):
         value = os.environ[MEMORY_ENV]
-        if not value.isdigit():
+        if not value.isdecimal():  # isdigit() would pass '²', which int() refuses
             raise PreflightError(f"{MEMORY_ENV}={value!r} is not a number of bytes; set it to bytes "
                                  f"({12 * 2**30} for 12 GiB) or unset it to use this host's available memory")
         return int(value), MEMORY_ENV
@@ -284,8 +284,9 @@ def available_memory() -> tuple[int, str]:
     cgroup = Path("/sys/fs/cgroup")
     try:
         limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max" and int(limit) - int((cgroup / "memory.current").read_text()) < available:
-            available, where = int(limit) - int((cgroup / "memory.current").read_text()), "the cgroup's memory.max"
+        left = int(limit) - int((cgroup / "memory.current").read_text()) if limit != "max" else available
+        if left < available:
+            available, where = left, "the cgroup's memory.max"
     except (OSError, ValueError):  # no cgroup v2 memory controller: MemAvailable is all there is
         pass
     return available, where
