@@ -128,19 +128,21 @@ def quantize_file(source: Path, target: Path, how: str, export_cfg: dict, reader
     """Pre-processing, then dynamic or static (QDQ, u8 activations, s8 weights)
     quantization of the operator types ONNX Runtime has int8 CPU kernels for:
     an operator it cannot load quantized is found by loading the result, and kept fp32."""
-    import onnx
     from onnxruntime.quantization.registry import IntegerOpsRegistry, QDQRegistry
 
     preprocessed = target.with_name("preprocessed.onnx")
     preprocess(source, preprocessed)
-    nodes = onnx.load(str(preprocessed), load_external_data=False).graph.node
+    graph = external_data.load_model(preprocessed, load_data=False)
+    # ONNX Runtime writes the int8 model's weights to `<target>.data` too.
+    external = external_data.uses_external_data(graph)
+    nodes = graph.graph.node
     present = {node.op_type for node in nodes}
     by_name = {node.name: node.op_type for node in nodes}
     registry = IntegerOpsRegistry if how == "dynamic" else QDQRegistry
     excluded = set(NO_DYNAMIC_INT8_KERNEL if how == "dynamic" else ())
     for _ in range(MAX_EXCLUSION_ROUNDS):
         op_types = sorted(t for t in registry if t in present and t not in excluded)
-        quantize_once(preprocessed, target, how, op_types, export_cfg, reader, batch_size)
+        quantize_once(preprocessed, target, how, op_types, export_cfg, reader, batch_size, external)
         node = unloadable_node(target)
         if node is None:
             kept = sorted(t for t in excluded if t in present)
@@ -159,11 +161,11 @@ def quantize_file(source: Path, target: Path, how: str, export_cfg: dict, reader
 
 
 def quantize_once(source: Path, target: Path, how: str, op_types: list[str], export_cfg: dict, reader,
-                  batch_size: int) -> None:
+                  batch_size: int, external: bool) -> None:
+    """One quantization of `source` to `target`; `external`: the source keeps its weights in external data."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
     per_channel = export_cfg["per_channel"]
-    external = is_external(source)  # ONNX Runtime writes the int8 model's weights to `<target>.data` too
     if how == "dynamic":
         quantize_dynamic(str(source), str(target), op_types_to_quantize=op_types, per_channel=per_channel,
                          weight_type=QuantType.QInt8, use_external_data_format=external)
