@@ -12,6 +12,6 @@ rule doctor:
     params:
         config=config_json("train"),
         # Not an input: the doctor runs before the artifacts exist, and then skips the model's checks.
-        artifacts=f"{RESULTS}/artifacts",
+        artifacts=ARTIFACTS,
     shell:
         "ortflow doctor --config-json {params.config:q} --artifacts {params.artifacts:q} --output {output:q} > {log:q} 2>&1"
