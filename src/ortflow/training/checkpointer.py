@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy
-
 from .. import config as config_mod
 from ..checkpoints import resume, store
 from ..checkpoints.ort_format import TrainingState
-from .gradients import parameters
+from .gradients import on_host, parameters
 from .metrics import strict
 from .schedule import is_time
 
@@ -58,10 +56,9 @@ def live_part(state, slices: dict[str, tuple[int, int]], trainable: set[str], op
     to the host from a GPU), and of the moments of the `trainable` ones, which
     `optimizer` holds (under train.zero 1, exactly the slices it owns)."""
     names = list(slices)
-    to_numpy = getattr(xp, "asnumpy", numpy.asarray)
     live = dict(zip(names, parameters(state, names, xp)))
     return TrainingState(
-        {name: to_numpy(live[name].reshape(-1)[slice(*slices[name])]) for name in names},
+        {name: on_host(live[name].reshape(-1)[slice(*slices[name])], xp) for name in names},
         {name: name in trainable for name in names},
         {name: optimizer.moments_of(name, *slices[name]) for name in names if name in trainable},
         optimizer.attributes(), {}, slices={name: (tuple(live[name].shape), slices[name][0]) for name in names})

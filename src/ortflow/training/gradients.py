@@ -44,11 +44,15 @@ def parameters(state, names: list[str], xp) -> list:
     return live_arrays([ort_private.parameter(state, name).data for name in names], xp)
 
 
+def on_host(array, xp) -> numpy.ndarray:
+    """`array` as a numpy array: copied from the device where it lives there (CuPy), else as it is."""
+    return getattr(xp, "asnumpy", numpy.asarray)(array)
+
+
 def parameters_on_host(state, names: list[str], xp) -> dict[str, numpy.ndarray]:
     """{name: parameter values} as numpy arrays, copied from the device where they live there."""
-    to_numpy = getattr(xp, "asnumpy", numpy.asarray)
     arrays = parameters(state, names, xp)
-    return {name: to_numpy(array) for name, array in zip(names, arrays)}
+    return {name: on_host(array, xp) for name, array in zip(names, arrays)}
 
 
 def buckets(grads: list):

@@ -36,7 +36,7 @@ import numpy
 
 from ..checkpoints.checks import MOMENTS
 from ..errors import TrainingError
-from .gradients import gradients, parameters
+from .gradients import gradients, on_host, parameters
 from .lamb import Lamb
 
 # ORT's optimizer graphs name their sequences of moments so, in the order of the sorted MOMENTS.
@@ -133,12 +133,11 @@ class Optimizer:
     def step(self, lr: float, run, decay) -> None:
         """The weight decay (`decay`) then the optimizer's update (`run`, a step of
         open_step) of the pieces, at learning rate `lr`, in ORT's live buffers."""
+        self.count += 1
         if not self.pieces:  # a rank that owns none of a tiny model's parameters
-            self.count += 1
             return
         params, names = views(self.state, self.pieces, "data", self.xp), [p.name for p in self.pieces]
         decay.apply(lr, names, params)
-        self.count += 1
         run(lr, self.count, params, views(self.state, self.pieces, "grad", self.xp),
             [[self.moments[m][p.name] for p in self.pieces] for m in self.moment_names], decay.per_tensor(names))
 
@@ -153,8 +152,7 @@ class Optimizer:
         piece = next(p for p in self.pieces if p.name == name)
         if not piece.start <= start <= stop <= piece.stop:
             raise ValueError(f"{name}[{start}:{stop}] is not within this rank's {piece}")
-        to_numpy = getattr(self.xp, "asnumpy", numpy.asarray)
-        return {m: to_numpy(self.moments[m][name][start - piece.start:stop - piece.start])
+        return {m: on_host(self.moments[m][name][start - piece.start:stop - piece.start], self.xp)
                 for m in self.moment_names}
 
     def load(self, optimizer: dict, moments: dict[str, dict]) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .gradients import parameters
+from .gradients import on_host, parameters
 
 
 class RunningStats:
@@ -45,8 +45,7 @@ class RunningStats:
         """This rank's statistics, flat, as float64 (to be summed across ranks; none on one rank)."""
         if self.world_size == 1 or not self.outputs:
             return np.zeros(0)
-        to_numpy = getattr(self.xp, "asnumpy", np.asarray)
-        return np.concatenate([to_numpy(live).reshape(-1) for live in self._live()]).astype(np.float64)
+        return np.concatenate([on_host(live, self.xp).reshape(-1) for live in self._live()]).astype(np.float64)
 
     def set_mean(self, summed: np.ndarray) -> None:
         """Replace the statistics by `summed` (`local` summed over the ranks) / world_size."""
