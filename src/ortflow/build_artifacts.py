@@ -114,19 +114,21 @@ def export_torch(module, manifest: dict, path: Path):
     # (external_data.save_model), or not at all.
     from onnx.external_data_helper import _get_all_tensors
 
-    scattered = {entry.value for tensor in _get_all_tensors(onnx.load(str(path), load_external_data=False))
+    exported = onnx.load(str(path), load_external_data=False)
+    scattered = {entry.value for tensor in _get_all_tensors(exported)
                  for entry in tensor.external_data if entry.key == "location"}
-    exported = onnx.load(str(path))
-    for name in scattered:
-        (path.parent / name).unlink()
+    if scattered:
+        onnx.load_external_data_for_model(exported, str(path.parent))
+        for name in scattered:
+            (path.parent / name).unlink()
     untied = export_fixes.untie_initializers(exported, module)
     if untied:
         log.warning("model.path: %s stayed in eval mode while exported, so torch.onnx merged its parameters and "
                     "buffers of equal value; each has its own initializer again: %s", type(module).__name__,
                     sorted(untied))
-    export_fixes.give_dropout_its_mask(exported)
-    batchnorm.restore_buffers(exported, buffers)
-    external_data.save_model(exported, path)
+    changed = len(untied) + export_fixes.give_dropout_its_mask(exported) + batchnorm.restore_buffers(exported, buffers)
+    if changed or scattered or external_data.initializer_bytes(exported) > external_data.threshold():
+        external_data.save_model(exported, path)
     return exported
 
 
