@@ -50,10 +50,10 @@ if ortflow_sweep.is_sweep(config):
 
 # Where the model is and how good it is, from whatever stages have run.
 onsuccess:
-    from ortflow.report import run_summary
+    from ortflow.report import read_json, run_summary
 
     if ortflow_sweep.is_sweep(config):
-        best = ortflow_sweep.read_json(Path(rules.sweep_compare.output.best))
+        best = read_json(Path(rules.sweep_compare.output.best))
         if best:  # not when the targets stopped before the comparison
             print(ortflow_sweep.summary(config, best, run_arguments()))
         return
