@@ -6,7 +6,7 @@ AdamW moments are not zeros), then, `--repeats` times, with a barrier before eac
 
 - save: what the training loop does (`checkpointer.live_part`, this rank's part as
   views of ORT's live parameter buffers and of the moments the rank holds, then
-  `ortflow.checkpoints.store.save`: the HDF5 shard written from those arrays to its
+  `ortflow.checkpoints.writer.save`: the HDF5 shard written from those arrays to its
   temporary file, read back once to hash it (sha256) while it is fsynced, renamed;
   then the manifest and the COMPLETE marker by rank 0);
 - plain: the same number of bytes as this rank's shard, from memory, written to
@@ -82,7 +82,7 @@ def merge(out: Path) -> dict:
 
 def worker(args) -> None:
     from ortflow.artifacts import Artifacts
-    from ortflow.checkpoints import store
+    from ortflow.checkpoints import layout, writer
     from ortflow.sessions import quiet_logging
     from ortflow.training import engine, sharding
     from ortflow.training.checkpointer import live_part
@@ -111,9 +111,9 @@ def worker(args) -> None:
         comm.barrier()
         started = time.perf_counter()
         part = live_part(state, slices[comm.rank], set(trainable), optimizer, np)
-        folder = store.save(root, repeat + 1, part, comm, {"bench": True}, "bench", {"step": repeat + 1}, 1)
+        folder = writer.save(root, repeat + 1, part, comm, {"bench": True}, "bench", {"step": repeat + 1}, 1)
         save_s.append(time.perf_counter() - started)
-    shard = folder / store.shard_name(comm.rank, comm.world_size)
+    shard = folder / layout.shard_name(comm.rank, comm.world_size)
     shard_bytes = shard.stat().st_size
     payload = np.random.default_rng(0).integers(0, 255, shard_bytes, dtype=np.uint8)
     for repeat in range(args.repeats):
@@ -141,7 +141,7 @@ def main() -> None:
         worker(args)
         return
 
-    from ortflow.train import launcher_command, launcher_env
+    from ortflow.stages.train import launcher_command, launcher_env
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         out = Path(tmp)

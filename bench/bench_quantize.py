@@ -60,7 +60,7 @@ def main() -> None:
 
     import onnxruntime
 
-    from ortflow.quantize_model import latencies, quantize_file
+    from ortflow.stages.quantize_model import latencies, quantize_file
     from ortflow.sessions import quiet_logging
 
     quiet_logging()

@@ -190,7 +190,7 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, port: int
 
     from ortflow.data.shards import ShardReader
     from ortflow.models import built_in, user
-    from ortflow.build_artifacts import resolve_loss
+    from ortflow.graphs.loss import resolve_loss
 
     if run["share_cores"]:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world_size))

@@ -67,7 +67,7 @@ def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, t
 def run_on_ranks(folder: Path, code: str, ranks: int) -> subprocess.CompletedProcess:
     """Run the Python `code` on `ranks` real MPI ranks (mpirun, as training starts
     them); fails the test unless every rank exits 0. Returns the CompletedProcess."""
-    from ortflow import train
+    from ortflow.stages import train
 
     require_e2e("starts MPI ranks")
     script = folder / "ranks.py"

@@ -17,9 +17,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import run_snakemake
 from ortflow import config as config_mod
-from ortflow.prepare_data import prepare
+from ortflow.stages.prepare_data import prepare
 from ortflow.data.shards import ShardReader
-from ortflow import build_artifacts
+from ortflow.stages import build_artifacts
 from ortflow.models import built_in
 from ortflow.training import gradients
 from ortflow.training.weight_decay import WeightDecay

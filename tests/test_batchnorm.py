@@ -16,12 +16,13 @@ import torch
 
 import batchnorm_models
 from conftest import run_on_ranks, run_snakemake
-from ortflow import config as config_mod, merge_checkpoint
-from ortflow.checkpoints import store
-from ortflow.prepare_data import prepare
+from ortflow import config as config_mod
+from ortflow.stages import merge_checkpoint
+from ortflow.checkpoints import layout, reader
+from ortflow.stages.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
-from ortflow import build_artifacts
+from ortflow.stages import build_artifacts
 from ortflow.inference import inference_session
 
 TESTS = Path(__file__).resolve().parent
@@ -111,7 +112,7 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
     micro-batches each for the MLP); then the export of that checkpoint against
     torch's module in eval mode. `onnx`: the module as an ONNX file exported in
     eval mode, whose BatchNorms ortflow switches to training mode."""
-    from ortflow import export_model
+    from ortflow.stages import export_model
     from ortflow.artifacts import Artifacts
     from ortflow.training.run_folder import TrainFolder
     from ortflow.training.stop import StopRequest
@@ -128,14 +129,14 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
     assert len(description["running_stats"]) == {"BatchNormCNN": 6, "BatchNormMLP": 2}[model]
     Trainer(cfg, digits / "train", digits / "eval", Artifacts(artifacts), TrainFolder(out), StopRequest()).run()
 
-    initial = store.load_parameters_file(artifacts / "checkpoint")
+    initial = reader.load_parameters_file(artifacts / "checkpoint")
     for name in description["running_stats"].values():  # not moved by the export
         expected = statistics[name] if statistics else (1.0 if name.endswith("running_var") else 0.0)
         assert (initial[name] == expected).all(), (name, initial[name])
     reference, torch_losses = torch_training(config(model, accumulate), initial, ShardReader(digits / "train"))
     losses = [entry["loss"] for entry in json.loads((out / "metrics.json").read_text())["history"]["train"]]
     np.testing.assert_allclose(losses, torch_losses, rtol=LOSS_RTOL)
-    final = store.read_checkpoint(store.step_dir(out / "checkpoints", STEPS)).state.parameters
+    final = reader.read_checkpoint(layout.step_dir(out / "checkpoints", STEPS)).state.parameters
     expected = {k: v.numpy() for k, v in reference.state_dict().items() if not k.endswith("num_batches_tracked")}
     assert sorted(final) == sorted(expected)
     for name, value in expected.items():
@@ -145,7 +146,7 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
 
     # The export (written from the eval graph, checked against it by export_model.export) is
     # torch's module in eval mode: normalized with the running statistics, no dropout.
-    merged = merge_checkpoint.merge(store.step_dir(out / "checkpoints", STEPS), tmp_path / "merged")
+    merged = merge_checkpoint.merge(layout.step_dir(out / "checkpoints", STEPS), tmp_path / "merged")
     export_model.export(cfg, artifacts, merged, digits / "eval", tmp_path / "model.onnx")
     batch = ShardReader(digits / "eval").gather(np.arange(64))
     logits = inference_session(tmp_path / "model.onnx").run(None, {"x": batch["x"]})[0]
@@ -192,10 +193,10 @@ def test_dropout_repeats_and_resumes_bit_for_bit(digits, tmp_path, monkeypatch):
     def final(out: Path, config: dict) -> dict:
         Trainer(config, digits / "train", digits / "eval", Artifacts(tmp_path / "artifacts"), TrainFolder(out),
                 StopRequest()).run()
-        return store.read_checkpoint(store.step_dir(out / "checkpoints", 4)).state.parameters
+        return reader.read_checkpoint(layout.step_dir(out / "checkpoints", 4)).state.parameters
 
     first = final(tmp_path / "first", cfg)
-    shutil.rmtree(store.step_dir(tmp_path / "first" / "checkpoints", 4))
+    shutil.rmtree(layout.step_dir(tmp_path / "first" / "checkpoints", 4))
     resumed = final(tmp_path / "first", cfg)
     again = final(tmp_path / "again", cfg)
     other = final(tmp_path / "other", config_mod.validate({**cfg, "run": {**cfg["run"], "seed": 4}}))
@@ -290,8 +291,8 @@ def test_cnn_with_batchnorm_and_dropout_through_the_workflow(digits_workdir, mon
     assert trained["eval"]["accuracy"] > 0.5  # chance is 0.1
 
     stats = json.loads((results / "artifacts" / "model.json").read_text())["running_stats"]
-    initial = store.load_parameters_file(results / "artifacts" / "checkpoint")
-    merged = store.load_parameters_file(results / "checkpoint" / "checkpoint")
+    initial = reader.load_parameters_file(results / "artifacts" / "checkpoint")
+    merged = reader.load_parameters_file(results / "checkpoint" / "checkpoint")
     for name in stats.values():
         assert np.abs(merged[name] - initial[name]).max() > 0.05, name
     shards = sorted((results / "train" / "checkpoints" / f"step-{steps:08d}").glob("shard-*.h5"))

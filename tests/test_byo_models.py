@@ -359,8 +359,8 @@ def linear_model(path: Path, outputs: int, shape: list) -> np.ndarray:
 def build_on(tmp_path: Path, y: np.ndarray, model: dict) -> dict:
     """prepare_data and build_artifacts of x [24, 3] and the label `y`, in-process."""
     from ortflow import config as config_mod
-    from ortflow.build_artifacts import build
-    from ortflow.prepare_data import prepare
+    from ortflow.stages.build_artifacts import build
+    from ortflow.stages.prepare_data import prepare
 
     x = np.random.default_rng(0).normal(size=(24, 3)).astype(np.float32)
     np.savez(tmp_path / "data.npz", x=x, y=y)
@@ -410,7 +410,7 @@ def test_a_loss_that_fails_on_the_shapes_at_run_time_names_both_and_onnx_runtime
     """Where shape inference cannot tell the output's shape, the smoke step finds the misfit: its message
     gives both shapes (the output's from the forward model run alone) and ONNX Runtime's assertion without its
     source path and C++ signature, which cut the message off (`... const onn`)."""
-    from ortflow.build_artifacts import smoke_step_error
+    from ortflow.graphs.smoke_step import smoke_step_error
 
     linear_model(tmp_path / "linear.onnx", 30, [3, 10])
     batch = {"x": np.ones((4, 3), np.float32), "y": np.zeros(4, np.int64)}

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import copy_inputs, fault, run_snakemake
 from ortflow import config as config_mod
-from ortflow.checkpoints import ort_format, resume, store
+from ortflow.checkpoints import ort_format, reader, resume
 from ortflow.training.schedule import learning_rate
 
 pytestmark = pytest.mark.e2e
@@ -42,7 +42,7 @@ def _log(workdir: Path) -> str:
 
 
 def _state(folder: Path) -> ort_format.TrainingState:
-    return store.read_checkpoint(folder).state
+    return reader.read_checkpoint(folder).state
 
 
 def _max_difference(a: ort_format.TrainingState, b: ort_format.TrainingState) -> float:
@@ -96,13 +96,13 @@ def test_each_rank_writes_its_shard(reference):
     sizes = [f.stat().st_size for f in files]
     assert max(sizes) < 0.52 * sum(sizes), sizes
     owned = [e["parameters"] for e in manifest["shards"]]
-    initial = store.load_parameters_file(reference / RUN / "artifacts/checkpoint")
+    initial = reader.load_parameters_file(reference / RUN / "artifacts/checkpoint")
     assert set(owned[0]) | set(owned[1]) == set(initial)
     for name, array in initial.items():
         ranges = sorted(tuple(part[name]) for part in owned if name in part)
         assert ranges[0][0] == 0 and ranges[-1][1] == array.size, (name, ranges)
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), (name, ranges)
-    attrs, part = store.read_shard(files[1])
+    attrs, part = reader.read_shard(files[1])
     assert (attrs["rank"], attrs["world_size"], attrs["step"]) == (1, 2, 40)
     assert attrs["identity_digest"] == manifest["identity_digest"]
     assert attrs["checkpoint_id"] == manifest["checkpoint_id"]
@@ -124,7 +124,7 @@ def test_merged_checkpoint_loads_and_trains_in_a_new_module(reference):
     assert meta["step"] == 40 and meta["identity_digest"] == json.loads(
         (_root(reference) / "step-00000040/manifest.json").read_text())["identity_digest"]
     _assert_identical(ort_format.read_ort_checkpoint(merged / "checkpoint"), shards)
-    _assert_identical(store.assemble([store.read_shard(merged / "checkpoint.h5")[1]], merged), shards)
+    _assert_identical(reader.assemble([reader.read_shard(merged / "checkpoint.h5")[1]], merged), shards)
 
     artifacts = reference / RUN / "artifacts"
     state = CheckpointState.load_checkpoint(str(merged / "checkpoint"))

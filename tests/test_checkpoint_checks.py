@@ -16,8 +16,8 @@ import h5py
 import numpy as np
 import pytest
 
-from ortflow import merge_checkpoint
-from ortflow.checkpoints import checks, resume, store
+from ortflow.stages import merge_checkpoint
+from ortflow.checkpoints import checks, layout, reader, resume, writer
 from ortflow.checkpoints.ort_format import CheckpointError, TrainingState, ort_checkpoint_bytes
 
 SHAPES = {"w": (4, 3), "b": (3,)}
@@ -39,12 +39,12 @@ def write_checkpoint(folder: Path, world_size: int = 2) -> Path:
     state = training_state()
     folder.mkdir(parents=True)
     entries = []
-    for rank, ranges in enumerate(store.partition(state, world_size)):
-        attrs = store.shard_attrs("40-abc", 40, rank, world_size, IDENTITY, "d" * 64, state.version)
-        entries.append(store.write_shard(folder, state.part(ranges), attrs))
-    store.write_json(folder / store.MANIFEST, store.new_manifest(
+    for rank, ranges in enumerate(layout.partition(state, world_size)):
+        attrs = layout.shard_attrs("40-abc", 40, rank, world_size, IDENTITY, "d" * 64, state.version)
+        entries.append(writer.write_shard(folder, state.part(ranges), attrs))
+    layout.write_json(folder / layout.MANIFEST, layout.new_manifest(
         "40-abc", 40, world_size, IDENTITY, "d" * 64, state.properties, entries))
-    (folder / store.COMPLETE).write_bytes(b"")
+    (folder / layout.COMPLETE).write_bytes(b"")
     return folder
 
 
@@ -65,9 +65,9 @@ def model(tmp_path) -> Path:
 
 
 def edit_manifest(folder: Path, edit) -> None:
-    manifest = json.loads((folder / store.MANIFEST).read_text())
+    manifest = json.loads((folder / layout.MANIFEST).read_text())
     edit(manifest)
-    (folder / store.MANIFEST).write_text(json.dumps(manifest))
+    (folder / layout.MANIFEST).write_text(json.dumps(manifest))
 
 
 def rewrite_shards(folder: Path, edit) -> None:
@@ -119,13 +119,13 @@ def outside(paths: list[str], folder: Path) -> list[str]:
 
 def refused(folder: Path, model: Path | None = None) -> str:
     with pytest.raises(CheckpointError) as error:
-        store.read_checkpoint(folder, model)
+        reader.read_checkpoint(folder, model)
     assert len(str(error.value).splitlines()) == 1
     return str(error.value)
 
 
 def test_an_intact_checkpoint_passes_every_check(folder, model):
-    read = store.read_checkpoint(folder, model)
+    read = reader.read_checkpoint(folder, model)
     expected = training_state()
     for name in SHAPES:
         assert np.array_equal(read.state.parameters[name], expected.parameters[name])
@@ -207,7 +207,7 @@ def test_datasets_must_match_the_model(folder, model, change, monkeypatch):
     if change == "renamed":
         edit_manifest(folder, lambda m: [e["parameters"].__setitem__("bias", e["parameters"].pop("b"))
                                          for e in m["shards"] if "b" in e["parameters"]])
-    store.read_checkpoint(folder)  # consistent in itself: only the model tells
+    reader.read_checkpoint(folder)  # consistent in itself: only the model tells
     with pytest.raises(CheckpointError) as error:
         resume.load_state(resume.Resume(folder, 40, {}), model)
     expected = {
@@ -279,7 +279,7 @@ HISTORY = {"train": [{"step": 40, "loss": 0.5}], "eval": [{"step": 40, "loss": 0
 
 def with_history(folder: Path) -> Path:
     """The checkpoint with the metrics logged up to its step, as training writes them."""
-    edit_manifest(folder, lambda m: m.update(history=store.write_history(folder, HISTORY)))
+    edit_manifest(folder, lambda m: m.update(history=writer.write_history(folder, HISTORY)))
     return folder
 
 
@@ -332,7 +332,7 @@ def test_the_history_is_verified_like_the_shards(folder, monkeypatch, damage):
         history.write_text(json.dumps(HISTORY).replace("0.5", "0.4") + "\n")
         reason = f"history file {history}: checksum mismatch (sha256 "
     else:  # rewritten with its checksum: intact, but not what training reads
-        edit_manifest(folder, lambda m: m.update(history=store.write_history(folder, {"train": 5})))
+        edit_manifest(folder, lambda m: m.update(history=writer.write_history(folder, {"train": 5})))
         reason = f"history file {history}: not the metrics of a run (a JSON object of 'train' and 'eval' lists)"
     with opened_paths() as paths:
         assert reason in refused(folder)
@@ -347,10 +347,10 @@ def test_the_manifest_must_be_a_regular_file(folder):
     manifest.unlink()
     manifest.symlink_to("/dev/zero")  # read_text would read forever
     assert f"manifest {manifest} is a symbolic link; a manifest must be a regular file" in refused(folder)
-    assert store.digest_of(folder) is None
+    assert reader.digest_of(folder) is None
     manifest.unlink()
     manifest.write_bytes(data)
-    assert store.digest_of(folder) == "d" * 64
+    assert reader.digest_of(folder) == "d" * 64
 
 
 def test_inspect_reports_the_checks(folder, model, tmp_path):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ortflow import config as config_mod
-from ortflow.checkpoints import resume, store
+from ortflow.checkpoints import layout, resume, writer
 from ortflow.checkpoints.ort_format import CheckpointError, TrainingState
 
 IDENTITY = {"seed": 1}
@@ -27,11 +27,11 @@ class _OneRank:
 
 
 def _save(root: Path, step: int, history: dict | None = None) -> Path:
-    """A real checkpoint folder of one small parameter, written by store.save on one rank."""
+    """A real checkpoint folder of one small parameter, written by writer.save on one rank."""
     weight = np.arange(6, dtype=np.float32).reshape(2, 3) + step
     state = TrainingState({"w": weight}, {"w": True}, {"w": {"momentum0": weight * 0, "momentum1": weight * 0}},
                           {"group_name": "g", "step": step, "initial_learning_rate": 0.1}, {})
-    return store.save(root, step, state.part(store.partition(state, 1)[0]), _OneRank(), IDENTITY, DIGEST, {"step": step}, keep=10,
+    return writer.save(root, step, state.part(layout.partition(state, 1)[0]), _OneRank(), IDENTITY, DIGEST, {"step": step}, keep=10,
                            history=history or {"train": [{"step": step}], "eval": []})
 
 
@@ -86,12 +86,12 @@ def test_a_checkpoint_beyond_train_steps_is_not_used(tmp_path, monkeypatch, capl
 def test_a_resharded_checkpoint_keeps_its_history(tmp_path):
     """`ortflow checkpoint reshard` copies history.json (checksummed in the new
     manifest), so that a run resumed from the copy reports the metrics logged before it."""
-    from ortflow import merge_checkpoint
+    from ortflow.stages import merge_checkpoint
 
     history = {"train": [{"step": s, "loss": 1.0 / s} for s in (5, 10)], "eval": [{"step": 10, "loss": 0.4}]}
     source = _save(tmp_path / "checkpoints", 10, history)
     copy = merge_checkpoint.reshard(source, tmp_path / "three", 3)
-    manifest = json.loads((copy / store.MANIFEST).read_text())
-    assert manifest["world_size"] == 3 and manifest["history"]["file"] == store.HISTORY
+    manifest = json.loads((copy / layout.MANIFEST).read_text())
+    assert manifest["world_size"] == 3 and manifest["history"]["file"] == layout.HISTORY
     found = resume.find_resume(tmp_path, IDENTITY, DIGEST, str(copy), steps=100)
     assert (found.step, resume.read_history(found)) == (10, history)

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from ortflow.checkpoints import store
+from ortflow.checkpoints import layout, retention
 from ortflow.checkpoints.ort_format import TrainingState
 
 
@@ -23,7 +23,7 @@ def state(sizes: dict[str, int], moments: int = 2) -> TrainingState:
 @pytest.mark.parametrize("world_size", [1, 2, 3, 7])
 def test_partition_covers_every_element_once_in_nearly_equal_bytes(world_size):
     full = state({"b": 5, "a": 1000, "c": 1, "d": 0, "e": 37})
-    parts = store.partition(full, world_size)
+    parts = layout.partition(full, world_size)
     assert len(parts) == world_size
     for name, array in full.parameters.items():
         ranges = sorted(part[name] for part in parts if name in part)
@@ -36,17 +36,17 @@ def test_partition_covers_every_element_once_in_nearly_equal_bytes(world_size):
 
 
 def test_partition_splits_one_large_parameter_across_ranks():
-    parts = store.partition(state({"big": 10, "small": 2}), 3)
+    parts = layout.partition(state({"big": 10, "small": 2}), 3)
     assert [part.get("big") for part in parts] == [(0, 4), (4, 8), (8, 10)]
     assert [part.get("small") for part in parts] == [None, None, (0, 2)]
 
 
 def _checkpoint(root, step: int, digest: str, complete: bool = True):
-    folder = store.step_dir(root, step)
+    folder = layout.step_dir(root, step)
     folder.mkdir(parents=True)
-    (folder / store.MANIFEST).write_text(json.dumps({"identity_digest": digest}))
+    (folder / layout.MANIFEST).write_text(json.dumps({"identity_digest": digest}))
     if complete:
-        (folder / store.COMPLETE).write_text("")
+        (folder / layout.COMPLETE).write_text("")
     return folder
 
 
@@ -55,7 +55,7 @@ def test_pruning_keeps_the_newest_of_this_identity_and_leaves_others_alone(tmp_p
     other = _checkpoint(tmp_path, 25, "other")
     crashed_old = _checkpoint(tmp_path, 15, "ours", complete=False)
     crashed_new = _checkpoint(tmp_path, 50, "ours", complete=False)
-    store._prune(tmp_path, "ours", keep=2)
+    retention.prune(tmp_path, "ours", keep=2)
     left = sorted(p.name for p in tmp_path.iterdir())
     assert left == sorted(p.name for p in (ours[2], ours[3], other, crashed_new)), left
     assert not crashed_old.exists()

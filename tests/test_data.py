@@ -13,7 +13,7 @@ import pytest
 
 from conftest import run_snakemake
 from ortflow import config as config_mod
-from ortflow.prepare_data import prepare
+from ortflow.stages.prepare_data import prepare
 from ortflow.data.shards import MANIFEST, ShardReader
 from ortflow.data.sources import DataError
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ortflow import storage
-from ortflow.checkpoints import resume, store
+from ortflow.checkpoints import layout, reader, resume, writer
 from ortflow.checkpoints.ort_format import TrainingState
 
 BIN = Path(sys.executable).parent
@@ -58,11 +58,11 @@ def state_of(megabytes: float):
     w = rng.normal(size=n).astype(np.float32)
     state = TrainingState({"w": w}, {"w": True}, {"w": {"momentum0": w * 0, "momentum1": w * 0}},
                           {"group_name": "group0", "step": 1, "initial_learning_rate": 0.1}, {"step": 1})
-    return state.part(store.partition(state, 1)[0])
+    return state.part(layout.partition(state, 1)[0])
 
 
 def save(root: Path, step: int, state) -> Path:
-    return store.save(root, step, state, OneRank(), IDENTITY, DIGEST, {"step": step, "lr": 0.1}, keep=2)
+    return writer.save(root, step, state, OneRank(), IDENTITY, DIGEST, {"step": step, "lr": 0.1}, keep=2)
 
 
 def test_full_disk_then_read_only_while_checkpointing(mount):
@@ -80,7 +80,7 @@ def test_full_disk_then_read_only_while_checkpointing(mount):
     assert sorted(p.name for p in (root / "step-00000020").iterdir()) == []  # nothing half-written, no COMPLETE
     assert {p.name: p.read_bytes() for p in first.iterdir()} == before
     assert resume.latest(root, DIGEST).step == 10
-    store.read_checkpoint(first)
+    reader.read_checkpoint(first)
 
     subprocess.run(["mount", "-o", "remount,ro", str(root.parent)], check=True)
     with pytest.raises(OSError) as error:

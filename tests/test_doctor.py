@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from conftest import run_snakemake
-from ortflow import config, cuda_libraries, preflight
+from ortflow import config, cuda_libraries
+from ortflow.training import preflight
 
 REQUIRED = [
     "python", "config", "ortflow", "onnxruntime-training", "onnx", "torch", "snakemake", "mpi4py",
@@ -255,7 +256,7 @@ def test_checkpoints_larger_than_the_free_disk_are_named(tmp_path):
 def test_doctor_checks_the_built_model_or_says_to_build_it(tmp_path, monkeypatch):
     from argparse import Namespace
 
-    from ortflow import doctor
+    from ortflow.stages import doctor
 
     cfg = config.validate({})
     missing = doctor.model_checks(Namespace(artifacts=tmp_path), cfg, 2)

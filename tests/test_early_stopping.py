@@ -13,7 +13,7 @@ import pytest
 
 from conftest import run_snakemake
 from ortflow import config as config_mod
-from ortflow.checkpoints import store
+from ortflow.checkpoints import best, layout
 from ortflow.checkpoints.ort_format import CheckpointError
 from ortflow.errors import ConfigError
 from ortflow.training.best import Best
@@ -53,12 +53,12 @@ def test_export_checkpoint_auto_is_best_with_early_stopping():
 
 
 def test_best_json_names_a_step_folder_beside_it_only(tmp_path):
-    (tmp_path / store.BEST).write_text(json.dumps({"checkpoint": "../../etc", "identity_digest": "d"}))
+    (tmp_path / layout.BEST).write_text(json.dumps({"checkpoint": "../../etc", "identity_digest": "d"}))
     with pytest.raises(CheckpointError, match="'checkpoint' must name a step-XXXXXXXX folder beside it"):
-        store.best_of(tmp_path, "d")
-    (tmp_path / store.BEST).write_text(json.dumps({"checkpoint": "step-00000020", "identity_digest": "d"}))
-    assert store.best_of(tmp_path, "d")["checkpoint"] == "step-00000020"
-    assert store.best_of(tmp_path, "another identity") is None
+        best.best_of(tmp_path, "d")
+    (tmp_path / layout.BEST).write_text(json.dumps({"checkpoint": "step-00000020", "identity_digest": "d"}))
+    assert best.best_of(tmp_path, "d")["checkpoint"] == "step-00000020"
+    assert best.best_of(tmp_path, "another identity") is None
 
 
 # --- through the workflow ----------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def test_export_checkpoint_best_without_early_stopping_picks_the_lowest_eval_los
     meta = json.loads((digits_workdir / "results/digits/checkpoint/meta.json").read_text())
     assert meta["step"] == best_step and meta["chosen"]["value"] == pytest.approx(min(losses))
     # Asked for by hand without a best one recorded: one line saying what to do.
-    from ortflow import merge_checkpoint
+    from ortflow.stages import merge_checkpoint
 
     empty = digits_workdir / "empty"
     empty.mkdir()

@@ -186,7 +186,7 @@ def test_400_steps_export_within_the_scaled_tolerance(digits_workdir):
 
 
 def test_scaled_tolerance_names_the_allowance():
-    from ortflow.export_model import ExportError, compare
+    from ortflow.stages.export_model import ExportError, compare
 
     large = np.array([[100.0, -20.0]], np.float32)
     assert compare("logits", large + np.float32(5e-3), large) == pytest.approx(5e-3, rel=1e-3)  # allowed 0.010001
@@ -204,7 +204,7 @@ def test_reference_evaluator_failure_warns_and_names_the_operator(tmp_path, capl
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from ortflow.export_model import check_reference
+    from ortflow.stages.export_model import check_reference
 
     indices = numpy_helper.from_array(np.array([[[5, 70, 99], [0, 1, 2]]], np.int64), "picked")
     graph = helper.make_graph(
@@ -257,7 +257,7 @@ def test_dynamic_quantization_keeps_conv_fp32_and_survives_preprocessing(tmp_pat
     import onnx
     import onnxruntime as ort
 
-    from ortflow import quantize_model
+    from ortflow.stages import quantize_model
 
     source = tmp_path / "conv.onnx"
     write_conv_model(source, shaped_input=False)
@@ -283,7 +283,7 @@ def test_dynamic_quantization_keeps_conv_fp32_and_survives_preprocessing(tmp_pat
 
 
 def test_gate_on_a_tiny_eval_split_says_what_one_record_is_worth():
-    from ortflow.quantize_model import QualityGateError, gate
+    from ortflow.stages.quantize_model import QualityGateError, gate
 
     report = {"fp32": {"loss": 0.1, "accuracy": 0.95}, "int8": {"loss": 0.2, "accuracy": 0.90}}
     with pytest.raises(QualityGateError, match=r"is a loss of 5 points, more than export.max_accuracy_drop=1.0 "

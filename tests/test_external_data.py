@@ -17,7 +17,7 @@ from onnx import helper, numpy_helper
 from conftest import BIN, run_snakemake
 from ortflow import external_data
 from ortflow.checkpoints import ort_format
-from ortflow.checkpoints.store import read_checkpoint
+from ortflow.checkpoints.reader import read_checkpoint
 from ortflow.errors import CheckpointError, ConfigError, ModelError
 
 FORCED = {external_data.VARIABLE: "0"}  # every tensor of 1 KiB or more to external data
@@ -170,9 +170,9 @@ def test_artifacts_with_external_data_equal_those_without(tmp_path, monkeypatch)
     command ran."""
     from test_artifacts import SMALL, config
 
-    from ortflow import build_artifacts
+    from ortflow.stages import build_artifacts
     from ortflow.artifacts import Artifacts
-    from ortflow.prepare_data import prepare
+    from ortflow.stages.prepare_data import prepare
 
     prepare(config(), tmp_path / "train", tmp_path / "eval")
     monkeypatch.chdir(tmp_path)

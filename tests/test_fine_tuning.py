@@ -25,7 +25,7 @@ from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.data.shards import ShardReader
-from ortflow.prepare_data import split_rows
+from ortflow.stages.prepare_data import split_rows
 from test_pretrained import bits
 from test_tokenizers import ANIMALS, SEED, animal_texts, whole
 from text_models import pydoc_text, train_bpe, train_wordpiece

@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ortflow import build_artifacts
+from ortflow.stages import build_artifacts
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ConfigError
 from ortflow.training import engine, gradients, weight_decay
-from ortflow.training.lamb import Lamb, check_sharding
+from ortflow.config import check_lamb_sharding
+from ortflow.training.lamb import Lamb
 from ortflow.training.optimizer import Optimizer, Piece
 from ortflow.training.weight_decay import WeightDecay
 from test_weight_decay import settings, train_dir  # noqa: F401 - the fixture
@@ -151,11 +152,11 @@ def test_lamb_refuses_zero_1():
     """ZeRO-1 (train.zero, h-zero's key) gives ranks slices of tensors; LAMB needs whole ones."""
     train = config_mod.validate({"train": {"optimizer": {"name": "lamb"}}})["train"]
     with pytest.raises(ConfigError) as error:
-        check_sharding({**train, "zero": 1})
+        check_lamb_sharding({**train, "zero": 1})
     assert str(error.value) == (
         "config key 'train.zero': 1 gives each rank slices of the optimizer's tensors, but LAMB's trust ratio "
         "needs the norm of each whole tensor; set train.zero: 0 with lamb, or use train.optimizer.name: adamw "
         "with ZeRO")
-    check_sharding({**train, "zero": 0})
-    check_sharding(train)
-    check_sharding({**train, "optimizer": {**train["optimizer"], "name": "adamw"}, "zero": 1})
+    check_lamb_sharding({**train, "zero": 0})
+    check_lamb_sharding(train)
+    check_lamb_sharding({**train, "optimizer": {**train["optimizer"], "name": "adamw"}, "zero": 1})

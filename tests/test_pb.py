@@ -7,8 +7,8 @@ import pytest
 from onnx import TensorProto
 
 from ortflow import cli, config
-from ortflow.prepare_data import prepare
-from ortflow.shards_to_pb import read_pb
+from ortflow.stages.prepare_data import prepare
+from ortflow.stages.shards_to_pb import read_pb
 from ortflow.data.shards import ShardReader
 from ortflow.data.sources import DataError
 

@@ -22,12 +22,12 @@ from onnx import TensorProto, helper, numpy_helper
 from safetensors.numpy import load_file, save_file
 
 from conftest import run_snakemake
-from ortflow import build_artifacts
+from ortflow.stages import build_artifacts
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.errors import ConfigError, ModelError
-from ortflow.prepare_data import prepare
+from ortflow.stages.prepare_data import prepare
 from transformers_models import save_bert, save_gpt2
 
 TESTS = Path(__file__).resolve().parent

@@ -23,7 +23,7 @@ import yaml
 from conftest import BIN, REPO, fault, run_snakemake
 from test_slurm import PROFILE, SLURM_ARGS, slurm_cluster, slurm_jobs  # noqa: F401 - the fixture
 
-from ortflow.checkpoints import resume, store
+from ortflow.checkpoints import reader, resume
 
 pytestmark = pytest.mark.cluster
 
@@ -94,7 +94,7 @@ def train_job(workdir: Path) -> tuple[dict, list[dict]]:
 
 
 def final_weights(train_dir: Path) -> dict[str, np.ndarray]:
-    return store.load_parameters(resume.latest(train_dir / "checkpoints").path)
+    return reader.load_parameters(resume.latest(train_dir / "checkpoints").path)
 
 
 def full_config(overrides: dict) -> dict:
@@ -123,7 +123,7 @@ def test_shards_written_on_two_nodes_form_one_checkpoint(two_node_run):
     workdir, _ = two_node_run
     folder = workdir / TRAIN_DIR / "checkpoints" / "step-00000030"
     # read_checkpoint checks every shard against the manifest (sizes, digests, step).
-    read = store.read_checkpoint(folder)
+    read = reader.read_checkpoint(folder)
     assert read.manifest["world_size"] == 4
     assert sorted(p.name for p in folder.glob("shard-*")) == [f"shard-0000{r}-of-00004.h5" for r in range(4)]
     assert json.loads((workdir / TRAIN_DIR / "metrics.json").read_text())["steps"] == 30

@@ -14,9 +14,9 @@ import pytest
 
 from conftest import run_snakemake
 from ortflow.data import standardize
-from ortflow.prepare_data import split_rows
+from ortflow.stages.prepare_data import split_rows
 from ortflow.data.shards import ShardReader
-from ortflow.export_model import TOLERANCE
+from ortflow.stages.export_model import TOLERANCE
 from ortflow.inference import loss_of
 from ortflow.report import fmt, summary_rows
 

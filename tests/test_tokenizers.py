@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from conftest import run_snakemake
-from ortflow import build_artifacts
+from ortflow.models import torch_export
 from ortflow import config as config_mod
 from ortflow.data import tokenizer as tokenizers
 from ortflow.data.shards import TOKENIZER, ShardReader
 from ortflow.errors import ConfigError, DataError, ModelError
 from ortflow.models import user, vocabulary
-from ortflow.prepare_data import prepare, split_rows
+from ortflow.stages.prepare_data import prepare, split_rows
 from text_models import TextBag, pydoc_text, train_bpe, train_wordpiece
 
 TESTS = Path(__file__).resolve().parent
@@ -375,7 +375,7 @@ class Flattened(torch.nn.Module):
 def test_vocabulary_against_the_embedding(tmp_path, rows, caplog):
     manifest = {"features": [{"name": "x", "dtype": "int64", "shape": [8]}],
                 "tokenizer": {"source": "tok.json", "vocab_size": 50, "input": "x"}}
-    build_artifacts.export_torch(Flattened(rows), manifest, tmp_path / "model.onnx")
+    torch_export.export_torch(Flattened(rows), manifest, tmp_path / "model.onnx")
     import onnx
 
     base = onnx.load(str(tmp_path / "model.onnx"))

@@ -18,14 +18,14 @@ import torch
 from onnxruntime.training.api import CheckpointState, Module
 
 from ortflow import cli
-from ortflow.checkpoints import store
+from ortflow.checkpoints import reader
 from ortflow.artifacts import Artifacts
 from ortflow import config as config_mod
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.evaluation import feeds, outputs_of
 from ortflow.training.run_folder import TrainFolder
-from ortflow import build_artifacts
+from ortflow.models import torch_export
 from ortflow.inference import inference_session
 from torch_layers import LayerNet, key_bias
 from torch_reference import load_initial, train_like_ortflow, with_weights
@@ -122,7 +122,7 @@ def test_short_training_equals_pytorch_and_export_equals_eval_graph(layer, token
     run_ortflow(config, tokens, tmp_path)
     history = json.loads((tmp_path / "train/metrics.json").read_text())["history"]["train"]
     losses = [entry["loss"] for entry in history]
-    trained = store.load_parameters_file(tmp_path / "checkpoint/checkpoint")
+    trained = reader.load_parameters_file(tmp_path / "checkpoint/checkpoint")
     torch_losses, torch_trained = train_like_ortflow(load_initial(LayerNet(layer), tmp_path / "artifacts"), config,
                                                      tokens / "train")
     assert len(losses) == len(torch_losses) == config["train"]["steps"]
@@ -130,8 +130,8 @@ def test_short_training_equals_pytorch_and_export_equals_eval_graph(layer, token
     worst = parameter_differences(layer, trained, torch_trained)
     assert max(worst.values()) <= PARAMETER_TOLERANCE, worst
 
-    reader = ShardReader(tokens / "eval")
-    batch = reader.gather(np.arange(len(reader)))
+    eval_reader = ShardReader(tokens / "eval")
+    batch = eval_reader.gather(np.arange(len(eval_reader)))
     exported, graph = eval_logits(tmp_path, batch)
     in_torch = torch_logits(layer, trained, batch["ids"])
     print(f"{layer}: loss {largest(losses, torch_losses):.2g}, parameters {max(worst.values()):.2g}, exported vs "
@@ -177,6 +177,6 @@ def nonzero_padding_row() -> Bag:
 ], ids=["scale_grad_by_freq", "functional_scale_grad_by_freq", "nonzero_padding_row"])
 def test_embedding_that_cannot_train_as_in_torch_is_refused_in_one_line(module, message, tmp_path):
     with pytest.raises(ModelError) as error:
-        build_artifacts.export_torch(module(), {"features": [{"name": "ids", "dtype": "int64", "shape": [TIME]}]},
+        torch_export.export_torch(module(), {"features": [{"name": "ids", "dtype": "int64", "shape": [TIME]}]},
                             tmp_path / "model.onnx")
     assert str(error.value) == message

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from conftest import fault, run_snakemake
-from ortflow import config as config_mod, train
-from ortflow.checkpoints import resume, store
+from ortflow import config as config_mod
+from ortflow.stages import train
+from ortflow.checkpoints import reader, resume
 from ortflow.training.run_folder import TrainFolder
 
 SHORT = {"train": {"steps": 30, "log_every": 5, "eval_every": 15, "checkpoint_every": 10}}
@@ -72,7 +73,7 @@ def test_keeps_the_last_checkpoints(default_run):
 
 
 def _final_parameters(workdir: Path) -> dict:
-    return store.load_parameters(resume.latest(workdir / "results/digits/train/checkpoints").path)
+    return reader.load_parameters(resume.latest(workdir / "results/digits/train/checkpoints").path)
 
 
 @pytest.mark.e2e

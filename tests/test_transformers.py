@@ -19,7 +19,8 @@ import torch
 
 from conftest import run_snakemake
 from ortflow.errors import ModelError
-from ortflow import build_artifacts
+from ortflow.graphs import cost, generate
+from ortflow.models import torch_export
 
 TESTS = Path(__file__).resolve().parent
 FEATURE = [{"name": "x", "dtype": "float32", "shape": [6]}]
@@ -27,7 +28,7 @@ FEATURE = [{"name": "x", "dtype": "float32", "shape": [6]}]
 
 def _export(module, features, tmp_path) -> onnx.ModelProto:
     path = tmp_path / "model.onnx"
-    build_artifacts.export_torch(module, {"features": features}, path)
+    torch_export.export_torch(module, {"features": features}, path)
     return onnx.load(str(path))
 
 
@@ -199,6 +200,6 @@ def test_flops_per_sample_count_every_matmul_of_transformers_models(kind, tmp_pa
     # Conv1Ds 2 x 12 x 64^2 and attention 2 x 2 x 16 x 64, then the LM head 2 x 64 x 256.
     by_hand = {"gpt2": 16 * (2 * (24 * 64**2 + 4 * 16 * 64) + 2 * 64 * 256)}
     base = _export(module, features, tmp_path)
-    build_artifacts.drop_weights(base)  # as build counts them: once the checkpoint holds the weights
-    assert build_artifacts.forward_flops(base, build_artifacts.per_sample_values(base)) == counter.get_total_flops()
+    generate.drop_weights(base)  # as build counts them: once the checkpoint holds the weights
+    assert cost.forward_flops(base, cost.per_sample_values(base)) == counter.get_total_flops()
     assert counter.get_total_flops() == by_hand.get(kind, counter.get_total_flops())

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from ortflow import config as config_mod
-from ortflow.prepare_data import prepare
+from ortflow.stages.prepare_data import prepare
 from ortflow.data.shards import ShardReader
-from ortflow import build_artifacts
+from ortflow.stages import build_artifacts
 from ortflow.models import built_in
 from ortflow.errors import TrainingError
 from ortflow.artifacts import Artifacts

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import require_e2e
 from ortflow import config as config_mod
-from ortflow import merge_checkpoint, train
-from ortflow.checkpoints import store
+from ortflow.stages import merge_checkpoint, train
+from ortflow.checkpoints import layout, reader
 import test_weight_decay as tiny_gpt
 from test_weight_decay import settings
 
@@ -46,7 +46,7 @@ def run_ranks(folder: Path, artifacts: Path, data: Path, ranks: int, zero: int, 
 
 
 def parameters(checkpoint: Path) -> dict:
-    return store.read_checkpoint(checkpoint).state.parameters
+    return reader.read_checkpoint(checkpoint).state.parameters
 
 
 def largest_difference(a: dict, b: dict) -> float:
@@ -65,10 +65,10 @@ def test_zero_1_equals_the_unsharded_run_and_its_checkpoints_resume_anywhere(bui
     assert worst < 1e-6
 
     # The shards are what each rank owned: rank 0's holds momentum0 and momentum1 of a part of the parameters only.
-    whole = store.read_checkpoint(at_50).state
+    whole = reader.read_checkpoint(at_50).state
     for rank in range(2):
-        _, part = store.read_shard(at_50 / store.shard_name(rank, 2))
-        assert part.parameters.keys() == store.partition(whole, 2)[rank].keys()
+        _, part = reader.read_shard(at_50 / layout.shard_name(rank, 2))
+        assert part.parameters.keys() == layout.partition(whole, 2)[rank].keys()
         assert all(set(moments) == {"momentum0", "momentum1"} for moments in part.optimizer_states.values())
     assert whole.optimizer["step"] == 50
 
@@ -80,6 +80,6 @@ def test_zero_1_equals_the_unsharded_run_and_its_checkpoints_resume_anywhere(bui
         assert difference <= tolerance, (ranks, zero)
 
     merged = merge_checkpoint.merge(sharded, tmp_path / "merged", model=artifacts)
-    assert largest_difference(store.load_parameters_file(merged / "checkpoint"), uninterrupted) == 0.0
+    assert largest_difference(reader.load_parameters_file(merged / "checkpoint"), uninterrupted) == 0.0
     resharded = merge_checkpoint.reshard(sharded / "step-00000055", tmp_path / "resharded", 3, model=artifacts)
     assert largest_difference(parameters(resharded), uninterrupted) == 0.0

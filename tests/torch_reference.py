@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ortflow.checkpoints import store
+from ortflow.checkpoints import reader
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.data.shards import ShardReader
@@ -25,7 +25,7 @@ def with_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> torc
 
 def load_initial(model: torch.nn.Module, artifacts: Path) -> torch.nn.Module:
     """`model` with the weights of ortflow's initial checkpoint."""
-    return with_weights(model, store.load_parameters_file(Artifacts(artifacts).checkpoint))
+    return with_weights(model, reader.load_parameters_file(Artifacts(artifacts).checkpoint))
 
 
 def train_like_ortflow(model: torch.nn.Module, config: dict, train_dir: Path,

@@ -19,14 +19,14 @@ from . import storage
 from .errors import OrtflowError
 
 COMMANDS = {
-    "prepare-data": "ortflow.prepare_data",
-    "shards-to-pb": "ortflow.shards_to_pb",
-    "build-artifacts": "ortflow.build_artifacts",
-    "doctor": "ortflow.doctor",
-    "train": "ortflow.train",
-    "export-model": "ortflow.export_model",
-    "quantize-model": "ortflow.quantize_model",
-    "checkpoint": "ortflow.merge_checkpoint",
+    "prepare-data": "ortflow.stages.prepare_data",
+    "shards-to-pb": "ortflow.stages.shards_to_pb",
+    "build-artifacts": "ortflow.stages.build_artifacts",
+    "doctor": "ortflow.stages.doctor",
+    "train": "ortflow.stages.train",
+    "export-model": "ortflow.stages.export_model",
+    "quantize-model": "ortflow.stages.quantize_model",
+    "checkpoint": "ortflow.stages.merge_checkpoint",
     "report": "ortflow.report",
     "sweep": "ortflow.sweep",
 }

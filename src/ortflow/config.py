@@ -17,7 +17,6 @@ import jsonschema
 import yaml
 
 from .errors import ConfigError
-from .training import lamb
 
 # Where the workflow keeps its config, relative to the folder the commands run
 # in, as Snakemake reads the Snakefile's `configfile:` (config.load's default).
@@ -194,7 +193,7 @@ def _check_cross_keys(config: dict) -> None:
             f"config key 'model.heads': {model['heads']} does not divide model.width={model['width']}"
         )
     _check_text_keys(data)
-    lamb.check_sharding(train)
+    check_lamb_sharding(train)
     if train["backend"] == "nccl" and train["device"] != "cuda":
         raise ConfigError("config key 'train.backend': 'nccl' needs train.device: cuda")
     if train["nodes"] > train["world_size"]:
@@ -241,6 +240,15 @@ def earlier_run(config: dict) -> dict | None:
             + ("; it must be another run than this one" if name == run else f"; set model.weights: {expected}")
         )
     return earlier
+
+
+def check_lamb_sharding(train: dict) -> None:
+    """Refuse `train.zero: 1` with LAMB: the trust ratio is the norm of a whole tensor."""
+    if train["optimizer"]["name"] == "lamb" and train.get("zero"):
+        raise ConfigError(
+            f"config key 'train.zero': {train['zero']} gives each rank slices of the optimizer's tensors, but "
+            "LAMB's trust ratio needs the norm of each whole tensor; set train.zero: 0 with lamb, "
+            "or use train.optimizer.name: adamw with ZeRO")
 
 
 def _check_text_keys(data: dict) -> None:
@@ -369,7 +377,7 @@ def by_content(section: dict) -> dict:
     """`section` with each value that names a file replaced by `sha256:<digest>` of the file,
     and each folder of FOLDER_KEYS (a save_pretrained tokenizer, model.weights' merged
     checkpoint of an earlier run) by the digest of its files' digests."""
-    from .data.shards import sha256_file
+    from .digests import sha256_file
 
     def content(key: str, value):
         path = Path(value) if isinstance(value, str) else None

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import atomic
 from .errors import MissingInputError
-from .merge_checkpoint import chosen
+from .checkpoints.best import chosen
 
 HELP = "plots and tables of a run for `snakemake --report`"
 

@@ -126,7 +126,7 @@ def halved(point: Point, halving: dict) -> Point:
     if budget >= train["steps"]:
         raise ConfigError(f"sweep point {point.name!r}: config key 'sweep.halving.steps': {budget} is not below "
                           f"train.steps={train['steps']}")
-    from .checkpoints.store import step_dir  # numpy and ONNX: not for every Snakefile that imports this
+    from .checkpoints.layout import step_dir  # numpy and ONNX: not for every Snakefile that imports this
 
     first = copy.deepcopy(point.config)
     first["sweep"]["point"] = f"{point.name}.steps-{budget}"

@@ -1,2 +1,4 @@
-"""Sharded checkpoints of a training run: the format (store), resume, the checks of
-what is read (checks), and ONNX Runtime's own checkpoint file (ort_format)."""
+"""Sharded checkpoints of a training run: the format (layout), writing it (writer),
+reading it (reader, verify), the best one (best), pruning (retention), which one a
+run resumes from (resume), the checks of what is read (checks), and ONNX Runtime's
+own checkpoint file (ort_format)."""

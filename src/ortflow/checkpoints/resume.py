@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .ort_format import CheckpointError, TrainingState
-from .store import COMPLETE, MANIFEST, Checkpoint, digest_of, manifest_of, read_checkpoint
+from .layout import COMPLETE, MANIFEST, Checkpoint
+from .reader import digest_of, manifest_of, read_checkpoint
 
 log = logging.getLogger("ortflow.checkpoint")
 
@@ -29,7 +30,7 @@ def load_state(resume: Resume, model: Path | None = None) -> TrainingState:
 
 def read_history(resume: Resume) -> dict | None:
     """The metrics logged up to the checkpoint `resume`, verified against its manifest like its shards
-    (store.read_checkpoint; None if it has none)."""
+    (reader.read_checkpoint; None if it has none)."""
     return (resume.checkpoint or read_checkpoint(resume.path)).history
 
 

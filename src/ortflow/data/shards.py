@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import atomic
+from ..digests import sha256_file
 from . import standardize
 from .sources import DataError, Dataset
 
@@ -38,14 +39,6 @@ def record_dtype(dataset: Dataset) -> np.dtype:
     fields = [(name, array.dtype, array.shape[1:]) for name, array in dataset.features.items()]
     fields.append((dataset.label_name, dataset.label.dtype, dataset.label.shape[1:]))
     return np.dtype(fields)
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, num_shards: int, source: dict,

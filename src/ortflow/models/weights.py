@@ -32,7 +32,7 @@ log = logging.getLogger("ortflow.build_artifacts")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 CONVERSION = ("python -c \"import torch, safetensors.torch as st; st.save_file({{k: v.contiguous().clone() for k, v in "
               "torch.load('{path}', weights_only=True).items()}}, '{stem}.safetensors')\"")
-CHECKPOINT = "checkpoint"  # the ONNX Runtime file of a merged checkpoint folder (merge_checkpoint.py)
+CHECKPOINT = "checkpoint"  # the ONNX Runtime file of a merged checkpoint folder (stages/merge_checkpoint.py)
 SHOWN = 5  # names shown per kind of mismatch
 
 

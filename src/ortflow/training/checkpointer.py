@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import config as config_mod
-from ..checkpoints import resume, store
+from ..checkpoints import best, layout, resume, writer
 from ..checkpoints.ort_format import TrainingState
 from .gradients import on_host, parameters
 from .metrics import strict
@@ -13,8 +13,7 @@ from .schedule import is_time
 
 
 class Checkpointer:
-    """Decides when the ranks write a checkpoint together, and writes it: every
-    `train.checkpoint_every` steps, after the last step, and when the run stops."""
+    """Decides when the ranks write a checkpoint together (`should_save`), and writes it."""
 
     def __init__(self, root: Path, comm, config: dict):
         train = config["train"]
@@ -25,8 +24,12 @@ class Checkpointer:
         self.global_batch = config_mod.global_batch_size(config)
         self.last: tuple[int, Path] | None = None  # (step, folder) of the newest one written
 
-    def due(self, done: int) -> bool:
-        return is_time(done, self.every, self.steps)
+    def should_save(self, done: int, stop, new_best: bool, exhausted: bool) -> bool:
+        """Whether the ranks write a checkpoint after `done` steps: every `train.checkpoint_every`
+        steps and after the last one, when they agreed to stop (`stop`: the signal, or None),
+        when its evaluation is the best so far and kept for the export (`new_best`), and when
+        early stopping ends the run (`exhausted`). Every rank decides the same from the same values."""
+        return is_time(done, self.every, self.steps) or stop is not None or new_best or exhausted
 
     def find_resume(self, resume_from: str | None, artifacts: Path) -> resume.Resume | None:
         """The checkpoint to go on from (see checkpoints/resume.py), or None to start at step 0."""
@@ -39,7 +42,7 @@ class Checkpointer:
             return self.last[1]
         self.comm.watchdog.beat(done - 1, "checkpoint")
         properties = {"step": done, "lr": lr, "samples_seen": done * self.global_batch}
-        folder = store.save(self.root, done, part(), self.comm, self.identity, self.identity_digest, properties,
+        folder = writer.save(self.root, done, part(), self.comm, self.identity, self.identity_digest, properties,
                             self.keep, strict(history))
         self.last = (done, folder)
         return folder
@@ -47,12 +50,12 @@ class Checkpointer:
     def mark_best(self, done: int, record: dict) -> None:
         """The checkpoint after `done` steps (written) is the best so far, by `record`."""
         if self.comm.rank == 0:
-            store.mark_best(self.root, store.step_dir(self.root, done), self.identity_digest, record)
+            best.mark_best(self.root, layout.step_dir(self.root, done), self.identity_digest, record)
 
 
 def live_part(state, slices: dict[str, tuple[int, int]], trainable: set[str], optimizer, xp) -> TrainingState:
     """This rank's shard of a checkpoint, straight from the arrays it trains on: its
-    `slices` (store.partition's) of every parameter, views of ORT's live buffers (copied
+    `slices` (layout.partition's) of every parameter, views of ORT's live buffers (copied
     to the host from a GPU), and of the moments of the `trainable` ones, which
     `optimizer` holds (under train.zero 1, exactly the slices it owns)."""
     names = list(slices)

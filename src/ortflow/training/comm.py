@@ -24,7 +24,7 @@ import numpy as np
 
 from .. import atomic
 from ..errors import DeviceError
-from ..preflight import FAIL, check_cupy, check_gpus
+from .preflight import FAIL, check_cupy, check_gpus
 from .gradients import allreduce_in_buckets
 
 log = logging.getLogger("ortflow.train")

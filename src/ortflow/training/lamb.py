@@ -37,21 +37,11 @@ implementation for LambOptimizer(1) node"), so ortflow computes it with the arra
 module of the parameters (`xp`: numpy, or cupy on a GPU), in place: the parameters
 and both moments are updated in the arrays passed in, with one scratch array the size
 of the current tensor. The step needs each whole tensor (its norms); it cannot run on
-the slices of tensors that ZeRO-1 gives a rank (check_sharding).
+the slices of tensors that ZeRO-1 gives a rank (config.py refuses train.zero: 1 with lamb).
 """
 
 from __future__ import annotations
 
-from ..errors import ConfigError
-
-
-def check_sharding(train: dict) -> None:
-    """Refuse `train.zero: 1` with LAMB: the trust ratio is the norm of a whole tensor."""
-    if train["optimizer"]["name"] == "lamb" and train.get("zero"):
-        raise ConfigError(
-            f"config key 'train.zero': {train['zero']} gives each rank slices of the optimizer's tensors, but "
-            "LAMB's trust ratio needs the norm of each whole tensor; set train.zero: 0 with lamb, "
-            "or use train.optimizer.name: adamw with ZeRO")
 
 
 class Lamb:

@@ -3,7 +3,7 @@ train rule gives `ortflow train --out`), in one place, as artifacts.py is for th
 artifacts: the launcher, the ranks, the merge and report rules all read it here.
 
     metrics.json   the run's summary and history, written by rank 0 at the end (the rule's output)
-    checkpoints/   step-XXXXXXXX/: the sharded checkpoints (checkpoints/store.py)
+    checkpoints/   step-XXXXXXXX/: the sharded checkpoints (checkpoints/layout.py)
     tensorboard/   TensorBoard's event files, written by rank 0
     profile/       ONNX Runtime's profiler traces of train.profile_steps, one pair per rank
     heartbeat/     each rank's last step and phase, read by the collective watchdog (comm.py)

@@ -6,7 +6,7 @@ optimizer's moments: the gradients are all-reduced (gradients.py).
 
 `train.zero: 1` (`ZeRO1`, the optimizer-state sharding of DeepSpeed's stage 1 and
 ONNX Runtime's TrainingRunner): each rank owns the slices of the parameters that
-it writes to a checkpoint (checkpoints.store.cut, so a shard is exactly what a
+it writes to a checkpoint (checkpoints.layout.cut, so a shard is exactly what a
 rank owns) and holds the moments of those alone. Laid end to end in sorted name
 order, the trainable parameters form one flat space in which each rank owns one
 run. A step then
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 
-from ..checkpoints.store import cut
+from ..checkpoints.layout import cut
 from .gradients import BUCKET_BYTES, average_and_clip, gradients, parameters, scale_and_clip, sum_of_squares
 from .optimizer import Piece, views
 

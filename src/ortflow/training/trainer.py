@@ -142,7 +142,7 @@ class Trainer:
             self.evaluate(done, whole=done == self.steps)
             new_best = self.best.update(done, self.last_eval) and self.keep_best
         reason = stop_mod.agreed(votes)  # every rank knows it from the same all-reduce
-        if self.checkpointer.due(done) or reason or new_best or self.best.exhausted:
+        if self.checkpointer.should_save(done, reason, new_best, self.best.exhausted):
             self.checkpointer.save(done, self.checkpoint_part, lr, self.metrics.history)
         if new_best:
             self.checkpointer.mark_best(done, self.best.describe())
@@ -249,7 +249,7 @@ def baselines(info: dict, train_reader: ShardReader, eval_reader: ShardReader) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One rank. Its one argument is the JSON that `ortflow train` (train.py, whose
+    """One rank. Its one argument is the JSON that `ortflow train` (stages/train.py, whose
     command line is the only one) writes: {"config", "train", "eval", "artifacts", "out"}."""
     job = json.loads((argv or sys.argv[1:])[0])
     folder = TrainFolder(job["out"])

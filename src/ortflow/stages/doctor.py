@@ -18,15 +18,15 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from . import atomic, config as config_mod, cuda_libraries, ort_private
-from .artifacts import Artifacts
-from .errors import OrtflowError
-from .preflight import (
+from .. import atomic, config as config_mod, cuda_libraries, ort_private
+from ..artifacts import Artifacts
+from ..errors import OrtflowError
+from ..training.preflight import (
     FAIL, OK, SKIP, WARN, Check, check_checkpoint_disk, check_disk, check_launcher, check_memory,
     check_onnxruntime_distributions, check_training_import, check_world_size, cuda_checks, host_cores,
     installed_distributions, requirement,
 )
-from .train import ROOT_ENV, launcher_command, launcher_env
+from ..launcher import ROOT_ENV, launcher_command, launcher_env
 
 log = logging.getLogger("ortflow.doctor")
 
@@ -105,7 +105,7 @@ def rank_check(heartbeats: Path, timeout_s: float, nccl: bool) -> None:
     the outcome."""
     import numpy as np
 
-    from .training import comm as comm_mod
+    from ..training import comm as comm_mod
 
     comm = comm_mod.MPIComm(heartbeats, timeout_s)
     rank, size = comm.rank, comm.world_size
@@ -133,7 +133,7 @@ def nccl_check(comm_mod, mpi, heartbeats: Path, timeout_s: float, expected: floa
     try:
         import onnxruntime
 
-        from .training.gradients import live_arrays
+        from ..training.gradients import live_arrays
 
         cuda_libraries.preload()  # as a training rank does, before ONNX Runtime loads its CUDA provider
         comm = comm_mod.NCCLComm(heartbeats, timeout_s)
@@ -157,7 +157,7 @@ def check_ranks(world_size: int, timeout: float, nccl: bool) -> tuple[Check, dic
     heartbeats = Path(tempfile.mkdtemp(prefix="ortflow-doctor-"))
     command = [
         *launcher_command(shutil.which("mpirun"), world_size, host_cores()),
-        sys.executable, "-m", "ortflow.doctor", "--rank-check", str(heartbeats), str(timeout),
+        sys.executable, "-m", "ortflow.stages.doctor", "--rank-check", str(heartbeats), str(timeout),
         *(["--nccl"] if nccl else []),
     ]  # fmt: skip
     shown = " ".join(command)
@@ -324,6 +324,6 @@ def run(args) -> int:
 
 if __name__ == "__main__":
     # The ranks of check_ranks run this module under mpirun:
-    # python -m ortflow.doctor --rank-check HEARTBEAT_DIR TIMEOUT_S [--nccl]
+    # python -m ortflow.stages.doctor --rank-check HEARTBEAT_DIR TIMEOUT_S [--nccl]
     if sys.argv[1:2] == ["--rank-check"]:
         rank_check(Path(sys.argv[2]), float(sys.argv[3]), nccl="--nccl" in sys.argv)

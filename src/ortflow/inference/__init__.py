@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import external_data
-from .errors import ModelError
-from .evaluation import label_layout
-from .sessions import session_options
+from .. import external_data
+from ..errors import ModelError
+from ..evaluation import label_layout
+from ..sessions import session_options
 
 
 def inference_session(path: Path, threads: int | None = None, also: tuple[str, ...] = ()):

@@ -37,13 +37,13 @@ from pathlib import Path
 
 import numpy as np
 
-from . import atomic, external_data, ort_private
-from .artifacts import Artifacts
-from .data import standardize
-from .errors import ModelError
-from .evaluation import batch_totals, eval_results
-from .inference import inference_session, input_feeds, loss_of, set_metadata
-from .sessions import quiet_logging
+from .. import atomic, external_data, ort_private
+from ..artifacts import Artifacts
+from ..data import standardize
+from ..errors import ModelError
+from ..evaluation import batch_totals, eval_results
+from ..inference import inference_session, input_feeds, loss_of, set_metadata
+from ..sessions import quiet_logging
 
 log = logging.getLogger("ortflow.quantize")
 
@@ -323,7 +323,7 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
     """Quantize `model` into `int8` (unless export.quantize is none) and write the report to `metrics`."""
     import onnx
 
-    from .data.shards import ShardReader
+    from ..data.shards import ShardReader
 
     quiet_logging()
     info = Artifacts(artifacts).description()
@@ -373,7 +373,7 @@ HELP = "quantize the inference model to int8 and report fp32 versus int8 (qualit
 
 
 def add_arguments(parser) -> None:
-    from .config import add_config_arguments
+    from ..config import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--model", required=True, type=Path, help="the fp32 inference model (export_model)")
@@ -385,6 +385,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    from .config import load_config
+    from ..config import load_config
 
     quantize(load_config(args), args.model, args.artifacts, args.eval, args.int8, args.metrics)

@@ -1,6 +1,6 @@
 """`ortflow checkpoint inspect|merge|reshard`: the tools of merge_checkpoint
 (the rule) and of anyone holding a run's checkpoints. The format they read and
-write is checkpoints/store.py's.
+write is checkpoints/layout.py's.
 
     ortflow checkpoint merge results/<run>/train/checkpoints out/ --artifacts results/<run>/artifacts
 """
@@ -11,13 +11,15 @@ import json
 import logging
 from pathlib import Path
 
-from . import atomic
-from .checkpoints.ort_format import CheckpointError, write_ort_checkpoint
-from .checkpoints.resume import checkpoint_folder
-from .checkpoints.store import (
-    BEST, COMPLETE, HISTORY, MANIFEST, MAX_SHARDS, best_of, new_manifest, partition, read_checkpoint,
-    shard_attrs, write_hdf5, write_history, write_json, write_shard,
+from .. import atomic
+from ..checkpoints.ort_format import CheckpointError, write_ort_checkpoint
+from ..checkpoints.resume import checkpoint_folder
+from ..checkpoints.best import best_of
+from ..checkpoints.layout import (
+    BEST, COMPLETE, HISTORY, MANIFEST, MAX_SHARDS, new_manifest, partition, shard_attrs, write_json,
 )
+from ..checkpoints.reader import read_checkpoint
+from ..checkpoints.writer import write_hdf5, write_history, write_shard
 
 log = logging.getLogger("ortflow.checkpoint")
 
@@ -62,12 +64,6 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
     return out_dir
 
 
-def chosen(meta: dict) -> str:
-    """Which checkpoint a merged checkpoint's meta.json says it is: `best (eval loss 0.1234)` or `last`."""
-    choice = meta.get("chosen", {"checkpoint": "last"})
-    if choice["checkpoint"] != "best":
-        return choice["checkpoint"]
-    return f"best (eval {choice['metric']} {choice['value']:.6g})"
 
 
 def reshard(source: Path, out_dir: Path, world_size: int, model: Path | None = None) -> Path:
@@ -168,6 +164,6 @@ def run(args) -> None:
 def _identity_digest(config_json: str | None) -> str | None:
     if not config_json:
         return None
-    from . import config as config_mod
+    from .. import config as config_mod
 
     return config_mod.digest(config_mod.training_identity(config_mod.validate(json.loads(config_json))))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import sources, standardize
-from .data.shards import write_split
+from ..data import sources, standardize
+from ..data.shards import write_split
 
 log = logging.getLogger("ortflow.prepare_data")
 SHOWN_CLASSES = 10  # classes named in a message, at most
@@ -78,7 +78,7 @@ HELP = "read data.source, split it by run.seed, write checksummed shards"
 
 
 def add_arguments(parser) -> None:
-    from .config import add_config_arguments
+    from ..config import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--train", required=True, help="output folder of the train split")
@@ -86,6 +86,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    from .config import load_config
+    from ..config import load_config
 
     prepare(load_config(args), Path(args.train), Path(args.eval))

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import atomic
-from .data.shards import ShardReader
-from .data.sources import DataError
+from .. import atomic
+from ..data.shards import ShardReader
+from ..data.sources import DataError
 
 U32 = struct.Struct("<I")
 HELP = "convert a split's shards to ONNX Runtime TrainingRunner .pb files (one per shard)"

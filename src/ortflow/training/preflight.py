@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from . import cuda_libraries
-from .checkpoints.checks import MOMENTS
-from .errors import PreflightError
+from .. import cuda_libraries
+from ..checkpoints.checks import MOMENTS
+from ..errors import PreflightError
 
 log = logging.getLogger("ortflow.preflight")
 

@@ -39,16 +39,16 @@ from pathlib import Path
 
 import numpy as np
 
-from . import atomic, external_data
-from .artifacts import Artifacts
-from .checkpoints.ort_format import TrainingState, ort_state, read_ort_checkpoint
-from .merge_checkpoint import chosen
-from .data import standardize
-from .data.shards import TOKENIZER
-from .errors import DataError, MissingInputError, ModelError
-from .evaluation import feeds, outputs_of
-from .inference import inference_session, input_feeds, loss_of, set_metadata
-from .sessions import quiet_logging
+from .. import atomic, external_data
+from ..artifacts import Artifacts
+from ..checkpoints.ort_format import TrainingState, ort_state, read_ort_checkpoint
+from ..checkpoints.best import chosen
+from ..data import standardize
+from ..data.shards import TOKENIZER
+from ..errors import DataError, MissingInputError, ModelError
+from ..evaluation import feeds, outputs_of
+from ..inference import inference_session, input_feeds, loss_of, set_metadata
+from ..sessions import quiet_logging
 
 log = logging.getLogger("ortflow.export")
 
@@ -265,8 +265,8 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
     """Write and check `out` (the inference model); return its metadata properties."""
     import onnx
 
-    from . import __version__
-    from .data.shards import ShardReader
+    from .. import __version__
+    from ..data.shards import ShardReader
 
     quiet_logging()
     files = Artifacts(artifacts)
@@ -304,7 +304,7 @@ HELP = "write the inference ONNX model of the merged checkpoint, checked against
 
 
 def add_arguments(parser) -> None:
-    from .config import add_config_arguments
+    from ..config import add_config_arguments
 
     add_config_arguments(parser)
     parser.add_argument("--artifacts", required=True, type=Path, help="the build_artifacts folder")
@@ -314,6 +314,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> None:
-    from .config import load_config
+    from ..config import load_config
 
     export(load_config(args), args.artifacts, args.checkpoint, args.eval, args.out)

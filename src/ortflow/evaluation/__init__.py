@@ -10,8 +10,8 @@ import math
 
 import numpy as np
 
-from .data.shards import ShardReader
-from .models import CLASS_LOSSES
+from ..data.shards import ShardReader
+from ..models import CLASS_LOSSES
 
 
 def feeds(batch: dict, input_names: list[str], label_input: str, data_label: str) -> list[np.ndarray]:

@@ -1,0 +1,71 @@
+"""The forward model the graphs are built on (`inference_base.onnx`): the user's ONNX
+file or a torch module exported to ONNX, with `model.weights` loaded into it, and
+the check that its inputs and output fit the data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .. import external_data
+from ..errors import ModelError
+from ..models.torch_export import export_torch
+
+
+def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
+    """Write the forward ONNX model to `path`, with `model.weights` loaded if given;
+    return it and the names of the torch parameters that train (None for an ONNX
+    file: every float initializer). Over external_data.threshold() its initializers go
+    to `inference_base.onnx.data`, and the model returned holds their shapes, not their
+    values (what the checks and model.json read; generate_artifacts reads the file)."""
+    import torch
+
+    from ..models import built_in, user, weights
+
+    if model["kind"] == "onnx":
+        base = user.load_onnx(model["path"])
+        if model["weights"]:
+            weights.load_into_onnx(base, model["weights"], model["weights_skip"])
+        external_data.save_model(base, path)
+        return base, None
+    # Every weight drawn in the constructor comes from the seed, including a new
+    # head that a wrapper adds to a model it loads with from_pretrained.
+    torch.manual_seed(seed)
+    module = user.import_torch(model["path"], model["kwargs"]) if model["kind"] == "torch" else built_in(
+        model, manifest, loss
+    )
+    if model["weights"]:
+        weights.load_into_module(module, model["weights"], model["weights_skip"])
+    # As constructed, in training mode: torch.onnx deprecates its `training` argument for the module's own mode.
+    return export_torch(module, manifest, path), [n for n, p in module.named_parameters() if p.requires_grad]
+
+
+def check_interface(base, manifest: dict) -> None:
+    """The model's inputs are the data's features (names and element types),
+    and it has one output, the logits."""
+    import onnx
+
+    initializers = {t.name for t in base.graph.initializer}
+    inputs = [i for i in base.graph.input if i.name not in initializers]
+    model_names = [i.name for i in inputs]
+    data_names = [f["name"] for f in manifest["features"]]
+    if sorted(model_names) != sorted(data_names):
+        raise ModelError(
+            f"model inputs {model_names} do not match the data's feature names {data_names}; "
+            "name the model's inputs like data.features (or set data.features to the model's input names)"
+        )
+    dtypes = {f["name"]: f["dtype"] for f in manifest["features"]}
+    for i in inputs:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name
+        if dtype != dtypes[i.name]:
+            raise ModelError(f"model input {i.name!r} is {dtype} but the data's feature {i.name!r} is {dtypes[i.name]}")
+    if len(base.graph.output) != 1:
+        raise ModelError(
+            f"the model has outputs {[o.name for o in base.graph.output]}; ortflow trains a model with one output (the logits)"
+        )
+    if manifest["label"]["name"] in {n for node in base.graph.node for n in [*node.input, *node.output]} | set(
+        model_names
+    ):
+        raise ModelError(
+            f"the data's label name {manifest['label']['name']!r} is already a tensor name in the model; "
+            "rename data.label"
+        )

@@ -1,0 +1,80 @@
+"""The loss: `model.loss` chosen for the data's task and label, and the ONNX Runtime
+block that computes it behind a label input shaped like the data's."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ModelError
+from ..models import CLASS_LOSSES
+from ..models.logits import Logits
+
+# ORT's loss blocks by config name; bce_with_logits is ortflow's own (models/losses.py).
+LOSS_BLOCKS = {"cross_entropy": "CrossEntropyLoss", "mse": "MSELoss", "l1": "L1Loss"}
+
+
+def resolve_loss(loss: str, manifest: dict) -> str:
+    """`model.loss`, with `auto` chosen by the task, checked against the label."""
+    task, label = manifest["task"], manifest["label"]
+    if loss == "auto":
+        loss = "mse" if task == "regression" else "cross_entropy"
+    integral = np.issubdtype(np.dtype(label["dtype"]), np.integer) or label["dtype"] == "bool"
+    described = f"the data's label {label['name']!r} is {label['dtype']} (task {task})"
+    if loss in CLASS_LOSSES and not integral:
+        raise ModelError(
+            f"model.loss: {loss!r} needs integer class labels but {described}; "
+            "use mse, l1 or bce_with_logits for float targets, or set data.task: classification"
+        )
+    if loss in ("mse", "l1") and integral:
+        raise ModelError(
+            f"model.loss: {loss!r} compares outputs with float targets but {described}; use cross_entropy for classes"
+        )
+    if loss == "bce_with_logits" and integral and manifest["num_classes"] != 2:
+        raise ModelError(
+            f"model.loss: 'bce_with_logits' needs float targets in [0, 1] or two classes but {described} "
+            f"with {manifest['num_classes']} classes; use cross_entropy"
+        )
+    return loss
+
+
+def loss_block(loss: str, label: dict, logits: Logits):
+    """ORT's loss block behind a label input that has the data's name, dtype
+    and shape ([batch, *label shape]); ORT's own blocks would derive the label's
+    shape from the logits, which is wrong for [batch, classes, time] logits.
+    The label is cast to the type the loss wants (integer 0/1 labels to float
+    for bce_with_logits; a no-op otherwise). Logits that differ from the label's
+    layout in size-1 dimensions only are reshaped to it (models/logits.py)."""
+    import onnx
+    from onnxruntime.training import onnxblock
+
+    from ..models import losses
+
+    class LabelledLoss(onnxblock.Block):
+        def __init__(self):
+            super().__init__()
+            self.inner = (
+                losses.stable_bce_with_logits()
+                if loss == "bce_with_logits"
+                else getattr(onnxblock.loss, LOSS_BLOCKS[loss])()
+            )
+
+        def build(self, logits_name: str):
+            if logits.reshape:  # Reshape's 0 keeps the batch (and classes) as they are: [N, C, 1, 1] -> [N, C]
+                dims = f"{logits_name}.label_layout_shape"
+                kept = [0, 0] if loss in CLASS_LOSSES else [0]
+                self.base.graph.initializer.append(
+                    onnx.numpy_helper.from_array(np.array([*kept, *label["shape"]], np.int64), dims))
+                squeezed = f"{logits_name}.label_layout"
+                self.base.graph.node.append(onnx.helper.make_node("Reshape", [logits_name, dims], [squeezed]))
+                logits_name = squeezed
+            elem_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(label["dtype"]))
+            shape = ["batch", *label["shape"]]
+            self.base.graph.input.append(onnx.helper.make_tensor_value_info(label["name"], elem_type, shape))
+            # A node's output, not the graph input itself: ORT's loss blocks
+            # look for their target among node arguments and add another input otherwise.
+            wanted = onnx.TensorProto.INT64 if loss in CLASS_LOSSES else onnx.TensorProto.FLOAT
+            target = f"{label['name']}.{onnx.TensorProto.DataType.Name(wanted).lower()}"
+            self.base.graph.node.append(onnx.helper.make_node("Cast", [label["name"]], [target], to=wanted))
+            return self.inner(logits_name, target)
+
+    return LabelledLoss()

@@ -1,0 +1,127 @@
+"""The build_artifacts stage: a model and the train split's manifest in, the
+graphs and initial checkpoint that ONNX Runtime's training engine runs out.
+
+1. The forward model as ONNX (`inference_base.onnx`): a built-in or user torch
+   module exported at opset 16 (ORT 1.19's gradient builder fails on opset 17's
+   LayerNormalization), or the user's ONNX file, with `model.weights` loaded into
+   it first (models/weights.py). Its inputs are named like the data's features;
+   its one output holds the logits.
+2. `generate_artifacts` adds the loss (with a label input named like the data's
+   label) and the gradient graph (`training_model.onnx`), the same without
+   gradients (`eval_model.onnx`), the optimizer (`optimizer_model.onnx`, no
+   gradient clipping: training clips globally after the all-reduce) and the
+   initial weights (`checkpoint`). Both training and eval graphs return
+   (loss, logits); the training graph then BatchNorm's updated running
+   statistics, and the eval graph normalizes with them (batchnorm.py).
+3. One training step on a few train records proves that the graphs fit the data.
+4. `model.json` describes the inputs, label, outputs, parameters, FLOPs and
+   running statistics (`running_stats`: training graph output -> parameter).
+
+Everything is written to `<out>.tmp` and renamed to `<out>` when complete (atomic.folder).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from .. import atomic
+from ..artifacts import Artifacts
+from ..errors import MissingInputError
+from ..graphs.cost import batch_values, eval_bytes, forward_flops, per_sample_values
+from ..graphs.forward_model import base_model, check_interface
+from ..graphs.generate import drop_weights, generate
+from ..graphs.loss import resolve_loss
+from ..graphs.parameters import embedding_tables, float_initializers, split_parameters
+from ..graphs.smoke_step import smoke_step
+from ..models import batchnorm, vocabulary
+from ..models.logits import Logits, find as find_logits
+
+log = logging.getLogger("ortflow.build_artifacts")
+
+
+def build(config: dict, train_dir: Path, out: Path) -> dict:
+    train_dir, out = Path(train_dir), Path(out)
+    manifest_path = train_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise MissingInputError(f"{manifest_path}: no train manifest (run the prepare_data rule first)")
+    manifest = json.loads(manifest_path.read_text())
+    model = config["model"]
+    loss = resolve_loss(model["loss"], manifest)
+    with atomic.folder(out) as tmp:
+        base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], Artifacts(tmp).base_model)
+        check_interface(base, manifest)
+        vocabulary.check(base, manifest)
+        logits = find_logits(base, loss, manifest)
+        trainable, frozen = split_parameters(base, model, torch_trainable)
+        log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
+                 len(frozen))
+        generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp, logits)
+        drop_weights(base)
+        running_stats = batchnorm.adapt(tmp)
+        smoke_step(tmp, train_dir, manifest)
+        description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"], logits) | {
+            "running_stats": running_stats
+        }
+        Artifacts(tmp).model_json.write_text(json.dumps(description, indent=2) + "\n")
+    log.info(
+        "%d parameters (%d trainable), %d forward FLOPs per sample -> %s",
+        description["parameters"],
+        description["trainable_parameters"],
+        description["flops_per_sample"]["forward"],
+        out,
+    )
+    return description
+
+
+def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logits: Logits) -> dict:
+    import onnx
+
+    training = onnx.load(str(Artifacts(out).training_model), load_external_data=False)
+    sizes = float_initializers(base)
+    values = per_sample_values(base)
+    forward = forward_flops(base, values)
+    batch = batch_values(base, values)
+    label = manifest["label"]
+    return {
+        "kind": kind,
+        "task": manifest["task"],
+        "loss": loss,
+        "num_classes": manifest["num_classes"],
+        "inputs": [{"name": f["name"], "dtype": f["dtype"], "shape": ["batch", *f["shape"]]} for f in manifest["features"]],
+        "label": {"name": label["name"], "dtype": label["dtype"], "shape": ["batch", *label["shape"]]},
+        # The graphs return the loss and the logits; the inference model returns the model's own output,
+        # which differs from the logits after a final Softmax (models/logits.py).
+        "outputs": {"loss": training.graph.output[0].name, "logits": logits.name,
+                    "inference": base.graph.output[0].name},
+        "parameters": sum(sizes.values()),
+        "trainable_parameters": sum(sizes[n] for n in trainable),
+        "trainable": trainable,
+        "frozen": frozen,
+        "embeddings": embedding_tables(base, trainable),
+        # Backward is counted as twice the forward (a gradient for the input and
+        # one for the weights per multiply-add), the usual estimate.
+        "flops_per_sample": {"forward": forward, "backward": 2 * forward},
+        # What training keeps for the backward pass at most, the part of a rank's memory that
+        # grows with the micro-batch (preflight.memory_estimate).
+        "activation_bytes_per_sample": sum(batch.values()),
+        "eval_bytes_per_sample": eval_bytes(base, batch, logits.name),
+    }
+
+
+HELP = "export or load the model and build its training, eval and optimizer graphs and initial checkpoint"
+
+
+def add_arguments(parser) -> None:
+    from ..config import add_config_arguments
+
+    add_config_arguments(parser)
+    parser.add_argument("--train", required=True, help="the prepared train split (its manifest names the features)")
+    parser.add_argument("--out", required=True, help="output folder of the artifacts")
+
+
+def run(args) -> None:
+    from ..config import load_config
+
+    build(load_config(args), Path(args.train), Path(args.out))
