@@ -360,24 +360,25 @@ def export_checkpoint(config: dict) -> str:
     return chosen
 
 
-# Keys whose value may be a folder, hashed by its files: only these, so that a value
-# such as `text` or `auto` never reads a folder that happens to have its name.
-FOLDER_KEYS = ("tokenizer", "weights")
+# Keys whose files are listed, checked and hashed by user_files (section key -> config key):
+# only these may name a folder, hashed by the files its loader reads, so that a value such
+# as `text` or `auto` never reads a folder that happens to have its name.
+CHECKED_KEYS = {"tokenizer": "data.tokenizer", "weights": "model.weights"}
 
 
 def by_content(section: dict) -> dict:
     """`section` with each value that names a file replaced by `sha256:<digest>` of the file,
-    and each folder of FOLDER_KEYS (a save_pretrained tokenizer, model.weights' merged
-    checkpoint of an earlier run) by the digest of its files' digests."""
+    and a folder of CHECKED_KEYS (a save_pretrained tokenizer, model.weights' merged
+    checkpoint of an earlier run) by the digest of the digests of the files read from it."""
+    from . import user_files
     from .data.shards import sha256_file
 
     def content(key: str, value):
         path = Path(value) if isinstance(value, str) else None
+        if path is not None and key in CHECKED_KEYS and (path.exists() or path.is_symlink()):
+            return user_files.content(CHECKED_KEYS[key], value)
         if path is not None and path.is_file():
             return f"sha256:{sha256_file(path)}"
-        if path is not None and key in FOLDER_KEYS and path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file())
-            return f"sha256-folder:{digest({str(p.relative_to(path)): sha256_file(p) for p in files})}"
         return value
 
     return {key: content(key, value) for key, value in section.items()}
