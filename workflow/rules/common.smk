@@ -10,7 +10,11 @@ from ortflow.training.run_folder import TrainFolder
 
 # Validate before any job runs: a typo or a bad value fails here, naming the key.
 try:
-    _validated = ortflow_config.validate(config)
+    # --config's nested values arrive as text (`train={steps: 20}`), read as the user typed them;
+    # a config file's are typed by YAML, and a wrong type there stops the run.
+    _validated = ortflow_config.validate(
+        config, command_line=workflow.config_settings.config
+    )
     # The run whose merged checkpoint model.weights names, if model.weights_config
     # gives its config: the Snakefile makes its stages rules of this workflow.
     EARLIER_RUN = ortflow_config.earlier_run(_validated)
