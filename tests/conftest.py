@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,28 @@ def require_e2e(what: str) -> None:
 def fault(step: int, rank: int, mode: str) -> dict:
     """The environment that breaks rank `rank` at step `step` (ortflow.training.faults)."""
     return {"ORTFLOW_FAULT": json.dumps({"step": step, "rank": rank, "mode": mode})}
+
+
+@contextmanager
+def opened_paths():
+    """Every path Python opens while in the block (audit event "open": open(), os.open, h5py on a file object)."""
+    seen, active = [], [True]
+
+    def hook(event, args):
+        if active[0] and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            seen.append(os.path.abspath(os.fsdecode(args[0])))  # as asked for: links are not followed
+
+    sys.addaudithook(hook)
+    try:
+        yield seen
+    finally:
+        active[0] = False
+
+
+def outside(paths: list[str], folder: Path) -> list[str]:
+    """The paths not in `folder` and not Python's own files (lazily imported modules)."""
+    return [p for p in paths if not p.startswith(str(folder.resolve())) and not p.startswith(sys.prefix)
+            and not p.startswith(sys.base_prefix) and not p.endswith((".py", ".pyc", ".so"))]
 
 
 def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, timeout: int = 900,

@@ -9,13 +9,13 @@ import json
 import os
 import subprocess
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
+from conftest import opened_paths, outside
 from ortflow.stages import merge_checkpoint
 from ortflow.checkpoints import checks, layout, reader, resume, writer
 from ortflow.checkpoints.ort_format import CheckpointError, TrainingState, ort_checkpoint_bytes
@@ -95,28 +95,6 @@ def replace_dataset(group, key: str, make) -> None:
         new.attrs[name] = value
 
 
-@contextmanager
-def opened_paths():
-    """Every path Python opens while in the block (audit event "open": open(), os.open, h5py on a file object)."""
-    seen, active = [], [True]
-
-    def hook(event, args):
-        if active[0] and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-            seen.append(os.path.abspath(os.fsdecode(args[0])))  # as asked for: links are not followed
-
-    sys.addaudithook(hook)
-    try:
-        yield seen
-    finally:
-        active[0] = False
-
-
-def outside(paths: list[str], folder: Path) -> list[str]:
-    """The paths not in `folder` and not Python's own files (lazily imported modules)."""
-    return [p for p in paths if not p.startswith(str(folder.resolve())) and not p.startswith(sys.prefix)
-            and not p.startswith(sys.base_prefix) and not p.endswith((".py", ".pyc", ".so"))]
-
-
 def refused(folder: Path, model: Path | None = None) -> str:
     with pytest.raises(CheckpointError) as error:
         reader.read_checkpoint(folder, model)
@@ -161,7 +139,8 @@ def test_a_shard_must_be_a_regular_file(folder, kind):
         os.mkfifo(shard)  # reading it would wait forever
     with opened_paths() as paths:
         message = refused(folder)
-    reason = "is not a regular file" if kind == "fifo" else "is a symbolic link"
+    reason = {"fifo": "is not a regular file", "link to /dev/zero": "is a symbolic link to /dev/zero",
+              "link inside": f"is a symbolic link to {folder / 'real.bin'}"}[kind]
     assert f"shard {shard} {reason}; a shard must be a regular file in its checkpoint folder" in message
     assert outside(paths, folder) == []  # the link was opened without following it
 
@@ -312,7 +291,7 @@ def test_the_history_is_verified_like_the_shards(folder, monkeypatch, damage):
     if damage == "link to /dev/zero":
         history.unlink()
         history.symlink_to("/dev/zero")
-        reason = f"history file {history} is a symbolic link; a history file must be a regular file in its checkpoint folder"
+        reason = f"history file {history} is a symbolic link to /dev/zero; a history file must be a regular file in its checkpoint folder"
     elif damage == "fifo":
         history.unlink()
         os.mkfifo(history)  # reading it would wait forever
@@ -346,7 +325,7 @@ def test_the_manifest_must_be_a_regular_file(folder):
     data = manifest.read_bytes()
     manifest.unlink()
     manifest.symlink_to("/dev/zero")  # read_text would read forever
-    assert f"manifest {manifest} is a symbolic link; a manifest must be a regular file" in refused(folder)
+    assert f"manifest {manifest} is a symbolic link to /dev/zero; a manifest must be a regular file" in refused(folder)
     assert reader.digest_of(folder) is None
     manifest.unlink()
     manifest.write_bytes(data)

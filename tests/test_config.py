@@ -27,6 +27,12 @@ def test_defaults_fill_every_section():
         ({"train": {"wrld_size": 2}}, "config section 'train': unknown key(s) wrld_size; allowed keys:"),
         ({"model": {"kind": "rnn"}}, "config key 'model.kind': 'rnn' is not one of 'mlp', 'cnn'"),
         ({"train": {"optimizer": {"lr": "fast"}}}, "config key 'train.optimizer.lr': 'fast' is not of type 'number'"),
+        # A wrong type stops the run, text that looks like a number included (YAML `steps: "20"`).
+        ({"train": {"steps": "20"}}, "config key 'train.steps': '20' is not of type 'integer'"),
+        ({"train": {"steps": 1.5}}, "config key 'train.steps': 1.5 is not of type 'integer'"),
+        ({"train": {"optimizer": {"lr": "0.1"}}}, "config key 'train.optimizer.lr': '0.1' is not of type 'number'"),
+        ({"train": {"optimizer": {"betas": ["0.9", 0.999]}}}, "config key 'train.optimizer.betas.0': '0.9' is not of"),
+        ({"data": {"shards": "true"}}, "config key 'data.shards': 'true' is not of type 'integer'"),
         ({"model": {"kind": "onnx"}}, "config key 'model.path': required when model.kind is 'onnx'"),
         ({"model": {"kind": "gpt"}}, "config key 'model.kind': 'gpt' needs text data"),
         # Python's `$` matches before a trailing newline: patterns must match the whole string.
@@ -40,9 +46,9 @@ def test_defaults_fill_every_section():
         ({"model": {"frozen": ["w\n"]}}, "config key 'model.frozen.0': 'w\\n' is not allowed"),
         ({"train": {"resume_from": "a\n"}}, "config key 'train.resume_from': 'a\\n' is not allowed"),
         ({"train": {"optimizer": {"lr": float("nan")}}}, "config key 'train.optimizer.lr': nan is not a finite number"),
-        ({"train": {"optimizer": {"lr": ".inf"}}}, "config key 'train.optimizer.lr': inf is not a finite number"),
-        ({"train": {"optimizer": {"betas": [0.9, ".nan"]}}}, "config key 'train.optimizer.betas.1': nan is not a "
-                                                            "finite number"),
+        ({"train": {"optimizer": {"lr": float("inf")}}}, "config key 'train.optimizer.lr': inf is not a finite number"),
+        ({"train": {"optimizer": {"betas": [0.9, float("nan")]}}}, "config key 'train.optimizer.betas.1': nan is "
+                                                                   "not a finite number"),
         ({"train": {"clip_grad_norm": float("inf")}}, "config key 'train.clip_grad_norm': inf is not a finite number"),
         ({"export": {"max_accuracy_drop": float("-inf")}}, "'export.max_accuracy_drop': -inf is not a finite number"),
     ],
@@ -53,8 +59,9 @@ def test_bad_values_name_the_key(override, message):
     assert message in str(error.value)
 
 
-def test_dotted_and_string_overrides():
-    cfg = config.validate({"train.world_size": "3", "train": {"optimizer": {"lr": "0.5"}}})
+def test_dotted_and_command_line_overrides():
+    overrides = {"train.world_size": "3", "train": {"optimizer": {"lr": "0.5"}}}
+    cfg = config.validate(overrides, command_line=overrides)
     assert cfg["train"]["world_size"] == 3 and cfg["train"]["optimizer"]["lr"] == 0.5
 
 
@@ -178,3 +185,30 @@ def test_an_exponent_without_a_dot_is_a_number():
     assert cfg["train"]["optimizer"]["lr"] == 0.001 and cfg["train"]["clip_grad_norm"] == 5.0
     with pytest.raises(config.ConfigError, match="config key 'train.optimizer.lr': 'fast' is not of type 'number'"):
         config.validate({"train": {"optimizer": {"lr": "fast"}}})
+
+
+def test_command_line_values_are_read_as_typed():
+    """Snakemake's --config gives nested values as text (`train={steps: 20, optimizer: {betas: [0.9, 0.99]}}`):
+    they are read as YAML scalars, a sweep's values by the key they set; the same text from a file is refused."""
+    typed = {"train": {"steps": "20", "optimizer": {"lr": "1e-3", "betas": ["0.9", "0.99"]}},
+             "sweep": {"grid": {"train.micro_batch_size": ["8", "16"]},
+                       "random": {"ranges": {"train.world_size": {"choice": ["1", "2"]}}}}}
+    cfg = config.validate(typed, command_line=typed)
+    assert cfg["train"]["steps"] == 20 and cfg["train"]["optimizer"]["lr"] == 0.001
+    assert cfg["train"]["optimizer"]["betas"] == [0.9, 0.99]
+    assert cfg["sweep"]["grid"] == {"train.micro_batch_size": [8, 16]}
+    assert cfg["sweep"]["random"]["ranges"]["train.world_size"] == {"choice": [1, 2]}
+    with pytest.raises(config.ConfigError, match="config key 'train.steps': '20' is not of type 'integer'"):
+        config.validate(typed)
+    with pytest.raises(config.ConfigError, match="config key 'train.steps': 'twenty' is not of type 'integer'"):
+        config.validate({"train": {"steps": "twenty"}}, command_line={"train": {"steps": "twenty"}})
+
+
+@pytest.mark.e2e
+def test_workflow_refuses_quoted_numbers_but_reads_the_command_line(workdir):
+    """`steps: "20"` in a config file stops Snakemake naming the key; --config 'train={steps: 20}' is 20."""
+    result = run_snakemake(workdir, {"train": {"steps": "20"}}, check=False)
+    assert result.returncode == 1
+    assert "config key 'train.steps': '20' is not of type 'integer'" in result.stderr
+    result = run_snakemake(workdir, {}, "-n", "-p", "train", "--config", "train={steps: 20, optimizer: {lr: 1e-3}}")
+    assert '"steps": 20,' in result.stdout and '"lr": 0.001,' in result.stdout  # train's --config-json

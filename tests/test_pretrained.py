@@ -526,3 +526,18 @@ def test_fine_tuning_equals_torch_step_for_step(tmp_path):
     assert max(worst.values()) <= PARAMETER_TOLERANCE, worst
     assert max(largest(trained[name], load_file(str(folder / "model.safetensors"))[name[len("model.bert."):]])
                for name in worst if name.startswith("model.bert.")) > 100 * PARAMETER_TOLERANCE  # the encoder trained
+
+
+@pytest.mark.e2e
+def test_workflow_refuses_linked_weights(tmp_path):
+    """model.weights linked to /etc/passwd stops Snakemake before any job, in one line
+    that says it is a link and where it points (it was hashed and parsed as safetensors)."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    (workdir / "model.safetensors").symlink_to("/etc/passwd")
+    result = run_snakemake(workdir, {"model": {"weights": "model.safetensors"}}, check=False)
+    assert result.returncode == 1
+    assert ("model.weights: model.safetensors is a symbolic link to /etc/passwd; what it reads must be a regular "
+            "file where the config names it") in result.stderr
+    assert "Traceback" not in result.stderr and "header too large" not in result.stderr
+    assert not (workdir / "results").exists()

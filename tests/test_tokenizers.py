@@ -472,3 +472,44 @@ def test_text_classification_through_the_workflow(tmp_path, monkeypatch):
     predicted = [json.loads(metadata["ortflow.classes"])[i] for i in logits.argmax(axis=1)]
     accuracy = np.mean(np.array(predicted) == frame["animal"].to_numpy()[eval_rows])
     assert accuracy == pytest.approx(json.loads((export / "metrics.json").read_text())["fp32"]["accuracy"])
+
+
+def last_line(result) -> str:
+    """The error Snakemake prints for a config refused at parse time (the line after its WorkflowError line)."""
+    lines = result.stderr.splitlines()
+    return next(lines[i + 1] for i, line in enumerate(lines) if line.startswith("WorkflowError"))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("target", ["a folder outside", "/proc"])
+def test_workflow_refuses_a_linked_tokenizer_folder_without_reading_it(tmp_path, target):
+    """A data.tokenizer folder linked elsewhere stops Snakemake in one line before any
+    job, saying where it points; nothing under the target is read (its files' access
+    times stay as they were: a read would set them, as the control file's shows)."""
+    workdir = tmp_path / "run"
+    workdir.mkdir()
+    if target == "/proc":  # entries even root may not read (issue 33: a PermissionError traceback)
+        pointed = Path("/proc")
+    else:
+        pointed = tmp_path / "secrets"
+        pointed.mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "id_rsa"):
+            (pointed / name).write_text("{}")
+            os.utime(pointed / name, (1000, 2000))  # accessed before modified: a read updates it
+        control = tmp_path / "control"
+        control.write_text("x")
+        os.utime(control, (1000, 2000))
+        control.read_text()
+        if control.stat().st_atime == 1000:
+            pytest.skip("this file system does not record reads (noatime)")
+    (workdir / "tokdir").symlink_to(pointed)
+    result = run_snakemake(workdir, {"data": {"source": "text", "tokenizer": "tokdir"}}, "prepare_data",
+                           check=False)
+    assert result.returncode == 1
+    assert last_line(result) == (f"data.tokenizer: tokdir is a symbolic link to {pointed}; what it reads must be a "
+                                 "regular file where the config names it (copy a link's target in its place)")
+    assert "Traceback" not in result.stderr and "PermissionError" not in result.stderr
+    if target != "/proc":
+        assert {p.name: p.stat().st_atime for p in pointed.iterdir()} == dict.fromkeys(
+            ["tokenizer.json", "tokenizer_config.json", "id_rsa"], 1000)
+    assert not (workdir / "results").exists()

@@ -113,46 +113,79 @@ def _describe(error: jsonschema.ValidationError) -> str:
     return f"config key '{key}': {error.message}"
 
 
-def _coerce(value: Any, schema: dict) -> Any:
-    """Snakemake's `--config 'train={world_size: 1}'` delivers nested values as
-    strings; read them as YAML scalars wherever the schema wants no string. And
-    YAML (1.1, PyYAML's and Snakemake's) reads `1e-3`, without a dot, as text:
-    where the schema wants a number, such text is read as Python reads it."""
+# What YAML 1.1 (PyYAML's, Snakemake's) reads as text although it is a number: an exponent
+# without a dot (`1e-3`) or without a sign (`1.5e3`).
+EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _coerce(value: Any, schema: dict, typed_as_text: bool = False) -> Any:
+    """The config's values as their writer meant them. Where the schema wants a number, text
+    that YAML 1.1 leaves as text (EXPONENT: `1e-3`) is read as Python reads it; other text
+    where the schema wants no string stays text, for validation to refuse (a wrong type
+    stops the run, "20" included). `typed_as_text`: Snakemake's `--config 'train={steps: 20}'`
+    delivers nested values as strings, read here as YAML scalars wherever the schema wants
+    no string."""
     if isinstance(value, dict):
         properties = schema.get("properties", {})
-        return {k: _coerce(v, properties.get(k, {})) for k, v in value.items()}
+        return {k: _coerce(v, properties.get(k, {}), typed_as_text) for k, v in value.items()}
     if isinstance(value, list):
-        return [_coerce(v, schema.get("items", {})) for v in value]
+        return [_coerce(v, schema.get("items", {}), typed_as_text) for v in value]
     types = schema.get("type", [])
     types = [types] if isinstance(types, str) else types
-    if isinstance(value, str) and types and "string" not in types:
+    if not (isinstance(value, str) and types and "string" not in types):
+        return value
+    if typed_as_text:
         try:
             value = yaml.safe_load(value)
         except yaml.YAMLError:
             return value
-        if isinstance(value, str) and "number" in types:
-            try:
-                return float(value)
-            except ValueError:
-                return value
+    if isinstance(value, str) and "number" in types and EXPONENT.fullmatch(value):
+        return float(value)
     return value
 
 
-def read_value(key: str, value: Any) -> Any:
+def read_value(key: str, value: Any, typed_as_text: bool = False) -> Any:
     """`value` of the dotted config key `key`, read as `validate` reads it (`1e-3` a number)."""
-    node = _coerce(expand_dotted({key: value}), _schema())
+    node = _coerce(expand_dotted({key: value}), _schema(), typed_as_text)
     for part in key.split("."):
         node = node[part]
     return node
 
 
-def validate(config: dict, partial: bool = False) -> dict:
+def _command_line(values: dict) -> dict:
+    """Snakemake's --config values (workflow.config_settings.config), typed as the user
+    typed them: its nested values arrive as text; a sweep's values (sweep.grid, the
+    choices of sweep.random.ranges) are read by the key they set."""
+    values = _coerce(expand_dotted(copy.deepcopy(values)), _schema(), typed_as_text=True)
+
+    def section(value) -> dict:
+        return value if isinstance(value, dict) else {}
+
+    def each(key: str, options):
+        return [read_value(key, option, typed_as_text=True) for option in options] \
+            if isinstance(options, list) else options
+
+    sweep = section(values.get("sweep"))
+    grid = section(sweep.get("grid"))
+    for key, options in grid.items():
+        grid[key] = each(key, options)
+    for key, sampled in section(section(sweep.get("random")).get("ranges")).items():
+        if isinstance(sampled, dict) and "choice" in sampled:
+            sampled["choice"] = each(key, sampled["choice"])
+    return values
+
+
+def validate(config: dict, partial: bool = False, command_line: dict | None = None) -> dict:
     """Return a validated copy of `config` with every default filled in.
     Raises ConfigError naming the key and what is allowed. `partial`: the
     config holds only the sections one stage needs (what the rules pass), so
-    the rules that relate keys of different sections were checked before."""
+    the rules that relate keys of different sections were checked before.
+    `command_line`: the part of `config` that Snakemake's --config gave, as it
+    parsed it (nested values as text)."""
     schema = _schema()
     config = _coerce(expand_dotted(copy.deepcopy(config)), schema)
+    if command_line:
+        config = _merge(config, _command_line(command_line))
     validator_class = _with_defaults(jsonschema.Draft202012Validator)
     errors = sorted(
         validator_class(schema).iter_errors(config), key=lambda e: list(e.path)
@@ -368,24 +401,25 @@ def export_checkpoint(config: dict) -> str:
     return chosen
 
 
-# Keys whose value may be a folder, hashed by its files: only these, so that a value
-# such as `text` or `auto` never reads a folder that happens to have its name.
-FOLDER_KEYS = ("tokenizer", "weights")
+# Keys whose files are listed, checked and hashed by user_files (section key -> config key):
+# only these may name a folder, hashed by the files its loader reads, so that a value such
+# as `text` or `auto` never reads a folder that happens to have its name.
+CHECKED_KEYS = {"tokenizer": "data.tokenizer", "weights": "model.weights"}
 
 
 def by_content(section: dict) -> dict:
     """`section` with each value that names a file replaced by `sha256:<digest>` of the file,
-    and each folder of FOLDER_KEYS (a save_pretrained tokenizer, model.weights' merged
-    checkpoint of an earlier run) by the digest of its files' digests."""
+    and a folder of CHECKED_KEYS (a save_pretrained tokenizer, model.weights' merged
+    checkpoint of an earlier run) by the digest of the digests of the files read from it."""
+    from . import user_files
     from .digests import sha256_file
 
     def content(key: str, value):
         path = Path(value) if isinstance(value, str) else None
+        if path is not None and key in CHECKED_KEYS and (path.exists() or path.is_symlink()):
+            return user_files.content(CHECKED_KEYS[key], value)
         if path is not None and path.is_file():
             return f"sha256:{sha256_file(path)}"
-        if path is not None and key in FOLDER_KEYS and path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file())
-            return f"sha256-folder:{digest({str(p.relative_to(path)): sha256_file(p) for p in files})}"
         return value
 
     return {key: content(key, value) for key, value in section.items()}

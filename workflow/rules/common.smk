@@ -4,11 +4,17 @@ from pathlib import Path
 
 from ortflow import config as ortflow_config
 from ortflow import sweep as ortflow_sweep
+from ortflow import user_files
+from ortflow.errors import OrtflowError
 from ortflow.training.run_folder import TrainFolder
 
 # Validate before any job runs: a typo or a bad value fails here, naming the key.
 try:
-    _validated = ortflow_config.validate(config)
+    # --config's nested values arrive as text (`train={steps: 20}`), read as the user typed them;
+    # a config file's are typed by YAML, and a wrong type there stops the run.
+    _validated = ortflow_config.validate(
+        config, command_line=workflow.config_settings.config
+    )
     # The run whose merged checkpoint model.weights names, if model.weights_config
     # gives its config: the Snakefile makes its stages rules of this workflow.
     EARLIER_RUN = ortflow_config.earlier_run(_validated)
@@ -16,6 +22,20 @@ except ortflow_config.ConfigError as error:
     raise WorkflowError(f"invalid configuration:\n{error}")
 config.clear()
 config.update(_validated)
+
+# The tokenizer's and the weights' files, checked before anything reads them (no links,
+# no special files, tokenizer files within their size cap; src/ortflow/user_files.py):
+# a folder's are only those its loader reads.
+try:
+    TOKENIZER_FILES = (
+        user_files.tokenizer_files(config["data"]["tokenizer"])
+        if config["data"]["tokenizer"]
+        else []
+    )
+    if config["model"]["weights"]:
+        user_files.weights_files(config["model"]["weights"])
+except OrtflowError as error:
+    raise WorkflowError(str(error))
 
 RUN = config["run"]["name"]
 # A sweep's point (sweep.point, set by workflow/rules/sweep.smk) lives in its sweep's folder.
@@ -62,18 +82,13 @@ DATA_EVAL = f"{DATA}/eval"
 def data_files(wildcards):
     """The user's data file and tokenizer, if any: editing them reruns
     prepare_data, and a missing one stops the run before any job, naming it.
-    A save_pretrained tokenizer folder counts by its files."""
+    A save_pretrained tokenizer folder counts by the tokenizer files read from it."""
     data = config["data"]
     if data["source"] == "text":
         files = [data["text_path"]] if data["text_path"] else []
     else:
         files = [] if data["source"] == "digits" else [data["source"]]
-    tokenizer = data["tokenizer"]
-    if tokenizer and Path(tokenizer).is_dir():
-        files += sorted(str(p) for p in Path(tokenizer).rglob("*") if p.is_file())
-    elif tokenizer:
-        files.append(tokenizer)
-    return files
+    return files + [str(file) for file in TOKENIZER_FILES]
 
 
 def model_files(wildcards):

@@ -26,17 +26,15 @@ are these checks, each failure a CheckpointError naming the file:
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import math
-import os
 import re
-import stat
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
+from ..user_files import NotRegular, open_regular
 from .ort_format import CheckpointError, TrainingState
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -85,20 +83,12 @@ def open_listed(file: Path, kind: str, missing: str) -> BinaryIO:
     without following a link, once it is known to be a regular file (a link to
     /dev/zero would be read forever). `missing` says why it should be there."""
     try:
-        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return open_regular(file)
     except FileNotFoundError:
         raise CheckpointError(f"{kind} {file} is missing ({missing})") from None
-    except OSError as error:
-        reason = "is a symbolic link" if error.errno == errno.ELOOP else f"cannot be opened ({error.strerror})"
-        raise CheckpointError(f"{kind} {file} {reason}; a {kind} must be a regular file in its checkpoint "
+    except NotRegular as error:
+        raise CheckpointError(f"{kind} {file} {error.reason}; a {kind} must be a regular file in its checkpoint "
                               "folder") from None
-    handle = os.fdopen(fd, "rb")
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        handle.close()
-        raise CheckpointError(f"{kind} {file} is not a regular file; a {kind} must be a regular file in its "
-                              "checkpoint folder")
-    return handle
 
 
 def check_history(history, file: Path) -> dict:

@@ -36,6 +36,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ..errors import DataError
+from ..user_files import tokenizer_files
 
 log = logging.getLogger("ortflow.prepare_data")
 
@@ -76,6 +77,7 @@ class Tokenizer:
 def load(path: str) -> Tokenizer:
     """The tokenizer of `data.tokenizer`: a tokenizer.json file or a save_pretrained folder."""
     where = Path(path)
+    tokenizer_files(path)  # no links, no special files, none over the size cap
     if not where.exists():
         raise DataError(f"data.tokenizer: {where} does not exist; give a tokenizer.json file (the tokenizers "
                         "library) or a folder saved with transformers' save_pretrained")

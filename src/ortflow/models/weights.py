@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..training.weight_decay import is_excluded
+from ..user_files import CHECKPOINT, weights_files
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -32,7 +33,6 @@ log = logging.getLogger("ortflow.build_artifacts")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 CONVERSION = ("python -c \"import torch, safetensors.torch as st; st.save_file({{k: v.contiguous().clone() for k, v in "
               "torch.load('{path}', weights_only=True).items()}}, '{stem}.safetensors')\"")
-CHECKPOINT = "checkpoint"  # the ONNX Runtime file of a merged checkpoint folder (stages/merge_checkpoint.py)
 SHOWN = 5  # names shown per kind of mismatch
 
 
@@ -44,6 +44,7 @@ def read(path: str) -> dict[str, np.ndarray]:
             f"model.weights: {file} is a pickle file (torch.save), and loading one could run code; convert it "
             f"once, where you trust it, to safetensors: {CONVERSION.format(path=file, stem=file.with_suffix(''))}"
         )
+    weights_files(path)  # neither it nor the files read from it are links or special files
     if file.is_dir():
         return read_checkpoint_folder(file)
     if not file.is_file():
