@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ortflow import config as config_mod
+from ortflow.digests import digest
 from ortflow.checkpoints import layout, resume, writer
 from ortflow.checkpoints.ort_format import CheckpointError, TrainingState
 
 IDENTITY = {"seed": 1}
-DIGEST = config_mod.digest(IDENTITY)
+DIGEST = digest(IDENTITY)
 
 
 class _OneRank:
@@ -79,7 +79,7 @@ def test_a_checkpoint_beyond_train_steps_is_not_used(tmp_path, monkeypatch, capl
     assert "skipping checkpoint " + str(root / "step-00000030") + ": step 30 is beyond train.steps 25" in caplog.text
     with pytest.raises(CheckpointError, match="step 30 is beyond train.steps 25"):
         resume.find_resume(root, IDENTITY, DIGEST, str(root / "step-00000030"), steps=25)
-    assert resume.find_resume(root, {"seed": 2}, config_mod.digest({"seed": 2}), None, steps=100) is None
+    assert resume.find_resume(root, {"seed": 2}, digest({"seed": 2}), None, steps=100) is None
 
 
 

@@ -10,6 +10,7 @@ import yaml
 
 from conftest import REPO, run_snakemake
 from ortflow import config
+from ortflow.digests import digest
 from ortflow.checkpoints import resume
 
 
@@ -69,17 +70,17 @@ def test_identity_ignores_world_size_but_not_global_batch():
     a = config.load(overrides={"train": {"world_size": 2, "grad_accum_steps": 1}})
     b = config.load(overrides={"train": {"world_size": 1, "grad_accum_steps": 2, "log_every": 3}})
     c = config.load(overrides={"train": {"world_size": 1, "grad_accum_steps": 1}})
-    assert config.digest(config.training_identity(a)) == config.digest(config.training_identity(b))
-    assert config.digest(config.training_identity(a)) != config.digest(config.training_identity(c))
+    assert digest(config.training_identity(a)) == digest(config.training_identity(b))
+    assert digest(config.training_identity(a)) != digest(config.training_identity(c))
 
 
 def test_identity_has_the_steps_where_the_schedule_spreads_over_them():
-    def digest(**train):
-        return config.digest(config.training_identity(config.load(overrides={"train": train})))
+    def identity(**train):
+        return digest(config.training_identity(config.load(overrides={"train": train})))
 
-    assert digest(steps=300) != digest(steps=200)  # cosine by default
+    assert identity(steps=300) != identity(steps=200)  # cosine by default
     constant = {"name": "constant", "warmup_steps": 20}
-    assert digest(steps=300, lr_schedule=constant) == digest(steps=200, lr_schedule=constant)
+    assert identity(steps=300, lr_schedule=constant) == identity(steps=200, lr_schedule=constant)
 
 
 def test_identity_knows_user_files_by_content_not_path(tmp_path, monkeypatch):

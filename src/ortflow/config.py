@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import json
 import math
 import re
@@ -368,11 +367,6 @@ def global_batch_size(config: dict) -> int:
     return train["micro_batch_size"] * train["grad_accum_steps"] * train["world_size"]
 
 
-def digest(obj: Any) -> str:
-    """A stable sha256 of a JSON-able value (key order does not matter)."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
 def training_identity(config: dict) -> dict:
     """What a checkpoint belongs to: resuming is only meaningful if all of this is
     unchanged. World size and the periods may change; the step count too unless the
@@ -423,3 +417,4 @@ def by_content(section: dict) -> dict:
         return value
 
     return {key: content(key, value) for key, value in section.items()}
+

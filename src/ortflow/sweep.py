@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import atomic
-from .config import ConfigError, _merge, digest, expand_dotted, pick, read_value, validate
+from .config import ConfigError, _merge, expand_dotted, pick, read_value, validate
+from .digests import digest
 from .training.run_folder import TrainFolder
 
 HELP = "compare the points of a sweep (the table, the plots and the best point's model)"

@@ -26,6 +26,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
+from .digests import digest
 from .errors import DataError, ModelError
 
 TOKENIZER_KEY, WEIGHTS_KEY = "data.tokenizer", "model.weights"
@@ -171,8 +172,6 @@ def content(key: str, path: str) -> str:
     files = FILES[key](path)
     try:
         if where.is_dir():
-            from .config import digest
-
             return f"sha256-folder:{digest({file.name: sha256(file) for file in files})}"
         return f"sha256:{sha256(where)}"
     except NotRegular as error:  # replaced since it was checked, or unreadable

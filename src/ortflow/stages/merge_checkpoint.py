@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 from .. import atomic
+from ..digests import digest
 from ..checkpoints.ort_format import CheckpointError, write_ort_checkpoint
 from ..checkpoints.resume import checkpoint_folder
 from ..checkpoints.best import best_of
@@ -166,4 +167,4 @@ def _identity_digest(config_json: str | None) -> str | None:
         return None
     from .. import config as config_mod
 
-    return config_mod.digest(config_mod.training_identity(config_mod.validate(json.loads(config_json))))
+    return digest(config_mod.training_identity(config_mod.validate(json.loads(config_json))))

@@ -7,6 +7,7 @@ from pathlib import Path
 from .. import config as config_mod
 from ..checkpoints import best, layout, resume, writer
 from ..checkpoints.ort_format import TrainingState
+from ..digests import digest
 from .gradients import on_host, parameters
 from .metrics import strict
 from .schedule import is_time
@@ -19,7 +20,7 @@ class Checkpointer:
         train = config["train"]
         self.root, self.comm = root, comm
         self.identity = config_mod.training_identity(config)
-        self.identity_digest = config_mod.digest(self.identity)
+        self.identity_digest = digest(self.identity)
         self.every, self.steps, self.keep = train["checkpoint_every"], train["steps"], train["keep_checkpoints"]
         self.global_batch = config_mod.global_batch_size(config)
         self.last: tuple[int, Path] | None = None  # (step, folder) of the newest one written
