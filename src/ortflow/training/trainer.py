@@ -217,6 +217,7 @@ class Trainer:
         flops_per_sample = sum(self.info["flops_per_sample"].values())
         summary = self.metrics.summary(done, flops_per_sample, self.last_eval, self.comm.allgather(peak_rss_mb()))
         summary.update(best=self.best.describe(), stopped_early=done < self.steps)
+        self.fault.inject(done, self.comm.rank, [], self.stop_request)  # the moment the run ends (faults.py)
         self.metrics.write(self.folder.metrics, summary)
         self.metrics.close()
         return summary
