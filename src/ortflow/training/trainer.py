@@ -267,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
             cuda_libraries.preload()
         Trainer(config, Path(job["train"]), Path(job["eval"]), Artifacts(job["artifacts"]), folder, stop).run()
+        stop.settle()
     except Stopped:
         # Every rank stops here together, without MPI_Abort.
+        stop.settle()
         logging.shutdown()
         sys.stderr.flush()
         if stop.orphaned:  # MPI_Finalize would wait for the mpirun that is gone
