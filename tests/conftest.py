@@ -103,6 +103,18 @@ def run_on_ranks(folder: Path, code: str, ranks: int) -> subprocess.CompletedPro
     return result
 
 
+def assert_identical(a, b) -> None:
+    """Training states `a` and `b` (ort_format.TrainingState) are bit-identical: parameters,
+    optimizer states, the optimizer's and the checkpoint's properties."""
+    import numpy as np
+
+    for name in a.parameters:
+        assert np.array_equal(a.parameters[name], b.parameters[name]), name
+        for moment, array in a.optimizer_states[name].items():
+            assert np.array_equal(array, b.optimizer_states[name][moment]), (name, moment)
+    assert a.optimizer == b.optimizer and a.properties == b.properties
+
+
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path / "work"

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import copy_inputs, fault, run_snakemake
+from conftest import assert_identical, copy_inputs, fault, run_snakemake
 from ortflow import config as config_mod
 from ortflow.checkpoints import ort_format, reader, resume
 from ortflow.training.schedule import learning_rate
@@ -53,14 +53,6 @@ def _max_difference(a: ort_format.TrainingState, b: ort_format.TrainingState) ->
         for moment, array in moments.items():
             worst = max(worst, float(np.abs(array - b.optimizer_states[name][moment]).max()))
     return worst
-
-
-def _assert_identical(a: ort_format.TrainingState, b: ort_format.TrainingState) -> None:
-    for name in a.parameters:
-        assert np.array_equal(a.parameters[name], b.parameters[name]), name
-        for moment, array in a.optimizer_states[name].items():
-            assert np.array_equal(array, b.optimizer_states[name][moment]), (name, moment)
-    assert a.optimizer == b.optimizer and a.properties == b.properties
 
 
 def _copy_run(reference: Path, workdir: Path, keep_training: bool = True) -> Path:
@@ -123,8 +115,8 @@ def test_merged_checkpoint_loads_and_trains_in_a_new_module(reference):
     shards = _state(_root(reference) / "step-00000040")
     assert meta["step"] == 40 and meta["identity_digest"] == json.loads(
         (_root(reference) / "step-00000040/manifest.json").read_text())["identity_digest"]
-    _assert_identical(ort_format.read_ort_checkpoint(merged / "checkpoint"), shards)
-    _assert_identical(reader.assemble([reader.read_shard(merged / "checkpoint.h5")[1]], merged), shards)
+    assert_identical(ort_format.read_ort_checkpoint(merged / "checkpoint"), shards)
+    assert_identical(reader.assemble([reader.read_shard(merged / "checkpoint.h5")[1]], merged), shards)
 
     artifacts = reference / RUN / "artifacts"
     state = CheckpointState.load_checkpoint(str(merged / "checkpoint"))
@@ -162,7 +154,7 @@ def test_rebuilt_ort_checkpoint_resumes_bit_exactly(reference):
     halfway = CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
     train(halfway, batches[:3])
     rebuilt = ort_format.ort_state(ort_format.training_state(halfway))
-    _assert_identical(train(rebuilt, batches[3:]), uninterrupted)
+    assert_identical(train(rebuilt, batches[3:]), uninterrupted)
 
 
 def _process(workdir: Path, command: str, rank: int | None = None):
@@ -222,14 +214,14 @@ def test_kill_9_one_rank_then_rerun_is_bit_identical(reference, tmp_path):
     log = _log(workdir)
     assert f"resuming at step 20 from {RUN}/train/checkpoints/step-00000020" in log
     assert "skipping checkpoint results/digits/train/checkpoints/step-00000030 is incomplete" in log
-    _assert_identical(_state(root / "step-00000040"), _state(_root(reference) / "step-00000040"))
+    assert_identical(_state(root / "step-00000040"), _state(_root(reference) / "step-00000040"))
 
 
 def _assert_resumes_at_26_bit_identically(workdir: Path, reference: Path) -> None:
     """The rerun goes on from the checkpoint of the stop, to the reference's weights, with the whole history."""
     run_snakemake(workdir, _config(), "train")
     assert f"resuming at step 26 from {RUN}/train/checkpoints/step-00000026" in _log(workdir)
-    _assert_identical(_state(_root(workdir) / "step-00000040"), _state(_root(reference) / "step-00000040"))
+    assert_identical(_state(_root(workdir) / "step-00000040"), _state(_root(reference) / "step-00000040"))
     metrics = json.loads((workdir / RUN / "train/metrics.json").read_text())
     assert [entry["step"] for entry in metrics["history"]["train"]] == [10, 20, 30, 40]
     assert (metrics["steps"], metrics["steps_this_attempt"]) == (40, 14)
@@ -289,7 +281,7 @@ def test_damaged_newest_checkpoints_are_skipped(reference, tmp_path):
     assert f"skipping shard {RUN}/train/checkpoints/step-00000040/shard-00001-of-00002.h5: checksum mismatch" in log
     assert f"skipping {RUN}/train/checkpoints/step-00000030/manifest.json: not readable as JSON" in log
     assert f"resuming at step 20 from {RUN}/train/checkpoints/step-00000020" in log
-    _assert_identical(_state(root / "step-00000040"), _state(_root(reference) / "step-00000040"))
+    assert_identical(_state(root / "step-00000040"), _state(_root(reference) / "step-00000040"))
 
 
 def test_rerun_after_a_finished_run_trains_from_step_0(reference, tmp_path):
@@ -301,7 +293,7 @@ def test_rerun_after_a_finished_run_trains_from_step_0(reference, tmp_path):
     assert "starting at step 0" in log
     assert (workdir / RUN / "train/previous/checkpoints/step-00000040/COMPLETE").exists()
     # The same training from scratch: the same weights.
-    _assert_identical(_state(root / "step-00000040"), _state(_root(reference) / "step-00000040"))
+    assert_identical(_state(root / "step-00000040"), _state(_root(reference) / "step-00000040"))
     for steps in (30, 50):  # fewer, more: retrained, never a checkpoint of another step count
         run_snakemake(workdir, _config(steps=steps), "train")
         assert "starting at step 0" in _log(workdir)
@@ -418,7 +410,7 @@ def test_reshard_and_inspect(reference, tmp_path):
     source = _root(reference) / "step-00000040"
     result = _cli("reshard", source, tmp_path / "three", "-n", "3")
     assert result.returncode == 0, result.stderr
-    _assert_identical(_state(tmp_path / "three"), _state(source))
+    assert_identical(_state(tmp_path / "three"), _state(source))
     report = _cli("inspect", tmp_path / "three")
     assert report.returncode == 0, report.stderr
     assert "step 40, 3 shards (checksums verified)" in report.stdout

@@ -1,6 +1,7 @@
 """The best checkpoint and early stopping (train.early_stopping, export.checkpoint):
-which evaluation is the best, when a run stops, and that the one exported is the
-one that evaluated best; units here, then through the real workflow."""
+which evaluation is the best, when a run stops, that the one exported is the one
+that evaluated best, and what a stop signal does to a run that stops early; units
+here, then through the real workflow."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import numpy as np
 import onnx
 import pytest
 
-from conftest import run_snakemake
+from conftest import assert_identical, copy_inputs, fault, run_snakemake
 from ortflow import config as config_mod
-from ortflow.checkpoints import best, layout
+from ortflow.checkpoints import best, layout, reader
 from ortflow.checkpoints.ort_format import CheckpointError
 from ortflow.errors import ConfigError
 from ortflow.training.best import Best
+from ortflow.training.run_folder import TrainFolder
 
 
 def settings(**changes) -> dict:
@@ -69,13 +71,28 @@ EARLY = {"train": {"steps": 300, "eval_every": 10, "checkpoint_every": 100, "kee
                    "early_stopping": {"patience": 2, "min_delta": 10.0}}}
 
 
+def _train(workdir: Path) -> TrainFolder:
+    return TrainFolder(workdir / "results/digits/train")
+
+
 def _metrics(workdir: Path) -> dict:
-    return json.loads((workdir / "results/digits/train/metrics.json").read_text())
+    return json.loads(_train(workdir).metrics.read_text())
+
+
+def _log(workdir: Path) -> str:
+    return (workdir / "logs/digits/train.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def early_run(digits_inputs, tmp_path_factory):
+    """EARLY through export_model, uninterrupted: (its workdir, Snakemake's CompletedProcess)."""
+    workdir = copy_inputs(digits_inputs, tmp_path_factory.mktemp("early") / "work")
+    return workdir, run_snakemake(workdir, EARLY, "export_model")
 
 
 @pytest.mark.e2e
-def test_early_stopping_stops_every_rank_and_the_best_checkpoint_is_exported(digits_workdir):
-    result = run_snakemake(digits_workdir, EARLY, "export_model")
+def test_early_stopping_stops_every_rank_and_the_best_checkpoint_is_exported(early_run):
+    digits_workdir, result = early_run
     metrics = _metrics(digits_workdir)
     assert metrics["stopped_early"] is True and metrics["steps"] == 30
     assert metrics["best"]["step"] == 10 and metrics["best"]["metric"] == "loss"
@@ -92,6 +109,51 @@ def test_early_stopping_stops_every_rank_and_the_best_checkpoint_is_exported(dig
     assert props["ortflow.step"] == "10" and props["ortflow.checkpoint"].startswith("best (eval loss ")
     assert "exported  the checkpoint of step 10, the best (eval loss" in result.stdout + result.stderr
     assert "stopped   early after step 30: eval loss had not improved since step 10" in result.stdout + result.stderr
+
+
+def _assert_ends_as_uninterrupted(workdir: Path, reference: Path) -> None:
+    """The run in `workdir` stopped early at step 30 as the uninterrupted one did: the same
+    evaluations, best and checkpoint of step 30, bit for bit."""
+    metrics, uninterrupted = _metrics(workdir), _metrics(reference)
+    assert (metrics["steps"], metrics["stopped_early"], metrics["best"]) == (30, True, uninterrupted["best"])
+    assert metrics["history"]["eval"] == uninterrupted["history"]["eval"]
+    assert "early stopping after step 30 of 300" in _log(workdir)
+    assert_identical(reader.read_checkpoint(_train(workdir).checkpoints / "step-00000030").state,
+                     reader.read_checkpoint(_train(reference).checkpoints / "step-00000030").state)
+
+
+# Rank 1 sends SIGTERM to `ortflow train` before step S (0-based) and waits until the
+# SIGUSR1 it forwards reaches it: the ranks stop after step S + 1, in the middle of the
+# run or in step 30, whose evaluation runs out of patience (the stop is decided in it).
+@pytest.mark.e2e
+@pytest.mark.parametrize("step", [14, 29], ids=["mid-run", "in-the-step-that-stops-early"])
+def test_sigterm_stops_an_early_stopping_run_with_a_checkpoint_and_the_rerun_ends_it_the_same(
+        early_run, digits_workdir, step):
+    reference, _ = early_run
+    stopped = run_snakemake(digits_workdir, EARLY, "train", check=False, env=fault(step, 1, "sigterm"))
+    assert stopped.returncode != 0
+    log = _log(digits_workdir)
+    assert f"stopping after step {step + 1} of 300: SIGUSR1 on" in log
+    assert f"ortflow train: stopped by SIGTERM after step {step + 1}, with a checkpoint; rerun to resume from it" in log
+    assert not _train(digits_workdir).metrics.exists()
+
+    run_snakemake(digits_workdir, EARLY, "train")
+    assert f"resuming at step {step + 1} from results/digits/train/checkpoints/step-{step + 1:08d}" in \
+        _log(digits_workdir)
+    _assert_ends_as_uninterrupted(digits_workdir, reference)
+
+
+@pytest.mark.e2e
+def test_sigterm_after_the_ranks_agreed_to_stop_early_leaves_a_finished_run(early_run, digits_workdir):
+    """Rank 0 sends SIGTERM to `ortflow train` after the ranks' last collective and waits
+    until the SIGUSR1 it forwards reaches it, while rank 1 already exits (in MPI_Finalize)."""
+    reference, _ = early_run
+    run_snakemake(digits_workdir, EARLY, "train", env=fault(30, 0, "sigterm"))
+    log = _log(digits_workdir)
+    assert "rank 0 sends SIGTERM to ortflow train at step 30 (ORTFLOW_FAULT)" in log
+    assert "ortflow train: SIGTERM came after the ranks had agreed on their last step; training finished" in log
+    assert _train(digits_workdir).finished.exists()
+    _assert_ends_as_uninterrupted(digits_workdir, reference)
 
 
 @pytest.mark.e2e

@@ -1,13 +1,19 @@
 """Faults injected on purpose, for the tests of what a real run survives: one rank
-raises, stalls or feeds NaNs at a chosen step. Set by the environment variable
-ORTFLOW_FAULT (JSON: {"step": S, "rank": R, "mode": "raise" | "stall" | "nan"}),
-which mpirun and srun pass on to the ranks; it is not part of the user's config."""
+raises, stalls, feeds NaNs or has `ortflow train` sent SIGTERM (Slurm's preemption
+signal) at a chosen step. Set by the environment variable ORTFLOW_FAULT (JSON:
+{"step": S, "rank": R, "mode": "raise" | "stall" | "nan" | "sigterm"}), which mpirun
+and srun pass on to the ranks; it is not part of the user's config.
+
+Step S is the moment before optimizer step S (0-based); the step a run ends at (the
+last of train.steps, or early stopping's) is the moment after the ranks' last
+collective, before rank 0 writes metrics.json."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import signal
 import time
 
 import numpy as np
@@ -17,7 +23,7 @@ from ..errors import TrainingError
 log = logging.getLogger("ortflow.train")
 
 ENV = "ORTFLOW_FAULT"
-MODES = ("raise", "stall", "nan")
+MODES = ("raise", "stall", "nan", "sigterm")
 
 
 class Fault:
@@ -30,14 +36,20 @@ class Fault:
             raise TrainingError(f"{ENV}={spec!r}: expected {{\"step\": S, \"rank\": R, \"mode\": one of {MODES}}}")
 
     def inject(self, step: int, rank: int, batches: list[dict], stop) -> None:
-        """Break rank `rank` at optimizer step `step` (0-based), as the fault says."""
+        """Break rank `rank` at step `step` (the moment before it; see the top of this file), as the fault says."""
         if not self.fault or self.fault["step"] != step or self.fault["rank"] != rank:
             return
         mode = self.fault["mode"]
         if mode == "raise":
             raise TrainingError(f"injected failure on rank {rank} at step {step} ({ENV})")
-        if mode == "stall":  # for an hour, or until asked to stop
+        if mode == "stall":
             log.warning("rank %d stalls at step %d (%s)", rank, step, ENV)
+        if mode == "sigterm":  # to `ortflow train`, mpirun's parent (not srun's), which forwards it as SIGUSR1
+            import psutil
+
+            log.warning("rank %d sends SIGTERM to ortflow train at step %d (%s)", rank, step, ENV)
+            os.kill(psutil.Process(os.getppid()).ppid(), signal.SIGTERM)
+        if mode in ("stall", "sigterm"):  # for an hour, or until asked to stop (sigterm: by that SIGUSR1)
             until = time.monotonic() + 3600
             while stop.reason is None and time.monotonic() < until:
                 time.sleep(0.1)

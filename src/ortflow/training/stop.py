@@ -11,7 +11,9 @@ or SIGINT (SIGCONT, SIGTERM, SIGKILL: measured), but forwards SIGUSR1 untouched.
 SIGUSR1 kills a process that has no handler for it yet (a rank still starting
 Python), so each rank says when it has one (a file in the training folder's
 ready/), and `ortflow train` holds a
-stop until every rank does.
+stop until every rank does. Once the ranks have agreed on their last step (the
+end of train.steps, early stopping, or a stop) there is nothing left to stop,
+and each rank ignores the stop signals until it exits (StopRequest.settle).
 
 A rank whose parent (mpirun, or srun's step daemon) went away stops the same
 way, as if hung up on (SIGHUP), and ends by itself at the latest GRACE_S later.
@@ -73,6 +75,15 @@ class StopRequest:
         # (another rank is gone too) must not live on.
         time.sleep(GRACE_S)
         os._exit(128 + signal.SIGHUP)
+
+    def settle(self) -> None:
+        """The ranks agreed on their last step: ignore the stop signals from now on.
+        Left to Python's exit, the handlers would go back to the signals' default
+        action, death, before mpi4py's MPI_Finalize waits for the other ranks: a
+        SIGUSR1 that `ortflow train` forwards then killed a rank that was done (and
+        mpirun the rest, before rank 0 wrote metrics.json)."""
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
 
     @property
     def orphaned(self) -> bool:

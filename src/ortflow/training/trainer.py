@@ -217,6 +217,7 @@ class Trainer:
         flops_per_sample = sum(self.info["flops_per_sample"].values())
         summary = self.metrics.summary(done, flops_per_sample, self.last_eval, self.comm.allgather(peak_rss_mb()))
         summary.update(best=self.best.describe(), stopped_early=done < self.steps)
+        self.fault.inject(done, self.comm.rank, [], self.stop_request)  # the moment the run ends (faults.py)
         self.metrics.write(self.folder.metrics, summary)
         self.metrics.close()
         return summary
@@ -266,8 +267,10 @@ def main(argv: list[str] | None = None) -> int:
         if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
             cuda_libraries.preload()
         Trainer(config, Path(job["train"]), Path(job["eval"]), Artifacts(job["artifacts"]), folder, stop).run()
+        stop.settle()
     except Stopped:
         # Every rank stops here together, without MPI_Abort.
+        stop.settle()
         logging.shutdown()
         sys.stderr.flush()
         if stop.orphaned:  # MPI_Finalize would wait for the mpirun that is gone
