@@ -130,6 +130,35 @@ def test_user_npz_through_snakemake(workdir):
     assert len(ShardReader(workdir / "results" / "npz" / "data" / "train")) == 80
 
 
+@pytest.mark.e2e
+def test_npz_with_string_labels_through_snakemake(workdir):
+    """An .npz whose label array is strings, through every stage: the manifest,
+    metrics.json, the report and the exported model name the sorted classes."""
+    import onnx
+
+    rng = np.random.default_rng(3)
+    workdir.mkdir(parents=True)
+    x = rng.normal(size=(200, 4)).astype(np.float32)
+    names = np.array(["odd", "even", "évén"])
+    np.savez(workdir / "parity.npz", x=x, parity=names[np.argmax(x[:, :3], axis=1)])
+    config = {"run": {"name": "parity"}, "data": {"source": "parity.npz", "label": "parity", "shards": 1},
+              "model": {"hidden": [16]},
+              "train": {"world_size": 1, "steps": 20, "log_every": 10, "eval_every": 20, "checkpoint_every": 20}}
+    run_snakemake(workdir, config)
+    results = workdir / "results" / "parity"
+    classes = ["even", "odd", "évén"]
+    for split in ("train", "eval"):
+        manifest = ShardReader(results / "data" / split).manifest
+        assert (manifest["task"], manifest["classes"], manifest["num_classes"]) == ("classification", classes, 3)
+    per_class = json.loads((results / "train/metrics.json").read_text())["eval"]["per_class"]
+    assert list(per_class) == classes and sum(c["count"] for c in per_class.values()) == 40
+    summary = (results / "report/summary.html").read_text()
+    for name in classes:
+        assert f"<tr data-key='{name}'><td>{name}</td><td class=n>{per_class[name]['count']}</td>" in summary
+    metadata = {p.key: p.value for p in onnx.load(str(results / "export/model.onnx")).metadata_props}
+    assert json.loads(metadata["ortflow.classes"]) == classes
+
+
 def test_hdf5_and_parquet(tmp_path):
     rng = np.random.default_rng(2)
     with h5py.File(tmp_path / "data.h5", "w") as h5:
@@ -148,6 +177,67 @@ def test_hdf5_and_parquet(tmp_path):
     assert (len(reader), reader.manifest["task"], reader.manifest["features"][0]["shape"]) == (15, "regression", [2])
     batch = reader.gather(np.arange(15))
     assert_rows_of(np.column_stack([batch["x"], batch["w"]]), frame)
+
+
+def string_labels(n: int = 40) -> tuple[np.ndarray, np.ndarray]:
+    """One float feature and string labels, one of them not ASCII."""
+    return np.arange(n, dtype=np.float32)[:, None], np.array(["odd", "even", "évén"] * n)[:n]
+
+
+def test_string_labels_in_npz_and_hdf5_are_classes_as_in_csv(tmp_path):
+    """The same rows as a CSV, as .npz strings (numpy unicode and UTF-8 bytes) and as
+    HDF5 string datasets (variable length, which h5py reads as bytes objects, and
+    fixed length): the same sorted class names, and manifests and shards equal to
+    the CSV's but for the source's path."""
+    x, parity = string_labels()
+    pd.DataFrame({"x": x[:, 0], "parity": parity}).to_csv(tmp_path / "parity.csv", index=False)
+    encoded = np.array([label.encode("utf-8") for label in parity])  # numpy bytes, |S6
+    np.savez(tmp_path / "unicode.npz", x=x, parity=parity)
+    np.savez(tmp_path / "bytes.npz", x=x, parity=encoded)
+    with h5py.File(tmp_path / "variable.h5", "w") as h5:
+        h5["x"] = x
+        h5.create_dataset("parity", data=parity.tolist(), dtype=h5py.string_dtype())
+    with h5py.File(tmp_path / "fixed.h5", "w") as h5:
+        h5["x"], h5["parity"] = x, encoded
+    with h5py.File(tmp_path / "variable.h5") as h5:
+        assert h5["parity"][()].dtype == object and isinstance(h5["parity"][()][0], bytes)
+
+    def prepared(name: str) -> tuple[dict, dict]:
+        train, eval_ = prepare_into(tmp_path / "out" / name, make_config(source=str(tmp_path / name), label="parity"))
+        manifest = json.loads((train / MANIFEST).read_text())
+        assert manifest["source"]["data"].pop("source") == str(tmp_path / name)
+        return manifest, {f"{split.name}/{shard.name}": shard.read_bytes() for split in (train, eval_)
+                          for shard in sorted(split.glob("*.bin"))}
+
+    csv_manifest, csv_shards = prepared("parity.csv")
+    assert (csv_manifest["task"], csv_manifest["classes"], csv_manifest["num_classes"]) == (
+        "classification", ["even", "odd", "évén"], 3)
+    for name in ("unicode.npz", "bytes.npz", "variable.h5", "fixed.h5"):
+        manifest, shards = prepared(name)
+        assert manifest == csv_manifest, name
+        assert shards == csv_shards, name
+
+
+def test_string_arrays_that_are_not_class_names_are_refused(tmp_path):
+    x, parity = string_labels()
+    cases = {
+        "feature.npz": ({"x": parity[:, None], "y": np.arange(40) % 2},
+                        "array 'x' has dtype <U4; expected numbers"),
+        "wide.npz": ({"x": x, "y": parity.reshape(20, 2)},
+                     "label 'y' is strings of shape [20, 2]; a label of strings is one class name per sample, "
+                     "of shape [samples]"),
+        "latin1.npz": ({"x": x, "y": np.array(["é".encode("latin-1"), b"a"] * 20)},
+                       "label 'y' holds bytes that are not UTF-8 text ('utf-8' codec can't decode byte 0xe9 in "
+                       "position 0: unexpected end of data)"),
+        "dates.npz": ({"x": x, "y": np.arange(40).astype("datetime64[D]")},
+                      "array 'y' has dtype datetime64[D]; expected numbers, bools or strings (class names)"),
+    }
+    for name, (arrays, expected) in cases.items():
+        np.savez(tmp_path / name, **arrays)
+        with pytest.raises(DataError) as error:
+            prepare_into(tmp_path / "out", make_config(source=str(tmp_path / name)))
+        assert str(error.value) == f"{tmp_path / name}: {expected}", name
+    assert not (tmp_path / "out").exists()
 
 
 def test_integer_features_stay_integer(tmp_path):

@@ -386,6 +386,68 @@ def test_safetensors_into_a_torch_module_with_a_tied_head(data, tmp_path, monkey
                               data["text"], tmp_path / "untied")
 
 
+def test_a_folders_own_weights_under_a_wrappers_prefix(tmp_path, monkeypatch, caplog):
+    """A BERT folder's own model.safetensors (names `embeddings.*`, ...) into a
+    wrapper that builds the encoder from the folder's config as `self.model` under a
+    new head (names `model.embeddings.*`, `head.*`): the refusal names the prefix and
+    lists only the head, not every name; with the head skipped the prefix is found by
+    suffix (the log says which), or set as model.weights_prefix: bit for bit either way."""
+    folder = save_bert(tmp_path / "bert")
+    token_classes(tmp_path / "tokens.npz")
+    data = {"source": str(tmp_path / "tokens.npz"), "features": ["input_ids", "attention_mask"]}
+    prepare(validated({}, data), tmp_path / "data/train", tmp_path / "data/eval")
+    monkeypatch.syspath_prepend(str(TESTS))
+    weights = str(folder / "model.safetensors")
+    wrapper = {"kind": "torch", "path": "transformers_models:EncoderWithHead",
+               "kwargs": {"folder": str(folder), "classes": CLASSES}, "weights": weights}
+
+    def build(out: str, **model):
+        return build_artifacts.build(validated({**wrapper, **model}, data), tmp_path / "data/train", tmp_path / out)
+
+    with pytest.raises(ModelError) as error:
+        build("refused")
+    assert str(error.value) == (
+        f"model.weights: {weights} does not fit the model: its names lack the model's prefix 'model.' (set "
+        "model.weights_prefix: 'model.', or leave the prefix to matching by suffix once the rest fits); with it "
+        "added, 2 missing: head.weight, head.bias; leave names out with model.weights_skip (name patterns, e.g. "
+        "['head']): the model's then keep their initial values from run.seed")
+
+    pretrained = load_file(weights)
+    caplog.set_level("INFO", logger="ortflow.build_artifacts")
+    for out, model in {"suffix": {"weights_skip": ["head"]},
+                       "prefix": {"weights_skip": ["head"], "weights_prefix": "model."}}.items():
+        caplog.clear()
+        build(out, **model)
+        parameters = checkpoint_of(tmp_path / out).parameters
+        assert sorted(parameters) == sorted([*(f"model.{name}" for name in pretrained), "head.weight", "head.bias"])
+        for name, array in pretrained.items():
+            assert bits(parameters[f"model.{name}"]) == bits(array), (out, name)
+        how = "as model.weights_prefix says" if "weights_prefix" in model else (
+            "the one prefix that makes them the model's (matched by suffix; model.weights_prefix sets it)")
+        assert f"model.weights: the prefix 'model.' added to the names of {weights}, {how}" in caplog.messages
+    with pytest.raises(ModelError, match=rf"^model.weights_prefix: 'bert.', added to or removed from the names of "
+                                         rf"{weights}, makes none of them a name of the model$"):
+        build("wrong", weights_skip=["head"], weights_prefix="bert.")
+
+
+def test_a_prefix_the_model_lacks_is_removed(data, tmp_path, caplog):
+    """The built-in mlp (names `layers.*`) from weights saved under a wrapper's
+    `transformer.`: removed by suffix matching, or by model.weights_prefix; a prefix
+    without the final dot is refused by the schema."""
+    weights = random_mlp_weights(tmp_path / "mlp.safetensors")
+    save_file({f"transformer.{name}": array for name, array in weights.items()}, str(tmp_path / "wrapped.safetensors"))
+    caplog.set_level("INFO", logger="ortflow.build_artifacts")
+    for out, prefix in (("suffix", None), ("prefix", "transformer.")):
+        build_mlp(data, tmp_path / out, weights=str(tmp_path / "wrapped.safetensors"), weights_prefix=prefix)
+        parameters = checkpoint_of(tmp_path / out).parameters
+        assert {name: bits(array) for name, array in parameters.items()} == {
+            name: bits(array) for name, array in weights.items()}
+    assert any(message.startswith("model.weights: the prefix 'transformer.' removed from the names of")
+               for message in caplog.messages), caplog.messages
+    with pytest.raises(ConfigError, match=r"model.weights_prefix.*a prefix of names ending with '.', such as 'model.'"):
+        validated({"weights": "w.safetensors", "weights_prefix": "transformer"})
+
+
 BERT_HEAD = ["model.classifier.weight", "model.classifier.bias"]
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import BertConfig, BertForSequenceClassification, BertModel, GPT2Config, GPT2LMHeadModel
+from transformers import (AutoConfig, AutoModel, BertConfig, BertForSequenceClassification, BertModel, GPT2Config,
+                          GPT2LMHeadModel)
 
 
 class GPT2(nn.Module):
@@ -80,6 +81,21 @@ class PretrainedBert(nn.Module):
         types = None if token_type_ids is None else token_type_ids.long()
         return self.model(input_ids=input_ids.long(), attention_mask=attention_mask.long(),
                           token_type_ids=types).logits
+
+
+class EncoderWithHead(nn.Module):
+    """The encoder of a save_pretrained folder built from its config alone (its
+    weights then come from model.weights: the folder's own model.safetensors) under
+    a new classification head on the pooled output: its state_dict names are the
+    folder's behind the wrapper's `model.`."""
+
+    def __init__(self, folder: str, classes: int = 2):
+        super().__init__()
+        self.model = AutoModel.from_config(AutoConfig.from_pretrained(folder))
+        self.head = nn.Linear(self.model.config.hidden_size, classes)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.head(self.model(input_ids=input_ids.long(), attention_mask=attention_mask.long()).pooler_output)
 
 
 def save_gpt2(folder: Path, vocab_size: int = 256, context: int = 16, eos_token_id: int = 0) -> Path:

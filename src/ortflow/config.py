@@ -236,7 +236,7 @@ def _check_cross_keys(config: dict) -> None:
     profile = train["profile_steps"]
     if profile and profile[0] > profile[1]:
         raise ConfigError(f"config key 'train.profile_steps': first {profile[0]} is after last {profile[1]}")
-    for key in ("weights_skip", "weights_config"):
+    for key in ("weights_skip", "weights_prefix", "weights_config"):
         if model[key] and not model["weights"]:
             raise ConfigError(f"config key 'model.{key}': set without model.weights, which it is about")
 

@@ -315,7 +315,10 @@ def _jsonl(path: Path):
         raise DataError(f"{path}: not JSON Lines, one JSON object per line ({str(error).strip()[:200]})") from None
 
 
-def _arrays(path: Path, names: list[str], available: list[str], get):
+def _arrays(path: Path, features: list[str], label: str, available: list[str], get):
+    """The feature arrays (numbers or bools) and the label array: numbers, bools, or
+    strings, which `_tabular` turns into named classes as it does a CSV's."""
+    names = features + [label]
     missing = [n for n in names if n not in available]
     if missing:
         raise DataError(
@@ -324,16 +327,36 @@ def _arrays(path: Path, names: list[str], available: list[str], get):
         )
     arrays = {n: np.asarray(get(n)) for n in names}
     for name, array in arrays.items():
+        if name == label and _is_strings(array):
+            arrays[name] = _label_strings(path, name, array)
+            continue
         if not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
-            raise DataError(f"{path}: array {name!r} has dtype {array.dtype}; expected numbers")
+            expected = "numbers, bools or strings (class names)" if name == label else "numbers"
+            raise DataError(f"{path}: array {name!r} has dtype {array.dtype}; expected {expected}")
         _check_float32_range(str(path), f"array {name!r}", array)
-    return arrays
+    return {n: arrays[n] for n in features}, arrays[label]
+
+
+def _is_strings(array: np.ndarray) -> bool:
+    """numpy's unicode or bytes strings, or h5py's variable-length strings (objects)."""
+    return array.dtype.kind in "US" or (array.dtype == object and all(isinstance(v, (str, bytes)) for v in array.flat))
+
+
+def _label_strings(path: Path, name: str, array: np.ndarray) -> np.ndarray:
+    """A label of strings as the CSV path holds one: an object array of str, bytes
+    (numpy's, h5py's) decoded as UTF-8."""
+    if array.ndim != 1:
+        raise DataError(f"{path}: label {name!r} is strings of shape {list(array.shape)}; a label of strings is one "
+                        "class name per sample, of shape [samples]")
+    try:
+        return np.array([v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in array], dtype=object)
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path}: label {name!r} holds bytes that are not UTF-8 text ({error})") from None
 
 
 def _npz(path: Path, features: list[str], label: str):
     with np.load(path, allow_pickle=False) as npz:
-        arrays = _arrays(path, features + [label], list(npz.files), npz.__getitem__)
-    return {n: arrays[n] for n in features}, arrays[label]
+        return _arrays(path, features, label, list(npz.files), npz.__getitem__)
 
 
 def _hdf5(path: Path, features: list[str], label: str):
@@ -342,8 +365,7 @@ def _hdf5(path: Path, features: list[str], label: str):
     with h5py.File(path, "r") as h5:
         available = []
         h5.visititems(lambda name, obj: available.append(name) if isinstance(obj, h5py.Dataset) else None)
-        arrays = _arrays(path, features + [label], available, lambda n: h5[n][()])
-    return {n: arrays[n] for n in features}, arrays[label]
+        return _arrays(path, features, label, available, lambda n: h5[n][()])
 
 
 def _class_names(label: np.ndarray, path: str, name: str) -> tuple[np.ndarray, list[str]]:

@@ -21,10 +21,11 @@ def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
 
     from ..models import built_in, user, weights
 
+    pretrained = weights.requested(model)
     if model["kind"] == "onnx":
         base = user.load_onnx(model["path"])
-        if model["weights"]:
-            weights.load_into_onnx(base, model["weights"], model["weights_skip"])
+        if pretrained:
+            weights.load_into_onnx(base, pretrained)
         external_data.save_model(base, path)
         return base, None
     # Every weight drawn in the constructor comes from the seed, including a new
@@ -33,8 +34,8 @@ def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
     module = user.import_torch(model["path"], model["kwargs"]) if model["kind"] == "torch" else built_in(
         model, manifest, loss
     )
-    if model["weights"]:
-        weights.load_into_module(module, model["weights"], model["weights_skip"])
+    if pretrained:
+        weights.load_into_module(module, pretrained)
     # As constructed, in training mode: torch.onnx deprecates its `training` argument for the module's own mode.
     return export_torch(module, manifest, path), [n for n, p in module.named_parameters() if p.requires_grad]
 

@@ -14,11 +14,18 @@ an ONNX file's initializer names. They are matched strictly: every float tensor
 of the model must be in the weights and every tensor of the weights in the
 model, with its shape, unless `model.weights_skip` names it; the model's skipped
 tensors keep their initial values (drawn from run.seed), the weights' are ignored.
+
+Names that differ only by a prefix (a wrapper's `model.`, a base model's
+`transformer.`) are the one mismatch that users meet most, loading a folder's own
+`model.safetensors` into a module that holds the model as an attribute: the prefix
+is added to or removed from the weights' names, as `model.weights_prefix` says or,
+without it, when one prefix alone makes every name fit (matching by suffix).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +41,22 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 CONVERSION = ("python -c \"import torch, safetensors.torch as st; st.save_file({{k: v.contiguous().clone() for k, v in "
               "torch.load('{path}', weights_only=True).items()}}, '{stem}.safetensors')\"")
 SHOWN = 5  # names shown per kind of mismatch
+ADDED, REMOVED = "added to", "removed from"  # what a prefix does to the weights' names
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the config asks of the weights: `model.weights` and the keys about it."""
+    path: str
+    skip: tuple[str, ...]
+    prefix: str | None
+
+
+def requested(model: dict) -> Request | None:
+    """The config's `model.weights*` keys (None without model.weights): the one place they are read."""
+    if not model["weights"]:
+        return None
+    return Request(model["weights"], tuple(model["weights_skip"]), model["weights_prefix"])
 
 
 def read(path: str) -> dict[str, np.ndarray]:
@@ -99,24 +122,26 @@ def read_checkpoint_folder(folder: Path) -> dict[str, np.ndarray]:
         raise ModelError(f"model.weights: {file} is not a readable ONNX Runtime checkpoint ({error})") from None
 
 
-def plan(source: str, weights: dict[str, np.ndarray], model: dict[str, tuple[tuple, np.dtype]],
-         required: list[list[str]], skip: list[str]) -> dict[str, np.ndarray]:
+def plan(request: Request, weights: dict[str, np.ndarray], model: dict[str, tuple[tuple, np.dtype]],
+         required: list[list[str]]) -> dict[str, np.ndarray]:
     """The arrays to load, by model name, in the model's dtype. `model`: name ->
     (shape, dtype) of every tensor the weights may set; `required`: the tensors the
     weights must set, each by its names (a tensor shared under several names, such as
     a tied embedding, is set under any one of them). Missing, unexpected and mismatched
     names (another shape, or a dtype that does not widen exactly into the model's) are
     refused together, in one line."""
+    source, skip = request.path, request.skip
+
     def skipped(name: str, patterns: list[str] = skip) -> bool:
         # Name patterns only (the schema allows no rules such as <1d> here), so no dimensions or embeddings.
         return is_excluded(name, 0, set(), patterns)
 
+    weights, renaming = _prefixed(request, weights, model, required, skipped)
     for pattern in skip:
         if not any(skipped(name, [pattern]) for name in [*model, *weights]):
             raise ModelError(f"model.weights_skip: {pattern!r} matches no name of the model or of {source}")
 
-    unexpected = [name for name in weights if name not in model and not skipped(name)]
-    missing = [names[0] for names in required if not any(name in weights or skipped(name) for name in names)]
+    missing, unexpected = _unfit(weights, model, required, skipped)
     mismatched: dict[str, str] = {}  # name -> both shapes and dtypes
     loaded = {}
     for name, array in weights.items():
@@ -131,12 +156,95 @@ def plan(source: str, weights: dict[str, np.ndarray], model: dict[str, tuple[tup
             loaded[name] = array.astype(dtype, copy=True)
     if missing or unexpected or mismatched:
         kinds = (("missing", missing), ("unexpected", unexpected), ("mismatched", list(mismatched.values())))
-        raise ModelError(f"model.weights: {source} does not fit the model: "
+        raise ModelError(f"model.weights: {source} does not fit the model: {_renaming_said(request, renaming)}"
                          + "; ".join(_listed(what, names) for what, names in kinds if names)
                          + f"; leave names out with model.weights_skip (name patterns, e.g. "
                            f"{_skip_example(missing + unexpected + list(mismatched))}): "
                            "the model's then keep their initial values from run.seed")
+    if renaming:
+        prefix, how = renaming
+        log.info("model.weights: the prefix %r %s the names of %s, %s", prefix, how, source,
+                 "as model.weights_prefix says" if request.prefix else
+                 "the one prefix that makes them the model's (matched by suffix; model.weights_prefix sets it)")
     return loaded
+
+
+def _unfit(weights: dict, model: dict, required: list[list[str]], skipped) -> tuple[list[str], list[str]]:
+    """The model's tensors that the weights do not set (missing), and the weights' names
+    that are not the model's (unexpected), leaving out what model.weights_skip names."""
+    unexpected = [name for name in weights if name not in model and not skipped(name)]
+    missing = [names[0] for names in required if not any(name in weights or skipped(name) for name in names)]
+    return missing, unexpected
+
+
+def _renamed(weights: dict, prefix: str, how: str) -> dict | None:
+    """The weights with `prefix` added to every name, or removed from every name that
+    starts with it; None where two names would become one."""
+    names = {(prefix + name if how == ADDED else name.removeprefix(prefix)): name for name in weights}
+    return {new: weights[old] for new, old in names.items()} if len(names) == len(weights) else None
+
+
+def _prefixes(weights: dict, model: dict) -> list[tuple[str, str]]:
+    """The (prefix, how) that make at least one name of the weights a name of the
+    model: a name of one side that is a dotted prefix followed by a name of the other."""
+    found: dict[tuple[str, str], None] = {}  # an ordered set
+    for names, others, how in ((model, weights, ADDED), (weights, model, REMOVED)):
+        for name in names:
+            parts = name.split(".")
+            for cut in range(1, len(parts)):
+                if ".".join(parts[cut:]) in others:
+                    found[(".".join(parts[:cut]) + ".", how)] = None
+    return list(found)
+
+
+def _prefixed(request: Request, weights: dict, model: dict, required: list[list[str]], skipped):
+    """The weights under the model's names, and the (prefix, how) that renamed them
+    (None: as they are). model.weights_prefix is added or removed, whichever makes more
+    of the weights' names the model's. Without it, names that do not fit as they are
+    are matched by suffix: a prefix that makes every name fit is applied when it is
+    the only one; one that leaves at most half as many names unfit is applied too, so
+    that the refusal (which follows) names it and lists what is left, not every name."""
+    if request.prefix:
+        hits = {}
+        for how in (ADDED, REMOVED):
+            renamed = _renamed(weights, request.prefix, how)
+            if renamed is not None:
+                hits[how] = (sum(new in model and new not in weights for new in renamed), renamed)
+        how = max(hits, key=lambda key: hits[key][0], default=None)
+        if how is None or hits[how][0] == 0:
+            raise ModelError(f"model.weights_prefix: {request.prefix!r}, added to or removed from the names of "
+                             f"{request.path}, makes none of them a name of the model")
+        return hits[how][1], (request.prefix, how)
+    unfit = sum(map(len, _unfit(weights, model, required, skipped)))
+    if not unfit:
+        return weights, None
+    scored = []
+    for prefix, how in _prefixes(weights, model):
+        renamed = _renamed(weights, prefix, how)
+        if renamed is not None:
+            scored.append((sum(map(len, _unfit(renamed, model, required, skipped))), prefix, how, renamed))
+    fewest = min((score for score, *_ in scored), default=unfit)
+    best = [(prefix, how, renamed) for score, prefix, how, renamed in scored if score == fewest]
+    if fewest * 2 > unfit or (fewest and len(best) > 1):
+        return weights, None
+    if len(best) > 1:
+        raise ModelError(f"model.weights: the names of {request.path} fit the model's with any of "
+                         + ", ".join(f"{prefix!r} {how} them" for prefix, how, _ in best)
+                         + "; set model.weights_prefix to the one that is meant")
+    prefix, how, renamed = best[0]
+    return renamed, (prefix, how)
+
+
+def _renaming_said(request: Request, renaming: tuple[str, str] | None) -> str:
+    """The start of a refusal whose names were taken with a prefix: which, and how to set it."""
+    if not renaming:
+        return ""
+    prefix, how = renaming
+    if request.prefix:
+        return f"with model.weights_prefix {prefix!r} {how} its names, "
+    differ = "lack the model's prefix" if how == ADDED else "carry a prefix the model's lack,"
+    return (f"its names {differ} {prefix!r} (set model.weights_prefix: {prefix!r}, or leave the prefix to matching "
+            f"by suffix once the rest fits); with it {how.split()[0]}, ")
 
 
 def _listed(what: str, names: list[str]) -> str:
@@ -157,7 +265,7 @@ def _report(source: str, loaded: dict, kept: list[str]) -> None:
              f"; {_listed('keep their initial values (model.weights_skip)', kept)}" if kept else "")
 
 
-def load_into_module(module, path: str, skip: list[str]) -> None:
+def load_into_module(module, request: Request) -> None:
     """Set a torch module's parameters and buffers (its state_dict) from the weights,
     before it is exported. Integer buffers (BatchNorm's num_batches_tracked) are
     loaded when the weights have them and not required: ortflow keeps no such tensor."""
@@ -170,7 +278,8 @@ def load_into_module(module, path: str, skip: list[str]) -> None:
     model = {name: (tuple(tensor.shape), torch.empty(0, dtype=tensor.dtype).numpy().dtype)
              for name, tensor in tensors.items()}
     required = [names for names in names_of.values() if tensors[names[0]].is_floating_point()]
-    loaded = plan(path, read(path), model, required, skip)
+    path = request.path
+    loaded = plan(request, read(path), model, required)
     for names in names_of.values():
         given = [name for name in names if name in loaded]
         if any(not np.array_equal(loaded[given[0]], loaded[name]) for name in given[1:]):
@@ -184,14 +293,14 @@ def load_into_module(module, path: str, skip: list[str]) -> None:
                            if key not in set_tensors and tensors[names[0]].is_floating_point()])
 
 
-def load_into_onnx(model, path: str, skip: list[str]) -> None:
+def load_into_onnx(model, request: Request) -> None:
     """Set an ONNX model's initializers from the weights, by name."""
     from onnx import helper, numpy_helper
 
     initializers = {t.name: t for t in model.graph.initializer}
     shapes = {name: (tuple(t.dims), helper.tensor_dtype_to_np_dtype(t.data_type)) for name, t in initializers.items()}
     floats = [name for name, (_, dtype) in shapes.items() if np.dtype(dtype).kind == "f"]
-    loaded = plan(path, read(path), shapes, [[name] for name in floats], skip)
+    loaded = plan(request, read(request.path), shapes, [[name] for name in floats])
     for name, array in loaded.items():
         initializers[name].CopyFrom(numpy_helper.from_array(array, name))
-    _report(path, loaded, [name for name in initializers if name in floats and name not in loaded])
+    _report(request.path, loaded, [name for name in initializers if name in floats and name not in loaded])
