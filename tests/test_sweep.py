@@ -141,17 +141,22 @@ def test_the_comparison_ranks_the_points_and_marks_the_failed_one(tmp_path, monk
     assert "class='failed'" in (folder / "comparison.html").read_text()
 
 
-def test_the_comparison_says_which_int8_the_gate_refused(tmp_path, monkeypatch):
+def test_the_comparison_says_which_attempt_a_resumed_point_timed_and_which_int8_the_gate_refused(
+        tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     config = sweep_config(grid={"train.optimizer.lr": [0.1, 0.01]})
     folder = Path("results/sweeps/s")
     for name in ("lr-0.1", "lr-0.01"):
         fake_point(folder / name, [0.9, 0.5], exported=True)
+    resumed = TrainFolder(folder / "lr-0.1" / "train").metrics
+    resumed.write_text(json.dumps({**json.loads(resumed.read_text()), "steps_this_attempt": 5}))
     gate = {"metric": "loss", "drop": 36.0, "unit": "%", "max_accuracy_drop": 1.0, "outcome": "refused"}
     (folder / "lr-0.01" / "export" / "metrics.json").write_text(json.dumps(
         {"fp32": {"loss": 0.5, "size_bytes": 4000}, "int8": {"loss": 0.68, "size_bytes": 1000}, "gate": gate}))
     best = sweep.compare(config)
     rows = {row["point"]: row for row in comparison(folder)}
+    assert (rows["lr-0.1"]["steps"], rows["lr-0.01"]["steps"]) == ("20 (5 in the last attempt)", "20")
+    assert rows["lr-0.1"]["wall time (s, last attempt)"] == "1.5" and rows["lr-0.1"]["samples/s (last attempt)"] == "100"
     assert rows["lr-0.01"]["int8 eval_loss"] == "refused by the gate, +36% loss (export.max_accuracy_drop: 1)"
     assert rows["lr-0.01"]["status"] == "finished" and best["int8_refused"] == ["lr-0.01"]
     assert "  int8 refused by the gate: lr-0.01 (their fp32 models stand" in sweep.summary(config, best, [])
@@ -309,7 +314,11 @@ def test_halving_stops_the_weak_points_and_its_survivors_go_on_bit_for_bit(workd
         f"point_{name.replace('-', '_').replace('.', '_')}_train" for name in halving["survivors"])
     rows = {row["point"]: row for row in comparison(folder)}
     assert rows[halving["stopped"][0]]["status"] == "stopped" and rows[halving["stopped"][0]]["steps"] == "10"
-    assert {rows[name]["steps"] for name in halving["survivors"]} == {"20"}
+    # A survivor's run resumed from the first budget: its time and speed are of its last attempt, and it says so.
+    assert {rows[name]["steps"] for name in halving["survivors"]} == {"20 (10 in the last attempt)"}
+    for name in halving["survivors"]:
+        timed = json.loads(TrainFolder(folder / name / "train").metrics.read_text())
+        assert float(rows[name]["wall time (s, last attempt)"]) == pytest.approx(timed["wall_time_s"], rel=1e-5)
 
     # A survivor against the same config trained to the end without the stop.
     survivor = halving["survivors"][0]

@@ -226,7 +226,7 @@ def point_row(point: Point, sweep: dict, failed_stage: str | None = None) -> dic
     status = failed or ("finished" if (run / EXPORTED_MODEL).is_file() else "trained")
     return {**row, "status": status, "best": best[key] if best else None, "best_step": best["step"] if best else None,
             "last": train["eval"].get(key), "steps": train["steps"], "wall_time_s": train["wall_time_s"],
-            "samples_per_s": train["samples_per_s"],
+            "samples_per_s": train["samples_per_s"], "steps_this_attempt": train.get("steps_this_attempt"),
             "fp32_mb": megabytes(export.get("fp32", {}).get("size_bytes")), "int8_mb": megabytes(int8.get("size_bytes")),
             "int8_metric": refusal(export) or int8.get(key), "int8_refused": refusal(export) is not None,
             "history": train["history"]}
@@ -301,13 +301,20 @@ def cell(value) -> str:
     return "" if value is None else str(value)
 
 
+def steps_shown(row: dict):
+    """A point's steps, with those of its last attempt when it resumed (`600 (60 in the last attempt)`)."""
+    steps, this_attempt = row.get("steps"), row.get("steps_this_attempt")
+    return steps if this_attempt is None or this_attempt == steps else f"{steps} ({this_attempt} in the last attempt)"
+
+
 def write_table(rows: list[dict], swept: list[str], sweep: dict, out: Path) -> None:
     """comparison.tsv (to read or load) and comparison.html (for Snakemake's report): the same cells."""
     metric = f"{sweep['metric']} ({goal(sweep)})"
+    # A resumed point's metrics.json times its last attempt only: the headers and its steps say so.
     header = ["rank", "point", *swept, "status", f"best {metric}", "best step", f"last {metric}", "steps",
-              "wall time (s)", "samples/s", "fp32 MB", "int8 MB", f"int8 {sweep['metric']}"]
+              "wall time (s, last attempt)", "samples/s (last attempt)", "fp32 MB", "int8 MB", f"int8 {sweep['metric']}"]
     keys = ["rank", "point", *swept, *COLUMNS[2:]]
-    lines = [[cell(row.get(key)) for key in keys] for row in rows]
+    lines = [[cell({**row, "steps": steps_shown(row)}.get(key)) for key in keys] for row in rows]
     with atomic.file(out / "comparison.tsv") as temporary:
         with open(temporary, "w", newline="") as f:
             writer = csv.writer(f, delimiter="\t", lineterminator="\n")
