@@ -241,9 +241,9 @@ def test_a_failing_point_leaves_the_others_and_an_added_point_runs_alone(workdir
     assert result.returncode != 0
     folder = workdir / "results" / "sweeps" / "lr"
     rows = {row["point"]: row for row in comparison(folder)}
-    assert rows["lr-1e9"]["status"] == "failed" and rows["lr-1e9"]["rank"] == ""
+    assert rows["lr-1e9"]["status"] == "failed: train" and rows["lr-1e9"]["rank"] == ""
     assert rows["lr-0.01"]["status"] == "finished" and rows["lr-0.01"]["rank"] == "1"
-    assert "best point lr-0.01" in result.stderr and "failed: lr-1e9" in result.stderr
+    assert "best point lr-0.01" in result.stderr and "failed: lr-1e9 (train)" in result.stderr
     finished = TrainFolder(folder / "lr-0.01" / "train").metrics.stat().st_mtime_ns
 
     # The failing point removed, another added: only the new one trains, and the comparison is redone.
