@@ -82,7 +82,7 @@ onerror:
     print(stage_failures(failed), file=sys.stderr)
     # With --keep-going the points that finished are compared, the failed ones marked.
     if ortflow_sweep.is_sweep(config):
-        best = ortflow_sweep.compare(config)
+        best = ortflow_sweep.compare(config, [rule for rule, _ in failed])
         print(ortflow_sweep.summary(config, best, run_arguments()), file=sys.stderr)
 
 

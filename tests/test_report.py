@@ -200,6 +200,39 @@ def test_summary_of_a_run_with_training_alone_or_nothing(tmp_path):
     assert run_summary(nothing, **files_of(nothing)).splitlines()[1] == "  nothing trained yet"
 
 
+def test_summary_and_report_of_a_run_whose_int8_model_the_gate_refused(tmp_path):
+    """The gate refused int8 (export/metrics.json): the summary and the report's table say so and by how
+    much, and the int8 file, still on disk, is not offered as the model."""
+    from ortflow.report import summary_rows
+
+    results = tmp_path / "results" / "digits"
+    (results / "export").mkdir(parents=True)
+    for name in ("model.onnx", "model.int8.onnx"):
+        (results / "export" / name).write_bytes(b"onnx")
+    latency = {"b1_p50": 0.02, "b1_p95": 0.03, "b64_p50": 0.04, "b64_p95": 0.05}
+    export = {"quantize": "dynamic", "warnings": [],
+              "fp32": {"loss": 0.2, "accuracy": 0.95, "latency_ms": latency, "size_bytes": 4000},
+              "int8": {"loss": 0.3, "accuracy": 0.9143, "latency_ms": latency, "size_bytes": 1000},
+              "gate": {"metric": "accuracy", "drop": 3.57, "unit": "points", "max_accuracy_drop": 1.0,
+                       "outcome": "refused"}}
+    (results / "export" / "metrics.json").write_text(json.dumps(export))
+    lines = run_summary(results, **files_of(results)).splitlines()
+    assert lines[1:4] == [f"  model     {results}/export/model.onnx",
+                          "  accuracy  95.00%, int8 91.43%, int8 speed-up 1.00x at batch 64",
+                          "  int8      refused by the gate, -3.57 points (export.max_accuracy_drop: 1): "
+                          "deploy the fp32 model"]
+    assert ("gate", "int8", "refused by the gate, -3.57 points (export.max_accuracy_drop: 1)") in summary_rows(None, export)
+    # A perplexity's drop is a relative increase; a gate that passed is not mentioned.
+    export["gate"] = {"metric": "perplexity", "drop": 12.5, "unit": "%", "max_accuracy_drop": 5.0, "outcome": "refused"}
+    (results / "export" / "metrics.json").write_text(json.dumps(export))
+    assert "  int8      refused by the gate, +12.5% perplexity (export.max_accuracy_drop: 5): deploy the fp32 model" \
+        in run_summary(results, **files_of(results)).splitlines()
+    export["gate"]["outcome"] = "passed"
+    (results / "export" / "metrics.json").write_text(json.dumps(export))
+    shown = run_summary(results, **files_of(results))
+    assert "refused" not in shown and f"(int8: {results}/export/model.int8.onnx)" in shown
+
+
 def console_tail(stderr: str) -> list[str]:
     """What a failed `snakemake` printed last, after Snakemake's own "Exiting because a job execution failed"."""
     return stderr.split("Exiting because a job execution failed", 1)[1].splitlines()

@@ -116,22 +116,50 @@ def fake_point(folder: Path, losses: list[float], exported: bool) -> None:
 
 def test_the_comparison_ranks_the_points_and_marks_the_failed_one(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    config = sweep_config(grid={"train.optimizer.lr": [0.1, 0.01, 0.001, 0.0001]})
+    config = sweep_config(grid={"train.optimizer.lr": [0.1, 0.01, 0.001, 0.0001, 0.00001]})
     folder = Path("results/sweeps/s")
     fake_point(folder / "lr-0.1", [0.9, 0.5, 0.7], exported=True)  # best at step 20, last 0.7
     fake_point(folder / "lr-0.01", [0.8, 0.6], exported=True)
-    fake_point(folder / "lr-0.001", [0.4], exported=False)  # trained best, but never exported
-    best = sweep.compare(config)  # lr-0.0001 left nothing: it failed
+    fake_point(folder / "lr-0.001", [0.4], exported=False)  # trained best, but its export failed
+    # The jobs that failed (the Snakefile's onerror passes their rules); lr-1e-5 never started.
+    best = sweep.compare(config, ["point_lr_0_001_export_model", "point_lr_0_0001_train", "sweep_compare"])
     rows = comparison(folder)
     assert [(r["rank"], r["point"], r["status"], r["best eval_loss (min)"], r["best step"], r["last eval_loss (min)"])
-            for r in rows] == [("1", "lr-0.001", "trained", "0.4", "10", "0.4"),
+            for r in rows] == [("1", "lr-0.001", "failed: export_model", "0.4", "10", "0.4"),
                                ("2", "lr-0.1", "finished", "0.5", "20", "0.7"),
                                ("3", "lr-0.01", "finished", "0.6", "20", "0.6"),
-                               ("", "lr-0.0001", "failed", "", "", "")]
-    assert (best["point"], best["value"], best["failed"]) == ("lr-0.1", 0.5, ["lr-0.0001"])
+                               ("", "lr-0.0001", "failed: train", "", "", ""),
+                               ("", "lr-1e-5", "not run", "", "", "")]
+    assert (best["point"], best["value"]) == ("lr-0.1", 0.5)
+    assert (best["failed"], best["not_run"]) == ({"lr-0.001": "export_model", "lr-0.0001": "train"}, ["lr-1e-5"])
     assert (folder / "best" / "model.onnx").read_bytes() == b"lr-0.1"
     assert {"curves.png", "by_key.png", "comparison.html"} <= {f.name for f in folder.iterdir()}
-    assert "best point lr-0.1 (eval_loss 0.5, min, at step 20)" in sweep.summary(config, best, [])
+    printed = sweep.summary(config, best, [])
+    assert "best point lr-0.1 (eval_loss 0.5, min, at step 20)" in printed
+    assert "  failed: lr-0.001 (export_model), lr-0.0001 (train) (their logs: logs/sweeps/s/<point>/)" in printed
+    assert "  not run: lr-1e-5 (snakemake stopped first; --keep-going runs them)" in printed
+    assert "class='failed'" in (folder / "comparison.html").read_text()
+
+
+def test_the_comparison_says_which_attempt_a_resumed_point_timed_and_which_int8_the_gate_refused(
+        tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = sweep_config(grid={"train.optimizer.lr": [0.1, 0.01]})
+    folder = Path("results/sweeps/s")
+    for name in ("lr-0.1", "lr-0.01"):
+        fake_point(folder / name, [0.9, 0.5], exported=True)
+    resumed = TrainFolder(folder / "lr-0.1" / "train").metrics
+    resumed.write_text(json.dumps({**json.loads(resumed.read_text()), "steps_this_attempt": 5}))
+    gate = {"metric": "loss", "drop": 36.0, "unit": "%", "max_accuracy_drop": 1.0, "outcome": "refused"}
+    (folder / "lr-0.01" / "export" / "metrics.json").write_text(json.dumps(
+        {"fp32": {"loss": 0.5, "size_bytes": 4000}, "int8": {"loss": 0.68, "size_bytes": 1000}, "gate": gate}))
+    best = sweep.compare(config)
+    rows = {row["point"]: row for row in comparison(folder)}
+    assert (rows["lr-0.1"]["steps"], rows["lr-0.01"]["steps"]) == ("20 (5 in the last attempt)", "20")
+    assert rows["lr-0.1"]["wall time (s, last attempt)"] == "1.5" and rows["lr-0.1"]["samples/s (last attempt)"] == "100"
+    assert rows["lr-0.01"]["int8 eval_loss"] == "refused by the gate, +36% loss (export.max_accuracy_drop: 1)"
+    assert rows["lr-0.01"]["status"] == "finished" and best["int8_refused"] == ["lr-0.01"]
+    assert "  int8 refused by the gate: lr-0.01 (their fp32 models stand" in sweep.summary(config, best, [])
 
 
 # A grid of 4 points on the default data, few steps of a tiny MLP on one rank each.
@@ -213,9 +241,9 @@ def test_a_failing_point_leaves_the_others_and_an_added_point_runs_alone(workdir
     assert result.returncode != 0
     folder = workdir / "results" / "sweeps" / "lr"
     rows = {row["point"]: row for row in comparison(folder)}
-    assert rows["lr-1e9"]["status"] == "failed" and rows["lr-1e9"]["rank"] == ""
+    assert rows["lr-1e9"]["status"] == "failed: train" and rows["lr-1e9"]["rank"] == ""
     assert rows["lr-0.01"]["status"] == "finished" and rows["lr-0.01"]["rank"] == "1"
-    assert "best point lr-0.01" in result.stderr and "failed: lr-1e9" in result.stderr
+    assert "best point lr-0.01" in result.stderr and "failed: lr-1e9 (train)" in result.stderr
     finished = TrainFolder(folder / "lr-0.01" / "train").metrics.stat().st_mtime_ns
 
     # The failing point removed, another added: only the new one trains, and the comparison is redone.
@@ -228,6 +256,27 @@ def test_a_failing_point_leaves_the_others_and_an_added_point_runs_alone(workdir
     assert [row["point"] for row in comparison(folder)] in (["lr-0.01", "lr-0.001"], ["lr-0.001", "lr-0.01"])
 
 
+
+@pytest.mark.e2e
+def test_a_refused_int8_keeps_the_sweep_green_and_a_failed_stage_is_named_and_ranked_by_training(workdir):
+    # One point's gate refuses every int8 model, the other's passes every one: certain on any CPU.
+    gated = {**GRID, "sweep": {"name": "gate", "grid": {"export.max_accuracy_drop": [-1000.0, 100.0]}}}
+    refused, passed = (p.name for p in sweep.points(ortflow_config.validate(gated)))
+    result = run_snakemake(workdir, gated)
+    folder = workdir / "results" / "sweeps" / "gate"
+    rows = {row["point"]: row for row in comparison(folder)}
+    assert {rows[refused]["status"], rows[passed]["status"]} == {"finished"}
+    assert rows[refused]["int8 eval_loss"].startswith("refused by the gate, "), rows[refused]
+    float(rows[passed]["int8 eval_loss"])  # the int8 model's eval loss
+    assert f"int8 refused by the gate: {refused} (their fp32 models stand" in result.stdout
+
+    # Asked to fail the run, the refused point's quantize_model fails: it is ranked by its training.
+    failing = run_snakemake(workdir, {**gated, "export": {"gate_fails_run": True}}, "--keep-going", check=False)
+    assert failing.returncode != 0
+    rows = {row["point"]: row for row in comparison(folder)}
+    assert rows[refused]["status"] == "failed: quantize_model" and rows[refused]["rank"] in ("1", "2"), rows[refused]
+    assert rows[passed]["status"] == "finished"
+    assert f"best point {passed}" in failing.stderr and f"failed: {refused} (quantize_model)" in failing.stderr
 
 HALVING = {
     "train": {**GRID["train"], "lr_schedule": {"name": "constant"}},
@@ -265,7 +314,11 @@ def test_halving_stops_the_weak_points_and_its_survivors_go_on_bit_for_bit(workd
         f"point_{name.replace('-', '_').replace('.', '_')}_train" for name in halving["survivors"])
     rows = {row["point"]: row for row in comparison(folder)}
     assert rows[halving["stopped"][0]]["status"] == "stopped" and rows[halving["stopped"][0]]["steps"] == "10"
-    assert {rows[name]["steps"] for name in halving["survivors"]} == {"20"}
+    # A survivor's run resumed from the first budget: its time and speed are of its last attempt, and it says so.
+    assert {rows[name]["steps"] for name in halving["survivors"]} == {"20 (10 in the last attempt)"}
+    for name in halving["survivors"]:
+        timed = json.loads(TrainFolder(folder / name / "train").metrics.read_text())
+        assert float(rows[name]["wall time (s, last attempt)"]) == pytest.approx(timed["wall_time_s"], rel=1e-5)
 
     # A survivor against the same config trained to the end without the stop.
     survivor = halving["survivors"][0]

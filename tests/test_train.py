@@ -1,5 +1,5 @@
 """The training stage: through the real workflow (mpirun ranks, all-reduce, metrics,
-failures), and the launcher's (ortflow.train) commands and what it does before the ranks start."""
+failures), and the launcher's (ortflow.stages.train, ortflow.launcher) commands and what it does before the ranks start."""
 
 from __future__ import annotations
 

@@ -69,6 +69,16 @@ def mean_baseline(train: dict | None) -> str | None:
     return f"mean_baseline_mse {fmt(train['eval']['mean_baseline_mse'], 'float')} (predicting the train mean)"
 
 
+def refusal(export: dict | None) -> str | None:
+    """`refused by the gate, -3.6 points (export.max_accuracy_drop: 1)` when the quality gate
+    refused the int8 model (export/metrics.json), else None."""
+    gate = (export or {}).get("gate")
+    if not gate or gate.get("outcome") != "refused":  # before the outcome was kept, a refusal failed the stage
+        return None
+    change = f"{-gate['drop']:+.3g} points" if gate["unit"] == "points" else f"{gate['drop']:+.3g}% {gate['metric']}"
+    return f"refused by the gate, {change} (export.max_accuracy_drop: {gate['max_accuracy_drop']:g})"
+
+
 def speedup(export: dict) -> float | None:
     """How many times faster int8 runs than fp32 at batch 64 (median latency)."""
     if "int8" not in export:
@@ -171,6 +181,8 @@ def summary_rows(train: dict | None, export: dict | None) -> list[tuple]:
         if "int8" in export:
             rows.append(("int8", f"{name} (int8, {export['quantize']})", quality(export["int8"])[1]))
             rows.append(("speedup", "int8 speed-up (batch 64, 1 thread)", fmt(speedup(export), "ratio")))
+        if refusal(export):
+            rows.append(("gate", "int8", refusal(export)))
     elif train:
         name, shown = quality(train["eval"])
         rows.append(("eval", f"{name} (eval at the last step)", shown))
@@ -287,16 +299,19 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     if "inference" in outputs and outputs["inference"] != outputs["logits"]:
         lines.append(f"  output    {outputs['inference']!r} follows the logits {outputs['logits']!r} (a final Softmax "
                      "or LogSoftmax, kept in the exported model); the loss is computed on the logits")
-    # An int8 model no smaller than the fp32 one is not offered (its warning below says why).
-    smaller = bool(export) and "int8" in export and export["int8"]["size_bytes"] < export["fp32"]["size_bytes"]
+    # An int8 model the gate refused, or no smaller than the fp32 one, is not offered (the lines below say why).
+    offered = (bool(export) and "int8" in export and not refusal(export)
+               and export["int8"]["size_bytes"] < export["fp32"]["size_bytes"])
     if model.is_file():
-        lines.append(f"  model     {model}" + (f" (int8: {int8})" if int8.is_file() and smaller else ""))
+        lines.append(f"  model     {model}" + (f" (int8: {int8})" if int8.is_file() and offered else ""))
     if export:
         name, shown = quality(export["fp32"])
         line = f"  {name:<9} {shown}"
         if "int8" in export:
             line += f", int8 {quality(export['int8'])[1]}, int8 speed-up {fmt(speedup(export), 'ratio')} at batch 64"
         lines.append(line)
+        if refusal(export):
+            lines.append(f"  int8      {refusal(export)}: deploy the fp32 model")
     elif train:
         name, shown = quality(train["eval"])
         lines.append(f"  {name:<9} {shown} (eval at step {train['steps']})")

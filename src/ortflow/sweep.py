@@ -205,34 +205,52 @@ def point_config(config: dict, name: str, values: dict) -> dict:
 # --- the comparison -----------------------------------------------------------------------------------
 
 
-def point_row(point: Point, sweep: dict) -> dict:
-    """A point's line of the comparison, from its train/metrics.json and export/metrics.json;
-    `failed` when training left no metrics."""
-    from .report import read_json  # numpy and ONNX behind it: not for every Snakefile that imports this
+def point_row(point: Point, sweep: dict, failed_stage: str | None = None) -> dict:
+    """A point's line of the comparison, from its train/metrics.json and export/metrics.json.
+    Its status: `finished` (exported), `trained` (its export not run yet), `failed: <stage>`
+    (`failed_stage`: ranked by its training metric when training finished), `not run`."""
+    from .report import read_json, refusal  # numpy and ONNX behind them: not for every Snakefile that imports this
 
     run = results(point.config)
     train = read_json(TrainFolder(run / "train").metrics)
     row = {"point": point.name, **point.values}
+    failed = f"failed: {failed_stage}" if failed_stage else None
     if train is None:
-        return {**row, "status": "failed"}
+        return {**row, "status": failed or "not run"}
     key = EVAL_KEYS[sweep["metric"]]
     evals = [e for e in train["history"]["eval"] if e.get(key) is not None]
     pick = max if goal(sweep) == "max" else min
     best = pick(evals, key=lambda e: e[key]) if evals else None
     export = read_json(run / EXPORT_METRICS) or {}
     int8 = export.get("int8") or {}
-    # `trained`: its export did not run or failed, so it cannot be the sweep's model.
-    status = "finished" if (run / EXPORTED_MODEL).is_file() else "trained"
+    # Only a `finished` point, exported without a failed stage, can be the sweep's model.
+    status = failed or ("finished" if (run / EXPORTED_MODEL).is_file() else "trained")
     return {**row, "status": status, "best": best[key] if best else None, "best_step": best["step"] if best else None,
             "last": train["eval"].get(key), "steps": train["steps"], "wall_time_s": train["wall_time_s"],
-            "samples_per_s": train["samples_per_s"],
+            "samples_per_s": train["samples_per_s"], "steps_this_attempt": train.get("steps_this_attempt"),
             "fp32_mb": megabytes(export.get("fp32", {}).get("size_bytes")), "int8_mb": megabytes(int8.get("size_bytes")),
-            "int8_metric": int8.get(key), "history": train["history"]}
+            "int8_metric": refusal(export) or int8.get(key), "int8_refused": refusal(export) is not None,
+            "history": train["history"]}
 
 
 def stopped(row: dict) -> dict:
     """The row of a point that successive halving stopped at the first budget."""
-    return {**row, "status": "stopped" if row["status"] != "failed" else "failed"}
+    return {**row, "status": "stopped" if row["status"] == "trained" else row["status"]}
+
+
+def failed_stages(every: list[Point], failed_rules: list[str]) -> dict[str, str]:
+    """{point: its stage that failed}, from the rules of the failed jobs (`point_<point>_train`;
+    `point_<point>_first_train`, a halving point's run to the first budget). A prefix may begin
+    another's (point_hidden_16, point_hidden_16_32): the longest that matches is the point's."""
+    prefixes = sorted(((rule_prefix(p) + "_", p.name) for p in every), key=lambda item: -len(item[0]))
+    stages = {}
+    for rule in failed_rules:
+        prefix, name = next(((prefix, name) for prefix, name in prefixes if rule.startswith(prefix)), (None, None))
+        if prefix is None:  # not a point's rule (sweep_compare, sweep_halving)
+            continue
+        stage = rule.removeprefix(prefix)
+        stages[name] = f"{stage.removeprefix('first_')} (to the first budget)" if stage.startswith("first_") else stage
+    return stages
 
 
 def megabytes(size: int | None) -> float | None:
@@ -249,14 +267,17 @@ def ranked(rows: list[dict], sweep: dict) -> list[dict]:
     return [{**row, "rank": i + 1 if row.get("best") is not None else ""} for i, row in enumerate(scored + rest)]
 
 
-def compare(config: dict) -> dict | None:
+def compare(config: dict, failed_rules: list[str] = ()) -> dict | None:
     """Write results/sweeps/<name>/: the table, the plots and best/; return the best
-    point's record (None when no point finished)."""
+    point's record (None when no point finished). `failed_rules`: the rules of the jobs
+    that failed in this `snakemake` (its onerror), which name each failed point's stage."""
     sweep, out = config["sweep"], folder(config)
     every = points(config)
     swept = list(every[0].values)
+    failed = failed_stages(every, failed_rules)
     kept = survivors(config) if sweep["halving"]["steps"] else [p.name for p in every]
-    rows = ranked([point_row(p, sweep) if p.name in kept else stopped(point_row(Point(p.name, p.values, p.first), sweep))
+    rows = ranked([point_row(p, sweep, failed.get(p.name)) if p.name in kept
+                   else stopped(point_row(Point(p.name, p.values, p.first), sweep, failed.get(p.name)))
                    for p in every], sweep)
     write_table(rows, swept, sweep, out)
     plot_comparison(rows, swept, sweep, out)
@@ -265,7 +286,9 @@ def compare(config: dict) -> dict | None:
         return None
     record = {"point": best["point"], "metric": sweep["metric"], "goal": goal(sweep), "value": best["best"],
               "step": best["best_step"], "model": str(out / "best" / "model.onnx"),
-              "failed": [row["point"] for row in rows if row["status"] == "failed"]}
+              "failed": {row["point"]: failed[row["point"]] for row in rows if row["point"] in failed},
+              "not_run": [row["point"] for row in rows if row["status"] == "not run"],
+              "int8_refused": [row["point"] for row in rows if row.get("int8_refused")]}
     with atomic.file(out / "best" / "model.onnx") as temporary:
         shutil.copyfile(out / best["point"] / EXPORTED_MODEL, temporary)
     with atomic.file(out / "best" / "best.json") as temporary:
@@ -279,22 +302,29 @@ def cell(value) -> str:
     return "" if value is None else str(value)
 
 
+def steps_shown(row: dict):
+    """A point's steps, with those of its last attempt when it resumed (`600 (60 in the last attempt)`)."""
+    steps, this_attempt = row.get("steps"), row.get("steps_this_attempt")
+    return steps if this_attempt is None or this_attempt == steps else f"{steps} ({this_attempt} in the last attempt)"
+
+
 def write_table(rows: list[dict], swept: list[str], sweep: dict, out: Path) -> None:
     """comparison.tsv (to read or load) and comparison.html (for Snakemake's report): the same cells."""
     metric = f"{sweep['metric']} ({goal(sweep)})"
+    # A resumed point's metrics.json times its last attempt only: the headers and its steps say so.
     header = ["rank", "point", *swept, "status", f"best {metric}", "best step", f"last {metric}", "steps",
-              "wall time (s)", "samples/s", "fp32 MB", "int8 MB", f"int8 {sweep['metric']}"]
+              "wall time (s, last attempt)", "samples/s (last attempt)", "fp32 MB", "int8 MB", f"int8 {sweep['metric']}"]
     keys = ["rank", "point", *swept, *COLUMNS[2:]]
-    lines = [[cell(row.get(key)) for key in keys] for row in rows]
+    lines = [[cell({**row, "steps": steps_shown(row)}.get(key)) for key in keys] for row in rows]
     with atomic.file(out / "comparison.tsv") as temporary:
         with open(temporary, "w", newline="") as f:
             writer = csv.writer(f, delimiter="\t", lineterminator="\n")
             writer.writerows([header, *lines])
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
-    body = "".join(f"<tr data-key='{html.escape(row['point'])}' class='{row['status']}'>"
+    body = "".join(f"<tr data-key='{html.escape(row['point'])}' class='{row['status'].split(':')[0].replace(' ', '-')}'>"
                    + "".join(f"<td>{html.escape(c)}</td>" for c in line) + "</tr>" for row, line in zip(rows, lines))
     style = ("body{font-family:sans-serif;margin:1.5em} table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:4px 10px} tr.failed{color:#a00}")
+             "td,th{border:1px solid #ccc;padding:4px 10px} tr.failed{color:#a00} tr.not-run{color:#888}")
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>Sweep {html.escape(sweep['name'])}</title>"
             f"<style>{style}</style></head><body><h2>Sweep {html.escape(sweep['name'])}: every point, best first"
             f"</h2><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></body></html>")
@@ -313,7 +343,7 @@ def plot_comparison(rows: list[dict], swept: list[str], sweep: dict, out: Path) 
     from .report import save
 
     key = EVAL_KEYS[sweep["metric"]]
-    finished = [row for row in rows if row["status"] != "failed"]
+    finished = [row for row in rows if "history" in row]  # those that trained
     figure, (loss_axes, metric_axes) = plt.subplots(1, 2, figsize=(11, 4))
     for row in finished:
         train, evals = row["history"]["train"], [e for e in row["history"]["eval"] if e.get(key) is not None]
@@ -353,7 +383,14 @@ def summary(config: dict, best: dict | None, arguments: list[str]) -> str:
              f"  its model: {best['model']}",
              f"  every point: {out / 'comparison.tsv'} (plots: {out / 'curves.png'}, {out / 'by_key.png'})"]
     if best["failed"]:
-        lines.append(f"  failed: {', '.join(best['failed'])} (their logs: {SWEEP_LOGS / name}/<point>/)")
+        failed = ", ".join(f"{point} ({stage})" for point, stage in best["failed"].items())
+        lines.append(f"  failed: {failed} (their logs: {SWEEP_LOGS / name}/<point>/)")
+    # .get: a best.json of an earlier ortflow has neither.
+    if best.get("not_run"):
+        lines.append(f"  not run: {', '.join(best['not_run'])} (snakemake stopped first; --keep-going runs them)")
+    if best.get("int8_refused"):
+        lines.append(f"  int8 refused by the gate: {', '.join(best['int8_refused'])} (their fp32 models stand; "
+                     "the comparison's int8 column says by how much)")
     lines.append(f"  report: {shlex.join(['snakemake', '--report', str(out / 'report.html'), *arguments])}")
     return "\n".join(lines)
 

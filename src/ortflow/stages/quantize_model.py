@@ -15,10 +15,15 @@
    machine load); sizes are their file sizes.
 3. The quality gate: the int8 model may lose at most `export.max_accuracy_drop`
    accuracy points (perplexity, or the loss of a regression model: that many
-   percent relative increase). Beyond it the stage fails with both numbers, no
-   int8 model and no metrics.json are written, and the fp32 model stays. The
-   message suggests only settings not set already, and `data.standardize` where
-   the inputs are unscaled floats (standardize.unscaled).
+   percent relative increase). Beyond it the int8 model is refused: the fp32
+   model is the run's product, so the stage warns with both numbers, and
+   metrics.json records the gate's outcome `refused`, which the end-of-run
+   summary, the report and a sweep's comparison show (none of them offers the
+   int8 file, which is still written: Snakemake expects it). With
+   `export.gate_fails_run` the stage fails instead, and no int8 model and no
+   metrics.json are written. The message suggests only settings not set
+   already, and `data.standardize` where the inputs are unscaled floats
+   (standardize.unscaled).
 4. An int8 model no smaller than the fp32 model (a tiny model) is still written,
    since Snakemake expects the file, but flagged: a warning in the log, in
    metrics.json's `warnings`, and in the end-of-run summary, which then offers
@@ -270,22 +275,29 @@ def table(report: dict) -> str:
 
 
 def gate(report: dict, export_cfg: dict, model: Path, records: int, remedies: list[str]) -> dict:
-    """The quality gate's entry of the report; QualityGateError if int8 loses too much,
-    naming the `remedies`. For accuracy it says what one record is worth: on a tiny
-    eval split one wrong answer is already several points."""
+    """The quality gate's entry of the report, its `outcome` `passed` or `refused` (int8 loses
+    too much, said in a warning that names the `remedies`); QualityGateError instead of
+    `refused` with export.gate_fails_run. For accuracy it says what one record is worth:
+    on a tiny eval split one wrong answer is already several points."""
     compared, drop, unit = quality_drop(report["fp32"], report["int8"])
     allowed = export_cfg["max_accuracy_drop"]
     granularity = f" (one of the {records} eval records is {100 / records:.3g} points)" if compared == "accuracy" else ""
-    if drop > allowed:
-        scale = 100 if compared == "accuracy" else 1
-        raise QualityGateError(
-            f"quality gate: int8 {compared} {report['int8'][compared] * scale:.4g} against fp32 "
-            f"{report['fp32'][compared] * scale:.4g} is a loss of {drop:.4g} {unit}, more than "
-            f"export.max_accuracy_drop={allowed}{granularity}; no int8 model is written and "
-            f"the fp32 model {model} stays (try {'; '.join(remedies)})"
-        )
-    log.info("quality gate passed: int8 loses %.4g %s of %s (allowed: %g)%s", drop, unit, compared, allowed, granularity)
-    return {"metric": compared, "drop": drop, "unit": unit, "max_accuracy_drop": allowed}
+    entry = {"metric": compared, "drop": drop, "unit": unit, "max_accuracy_drop": allowed}
+    if drop <= allowed:
+        log.info("quality gate passed: int8 loses %.4g %s of %s (allowed: %g)%s", drop, unit, compared, allowed,
+                 granularity)
+        return {**entry, "outcome": "passed"}
+    scale = 100 if compared == "accuracy" else 1
+    refusal = (f"quality gate: int8 {compared} {report['int8'][compared] * scale:.4g} against fp32 "
+               f"{report['fp32'][compared] * scale:.4g} is a loss of {drop:.4g} {unit}, more than "
+               f"export.max_accuracy_drop={allowed}{granularity}")
+    remedy = f"(try {'; '.join(remedies)})"
+    if export_cfg["gate_fails_run"]:
+        raise QualityGateError(f"{refusal}; no int8 model is written and the fp32 model {model} stays "
+                               f"(export.gate_fails_run) {remedy}")
+    log.warning("%s; the int8 model is refused (metrics.json: gate outcome refused): deploy the fp32 model %s %s",
+                refusal, model, remedy)
+    return {**entry, "outcome": "refused"}
 
 
 def remedies(export_cfg: dict, how: str, reader) -> list[str]:
@@ -360,7 +372,7 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
             report["gate"] = gate(report, export_cfg, model, len(reader), remedies(export_cfg, how, reader))
             external_data.replace(paths["int8"], int8)
             report["int8"]["size_bytes"] = external_data.model_bytes(int8)
-            # Snakemake wants the int8 file; metrics.json and the end-of-run summary say not to use it.
+            # Snakemake wants the int8 file; metrics.json and the end-of-run summary say when not to use it.
             warning = size_warning(report, model)
             if warning:
                 log.warning(warning)
