@@ -1,4 +1,4 @@
-"""The prepare_data stage: read `data.source`, split it by `run.seed`, standardize
+"""The prepare_data stage: read `data.source`, split it by `data.split_seed`, standardize
 float inputs if `data.standardize` (standardize.py), write shards."""
 
 from __future__ import annotations
@@ -39,17 +39,17 @@ def check_eval_classes(dataset: sources.Dataset, train_rows: np.ndarray, eval_ro
         raise sources.DataError(
             f"{where}: label {dataset.label_name!r} value(s) {names} occur in the eval split "
             "but not in the train split, so the model cannot learn them; add train rows of them, drop those rows, "
-            "or split differently (run.seed, data.eval_fraction)"
+            "or split differently (data.split_seed, data.eval_fraction)"
         )
 
 
 def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
-    data, seed = config["data"], config["run"]["seed"]
+    data = config["data"]
     # A tokenized text's token stream is mapped from a scratch file near the splits (on their
     # disk, in a folder that exists: bad data leaves nothing behind), not held in memory.
     scratch = next(folder for folder in Path(train_dir).absolute().parents if folder.is_dir())
     dataset = sources.load(data, scratch)
-    train_rows, eval_rows = split_rows(len(dataset), data["eval_fraction"], seed)
+    train_rows, eval_rows = split_rows(len(dataset), data["eval_fraction"], data["split_seed"])
     check_eval_classes(dataset, train_rows, eval_rows, f"data.source {data['source']!r}")
     stats = {}
     if data["standardize"]:
@@ -59,7 +59,7 @@ def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
                  ", ".join(f"input {name!r}" for name in stats) or "no float input to standardize")
     manifests = {}
     for split, rows, out in (("train", train_rows, train_dir), ("eval", eval_rows, eval_dir)):
-        manifests[split] = write_split(dataset, rows, Path(out), split, data["shards"], {"data": data, "seed": seed},
+        manifests[split] = write_split(dataset, rows, Path(out), split, data["shards"], {"data": data},
                                        stats)
         log.info(
             "%s: %d records in %d shards of %d-byte records -> %s",
@@ -74,7 +74,7 @@ def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
     return manifests
 
 
-HELP = "read data.source, split it by run.seed, write checksummed shards"
+HELP = "read data.source, split it by data.split_seed, write checksummed shards"
 
 
 def add_arguments(parser) -> None:
