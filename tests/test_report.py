@@ -198,6 +198,9 @@ def test_summary_of_a_run_with_training_alone_or_nothing(tmp_path):
                          "  training  60 steps (20 in this attempt) in 12.50 s, 1,536 samples/s on 2 ranks"]
     nothing = tmp_path / "nothing"
     assert run_summary(nothing, **files_of(nothing)).splitlines()[1] == "  nothing trained yet"
+    train["peak_rss_mb"] = [300.0]  # one rank, not "1 ranks"
+    (partial / "train" / "metrics.json").write_text(json.dumps(train))
+    assert run_summary(partial, **files_of(partial)).splitlines()[2].endswith(" samples/s on 1 rank")
 
 
 def console_tail(stderr: str) -> list[str]:

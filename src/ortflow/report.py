@@ -21,6 +21,7 @@ from pathlib import Path
 
 from . import atomic
 from .errors import MissingInputError
+from .wording import plural
 from .merge_checkpoint import chosen
 
 HELP = "plots and tables of a run for `snakemake --report`"
@@ -306,7 +307,7 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
         this_attempt = train.get("steps_this_attempt", train["steps"])
         lines.append(f"  training  {train['steps']} steps ({this_attempt} in this attempt) in "
                      f"{fmt(train['wall_time_s'], 'seconds')}, {fmt(train['samples_per_s'], 'rate')} samples/s "
-                     f"on {len(train['peak_rss_mb'])} ranks")
+                     f"on {plural(len(train['peak_rss_mb']), 'rank')}")
         if train.get("stopped_early"):
             best = train["best"]
             lines.append(f"  stopped   early after step {train['steps']}: eval {best['metric']} had not improved "

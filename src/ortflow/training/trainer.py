@@ -38,6 +38,7 @@ from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
 from ..sessions import quiet_logging
+from ..wording import plural
 from ..checkpoints.checks import MOMENTS
 from . import comm as comm_mod
 from . import sharding
@@ -70,7 +71,7 @@ class Trainer:
         folder.folder.mkdir(parents=True, exist_ok=True)
         self.comm = comm_mod.create(self.train_cfg, folder.heartbeat)
         if self.comm.world_size != self.train_cfg["world_size"]:
-            raise TrainingError(f"started with {self.comm.world_size} ranks but train.world_size is "
+            raise TrainingError(f"started with {plural(self.comm.world_size, 'rank')} but train.world_size is "
                                 f"{self.train_cfg['world_size']}")
         # Checked before the first step: checksums, batch size against the data.
         self.train_data, self.eval_data = ShardReader(train_data), ShardReader(eval_data)
@@ -225,9 +226,9 @@ class Trainer:
         placement = self.comm.placement()  # a collective: every rank takes part
         if self.comm.rank == 0:
             train = self.train_cfg
-            log.info("%d ranks, global batch %d (%d x %d accumulated x %d ranks), %s, %d threads per rank",
-                     self.comm.world_size, self.global_batch, train["micro_batch_size"],
-                     train["grad_accum_steps"], self.comm.world_size,
+            ranks = plural(self.comm.world_size, "rank")
+            log.info("%s, global batch %d (%d x %d accumulated x %s), %s, %d threads per rank",
+                     ranks, self.global_batch, train["micro_batch_size"], train["grad_accum_steps"], ranks,
                      f"resuming at step {self.start_step} from {self.resumed_from}" if self.resumed_from
                      else "starting at step 0",
                      self.sessions.threads)
