@@ -104,12 +104,12 @@ def test_stages_are_shared_by_the_keys_they_depend_on():
     assert len({sweep.shared(p.config, "artifacts", graph_keys) for p in points}) == 2
 
 
-def fake_point(folder: Path, losses: list[float], exported: bool) -> None:
-    """What a point's stages leave: train/metrics.json with these eval losses, and the exported model."""
+def fake_point(folder: Path, losses: list[float], exported: bool, baseline: dict | None = None) -> None:
+    """What a point's stages leave: train/metrics.json with these eval losses (and `baseline`), and the exported model."""
     history = {"train": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)],
                "eval": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)]}
     metrics = {"steps": 10 * len(losses), "eval": {"loss": losses[-1]}, "wall_time_s": 1.5, "samples_per_s": 100.0,
-               "history": history}
+               "history": history, "baseline": baseline}
     TrainFolder(folder / "train").folder.mkdir(parents=True)
     TrainFolder(folder / "train").metrics.write_text(json.dumps(metrics))
     if exported:
@@ -142,20 +142,29 @@ def test_repeats_are_ranked_by_their_points_mean(tmp_path, monkeypatch):
     config = ortflow_config.validate({"run": {"seed": 1}, "sweep": {
         "name": "s", "grid": {"train.optimizer.lr": [0.1, 0.01]}, "repeats": 3}})
     folder = Path("results/sweeps/s")
-    # lr-0.1 has the single best repeat (0.2), lr-0.01 the better mean (0.4 against 0.5).
+    # lr-0.1 has the single best repeat (0.2), lr-0.01 the better mean (0.4 against 0.5); predicting the
+    # train split's mean scores 0.55, which two repeats do not beat.
+    mean = {"of": "the train split's mean", "loss": 0.55, "r2": 0.0}
     for seed, loss in ((1, 0.2), (2, 0.6), (3, 0.7)):
-        fake_point(folder / f"lr-0.1_seed-{seed}", [loss], exported=True)
+        fake_point(folder / f"lr-0.1_seed-{seed}", [loss], exported=True, baseline=mean)
     for seed, loss in ((1, 0.3), (2, 0.5)):  # its third repeat failed: the mean is of the two that trained
-        fake_point(folder / f"lr-0.01_seed-{seed}", [loss], exported=True)
+        fake_point(folder / f"lr-0.01_seed-{seed}", [loss], exported=True, baseline=mean)
     best = sweep.compare(config)
     rows = comparison(folder)
     assert [(r["rank"], r["point"], r["mean eval_loss (min) over repeats"], r["std eval_loss (min) over repeats"],
-             r["best eval_loss (min)"]) for r in rows] == [
-        ("1", "lr-0.01_seed-1", "0.4", "0.141421", "0.3"), ("2", "lr-0.01_seed-2", "0.4", "0.141421", "0.5"),
-        ("3", "lr-0.1_seed-1", "0.5", "0.264575", "0.2"), ("4", "lr-0.1_seed-2", "0.5", "0.264575", "0.6"),
-        ("5", "lr-0.1_seed-3", "0.5", "0.264575", "0.7"), ("", "lr-0.01_seed-3", "0.4", "0.141421", "")]
+             r["best eval_loss (min)"], r["baseline eval_loss"], r["beats baseline"]) for r in rows] == [
+        ("1", "lr-0.01_seed-1", "0.4", "0.141421", "0.3", "0.55", "yes"),
+        ("2", "lr-0.01_seed-2", "0.4", "0.141421", "0.5", "0.55", "yes"),
+        ("3", "lr-0.1_seed-1", "0.5", "0.264575", "0.2", "0.55", "yes"),
+        ("4", "lr-0.1_seed-2", "0.5", "0.264575", "0.6", "0.55", "no"),
+        ("5", "lr-0.1_seed-3", "0.5", "0.264575", "0.7", "0.55", "no"),
+        ("", "lr-0.01_seed-3", "0.4", "0.141421", "", "", "")]
     assert (best["point"], best["mean"]) == ("lr-0.01_seed-1", pytest.approx(0.4))
-    assert "(eval_loss 0.3, min, at step 10; mean 0.4 (std 0.141) over its repeats)" in sweep.summary(config, best, [])
+    said = sweep.summary(config, best, [])
+    assert "(eval_loss 0.3, min, at step 10; mean 0.4 (std 0.141) over its repeats; baseline 0.55)" in said
+    assert "does not beat the baseline" not in said
+    record = {**best, "beats_baseline": "no"}
+    assert "  warning: it does not beat the baseline" in sweep.summary(config, record, [])
 
 
 # A grid of 4 points on the default data, few steps of a tiny MLP on one rank each.

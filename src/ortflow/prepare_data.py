@@ -1,5 +1,6 @@
 """The prepare_data stage: read `data.source`, split it by `data.split_seed`, standardize
-float inputs if `data.standardize` (standardize.py), write shards."""
+float inputs if `data.standardize` (standardize.py), write shards, and score the baseline
+a model must beat on the eval split (baseline.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import sources, standardize
+from .data import baseline, sources, standardize
 from .data.shards import write_split
 
 log = logging.getLogger("ortflow.prepare_data")
@@ -71,6 +72,11 @@ def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
         )
     log.info("task %s, classes/vocabulary %s%s", dataset.task, dataset.num_classes,
              f" ({', '.join(dataset.classes)})" if dataset.classes else "")
+    # Beside the eval shards, where training reads it (after write_split: it makes the folder).
+    scored = baseline.of_split(dataset.label, dataset.task, dataset.num_classes, train_rows, eval_rows)
+    baseline.write(eval_dir, scored)
+    log.info("baseline (predicting %s) on the eval split: %s", scored["of"],
+             ", ".join(f"{key} {value:.6g}" for key, value in scored.items() if key != "of" and value is not None))
     return manifests
 
 

@@ -39,7 +39,7 @@ EXPORT_METRICS = Path("export", "metrics.json")
 # With sweep.halving: which points go on after the first budget (`ortflow sweep halve`).
 HALVING = "halving.json"
 COLUMNS = ("rank", "point", "status", "best", "best_step", "last", "steps", "wall_time_s", "samples_per_s",
-           "fp32_mb", "int8_mb", "int8_metric")
+           "fp32_mb", "int8_mb", "int8_metric", "baseline", "beats_baseline")
 
 
 @dataclass(frozen=True)
@@ -229,7 +229,17 @@ def point_row(point: Point, sweep: dict) -> dict:
             "last": train["eval"].get(key), "steps": train["steps"], "wall_time_s": train["wall_time_s"],
             "samples_per_s": train["samples_per_s"],
             "fp32_mb": megabytes(export.get("fp32", {}).get("size_bytes")), "int8_mb": megabytes(int8.get("size_bytes")),
-            "int8_metric": int8.get(key), "history": train["history"]}
+            "int8_metric": int8.get(key), **beside_baseline(best, key, train.get("baseline")),
+            "history": train["history"]}
+
+
+def beside_baseline(best: dict | None, key: str, measures: dict | None) -> dict:
+    """The point's baseline for the sweep's metric (data/baseline.py), and whether its best evaluation beats it."""
+    from .data import baseline  # numpy behind it: not for every Snakefile that imports this
+
+    if best is None or measures is None or measures.get(key) is None:
+        return {}
+    return {"baseline": measures[key], "beats_baseline": "no" if baseline.not_beaten(best, measures) else "yes"}
 
 
 def stopped(row: dict) -> dict:
@@ -281,6 +291,7 @@ def compare(config: dict) -> dict | None:
         return None
     record = {"point": best["point"], "metric": sweep["metric"], "goal": goal(sweep), "value": best["best"],
               "step": best["best_step"], "mean": best.get("mean"), "std": best.get("std"),
+              "baseline": best.get("baseline"), "beats_baseline": best.get("beats_baseline"),
               "model": str(out / "best" / "model.onnx"),
               "failed": [row["point"] for row in rows if row["status"] == "failed"]}
     with atomic.file(out / "best" / "model.onnx") as temporary:
@@ -303,7 +314,8 @@ def write_table(rows: list[dict], swept: list[str], sweep: dict, out: Path) -> N
     spread_keys = ["mean", "std"] if sweep["repeats"] > 1 else []
     header = ["rank", "point", *swept, "status", *(f"{k} {metric} over repeats" for k in spread_keys),
               f"best {metric}", "best step", f"last {metric}", "steps",
-              "wall time (s)", "samples/s", "fp32 MB", "int8 MB", f"int8 {sweep['metric']}"]
+              "wall time (s)", "samples/s", "fp32 MB", "int8 MB", f"int8 {sweep['metric']}",
+              f"baseline {sweep['metric']}", "beats baseline"]
     keys = ["rank", "point", *swept, "status", *spread_keys, *COLUMNS[3:]]
     lines = [[cell(row.get(key)) for key in keys] for row in rows]
     with atomic.file(out / "comparison.tsv") as temporary:
@@ -369,9 +381,11 @@ def summary(config: dict, best: dict | None, arguments: list[str]) -> str:
     if best is None:
         return f"sweep {name!r}: no point finished training; the table: {out / 'comparison.tsv'}"
     lines = [f"sweep {name!r}: best point {best['point']} ({best['metric']} {best['value']:.6g}, {best['goal']}, "
-             f"at step {best['step']}{over_repeats(config, best)})",
+             f"at step {best['step']}{over_repeats(config, best)}{beside(best)})",
              f"  its model: {best['model']}",
              f"  every point: {out / 'comparison.tsv'} (plots: {out / 'curves.png'}, {out / 'by_key.png'})"]
+    if best.get("beats_baseline") == "no":
+        lines.append("  warning: it does not beat the baseline: no point learned more than the labels alone tell")
     if best["failed"]:
         lines.append(f"  failed: {', '.join(best['failed'])} (their logs: {SWEEP_LOGS / name}/<point>/)")
     lines.append(f"  report: {shlex.join(['snakemake', '--report', str(out / 'report.html'), *arguments])}")
@@ -384,6 +398,11 @@ def over_repeats(config: dict, best: dict) -> str:
         return ""
     std = "n/a" if best["std"] is None else f"{best['std']:.3g}"
     return f"; mean {best['mean']:.6g} (std {std}) over its repeats"
+
+
+def beside(best: dict) -> str:
+    """`; baseline 0.1`: what the metric of predicting from the labels alone is (data/baseline.py)."""
+    return "" if best.get("baseline") is None else f"; baseline {best['baseline']:.6g}"
 
 
 def add_arguments(parser) -> None:

@@ -34,6 +34,7 @@ import numpy as np
 from .. import atomic, config as config_mod, cuda_libraries, storage
 from ..artifacts import Artifacts
 from ..checkpoints import resume as resume_mod
+from ..data import baseline as baseline_mod
 from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
@@ -50,7 +51,7 @@ from .engine import Sessions, initial_state, seed_random_operators, trainable, w
 from .faults import Fault
 from .gradients import parameters_on_host
 from .optimizer import Optimizer
-from .metrics import Metrics, mean_baseline_mse, peak_rss_mb, unigram_perplexity
+from .metrics import Metrics, peak_rss_mb
 from .run_folder import TrainFolder
 from .schedule import is_time, learning_rate
 from .stop import StopRequest, Stopped
@@ -75,9 +76,11 @@ class Trainer:
                                 f"{self.train_cfg['world_size']}")
         # Checked before the first step: checksums, batch size against the data.
         self.train_data, self.eval_data = ShardReader(train_data), ShardReader(eval_data)
+        self.artifacts, self.info = artifacts, artifacts.description()
+        # What the model must beat on the eval split, as prepare_data scored it.
+        self.baseline = baseline_mod.for_training(eval_data, self.info["loss"])
         self.global_batch = config_mod.global_batch_size(config)
         self.train_data.check_batch(self.global_batch)
-        self.artifacts, self.info = artifacts, artifacts.description()
         self.checkpointer = Checkpointer(folder.checkpoints, self.comm, config)
         resume = self.checkpointer.find_resume(self.train_cfg["resume_from"], artifacts.folder)
         self.start_step, self.resumed_from = (resume.step, resume.path) if resume else (0, None)
@@ -213,11 +216,12 @@ class Trainer:
         that: a run resumed at its end, or stopped early, still reports its quality) and metrics.json."""
         if self.whole_eval_at != done:
             self.evaluate(done, whole=True)
-        if self.comm.rank == 0:  # only rank 0 writes metrics.json
-            self.last_eval.update(baselines(self.info, self.train_data, self.eval_data))
         flops_per_sample = sum(self.info["flops_per_sample"].values())
         summary = self.metrics.summary(done, flops_per_sample, self.last_eval, self.comm.allgather(peak_rss_mb()))
-        summary.update(best=self.best.describe(), stopped_early=done < self.steps)
+        summary.update(best=self.best.describe(), stopped_early=done < self.steps, baseline=self.baseline)
+        behind = baseline_mod.not_beaten(self.last_eval, self.baseline)
+        if behind and self.comm.rank == 0:
+            log.warning("%s", behind)
         self.metrics.write(self.folder.metrics, summary)
         self.metrics.close()
         return summary
@@ -233,20 +237,6 @@ class Trainer:
                      else "starting at step 0",
                      self.sessions.threads)
             log.info("ranks per node: %s", placement)
-
-
-def baselines(info: dict, train_reader: ShardReader, eval_reader: ShardReader) -> dict:
-    """What a model must beat on the eval split, from the labels alone: a language
-    model the unigram perplexity, a model trained with the mse loss the MSE of
-    predicting the train split's label mean."""
-    if info["task"] != "language_model" and info["loss"] != "mse":
-        return {}
-    label = train_reader.label_name
-    train_labels = train_reader.gather(np.arange(len(train_reader)))[label]
-    eval_labels = eval_reader.gather(np.arange(len(eval_reader)))[label]
-    if info["task"] == "language_model":
-        return {"unigram_perplexity": unigram_perplexity(train_labels, eval_labels, info["num_classes"])}
-    return {"mean_baseline_mse": mean_baseline_mse(train_labels, eval_labels)}
 
 
 def main(argv: list[str] | None = None) -> int:
