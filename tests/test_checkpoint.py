@@ -335,7 +335,7 @@ def test_resume_with_another_world_size(reference, tmp_path):
     expected = _state(_root(reference) / "step-00000040")
     run_snakemake(workdir, _config(world_size=1, micro_batch_size=16, grad_accum_steps=3,
                                    resume_from=str(root / "step-00000020")), "train")
-    assert "1 ranks, global batch 48 (16 x 3 accumulated x 1 ranks), resuming at step 20" in _log(workdir)
+    assert "1 rank, global batch 48 (16 x 3 accumulated x 1 rank), resuming at step 20" in _log(workdir)
     assert json.loads((root / "step-00000030/manifest.json").read_text())["world_size"] == 1
     one_rank = _state(root / "step-00000040")
     run_snakemake(workdir, _config(world_size=3, micro_batch_size=16, resume_from=str(root / "step-00000030")),

@@ -96,7 +96,7 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, user_m
     assert abs(losses[0] - np.log(vocab)) < 0.05, losses[0]  # the folder's GPT-2: nearly uniform at first
     assert np.mean(losses[-20:]) < losses[0] - 1.0, losses[-20:]
     # Better than the tokens' frequencies alone: it learned from the context.
-    assert metrics["eval"]["perplexity"] < metrics["eval"]["unigram_perplexity"], metrics["eval"]
+    assert metrics["eval"]["perplexity"] < metrics["baseline"]["perplexity"], metrics["eval"]
 
     export = results / "export"
     assert_tokenizer_travels(export)

@@ -19,7 +19,7 @@ import pytest
 
 from chromium import Chromium
 from conftest import fault, run_snakemake
-from ortflow.report import fmt, quality, run_summary, speedup
+from ortflow.report import fmt, quality, run_summary, speedup, summary_rows
 from ortflow.training.run_folder import TrainFolder
 
 # A run other than the default one: its own run.name, from its own --configfile.
@@ -198,6 +198,29 @@ def test_summary_of_a_run_with_training_alone_or_nothing(tmp_path):
                          "  training  60 steps (20 in this attempt) in 12.50 s, 1,536 samples/s on 2 ranks"]
     nothing = tmp_path / "nothing"
     assert run_summary(nothing, **files_of(nothing)).splitlines()[1] == "  nothing trained yet"
+    train["peak_rss_mb"] = [300.0]  # one rank, not "1 ranks"
+    (partial / "train" / "metrics.json").write_text(json.dumps(train))
+    assert run_summary(partial, **files_of(partial)).splitlines()[2].endswith(" samples/s on 1 rank")
+
+
+def test_summary_shows_the_baseline_and_says_when_the_model_does_not_beat_it(tmp_path):
+    run = tmp_path / "results" / "digits"
+    (run / "train").mkdir(parents=True)
+    train = {"steps": 60, "steps_this_attempt": 60, "wall_time_s": 12.5, "samples_per_s": 1536.0,
+             "peak_rss_mb": [300.0], "eval": {"loss": 2.25, "accuracy": 0.09},
+             "baseline": {"of": "the train split's most frequent class (1)", "accuracy": 0.1}}
+    (run / "train" / "metrics.json").write_text(json.dumps(train))
+    lines = run_summary(run, **files_of(run)).splitlines()
+    assert lines[1:5] == [
+        "  accuracy  9.00% (eval at step 60)",
+        "  baseline  accuracy 10.00% (predicting the train split's most frequent class (1))",
+        "  training  60 steps (60 in this attempt) in 12.50 s, 1,536 samples/s on 1 rank",
+        "  warning   the model does not beat the baseline: eval accuracy 0.09 is not above 0.1, that of predicting "
+        "the train split's most frequent class (1)"]
+    rows = summary_rows(train, None)
+    assert ("beats_baseline", "beats the baseline", "no") in rows
+    train["eval"]["accuracy"] = 0.5
+    assert ("beats_baseline", "beats the baseline", "yes") in summary_rows(train, None)
 
 
 def test_summary_and_report_of_a_run_whose_int8_model_the_gate_refused(tmp_path):

@@ -70,11 +70,14 @@ def test_random_draws_are_seeded_and_adding_draws_keeps_the_earlier_ones():
         assert 1e-4 <= lr <= 1e-2 and point.name.endswith(f"_lr-{sweep.format_value(lr)}")
 
 
-def test_repeats_train_each_point_with_the_next_seeds():
+def test_repeats_train_each_point_with_the_next_seeds_on_one_split():
     config = ortflow_config.validate({"run": {"seed": 5}, "sweep": {"grid": {"train.optimizer.lr": [0.01]},
                                                                      "repeats": 2}})
-    assert [(p.name, p.config["run"]["seed"]) for p in sweep.points(config)] == [("lr-0.01_seed-5", 5),
-                                                                                ("lr-0.01_seed-6", 6)]
+    points = sweep.points(config)
+    assert [(p.name, p.config["run"]["seed"], p.config["data"]["split_seed"]) for p in points] == [
+        ("lr-0.01_seed-5", 5, 5), ("lr-0.01_seed-6", 6, 5)]
+    # Their data stage is one: the split is drawn once, and both repeats are scored on its eval records.
+    assert len({sweep.shared(p.config, "data", ("data",)) for p in points}) == 1
 
 
 @pytest.mark.parametrize("grid, message", [
@@ -96,17 +99,17 @@ def test_only_a_config_with_points_is_a_sweep():
 
 def test_stages_are_shared_by_the_keys_they_depend_on():
     points = sweep.points(sweep_config(grid={"train.optimizer.lr": [0.1, 0.01], "model.hidden": [[8], [16]]}))
-    data_keys, graph_keys = ("run.seed", "data"), ("run.seed", "data", "model", "train.optimizer.name")
+    data_keys, graph_keys = ("data",), ("data", "run.seed", "model", "train.optimizer.name")
     assert len({sweep.shared(p.config, "data", data_keys) for p in points}) == 1
     assert len({sweep.shared(p.config, "artifacts", graph_keys) for p in points}) == 2
 
 
-def fake_point(folder: Path, losses: list[float], exported: bool) -> None:
-    """What a point's stages leave: train/metrics.json with these eval losses, and the exported model."""
+def fake_point(folder: Path, losses: list[float], exported: bool, baseline: dict | None = None) -> None:
+    """What a point's stages leave: train/metrics.json with these eval losses (and `baseline`), and the exported model."""
     history = {"train": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)],
                "eval": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)]}
     metrics = {"steps": 10 * len(losses), "eval": {"loss": losses[-1]}, "wall_time_s": 1.5, "samples_per_s": 100.0,
-               "history": history}
+               "history": history, "baseline": baseline}
     TrainFolder(folder / "train").folder.mkdir(parents=True)
     TrainFolder(folder / "train").metrics.write_text(json.dumps(metrics))
     if exported:
@@ -160,6 +163,36 @@ def test_the_comparison_says_which_attempt_a_resumed_point_timed_and_which_int8_
     assert rows["lr-0.01"]["int8 eval_loss"] == "refused by the gate, +36% loss (export.max_accuracy_drop: 1)"
     assert rows["lr-0.01"]["status"] == "finished" and best["int8_refused"] == ["lr-0.01"]
     assert "  int8 refused by the gate: lr-0.01 (their fp32 models stand" in sweep.summary(config, best, [])
+
+
+def test_repeats_are_ranked_by_their_points_mean(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = ortflow_config.validate({"run": {"seed": 1}, "sweep": {
+        "name": "s", "grid": {"train.optimizer.lr": [0.1, 0.01]}, "repeats": 3}})
+    folder = Path("results/sweeps/s")
+    # lr-0.1 has the single best repeat (0.2), lr-0.01 the better mean (0.4 against 0.5); predicting the
+    # train split's mean scores 0.55, which two repeats do not beat.
+    mean = {"of": "the train split's mean", "loss": 0.55, "r2": 0.0}
+    for seed, loss in ((1, 0.2), (2, 0.6), (3, 0.7)):
+        fake_point(folder / f"lr-0.1_seed-{seed}", [loss], exported=True, baseline=mean)
+    for seed, loss in ((1, 0.3), (2, 0.5)):  # its third repeat failed: the mean is of the two that trained
+        fake_point(folder / f"lr-0.01_seed-{seed}", [loss], exported=True, baseline=mean)
+    best = sweep.compare(config)
+    rows = comparison(folder)
+    assert [(r["rank"], r["point"], r["mean eval_loss (min) over repeats"], r["std eval_loss (min) over repeats"],
+             r["best eval_loss (min)"], r["baseline eval_loss"], r["beats baseline"]) for r in rows] == [
+        ("1", "lr-0.01_seed-1", "0.4", "0.141421", "0.3", "0.55", "yes"),
+        ("2", "lr-0.01_seed-2", "0.4", "0.141421", "0.5", "0.55", "yes"),
+        ("3", "lr-0.1_seed-1", "0.5", "0.264575", "0.2", "0.55", "yes"),
+        ("4", "lr-0.1_seed-2", "0.5", "0.264575", "0.6", "0.55", "no"),
+        ("5", "lr-0.1_seed-3", "0.5", "0.264575", "0.7", "0.55", "no"),
+        ("", "lr-0.01_seed-3", "0.4", "0.141421", "", "", "")]
+    assert (best["point"], best["mean"]) == ("lr-0.01_seed-1", pytest.approx(0.4))
+    said = sweep.summary(config, best, [])
+    assert "(eval_loss 0.3, min, at step 10; mean 0.4 (std 0.141) over its repeats; baseline 0.55)" in said
+    assert "does not beat the baseline" not in said
+    record = {**best, "beats_baseline": "no"}
+    assert "  warning: it does not beat the baseline" in sweep.summary(config, record, [])
 
 
 # A grid of 4 points on the default data, few steps of a tiny MLP on one rank each.
@@ -255,6 +288,30 @@ def test_a_failing_point_leaves_the_others_and_an_added_point_runs_alone(workdir
     assert TrainFolder(folder / "lr-0.01" / "train").metrics.stat().st_mtime_ns == finished
     assert [row["point"] for row in comparison(folder)] in (["lr-0.01", "lr-0.001"], ["lr-0.001", "lr-0.01"])
 
+
+@pytest.mark.e2e
+def test_repeats_share_one_split_and_are_compared_by_their_mean_and_std(workdir):
+    """Two repeats over run.seed of each of two points: new weights and batch order, the same eval records."""
+    import statistics
+
+    repeats = {**GRID, "sweep": {"name": "rep", "grid": {"train.optimizer.lr": [0.01, 0.001]}, "repeats": 2}}
+    result = run_snakemake(workdir, repeats)
+    ran = jobs(result.stdout + result.stderr)
+    assert sum(job.endswith("_prepare_data") for job in ran) == 1
+    assert sum(job.endswith("_build_artifacts") for job in ran) == 2  # one per seed
+    folder = workdir / "results" / "sweeps" / "rep"
+    assert len(list((folder / "shared").glob("data-*"))) == 1
+    rows = comparison(folder)
+    metrics = {row["point"]: json.loads(TrainFolder(folder / row["point"] / "train").metrics.read_text())
+               for row in rows}
+    assert metrics["lr-0.01_seed-1234"]["history"]["train"] != metrics["lr-0.01_seed-1235"]["history"]["train"]
+    for point in ("lr-0.01", "lr-0.001"):
+        bests = [min(e["loss"] for e in metrics[f"{point}_seed-{seed}"]["history"]["eval"]) for seed in (1234, 1235)]
+        for row in (r for r in rows if r["point"].startswith(f"{point}_seed-")):
+            assert float(row["mean eval_loss (min) over repeats"]) == pytest.approx(statistics.fmean(bests), rel=1e-5)
+            assert float(row["std eval_loss (min) over repeats"]) == pytest.approx(statistics.stdev(bests), rel=1e-4)
+    means = [float(row["mean eval_loss (min) over repeats"]) for row in rows]
+    assert means == sorted(means)  # ranked by the mean, a point's repeats together
 
 
 @pytest.mark.e2e

@@ -111,15 +111,44 @@ def test_regression_reports_the_predict_the_mean_baseline(workdir):
     target = frame["target"].to_numpy(np.float32).astype(np.float64)  # labels are stored as float32
     train_rows, eval_rows = split_rows(len(frame), 0.2, SEED)
     expected = float(((target[eval_rows] - target[train_rows].mean()) ** 2).mean())
-    baseline = train["eval"]["mean_baseline_mse"]
+    baseline = train["baseline"]["loss"]
     assert abs(baseline - expected) <= 1e-9 * expected, (baseline, expected)
+    variance = float(target[eval_rows].var())
+    assert train["baseline"]["r2"] == pytest.approx(1 - expected / variance, rel=1e-9)
     # The model clears the bar: its eval MSE is well below predicting the mean.
     assert train["eval"]["loss"] < 0.75 * baseline, train["eval"]
-    shown = f"mean_baseline_mse {fmt(baseline, 'float')}"
+    shown = (f"mse {fmt(baseline, 'float')}, R^2 {fmt(train['baseline']['r2'], 'float')} "
+             "(predicting the train split's mean)")
     assert f"  baseline  {shown}" in result.stdout
     assert f"  loss      {fmt(train['eval']['loss'], 'float')}" in result.stdout
-    assert ("mean_baseline_mse", "baseline (eval split)", f"{shown} (predicting the train mean)") in summary_rows(
-        train, None)
+    assert "does not beat the baseline" not in result.stdout
+    assert ("baseline", "baseline (eval split)", shown) in summary_rows(train, None)
+
+
+@pytest.mark.e2e
+def test_a_regressor_that_cannot_beat_the_mean_is_told_so(workdir):
+    """A feature that is 0 in every row cannot predict a target of +1 and -1 whose mean is 0 on both
+    splits: the model predicts one value c for every record, whose eval MSE 1 + c^2 is never below the
+    baseline's 1 (predicting the train split's mean, 0)."""
+    n = 200
+    train_rows, eval_rows = split_rows(n, 0.2, SEED)
+    target = np.zeros(n)
+    for rows in (train_rows, eval_rows):  # each split: as many +1 as -1
+        target[rows] = np.resize([1.0, -1.0], len(rows))
+    workdir.mkdir(parents=True)
+    pd.DataFrame({"zero": np.zeros(n), "target": target}).to_csv(workdir / "data.csv", index=False)
+    config = {"run": {"name": "unpredictable"}, "data": {"source": "data.csv", "features": ["zero"], "label": "target"},
+              "model": {"hidden": [8]}, "train": {"steps": 30, "world_size": 1, "eval_every": 10}}
+    result = run_snakemake(workdir, config, "train")
+    train = json.loads((workdir / "results" / "unpredictable" / "train" / "metrics.json").read_text())
+    assert train["baseline"] == {"of": "the train split's mean", "loss": 1.0, "r2": 0.0}
+    assert train["eval"]["loss"] >= 1.0 - 1e-6, train["eval"]
+    said = (f"  warning   the model does not beat the baseline: eval loss {train['eval']['loss']:.6g} is not below 1, "
+            "that of predicting the train split's mean")
+    assert said in result.stdout
+    assert "  baseline  mse 1.0000, R^2 0.0000 (predicting the train split's mean)" in result.stdout
+    assert ("beats_baseline", "beats the baseline", "no") in summary_rows(train, None)
+    assert "on 1 rank\n" in result.stdout  # one rank, not "1 ranks"
 
 
 @pytest.mark.e2e

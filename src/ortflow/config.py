@@ -192,6 +192,10 @@ def validate(config: dict, partial: bool = False, command_line: dict | None = No
     if errors:
         raise ConfigError("\n".join(_describe(e) for e in errors))
     _resolve_eps(config["train"]["optimizer"])
+    # Resolved here, once: a sweep's repeats change run.seed on a config validated before,
+    # and keep its split (sweep.points).
+    if config["data"]["split_seed"] is None:
+        config["data"]["split_seed"] = config["run"]["seed"]
     if not partial:
         _check_cross_keys(config)
     return config

@@ -20,8 +20,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from . import atomic
+from .data import baseline
 from .errors import MissingInputError
 from .checkpoints.best import chosen
+from .wording import plural
 
 HELP = "plots and tables of a run for `snakemake --report`"
 
@@ -61,12 +63,21 @@ def quality(results: dict) -> tuple[str, str]:
     return "loss", fmt(results["loss"], "float")
 
 
-def mean_baseline(train: dict | None) -> str | None:
-    """The shown `mean_baseline_mse` of a model trained with the mse loss (train/metrics.json):
-    the eval MSE of predicting the train split's label mean, the bar its loss must clear."""
-    if train is None or "mean_baseline_mse" not in train["eval"]:
+def baseline_shown(train: dict | None) -> str | None:
+    """The shown baseline of a run (train/metrics.json's `baseline`, data/baseline.py), beside its
+    measures: `mse 7042.1008, R^2 -0.0024 (predicting the train split's mean)`."""
+    measures = (train or {}).get("baseline")
+    if not measures:
         return None
-    return f"mean_baseline_mse {fmt(train['eval']['mean_baseline_mse'], 'float')} (predicting the train mean)"
+    shown = {"accuracy": ("accuracy", "percent"), "loss": ("mse", "float"), "r2": ("R^2", "float"),
+             "perplexity": ("perplexity", "float")}
+    parts = [f"{label} {fmt(measures[key], kind)}" for key, (label, kind) in shown.items() if key in measures]
+    return f"{', '.join(parts)} (predicting {measures['of']})"
+
+
+def not_beaten(train: dict | None) -> str | None:
+    """What a run's summary warns of when its last evaluation does not beat the baseline."""
+    return baseline.not_beaten(train["eval"], train.get("baseline")) if train else None
 
 
 def refusal(export: dict | None) -> str | None:
@@ -186,8 +197,9 @@ def summary_rows(train: dict | None, export: dict | None) -> list[tuple]:
     elif train:
         name, shown = quality(train["eval"])
         rows.append(("eval", f"{name} (eval at the last step)", shown))
-    if mean_baseline(train):
-        rows.append(("mean_baseline_mse", "baseline (eval split)", mean_baseline(train)))
+    if baseline_shown(train):
+        rows.append(("baseline", "baseline (eval split)", baseline_shown(train)))
+        rows.append(("beats_baseline", "beats the baseline", "no" if not_beaten(train) else "yes"))
     if train:
         rows += [
             ("steps", "optimizer steps", str(train["steps"])),
@@ -315,13 +327,13 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     elif train:
         name, shown = quality(train["eval"])
         lines.append(f"  {name:<9} {shown} (eval at step {train['steps']})")
-    if mean_baseline(train):
-        lines.append(f"  baseline  {mean_baseline(train)}")
+    if baseline_shown(train):
+        lines.append(f"  baseline  {baseline_shown(train)}")
     if train:
         this_attempt = train.get("steps_this_attempt", train["steps"])
         lines.append(f"  training  {train['steps']} steps ({this_attempt} in this attempt) in "
                      f"{fmt(train['wall_time_s'], 'seconds')}, {fmt(train['samples_per_s'], 'rate')} samples/s "
-                     f"on {len(train['peak_rss_mb'])} ranks")
+                     f"on {plural(len(train['peak_rss_mb']), 'rank')}")
         if train.get("stopped_early"):
             best = train["best"]
             lines.append(f"  stopped   early after step {train['steps']}: eval {best['metric']} had not improved "
@@ -329,7 +341,8 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     merged = read_json(Path(checkpoint) / "meta.json")
     if merged:
         lines.append(f"  exported  the checkpoint of step {merged['step']}, the {chosen(merged)}")
-    lines += [f"  warning   {warning}" for warning in (export or {}).get("warnings", [])]
+    lines += [f"  warning   {warning}" for warning in [not_beaten(train), *(export or {}).get("warnings", [])]
+              if warning]
     if len(lines) == 1:
         lines.append("  nothing trained yet")
     lines.append(f"  report    {shlex.join(report_command(report, reported, targets, run_arguments))}")

@@ -19,6 +19,7 @@ import random
 import re
 import shlex
 import shutil
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ EXPORT_METRICS = Path("export", "metrics.json")
 # With sweep.halving: which points go on after the first budget (`ortflow sweep halve`).
 HALVING = "halving.json"
 COLUMNS = ("rank", "point", "status", "best", "best_step", "last", "steps", "wall_time_s", "samples_per_s",
-           "fp32_mb", "int8_mb", "int8_metric")
+           "fp32_mb", "int8_mb", "int8_metric", "baseline", "beats_baseline")
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,9 @@ def point_row(point: Point, sweep: dict, failed_stage: str | None = None) -> dic
 
     run = results(point.config)
     train = read_json(TrainFolder(run / "train").metrics)
-    row = {"point": point.name, **point.values}
+    # `repeat_of`: the point that a repeat over run.seed is of (`lr-0.01` of `lr-0.01_seed-1235`).
+    row = {"point": point.name, "repeat_of": point_name({k: v for k, v in point.values.items() if k != "run.seed"}),
+           **point.values}
     failed = f"failed: {failed_stage}" if failed_stage else None
     if train is None:
         return {**row, "status": failed or "not run"}
@@ -230,7 +233,16 @@ def point_row(point: Point, sweep: dict, failed_stage: str | None = None) -> dic
             "samples_per_s": train["samples_per_s"], "steps_this_attempt": train.get("steps_this_attempt"),
             "fp32_mb": megabytes(export.get("fp32", {}).get("size_bytes")), "int8_mb": megabytes(int8.get("size_bytes")),
             "int8_metric": refusal(export) or int8.get(key), "int8_refused": refusal(export) is not None,
-            "history": train["history"]}
+            **beside_baseline(best, key, train.get("baseline")), "history": train["history"]}
+
+
+def beside_baseline(best: dict | None, key: str, measures: dict | None) -> dict:
+    """The point's baseline for the sweep's metric (data/baseline.py), and whether its best evaluation beats it."""
+    from .data import baseline  # numpy behind it: not for every Snakefile that imports this
+
+    if best is None or measures is None or measures.get(key) is None:
+        return {}
+    return {"baseline": measures[key], "beats_baseline": "no" if baseline.not_beaten(best, measures) else "yes"}
 
 
 def stopped(row: dict) -> dict:
@@ -259,12 +271,26 @@ def megabytes(size: int | None) -> float | None:
 
 def ranked(rows: list[dict], sweep: dict) -> list[dict]:
     """Trained points by their best metric (best first; those that halving stopped after them),
-    then failed ones; each gets its rank."""
+    then failed ones; each gets its rank. With sweep.repeats, the points are ranked by the
+    `mean` of their repeats' best metric (a point's repeats together), which each row gets
+    with its `std`."""
+    if sweep["repeats"] > 1:
+        bests = {}
+        for row in rows:
+            if row.get("best") is not None:
+                bests.setdefault(row["repeat_of"], []).append(row["best"])
+        rows = [{**row, **spread(bests.get(row["repeat_of"], []))} for row in rows]
     sign = -1 if goal(sweep) == "max" else 1
     scored = sorted((r for r in rows if r.get("best") is not None),
-                    key=lambda r: (r["status"] == "stopped", sign * r["best"]))
+                    key=lambda r: (r["status"] == "stopped", sign * r.get("mean", r["best"]), sign * r["best"]))
     rest = [r for r in rows if r.get("best") is None]
     return [{**row, "rank": i + 1 if row.get("best") is not None else ""} for i, row in enumerate(scored + rest)]
+
+
+def spread(values: list[float]) -> dict:
+    """The mean and the (sample) standard deviation of a point's best metric over its repeats."""
+    return {"mean": statistics.fmean(values) if values else None,
+            "std": statistics.stdev(values) if len(values) > 1 else None}
 
 
 def compare(config: dict, failed_rules: list[str] = ()) -> dict | None:
@@ -285,7 +311,9 @@ def compare(config: dict, failed_rules: list[str] = ()) -> dict | None:
     if best is None:
         return None
     record = {"point": best["point"], "metric": sweep["metric"], "goal": goal(sweep), "value": best["best"],
-              "step": best["best_step"], "model": str(out / "best" / "model.onnx"),
+              "step": best["best_step"], "mean": best.get("mean"), "std": best.get("std"),
+              "baseline": best.get("baseline"), "beats_baseline": best.get("beats_baseline"),
+              "model": str(out / "best" / "model.onnx"),
               "failed": {row["point"]: failed[row["point"]] for row in rows if row["point"] in failed},
               "not_run": [row["point"] for row in rows if row["status"] == "not run"],
               "int8_refused": [row["point"] for row in rows if row.get("int8_refused")]}
@@ -311,10 +339,14 @@ def steps_shown(row: dict):
 def write_table(rows: list[dict], swept: list[str], sweep: dict, out: Path) -> None:
     """comparison.tsv (to read or load) and comparison.html (for Snakemake's report): the same cells."""
     metric = f"{sweep['metric']} ({goal(sweep)})"
+    # With repeats, each point's mean and std over them, which rank it, before each repeat's own figures.
     # A resumed point's metrics.json times its last attempt only: the headers and its steps say so.
-    header = ["rank", "point", *swept, "status", f"best {metric}", "best step", f"last {metric}", "steps",
-              "wall time (s, last attempt)", "samples/s (last attempt)", "fp32 MB", "int8 MB", f"int8 {sweep['metric']}"]
-    keys = ["rank", "point", *swept, *COLUMNS[2:]]
+    spread_keys = ["mean", "std"] if sweep["repeats"] > 1 else []
+    header = ["rank", "point", *swept, "status", *(f"{k} {metric} over repeats" for k in spread_keys),
+              f"best {metric}", "best step", f"last {metric}", "steps",
+              "wall time (s, last attempt)", "samples/s (last attempt)", "fp32 MB", "int8 MB",
+              f"int8 {sweep['metric']}", f"baseline {sweep['metric']}", "beats baseline"]
+    keys = ["rank", "point", *swept, "status", *spread_keys, *COLUMNS[3:]]
     lines = [[cell({**row, "steps": steps_shown(row)}.get(key)) for key in keys] for row in rows]
     with atomic.file(out / "comparison.tsv") as temporary:
         with open(temporary, "w", newline="") as f:
@@ -379,9 +411,11 @@ def summary(config: dict, best: dict | None, arguments: list[str]) -> str:
     if best is None:
         return f"sweep {name!r}: no point finished training; the table: {out / 'comparison.tsv'}"
     lines = [f"sweep {name!r}: best point {best['point']} ({best['metric']} {best['value']:.6g}, {best['goal']}, "
-             f"at step {best['step']})",
+             f"at step {best['step']}{over_repeats(config, best)}{beside(best)})",
              f"  its model: {best['model']}",
              f"  every point: {out / 'comparison.tsv'} (plots: {out / 'curves.png'}, {out / 'by_key.png'})"]
+    if best.get("beats_baseline") == "no":
+        lines.append("  warning: it does not beat the baseline: no point learned more than the labels alone tell")
     if best["failed"]:
         failed = ", ".join(f"{point} ({stage})" for point, stage in best["failed"].items())
         lines.append(f"  failed: {failed} (their logs: {SWEEP_LOGS / name}/<point>/)")
@@ -393,6 +427,19 @@ def summary(config: dict, best: dict | None, arguments: list[str]) -> str:
                      "the comparison's int8 column says by how much)")
     lines.append(f"  report: {shlex.join(['snakemake', '--report', str(out / 'report.html'), *arguments])}")
     return "\n".join(lines)
+
+
+def over_repeats(config: dict, best: dict) -> str:
+    """`; mean 0.41 (std 0.02) over its repeats`: what ranked the best point, with sweep.repeats."""
+    if config["sweep"]["repeats"] == 1:
+        return ""
+    std = "n/a" if best["std"] is None else f"{best['std']:.3g}"
+    return f"; mean {best['mean']:.6g} (std {std}) over its repeats"
+
+
+def beside(best: dict) -> str:
+    """`; baseline 0.1`: what the metric of predicting from the labels alone is (data/baseline.py)."""
+    return "" if best.get("baseline") is None else f"; baseline {best['baseline']:.6g}"
 
 
 def add_arguments(parser) -> None:

@@ -51,12 +51,13 @@ def config_json(*keys):
     return json.dumps(ortflow_config.pick(config, keys), sort_keys=True)
 
 
-# The keys the data stage depends on, and the graphs (besides the data): the
+# The keys the data stage depends on (its split's seed is data.split_seed, so that a
+# sweep's repeats over run.seed share it), and the graphs (besides the data): the
 # optimizer graph bakes in the optimizer's name, betas and eps; the learning
 # rate is set by training at run time and the weight decay (with its groups,
 # train.optimizer.no_decay) is applied by training, so they and the other
 # train.* keys are left out and do not rebuild the artifacts.
-DATA_KEYS = ("run.seed", "data")
+DATA_KEYS = ("data",)
 ARTIFACTS_KEYS = (
     "run.seed",
     "model",

@@ -21,6 +21,7 @@ from pathlib import Path
 from .. import atomic, config as config_mod, cuda_libraries, ort_private
 from ..artifacts import Artifacts
 from ..errors import OrtflowError
+from ..wording import plural
 from ..training.preflight import (
     FAIL, OK, SKIP, WARN, Check, check_checkpoint_disk, check_disk, check_launcher, check_memory,
     check_onnxruntime_distributions, check_training_import, check_world_size, cuda_checks, host_cores,
@@ -201,7 +202,7 @@ def check_ranks(world_size: int, timeout: float, nccl: bool) -> tuple[Check, dic
     if report["world_size"] != world_size or not report["sizes_agree"] or not report["allreduce_ok"]:
         return Check(name, FAIL, f"ranks disagree: {report}", f"run it by hand: {shown}"), None
     hosts = ", ".join(report["hosts"])
-    return Check(name, OK, f"{world_size} ranks on {hosts} agree on the world size; in-place all-reduce correct"), report
+    return Check(name, OK, f"{plural(world_size, 'rank')} on {hosts} agree on the world size; in-place all-reduce correct"), report
 
 
 # --- the command ---------------------------------------------------------------
@@ -268,7 +269,7 @@ def diagnose(args) -> list[Check]:
     elif report["nccl"]:
         checks.append(Check("NCCL all-reduce", FAIL, f"failed: {report['nccl']}", "NCCL_DEBUG=INFO ortflow doctor shows why"))
     else:
-        checks.append(Check("NCCL all-reduce", OK, f"{world_size} ranks, correct"))
+        checks.append(Check("NCCL all-reduce", OK, f"{plural(world_size, 'rank')}, correct"))
     checks.append(check_disk(Path("results")))
     return checks + model_checks(args, config, world_size)
 

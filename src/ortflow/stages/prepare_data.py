@@ -1,5 +1,6 @@
-"""The prepare_data stage: read `data.source`, split it by `run.seed`, standardize
-float inputs if `data.standardize` (standardize.py), write shards."""
+"""The prepare_data stage: read `data.source`, split it by `data.split_seed`, standardize
+float inputs if `data.standardize` (standardize.py), write shards, and score the baseline
+a model must beat on the eval split (baseline.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data import sources, standardize
+from ..data import baseline, sources, standardize
 from ..data.shards import write_split
 
 log = logging.getLogger("ortflow.prepare_data")
@@ -39,17 +40,17 @@ def check_eval_classes(dataset: sources.Dataset, train_rows: np.ndarray, eval_ro
         raise sources.DataError(
             f"{where}: label {dataset.label_name!r} value(s) {names} occur in the eval split "
             "but not in the train split, so the model cannot learn them; add train rows of them, drop those rows, "
-            "or split differently (run.seed, data.eval_fraction)"
+            "or split differently (data.split_seed, data.eval_fraction)"
         )
 
 
 def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
-    data, seed = config["data"], config["run"]["seed"]
+    data = config["data"]
     # A tokenized text's token stream is mapped from a scratch file near the splits (on their
     # disk, in a folder that exists: bad data leaves nothing behind), not held in memory.
     scratch = next(folder for folder in Path(train_dir).absolute().parents if folder.is_dir())
     dataset = sources.load(data, scratch)
-    train_rows, eval_rows = split_rows(len(dataset), data["eval_fraction"], seed)
+    train_rows, eval_rows = split_rows(len(dataset), data["eval_fraction"], data["split_seed"])
     check_eval_classes(dataset, train_rows, eval_rows, f"data.source {data['source']!r}")
     stats = {}
     if data["standardize"]:
@@ -59,7 +60,7 @@ def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
                  ", ".join(f"input {name!r}" for name in stats) or "no float input to standardize")
     manifests = {}
     for split, rows, out in (("train", train_rows, train_dir), ("eval", eval_rows, eval_dir)):
-        manifests[split] = write_split(dataset, rows, Path(out), split, data["shards"], {"data": data, "seed": seed},
+        manifests[split] = write_split(dataset, rows, Path(out), split, data["shards"], {"data": data},
                                        stats)
         log.info(
             "%s: %d records in %d shards of %d-byte records -> %s",
@@ -71,10 +72,15 @@ def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
         )
     log.info("task %s, classes/vocabulary %s%s", dataset.task, dataset.num_classes,
              f" ({', '.join(dataset.classes)})" if dataset.classes else "")
+    # Beside the eval shards, where training reads it (after write_split: it makes the folder).
+    scored = baseline.of_split(dataset.label, dataset.task, dataset.num_classes, train_rows, eval_rows)
+    baseline.write(eval_dir, scored)
+    log.info("baseline (predicting %s) on the eval split: %s", scored["of"],
+             ", ".join(f"{key} {value:.6g}" for key, value in scored.items() if key != "of" and value is not None))
     return manifests
 
 
-HELP = "read data.source, split it by run.seed, write checksummed shards"
+HELP = "read data.source, split it by data.split_seed, write checksummed shards"
 
 
 def add_arguments(parser) -> None:

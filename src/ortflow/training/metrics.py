@@ -130,18 +130,3 @@ def strict(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def unigram_perplexity(train_tokens: np.ndarray, eval_tokens: np.ndarray, vocab_size: int) -> float:
-    """The perplexity on `eval_tokens` of a model that knows only how often each
-    token occurs in the training data: the bar a language model must clear."""
-    counts = np.bincount(train_tokens.reshape(-1), minlength=vocab_size) + 1.0  # add-one: unseen tokens
-    log_p = np.log(counts / counts.sum())
-    return float(np.exp(-log_p[eval_tokens.reshape(-1)].mean()))
-
-
-def mean_baseline_mse(train_labels: np.ndarray, eval_labels: np.ndarray) -> float:
-    """The eval MSE of predicting the train split's label mean (per output) for
-    every record: the bar a regression model must clear, in float64."""
-    mean = train_labels.astype(np.float64).mean(axis=0)
-    return float(((eval_labels.astype(np.float64) - mean) ** 2).mean())

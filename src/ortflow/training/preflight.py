@@ -18,6 +18,7 @@ from pathlib import Path
 from .. import cuda_libraries
 from ..checkpoints.checks import MOMENTS
 from ..errors import PreflightError
+from ..wording import plural
 
 log = logging.getLogger("ortflow.preflight")
 
@@ -228,10 +229,10 @@ def check_world_size(world_size: int, device: str, launcher: str = "mpirun") -> 
                 f"train.world_size={world_size} ranks need one GPU each; this host has {gpus}",
                 f"set train.world_size to at most {gpus}, or run across nodes with the Slurm profile",
             )
-        return Check(name, OK, f"{world_size} ranks on {gpus} GPUs")
+        return Check(name, OK, f"{plural(world_size, 'rank')} on {plural(gpus, 'GPU')}")
     cores = host_cores()
     if world_size <= cores:
-        return Check(name, OK, f"{world_size} ranks on {cores} cores")
+        return Check(name, OK, f"{plural(world_size, 'rank')} on {plural(cores, 'core')}")
     if world_size <= MAX_RANKS_PER_CORE * cores:
         return Check(
             name,

@@ -34,10 +34,12 @@ import numpy as np
 from .. import atomic, config as config_mod, cuda_libraries, storage
 from ..artifacts import Artifacts
 from ..checkpoints import resume as resume_mod
+from ..data import baseline as baseline_mod
 from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
 from ..sessions import quiet_logging
+from ..wording import plural
 from ..checkpoints.checks import MOMENTS
 from . import comm as comm_mod
 from . import sharding
@@ -47,9 +49,9 @@ from .best import Best
 from .checkpointer import Checkpointer, live_part
 from .engine import Sessions, initial_state, seed_random_operators, trainable, with_parameters
 from .faults import Fault
-from .gradients import parameters_on_host
+from .gradients import parameters, parameters_on_host
 from .optimizer import Optimizer
-from .metrics import Metrics, mean_baseline_mse, peak_rss_mb, unigram_perplexity
+from .metrics import Metrics, peak_rss_mb
 from .run_folder import TrainFolder
 from .schedule import is_time, learning_rate
 from .stop import StopRequest, Stopped
@@ -70,13 +72,15 @@ class Trainer:
         folder.folder.mkdir(parents=True, exist_ok=True)
         self.comm = comm_mod.create(self.train_cfg, folder.heartbeat)
         if self.comm.world_size != self.train_cfg["world_size"]:
-            raise TrainingError(f"started with {self.comm.world_size} ranks but train.world_size is "
+            raise TrainingError(f"started with {plural(self.comm.world_size, 'rank')} but train.world_size is "
                                 f"{self.train_cfg['world_size']}")
         # Checked before the first step: checksums, batch size against the data.
         self.train_data, self.eval_data = ShardReader(train_data), ShardReader(eval_data)
+        self.artifacts, self.info = artifacts, artifacts.description()
+        # What the model must beat on the eval split, as prepare_data scored it.
+        self.baseline = baseline_mod.for_training(eval_data, self.info["loss"])
         self.global_batch = config_mod.global_batch_size(config)
         self.train_data.check_batch(self.global_batch)
-        self.artifacts, self.info = artifacts, artifacts.description()
         self.checkpointer = Checkpointer(folder.checkpoints, self.comm, config)
         resume = self.checkpointer.find_resume(self.train_cfg["resume_from"], artifacts.folder)
         self.start_step, self.resumed_from = (resume.step, resume.path) if resume else (0, None)
@@ -212,11 +216,12 @@ class Trainer:
         that: a run resumed at its end, or stopped early, still reports its quality) and metrics.json."""
         if self.whole_eval_at != done:
             self.evaluate(done, whole=True)
-        if self.comm.rank == 0:  # only rank 0 writes metrics.json
-            self.last_eval.update(baselines(self.info, self.train_data, self.eval_data))
         flops_per_sample = sum(self.info["flops_per_sample"].values())
         summary = self.metrics.summary(done, flops_per_sample, self.last_eval, self.comm.allgather(peak_rss_mb()))
-        summary.update(best=self.best.describe(), stopped_early=done < self.steps)
+        summary.update(best=self.best.describe(), stopped_early=done < self.steps, baseline=self.baseline)
+        behind = baseline_mod.not_beaten(self.last_eval, self.baseline)
+        if behind and self.comm.rank == 0:
+            log.warning("%s", behind)
         self.fault.inject(done, self.comm.rank, [], self.stop_request)  # the moment the run ends (faults.py)
         self.metrics.write(self.folder.metrics, summary)
         self.metrics.close()
@@ -226,27 +231,25 @@ class Trainer:
         placement = self.comm.placement()  # a collective: every rank takes part
         if self.comm.rank == 0:
             train = self.train_cfg
-            log.info("%d ranks, global batch %d (%d x %d accumulated x %d ranks), %s, %d threads per rank",
-                     self.comm.world_size, self.global_batch, train["micro_batch_size"],
-                     train["grad_accum_steps"], self.comm.world_size,
+            ranks = plural(self.comm.world_size, "rank")
+            log.info("%s, global batch %d (%d x %d accumulated x %s), %s, %d threads per rank",
+                     ranks, self.global_batch, train["micro_batch_size"], train["grad_accum_steps"], ranks,
                      f"resuming at step {self.start_step} from {self.resumed_from}" if self.resumed_from
                      else "starting at step 0",
                      self.sessions.threads)
             log.info("ranks per node: %s", placement)
+            if train["zero"]:
+                log.info("%s", self.zero_saving())
 
-
-def baselines(info: dict, train_reader: ShardReader, eval_reader: ShardReader) -> dict:
-    """What a model must beat on the eval split, from the labels alone: a language
-    model the unigram perplexity, a model trained with the mse loss the MSE of
-    predicting the train split's label mean."""
-    if info["task"] != "language_model" and info["loss"] != "mse":
-        return {}
-    label = train_reader.label_name
-    train_labels = train_reader.gather(np.arange(len(train_reader)))[label]
-    eval_labels = eval_reader.gather(np.arange(len(eval_reader)))[label]
-    if info["task"] == "language_model":
-        return {"unigram_perplexity": unigram_perplexity(train_labels, eval_labels, info["num_classes"])}
-    return {"mean_baseline_mse": mean_baseline_mse(train_labels, eval_labels)}
+    def zero_saving(self) -> str:
+        """What train.zero 1 saves on this rank, measured: the optimizer moments it does
+        not hold, against holding every parameter's (as train.zero 0 does)."""
+        held = sum(array.nbytes for moment in self.optimizer.moments.values() for array in moment.values())
+        every = len(self.optimizer.moment_names) * sum(
+            array.nbytes for array in parameters(self.state, self.trainable, self.comm.xp))
+        return (f"train.zero 1: the optimizer's moments sharded over {plural(self.comm.world_size, 'rank')}: "
+                f"rank {self.comm.rank} holds {held / 1e6:,.2f} MB of {every / 1e6:,.2f} MB, "
+                f"saving {(every - held) / 1e6:,.2f} MB")
 
 
 def main(argv: list[str] | None = None) -> int:

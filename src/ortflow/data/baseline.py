@@ -1,0 +1,97 @@
+"""What a model must beat on the eval split, from the labels alone: the train
+split's most frequent class (classification), its mean (regression), its token
+frequencies (a language model), each scored on the eval split.
+
+prepare_data computes it where the split is made and writes it beside the eval
+shards (BASELINE); training copies the measures it can compare with its own
+evaluation into metrics.json (`baseline`), which the summary, the report and a
+sweep's comparison read.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .. import atomic
+
+BASELINE = "baseline.json"
+# Records at a time: a language model's labels are windows over a token stream that may not fit in memory.
+BLOCK = 1 << 14
+# Which way each measure is better.
+HIGHER_IS_BETTER = {"accuracy": True, "loss": False, "perplexity": False}
+# A model within this (relative) of the baseline has not beaten it: the eval measures are sums
+# of float32 values, so that a model which predicts the baseline itself can land a rounding below it.
+ROUNDING = 1e-6
+
+
+def of_split(label: np.ndarray, task: str, num_classes: int | None, train_rows: np.ndarray,
+             eval_rows: np.ndarray) -> dict:
+    """The baseline of `task`: its name (`of`) and its measures on the eval split."""
+    if task == "classification":
+        counts = np.bincount(label[train_rows].reshape(-1), minlength=num_classes)
+        majority = int(counts.argmax())
+        return {"of": f"the train split's most frequent class ({majority})",
+                "accuracy": float((label[eval_rows] == majority).mean())}
+    if task == "regression":
+        mean = label[train_rows].astype(np.float64).mean(axis=0)
+        truth = label[eval_rows].astype(np.float64)
+        mse = float(((truth - mean) ** 2).mean())
+        variance = float(((truth - truth.mean(axis=0)) ** 2).mean())
+        return {"of": "the train split's mean", "mse": mse, "r2": 1 - mse / variance if variance else None}
+    return {"of": "the train split's token frequencies", "perplexity": unigram_perplexity(label, train_rows, eval_rows,
+                                                                                          num_classes)}
+
+
+def unigram_perplexity(label: np.ndarray, train_rows: np.ndarray, eval_rows: np.ndarray, vocab_size: int) -> float:
+    """The perplexity on the eval tokens of a model that knows only how often each
+    token occurs in the train split, add-one smoothed (a token it never saw counts once)."""
+    counts = np.ones(vocab_size)
+    for rows in blocks(train_rows):
+        counts += np.bincount(label[rows].reshape(-1), minlength=vocab_size)
+    log_p = np.log(counts / counts.sum())
+    total, tokens = 0.0, 0
+    for rows in blocks(eval_rows):
+        chosen = label[rows].reshape(-1)
+        total, tokens = total + float(log_p[chosen].sum()), tokens + len(chosen)
+    return float(np.exp(-total / tokens))
+
+
+def blocks(rows: np.ndarray) -> list[np.ndarray]:
+    return np.array_split(rows, max(1, -(-len(rows) // BLOCK)))
+
+
+def write(eval_dir: Path, baseline: dict) -> None:
+    atomic.write_text(Path(eval_dir) / BASELINE, json.dumps(baseline, indent=2) + "\n")
+
+
+def for_training(eval_dir: Path, loss: str) -> dict | None:
+    """The baseline beside a run's own eval measures (the keys of its evaluation): a
+    regression's MSE is comparable to the eval loss only when the loss is mse.
+    None for data prepared before baselines were recorded."""
+    path = Path(eval_dir) / BASELINE
+    if not path.is_file():
+        return None
+    baseline = json.loads(path.read_text())
+    if "mse" in baseline:
+        mse, r2 = baseline.pop("mse"), baseline.pop("r2")
+        if loss != "mse":
+            return None
+        baseline.update(loss=mse, r2=r2)
+    return baseline
+
+
+def not_beaten(results: dict, baseline: dict | None) -> str | None:
+    """What to say when the model's eval measure (`results`: an evaluation) does not beat the
+    baseline's (`... eval loss 7519 is not below 7042, that of predicting the train split's mean`); else None."""
+    for key, higher in HIGHER_IS_BETTER.items():
+        if baseline is None or baseline.get(key) is None or results.get(key) is None:
+            continue
+        ours, theirs = results[key], baseline[key]
+        margin = ROUNDING * abs(theirs)
+        if (ours <= theirs + margin) if higher else (ours >= theirs - margin):
+            return (f"the model does not beat the baseline: eval {key} {ours:.6g} is not "
+                    f"{'above' if higher else 'below'} {theirs:.6g}, that of predicting {baseline['of']}")
+    return None

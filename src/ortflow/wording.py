@@ -1,0 +1,8 @@
+"""How a count reads in a message: `1 rank`, `2 ranks`."""
+
+from __future__ import annotations
+
+
+def plural(count: int, noun: str) -> str:
+    """`count` and `noun`, with an s unless the count is one."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
