@@ -38,6 +38,7 @@ rule all:
 # (here, after `all`: the last default target wins, but not one from an include).
 if ortflow_sweep.is_sweep(config):
 
+    include: "workflow/rules/sweep_common.smk"
     include: "workflow/rules/sweep.smk"
 
     rule sweep:

@@ -118,7 +118,7 @@ def prepare(workdir: Path, name: str, target: str = "build_artifacts", train: di
                     "--quiet", "all"], check=True)
     from ortflow import config as config_mod
 
-    return config_mod.load(workdir / "bench.yaml")
+    return config_mod.as_dict(config_mod.load(workdir / "bench.yaml"))
 
 
 def run_ortflow(workdir: Path, config: dict, world_size: int, steps: int, one_core: bool = False) -> float:
@@ -188,6 +188,7 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, port: int
     import torch
     import torch.distributed as dist
 
+    from ortflow import config as config_mod
     from ortflow.data.shards import ShardReader
     from ortflow.models import built_in, user
     from ortflow.graphs.loss import resolve_loss
@@ -199,9 +200,9 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, port: int
     reader = ShardReader(Path(workdir) / f"results/{name}/data/train", verify=False)
     manifest = reader.manifest
     torch.manual_seed(0)
-    spec = config["model"]
-    module = (user.import_torch(spec["path"], spec["kwargs"]) if spec["kind"] == "torch"
-              else built_in(spec, manifest, resolve_loss(spec["loss"], manifest)))
+    spec = config_mod.typed(config).model
+    module = (user.import_torch(spec.path, spec.kwargs) if spec.kind == "torch"
+              else built_in(spec, manifest, resolve_loss(spec.loss, manifest)))
     model = torch.nn.parallel.DistributedDataParallel(module)
     optimizer = ddp_optimizer(module, config["train"]["optimizer"], run["zero"])
     micro = config["train"]["micro_batch_size"]

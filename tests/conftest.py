@@ -99,14 +99,14 @@ def gate_judged(gate: dict, log: str) -> bool:
 def run_on_ranks(folder: Path, code: str, ranks: int) -> subprocess.CompletedProcess:
     """Run the Python `code` on `ranks` real MPI ranks (mpirun, as training starts
     them); fails the test unless every rank exits 0. Returns the CompletedProcess."""
-    from ortflow.stages import train
+    from ortflow import launcher
 
     require_e2e("starts MPI ranks")
     script = folder / "ranks.py"
     script.write_text(code)
     result = subprocess.run(
-        train.launcher_command("mpirun", ranks, 2) + [sys.executable, str(script)],
-        env=train.launcher_env(os.environ), capture_output=True, text=True, timeout=120,
+        launcher.launcher_command("mpirun", ranks, 2) + [sys.executable, str(script)],
+        env=launcher.launcher_env(os.environ), capture_output=True, text=True, timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,8 +37,8 @@ LOSS_RTOL = 5e-6
 STATE_ATOL = 5e-6
 
 
-def config(model: str, accumulate: int = 1, **model_kwargs) -> dict:
-    return config_mod.validate({
+def config(model: str, accumulate: int = 1, **model_kwargs) -> config_mod.Config:
+    return config_mod.load(overrides={
         "run": {"seed": 3},
         "model": {"kind": "torch", "path": f"batchnorm_models:{model}", "kwargs": model_kwargs},
         "train": {"world_size": 1, "steps": STEPS, "micro_batch_size": GLOBAL_BATCH // accumulate,
@@ -58,29 +59,29 @@ def digits(tmp_path_factory) -> Path:
     return root / "data"
 
 
-def torch_training(cfg: dict, initial: dict, reader: ShardReader):
+def torch_training(cfg: config_mod.Config, initial: dict, reader: ShardReader):
     """The same training in PyTorch: the module in train mode, the artifacts'
     initial weights and statistics, the same micro-batches (a forward each, so
     the statistics update on each), torch.optim.AdamW, the same global-norm
     clipping. Returns the module and its losses."""
-    module = getattr(batchnorm_models, cfg["model"]["path"].split(":")[1])(**cfg["model"]["kwargs"])
+    module = getattr(batchnorm_models, cfg.model.path.split(":")[1])(**cfg.model.kwargs)
     missing = module.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()}, strict=False).missing_keys
     assert all(k.endswith("num_batches_tracked") for k in missing), missing
-    opt = cfg["train"]["optimizer"]
-    optimizer = torch.optim.AdamW(module.parameters(), lr=opt["lr"], betas=tuple(opt["betas"]), eps=opt["eps"],
-                                  weight_decay=opt["weight_decay"])
+    opt = cfg.train.optimizer
+    optimizer = torch.optim.AdamW(module.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps,
+                                  weight_decay=opt.weight_decay)
     module.train()
     losses = []
-    accumulate, micro_batch = cfg["train"]["grad_accum_steps"], cfg["train"]["micro_batch_size"]
+    accumulate, micro_batch = cfg.train.grad_accum_steps, cfg.train.micro_batch_size
     for step in range(STEPS):
         optimizer.zero_grad()
         losses.append(0.0)
-        for batch in reader.micro_batches(step, cfg["run"]["seed"], 0, 1, micro_batch, accumulate):
+        for batch in reader.micro_batches(step, cfg.run.seed, 0, 1, micro_batch, accumulate):
             logits = module(torch.from_numpy(batch["x"]))
             loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(batch["y"])) / accumulate
             loss.backward()
             losses[-1] += loss.item()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg["train"]["clip_grad_norm"])
+        torch.nn.utils.clip_grad_norm_(module.parameters(), cfg.train.clip_grad_norm)
         optimizer.step()
     return module.eval(), losses
 
@@ -123,7 +124,7 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
     statistics = None  # torch modules: their own init, 0 and 1
     if kind == "onnx":
         statistics = eval_mode_onnx_file(tmp_path / "user.onnx")
-        cfg = config_mod.validate({**cfg, "model": {"kind": "onnx", "path": str(tmp_path / "user.onnx")}})
+        cfg = replace(cfg, model=replace(cfg.model, kind="onnx", path=str(tmp_path / "user.onnx"), kwargs={}))
     artifacts, out = tmp_path / "artifacts", tmp_path / "train"
     description = build_artifacts.build(cfg, digits / "train", artifacts)
     assert len(description["running_stats"]) == {"BatchNormCNN": 6, "BatchNormMLP": 2}[model]
@@ -187,10 +188,10 @@ def test_dropout_repeats_and_resumes_bit_for_bit(digits, tmp_path, monkeypatch):
 
     monkeypatch.syspath_prepend(str(TESTS))
     cfg = config("BatchNormMLP", dropout=0.5)
-    cfg["train"] |= {"steps": 4, "checkpoint_every": 2, "eval_every": 4}
+    cfg = replace(cfg, train=replace(cfg.train, steps=4, checkpoint_every=2, eval_every=4))
     build_artifacts.build(cfg, digits / "train", tmp_path / "artifacts")
 
-    def final(out: Path, config: dict) -> dict:
+    def final(out: Path, config: config_mod.Config) -> dict:
         Trainer(config, digits / "train", digits / "eval", Artifacts(tmp_path / "artifacts"), TrainFolder(out),
                 StopRequest()).run()
         return reader.read_checkpoint(layout.step_dir(out / "checkpoints", 4)).state.parameters
@@ -199,7 +200,7 @@ def test_dropout_repeats_and_resumes_bit_for_bit(digits, tmp_path, monkeypatch):
     shutil.rmtree(layout.step_dir(tmp_path / "first" / "checkpoints", 4))
     resumed = final(tmp_path / "first", cfg)
     again = final(tmp_path / "again", cfg)
-    other = final(tmp_path / "other", config_mod.validate({**cfg, "run": {**cfg["run"], "seed": 4}}))
+    other = final(tmp_path / "other", replace(cfg, run=replace(cfg.run, seed=4)))
     for name in first:
         np.testing.assert_array_equal(resumed[name], first[name], err_msg=name)
         np.testing.assert_array_equal(again[name], first[name], err_msg=name)
@@ -259,7 +260,7 @@ def test_batchnorm_that_cannot_train_is_refused(norm, refusal, digits, tmp_path,
 def test_running_statistic_named_trainable_is_refused(digits, tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
     cfg = config("BatchNormMLP")
-    cfg["model"]["trainable"] = ["body.0.weight", "body.1.running_mean", "head.weight"]
+    cfg = replace(cfg, model=replace(cfg.model, trainable=("body.0.weight", "body.1.running_mean", "head.weight")))
     with pytest.raises(ModelError) as refused:
         build_artifacts.build(cfg, digits / "train", tmp_path / "out")
     assert str(refused.value) == (

@@ -364,7 +364,7 @@ def build_on(tmp_path: Path, y: np.ndarray, model: dict) -> dict:
 
     x = np.random.default_rng(0).normal(size=(24, 3)).astype(np.float32)
     np.savez(tmp_path / "data.npz", x=x, y=y)
-    config = config_mod.validate({"data": {"source": str(tmp_path / "data.npz"), "shards": 1}, "model": model})
+    config = config_mod.load(overrides={"data": {"source": str(tmp_path / "data.npz"), "shards": 1}, "model": model})
     prepare(config, tmp_path / "train", tmp_path / "eval")
     return build(config, tmp_path / "train", tmp_path / "artifacts")
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from conftest import run_on_ranks
+from ortflow.config import load
 from ortflow.errors import DeviceError
 from ortflow.training import comm, engine
 
@@ -37,9 +38,12 @@ def test_rank_to_gpu(local_rank, visible, expected):
 
 
 def test_backend_follows_device():
-    assert comm.backend_for({"backend": "auto", "device": "cuda"}) == "nccl"
-    assert comm.backend_for({"backend": "auto", "device": "cpu"}) == "mpi"
-    assert comm.backend_for({"backend": "mpi", "device": "cuda"}) == "mpi"
+    def train(**keys):
+        return load(overrides={"train": keys}).train
+
+    assert comm.backend_for(train(backend="auto", device="cuda")) == "nccl"
+    assert comm.backend_for(train(backend="auto", device="cpu")) == "mpi"
+    assert comm.backend_for(train(backend="mpi", device="cuda")) == "mpi"
 
 
 def test_cuda_without_cupy_fails_clearly(monkeypatch):

@@ -18,8 +18,8 @@ from ortflow.data.shards import MANIFEST, ShardReader
 from ortflow.data.sources import DataError
 
 
-def make_config(seed: int = 1234, **data) -> dict:
-    return config_mod.validate({"run": {"seed": seed}, "data": data})
+def make_config(seed: int = 1234, **data) -> config_mod.Config:
+    return config_mod.load(overrides={"run": {"seed": seed}, "data": data})
 
 
 def split_bytes(split: Path) -> dict[str, bytes]:

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -123,7 +124,7 @@ def test_shadowing_from_the_installed_distributions(installed, status, text):
 def test_preflight_lists_each_problem_with_its_fix(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", path_without_mpirun())
     monkeypatch.setitem(sys.modules, "cupy", None)  # CuPy not installed, whether or not it is here
-    cfg = config.validate({"train": {"device": "cuda"}})
+    cfg = config.load(overrides={"train": {"device": "cuda"}})
     problems = preflight.preflight(cfg, results=tmp_path / "results")
     with pytest.raises(preflight.PreflightError) as error:
         preflight.raise_if_problems(problems)
@@ -135,17 +136,17 @@ def test_preflight_lists_each_problem_with_its_fix(tmp_path, monkeypatch):
 def test_preflight_of_the_default_config_passes_and_oversubscription_only_warns(tmp_path, caplog):
     results = tmp_path / "results"
     cores = preflight.host_cores()
-    fitting = config.validate({"train": {"world_size": cores}})
+    fitting = config.load(overrides={"train": {"world_size": cores}})
     assert preflight.preflight(fitting, results=results) == []
 
-    crowded = config.validate({"train": {"world_size": cores + 1}})
+    crowded = config.load(overrides={"train": {"world_size": cores + 1}})
     problems = preflight.preflight(crowded, results=results)
     assert [p.fatal for p in problems] == [False]
     with caplog.at_level(logging.WARNING, logger="ortflow.preflight"):
         preflight.raise_if_problems(problems)
     assert f"train.world_size={cores + 1} ranks on {cores} cores: oversubscribed" in caplog.text
 
-    impossible = config.validate({"train": {"world_size": 4 * cores + 1}})
+    impossible = config.load(overrides={"train": {"world_size": 4 * cores + 1}})
     with pytest.raises(preflight.PreflightError, match=f"fix: set train.world_size to at most {cores}"):
         preflight.raise_if_problems(preflight.preflight(impossible, results=results))
 
@@ -173,12 +174,12 @@ def test_cuda_library_check_agrees_with_ldd():
 GPT2_124M = {"parameters": 124_439_808, "trainable_parameters": 124_439_808, "activation_bytes_per_sample": 2**30}
 
 
-def rank_bytes(train: dict, world_size: int, micro: int) -> float:
+def rank_bytes(train, world_size: int, micro: int) -> float:
     return sum(preflight.memory_estimate(GPT2_124M, train, world_size, micro).values())
 
 
 def test_a_model_that_does_not_fit_memory_is_refused_with_the_estimate_and_what_fits(monkeypatch):
-    train = config.validate({"train": {"world_size": 2, "micro_batch_size": 4}})["train"]
+    train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4}}).train
     # Room for two ranks at a micro-batch of 2, not 4.
     monkeypatch.setenv(preflight.MEMORY_ENV, str(int(2 * rank_bytes(train, 2, 2))))
     check = preflight.check_memory(GPT2_124M, train)
@@ -192,8 +193,8 @@ def test_a_model_that_does_not_fit_memory_is_refused_with_the_estimate_and_what_
 
 def test_zero_1_is_offered_when_sharding_the_moments_makes_the_model_fit(monkeypatch):
     small = {**GPT2_124M, "activation_bytes_per_sample": 2**20}
-    train = config.validate({"train": {"world_size": 2, "micro_batch_size": 4}})["train"]
-    sharded = sum(preflight.memory_estimate(small, {**train, "zero": 1}, 2, 4).values())
+    train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4}}).train
+    sharded = sum(preflight.memory_estimate(small, replace(train, zero=1), 2, 4).values())
     monkeypatch.setenv(preflight.MEMORY_ENV, str(int(2 * sharded)))
     check = preflight.check_memory(small, train)
     assert check.status == preflight.FAIL
@@ -207,9 +208,9 @@ def test_an_evaluation_batch_that_does_not_fit_is_refused_naming_train_eval_batc
     holds the logits over its 50,257-token vocabulary twice (model.json's eval_bytes_per_sample,
     as build_artifacts counts it): 18.4 GiB a rank, where a training step holds far less."""
     model = {**GPT2_124M, "activation_bytes_per_sample": 2**29, "eval_bytes_per_sample": 77_194_752}
-    train = config.validate({"train": {"world_size": 2, "micro_batch_size": 4}})["train"]
-    assert train["eval_batch_size"] == 256
-    room = 2 * sum(preflight.memory_estimate(model, {**train, "eval_batch_size": 64}, 2, 4).values())
+    train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4}}).train
+    assert train.eval_batch_size == 256
+    room = 2 * sum(preflight.memory_estimate(model, replace(train, eval_batch_size=64), 2, 4).values())
     monkeypatch.setenv(preflight.MEMORY_ENV, str(int(room) + 1))
     check = preflight.check_memory(model, train)
     assert check.status == preflight.FAIL
@@ -217,7 +218,7 @@ def test_an_evaluation_batch_that_does_not_fit_is_refused_naming_train_eval_batc
     assert check.fix == "set train.eval_batch_size to 64 (an evaluation reads the same records, in smaller batches)"
     # Where no smaller evaluation batch fits alone, each fix comes with evaluation batches no larger
     # than a step's activations (4 x 2**29 bytes: 27 samples).
-    room = 2 * sum(preflight.memory_estimate(model, {**train, "eval_batch_size": 27, "zero": 1}, 2, 4).values())
+    room = 2 * sum(preflight.memory_estimate(model, replace(train, eval_batch_size=27, zero=1), 2, 4).values())
     monkeypatch.setenv(preflight.MEMORY_ENV, str(int(room) + 1))
     assert preflight.check_memory(model, train).fix == (
         "set train.eval_batch_size to 27 and train.zero: 1 (each rank keeps 1/world_size of the AdamW moments); "
@@ -242,7 +243,7 @@ def test_train_refuses_before_any_rank_starts(tmp_path):
 
 
 def test_checkpoints_larger_than_the_free_disk_are_named(tmp_path):
-    train = config.validate({})["train"]
+    train = config.load(overrides={}).train
     free = shutil.disk_usage(tmp_path).free
     huge = {**GPT2_124M, "parameters": free, "trainable_parameters": free}
     check = preflight.check_checkpoint_disk(huge, train, tmp_path / "results")
@@ -258,7 +259,7 @@ def test_doctor_checks_the_built_model_or_says_to_build_it(tmp_path, monkeypatch
 
     from ortflow.stages import doctor
 
-    cfg = config.validate({})
+    cfg = config.load()
     missing = doctor.model_checks(Namespace(artifacts=tmp_path), cfg, 2)
     assert [(c.name, c.status) for c in missing] == [("memory", "skip"), ("checkpoint disk", "skip")]
     assert "build the artifacts first: snakemake build_artifacts" in missing[0].detail

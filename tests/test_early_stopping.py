@@ -21,8 +21,8 @@ from ortflow.training.best import Best
 from ortflow.training.run_folder import TrainFolder
 
 
-def settings(**changes) -> dict:
-    return {**config_mod.validate({})["train"]["early_stopping"], **changes}
+def settings(**changes):
+    return config_mod.load(overrides={"train": {"early_stopping": changes}}).train.early_stopping
 
 
 def test_the_best_by_loss_and_by_accuracy_and_patience():
@@ -49,9 +49,9 @@ def test_a_metric_the_task_has_not_is_refused_in_one_line():
 
 
 def test_export_checkpoint_auto_is_best_with_early_stopping():
-    assert config_mod.export_checkpoint(config_mod.validate({})) == "last"
-    assert config_mod.export_checkpoint(config_mod.validate({"train": {"early_stopping": {"patience": 3}}})) == "best"
-    assert config_mod.export_checkpoint(config_mod.validate({"export": {"checkpoint": "best"}})) == "best"
+    assert config_mod.export_checkpoint(config_mod.load()) == "last"
+    assert config_mod.export_checkpoint(config_mod.load(overrides={"train": {"early_stopping": {"patience": 3}}})) == "best"
+    assert config_mod.export_checkpoint(config_mod.load(overrides={"export": {"checkpoint": "best"}})) == "best"
 
 
 def test_best_json_names_a_step_folder_beside_it_only(tmp_path):

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import gate_judged, run_snakemake
+from ortflow import config as config_mod
 from ortflow.data.shards import ShardReader
 
 SHORT = {"train": {"steps": 150}}
@@ -288,8 +289,9 @@ def test_dynamic_quantization_keeps_conv_fp32_and_survives_preprocessing(tmp_pat
     write_conv_model(source, shaped_input=False)
     x = np.random.default_rng(6).random((16, 64), dtype=np.float32)
     fp32 = ort.InferenceSession(str(source)).run(None, {"x": x})[0]
-    export_cfg = {"per_channel": False}
-    assert quantize_model.method({"quantize": "auto"}, onnx.load(str(source))) == "static"
+    export_cfg = config_mod.load(overrides={"export": {"per_channel": False}}).export
+    auto = config_mod.load(overrides={"export": {"quantize": "auto"}}).export
+    assert quantize_model.method(auto, onnx.load(str(source))) == "static"
     for known in (("Conv",), ()):
         monkeypatch.setattr(quantize_model, "NO_DYNAMIC_INT8_KERNEL", known)
         target = tmp_path / f"int8-{len(known)}.onnx"
@@ -307,6 +309,11 @@ def test_dynamic_quantization_keeps_conv_fp32_and_survives_preprocessing(tmp_pat
             assert "no int8 CPU kernel for node 'conv_quant' (operator Conv, dynamic quantization)" in caplog.text
 
 
+def export(**keys):
+    """The config's export section with `keys` set."""
+    return config_mod.load(overrides={"export": keys}).export
+
+
 def test_gate_on_a_tiny_eval_split_says_what_one_record_is_worth(caplog):
     from ortflow.stages.quantize_model import QualityGateError, gate
 
@@ -315,17 +322,17 @@ def test_gate_on_a_tiny_eval_split_says_what_one_record_is_worth(caplog):
             r"points\); ")
     with pytest.raises(QualityGateError, match=said + r"no int8 model is written and the fp32 model model.onnx stays "
                                                r"\(export.gate_fails_run\) \(try export.quantize: none\)$"):
-        gate(report, {"max_accuracy_drop": 1.0, "gate_fails_run": True}, Path("model.onnx"), 20,
+        gate(report, export(max_accuracy_drop=1.0, gate_fails_run=True), Path("model.onnx"), 20,
              ["export.quantize: none"])
     # By default the run goes on: the int8 model is refused, in a warning and in the gate's entry.
-    refused = gate(report, {"max_accuracy_drop": 1.0, "gate_fails_run": False}, Path("model.onnx"), 20,
+    refused = gate(report, export(max_accuracy_drop=1.0, gate_fails_run=False), Path("model.onnx"), 20,
                    ["export.quantize: none"])
     assert refused == {"metric": "accuracy", "drop": pytest.approx(5.0), "unit": "points", "max_accuracy_drop": 1.0,
                        "outcome": "refused"}
     assert re.search(said + r"the int8 model is refused \(metrics.json: gate outcome refused\): deploy the fp32 "
                             r"model model.onnx \(try export.quantize: none\)$", caplog.records[-1].getMessage())
     assert caplog.records[-1].levelname == "WARNING"
-    passed = gate(report, {"max_accuracy_drop": 5.0, "gate_fails_run": True}, Path("model.onnx"), 20, [])
+    passed = gate(report, export(max_accuracy_drop=5.0, gate_fails_run=True), Path("model.onnx"), 20, [])
     assert (passed["drop"], passed["outcome"]) == (pytest.approx(5.0), "passed")
 
 

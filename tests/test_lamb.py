@@ -3,6 +3,8 @@ its two weight-decay groups, its config (eps by optimizer) and its refusal of Ze
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -17,6 +19,12 @@ from ortflow.training.lamb import Lamb
 from ortflow.training.optimizer import Optimizer, Piece
 from ortflow.training.weight_decay import WeightDecay
 from test_weight_decay import settings, train_dir  # noqa: F401 - the fixture
+
+
+def lamb_optimizer(**changes):
+    """train.optimizer with LAMB at WEIGHT_DECAY, and `changes`."""
+    return config_mod.load(overrides={"train": {"optimizer": {"name": "lamb", "weight_decay": WEIGHT_DECAY,
+                                                              **changes}}}).train.optimizer
 
 BETAS, EPS, WEIGHT_DECAY = (0.9, 0.999), 1e-6, 0.01
 RATES = [0.05, 0.03, 0.02, 0.01, 0.005, 0.001]  # a changing learning rate, as a schedule gives
@@ -60,7 +68,7 @@ def test_lamb_matches_the_paper_step_for_step():
     weights, grads = tensors(np.random.default_rng(0))
     names = list(weights)
     decay = WeightDecay({n: w.shape for n, w in weights.items()}, [],
-                        {"name": "lamb", "weight_decay": WEIGHT_DECAY, "no_decay": ["<1d>"]})
+                        lamb_optimizer(no_decay=["<1d>"]))
     decays = decay.per_tensor(names)
     assert decays == [WEIGHT_DECAY, 0.0, 0.0, 0.0, WEIGHT_DECAY]
 
@@ -92,7 +100,7 @@ def test_lamb_on_the_gradients_onnx_runtime_computes_for_a_tiny_gpt(train_dir, t
     (what the next forward reads), against the paper's step from the same gradients;
     the groups are the real model's (biases, LayerNorms and embeddings undecayed)."""
     config = settings("lamb")
-    optimizer = config["train"]["optimizer"]
+    optimizer = config.train.optimizer
     artifacts = Artifacts(tmp_path / "artifacts")
     description = build_artifacts.build(config, train_dir, artifacts.folder)
     state = engine.initial_state(artifacts)
@@ -114,8 +122,8 @@ def test_lamb_on_the_gradients_onnx_runtime_computes_for_a_tiny_gpt(train_dir, t
         grads = gradients.gradients(state, names, np)
         for name, g, rate in zip(names, grads, decays):
             x, m, v = reference[name]
-            reference[name] = reference_lamb(x, g.astype(np.float64), m, v, t, lr, rate, optimizer["betas"],
-                                             optimizer["eps"])
+            reference[name] = reference_lamb(x, g.astype(np.float64), m, v, t, lr, rate, optimizer.betas,
+                                             optimizer.eps)
         ours.step(lr, step, decay)
         module.lazy_reset_grad()
         for name in names:
@@ -125,7 +133,7 @@ def test_lamb_on_the_gradients_onnx_runtime_computes_for_a_tiny_gpt(train_dir, t
 
 def test_lamb_leaves_weight_decay_to_its_update():
     """WeightDecay.apply decays AdamW's and SGD's parameters before their step; LAMB's not."""
-    optimizer = {"name": "lamb", "weight_decay": WEIGHT_DECAY, "no_decay": ["bias"]}
+    optimizer = lamb_optimizer(no_decay=["bias"])
     decay = WeightDecay({"fc.weight": (2, 2), "fc.bias": (2,)}, [], optimizer)
     weight = np.ones((2, 2), np.float32)
     decay.apply(0.1, ["fc.weight"], [weight])
@@ -143,20 +151,20 @@ def test_lamb_refuses_mismatched_lists():
 
 @pytest.mark.parametrize("name, eps", [("adamw", 1e-8), ("sgd", 1e-8), ("lamb", 1e-6)])
 def test_eps_defaults_to_the_optimizers_own(name, eps):
-    assert config_mod.validate({"train": {"optimizer": {"name": name}}})["train"]["optimizer"]["eps"] == eps
-    given = config_mod.validate({"train": {"optimizer": {"name": name, "eps": 1e-7}}})
-    assert given["train"]["optimizer"]["eps"] == 1e-7
+    assert config_mod.load(overrides={"train": {"optimizer": {"name": name}}}).train.optimizer.eps == eps
+    given = config_mod.load(overrides={"train": {"optimizer": {"name": name, "eps": 1e-7}}})
+    assert given.train.optimizer.eps == 1e-7
 
 
 def test_lamb_refuses_zero_1():
     """ZeRO-1 (train.zero, h-zero's key) gives ranks slices of tensors; LAMB needs whole ones."""
-    train = config_mod.validate({"train": {"optimizer": {"name": "lamb"}}})["train"]
+    train = config_mod.load(overrides={"train": {"optimizer": {"name": "lamb"}}}).train
     with pytest.raises(ConfigError) as error:
-        check_lamb_sharding({**train, "zero": 1})
+        check_lamb_sharding(replace(train, zero=1))
     assert str(error.value) == (
         "config key 'train.zero': 1 gives each rank slices of the optimizer's tensors, but LAMB's trust ratio "
         "needs the norm of each whole tensor; set train.zero: 0 with lamb, or use train.optimizer.name: adamw "
         "with ZeRO")
-    check_lamb_sharding({**train, "zero": 0})
+    check_lamb_sharding(replace(train, zero=0))
     check_lamb_sharding(train)
-    check_lamb_sharding({**train, "optimizer": {**train["optimizer"], "name": "adamw"}, "zero": 1})
+    check_lamb_sharding(replace(train, optimizer=replace(train.optimizer, name="adamw"), zero=1))

@@ -6,6 +6,8 @@ would copy the parameters instead of updating them."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -31,15 +33,15 @@ def test_ort_s_graph_over_held_arrays_is_bit_for_bit_the_training_api_s_optimize
     module = Module(str(artifacts.training_model), theirs, str(artifacts.eval_model))
     ort_optimizer = OrtOptimizer(str(artifacts.optimizer_model), module)
     ours = engine.initial_state(artifacts)
-    our_module, step = engine.open_sessions(artifacts, ours, "cpu", 1, settings(kind)["train"]["optimizer"], np)
+    our_module, step = engine.open_sessions(artifacts, ours, "cpu", 1, settings(kind).train.optimizer, np)
     names = engine.trainable(ours)
     # Whole tensors for some parameters, two slices of one for the others: a slice steps as the whole does.
     pieces = [Piece(n, 0, p.size) for n, p in zip(names, gradients.parameters(ours, names, np))]
     first = pieces.pop(0)
     pieces += [Piece(first.name, 0, first.stop // 3), Piece(first.name, first.stop // 3, first.stop)]
-    no_decay = WeightDecay({}, [], {**settings(kind)["train"]["optimizer"], "weight_decay": 0.0})
-    halves = [Optimizer(ours, pieces[:-1], settings(kind)["train"]["optimizer"], np),
-              Optimizer(ours, pieces[-1:], settings(kind)["train"]["optimizer"], np)]
+    no_decay = WeightDecay({}, [], replace(settings(kind).train.optimizer, weight_decay=0.0))
+    halves = [Optimizer(ours, pieces[:-1], settings(kind).train.optimizer, np),
+              Optimizer(ours, pieces[-1:], settings(kind).train.optimizer, np)]
     rng = np.random.default_rng(0)
     module.train(), our_module.train()
     for number in range(4):

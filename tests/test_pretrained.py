@@ -37,8 +37,8 @@ MLP_SHAPES = {"layers.0.weight": (HIDDEN, 64), "layers.0.bias": (HIDDEN,), "laye
 CLASSES = 3
 
 
-def validated(model: dict, data: dict | None = None, seed: int = 7) -> dict:
-    return config_mod.validate({"run": {"seed": seed}, "data": data or {}, "model": model})
+def validated(model: dict, data: dict | None = None, seed: int = 7) -> config_mod.Config:
+    return config_mod.load(overrides={"run": {"seed": seed}, "data": data or {}, "model": model})
 
 
 def bits(array: np.ndarray) -> tuple:
@@ -314,7 +314,7 @@ def test_a_weights_folder_counts_by_content_in_the_training_identity(tmp_path, m
     folder = tmp_path / "results/pre/checkpoint"
     folder.mkdir(parents=True)
     (folder / "checkpoint").write_bytes(b"first")
-    config = config_mod.validate({"run": {"name": "fine"}, "model": {"weights": "results/pre/checkpoint"}})
+    config = config_mod.load(overrides={"run": {"name": "fine"}, "model": {"weights": "results/pre/checkpoint"}})
     first = config_mod.training_identity(config)
     assert first["model"]["weights"].startswith("sha256-folder:")
     (folder / "checkpoint").write_bytes(b"second")
@@ -328,7 +328,7 @@ def test_config_refusals_of_the_weights_keys(tmp_path, monkeypatch):
     (tmp_path / "pre.yaml").write_text("run: {name: pre}\n")
 
     def earlier(**model):
-        return config_mod.earlier_run(config_mod.validate({"run": {"name": "fine"}, "model": model}))
+        return config_mod.earlier_run(config_mod.load(overrides={"run": {"name": "fine"}, "model": model}))
 
     assert earlier(weights="results/pre/checkpoint", weights_config="pre.yaml")["run"]["name"] == "pre"
     with pytest.raises(ConfigError, match=r"^config key 'model.weights_config': pre.yaml is run 'pre', whose merged "
@@ -498,7 +498,7 @@ def test_bert_with_a_new_head_frozen_encoder_through_the_workflow(tmp_path, monk
     monkeypatch.syspath_prepend(str(TESTS))
     for seed, same in ((5, True), (6, False)):
         out = tmp_path / f"seed{seed}"
-        build_artifacts.build({**config_mod.validate({**config, "run": {"seed": seed}})}, results / "data/train", out)
+        build_artifacts.build(config_mod.load(overrides={**config, "run": {"seed": seed}}), results / "data/train", out)
         head = checkpoint_of(out).parameters
         assert (bits(head["model.classifier.weight"]) == bits(initial.parameters["model.classifier.weight"])) == same
         assert bits(head["model.classifier.bias"]) == bits(initial.parameters["model.classifier.bias"])  # zeros
@@ -537,7 +537,7 @@ def test_pretrain_on_text_then_fine_tune_on_labels_in_one_snakemake_call(tmp_pat
     initial = checkpoint_of(workdir / "results/fine/artifacts").parameters
     assert bits(initial["embed.weight"]) == bits(pretrained["embed.weight"])
     monkeypatch.syspath_prepend(str(TESTS))
-    seeded = build_artifacts.build(config_mod.validate({**fine, "model": bag}), workdir / "results/fine/data/train",
+    seeded = build_artifacts.build(config_mod.load(overrides={**fine, "model": bag}), workdir / "results/fine/data/train",
                                    tmp_path / "seeded")
     assert seeded["trainable"] == ["embed.weight", "head.weight", "head.bias"]
     for name in ("head.weight", "head.bias"):
@@ -564,7 +564,7 @@ def test_fine_tuning_equals_torch_step_for_step(tmp_path):
 
     folder = save_bert(tmp_path / "bert", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     token_classes(tmp_path / "tokens.npz")
-    config = config_mod.validate({
+    config = config_mod.load(overrides={
         "run": {"name": "fine", "seed": 3},
         "data": {"source": str(tmp_path / "tokens.npz"), "features": ["input_ids", "attention_mask"], "shards": 1},
         "model": {"kind": "torch", "path": "transformers_models:PretrainedBert",

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
+from ortflow import config
 from ortflow.training import schedule
 
 
 @pytest.mark.parametrize("name", ["constant", "linear", "cosine", "polynomial"])
 def test_schedules_warm_up_then_decay_to_the_floor(name):
-    cfg = {"name": name, "warmup_steps": 10, "min_lr_ratio": 0.1, "power": 2.0}
+    cfg = config.load(overrides={"train": {"lr_schedule": {"name": name, "warmup_steps": 10, "min_lr_ratio": 0.1,
+                                                            "power": 2.0}}}).train.lr_schedule
     rates = [schedule.learning_rate(s, 100, 1.0, cfg) for s in range(100)]
     assert rates[0] == pytest.approx(0.1) and rates[9] == pytest.approx(1.0)
     assert all(a < b for a, b in zip(rates[:10], rates[1:10]))

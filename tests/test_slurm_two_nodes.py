@@ -100,7 +100,7 @@ def final_weights(train_dir: Path) -> dict[str, np.ndarray]:
 def full_config(overrides: dict) -> dict:
     from ortflow import config as config_mod
 
-    return config_mod.load(overrides=overrides)
+    return config_mod.as_dict(config_mod.load(overrides=overrides))
 
 
 def test_training_runs_as_one_job_on_two_nodes(two_node_run):

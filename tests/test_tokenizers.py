@@ -32,11 +32,11 @@ TESTS = Path(__file__).resolve().parent
 SEED = 1234
 
 
-def make_config(**data) -> dict:
-    return config_mod.validate({"run": {"seed": SEED}, "data": data})
+def make_config(**data) -> config_mod.Config:
+    return config_mod.load(overrides={"run": {"seed": SEED}, "data": data})
 
 
-def prepare_into(folder: Path, config: dict) -> tuple[ShardReader, ShardReader]:
+def prepare_into(folder: Path, config: config_mod.Config) -> tuple[ShardReader, ShardReader]:
     train, eval_ = folder / "data" / "train", folder / "data" / "eval"
     prepare(config, train, eval_)
     return ShardReader(train), ShardReader(eval_)
@@ -270,7 +270,7 @@ def test_label_values_only_in_the_eval_split_are_named(tmp_path):
     assert str(error.value) == (
         f"data.source {str(path)!r}: label 'y' value(s) 'yak', 'zebra' occur in the eval split but not in the train "
         "split, so the model cannot learn them; add train rows of them, drop those rows, or split differently "
-        "(run.seed, data.eval_fraction)")
+        "(data.split_seed, data.eval_fraction)")
     assert not (tmp_path / "data").exists()
 
 

@@ -65,11 +65,11 @@ def tokens(tmp_path_factory) -> Path:
     return root / "data"
 
 
-def run_ortflow(config: dict, data: Path, out: Path) -> None:
+def run_ortflow(config: config_mod.Config, data: Path, out: Path) -> None:
     """build_artifacts, train, merge_checkpoint and export_model as the workflow's
     rules run them; `ortflow train` in a process of its own, because it takes
     over SIGINT and SIGTERM to pass them on to its ranks."""
-    arguments, artifacts = ["--config-json", json.dumps(config)], str(out / "artifacts")
+    arguments, artifacts = ["--config-json", json.dumps(config_mod.as_dict(config))], str(out / "artifacts")
     assert cli.main(["build-artifacts", *arguments, "--train", str(data / "train"), "--out", artifacts]) == 0
     train = subprocess.run(
         [sys.executable, "-m", "ortflow.cli", "train", "-n", "1", *arguments, "--train", str(data / "train"),
@@ -125,7 +125,7 @@ def test_short_training_equals_pytorch_and_export_equals_eval_graph(layer, token
     trained = reader.load_parameters_file(tmp_path / "checkpoint/checkpoint")
     torch_losses, torch_trained = train_like_ortflow(load_initial(LayerNet(layer), tmp_path / "artifacts"), config,
                                                      tokens / "train")
-    assert len(losses) == len(torch_losses) == config["train"]["steps"]
+    assert len(losses) == len(torch_losses) == config.train.steps
     assert largest(losses, torch_losses) <= LOSS_TOLERANCE, (losses, torch_losses)
     worst = parameter_differences(layer, trained, torch_trained)
     assert max(worst.values()) <= PARAMETER_TOLERANCE, worst

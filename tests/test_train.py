@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import fault, run_snakemake
-from ortflow import config as config_mod
+from ortflow import config as config_mod, launcher
 from ortflow.stages import train
 from ortflow.checkpoints import reader, resume
 from ortflow.training.run_folder import TrainFolder
@@ -147,9 +147,9 @@ def _pytorch_reference(workdir: Path) -> dict:
 
     cfg = config_mod.load(overrides={"train": {**SHORT["train"], "world_size": 1, "grad_accum_steps": 2}})
     results = workdir / "results/digits"
-    model = load_initial(MLP([64], cfg["model"]["hidden"], [10]), results / "artifacts")
+    model = load_initial(MLP([64], cfg.model.hidden, [10]), results / "artifacts")
     # train.optimizer.no_decay's default for an MLP: the biases (<1d>) are not decayed.
-    decay = cfg["train"]["optimizer"]["weight_decay"]
+    decay = cfg.train.optimizer.weight_decay
     groups = [{"params": [p for p in model.parameters() if p.ndim >= 2], "weight_decay": decay},
               {"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0}]
     return train_like_ortflow(model, cfg, results / "data/train", groups)[1]
@@ -175,11 +175,11 @@ def test_gpt_learns_text_well_below_the_unigram_baseline(workdir):
 
 
 def test_launcher_commands():
-    assert train.launcher_command("/x/mpirun", 2, 2) == ["/x/mpirun", "-n", "2", "--bind-to", "none"]
-    assert train.launcher_command("mpirun", 3, 2)[-1] == "--oversubscribe"
-    assert train.launcher_command("srun", 4, 2) == ["srun", "--mpi=pmix", "-n", "4"]
+    assert launcher.launcher_command("/x/mpirun", 2, 2) == ["/x/mpirun", "-n", "2", "--bind-to", "none"]
+    assert launcher.launcher_command("mpirun", 3, 2)[-1] == "--oversubscribe"
+    assert launcher.launcher_command("srun", 4, 2) == ["srun", "--mpi=pmix", "-n", "4"]
     with pytest.raises(ValueError, match="unknown MPI launcher 'torchrun'"):
-        train.launcher_command("torchrun", 2, 2)
+        launcher.launcher_command("torchrun", 2, 2)
 
 
 def test_rerun_after_a_finished_run_moves_its_checkpoints_aside(tmp_path, capsys):
@@ -236,7 +236,7 @@ def launch(workdir: Path, out: Path, start_s: float = 0, end_s: float = 0) -> su
     config = config_mod.load(overrides={"train": {"steps": 40, "eval_every": 40}})
     results = workdir / "results/digits"
     return subprocess.Popen(
-        [str(Path(sys.executable).parent / "ortflow"), "train", "--config-json", json.dumps(config),
+        [str(Path(sys.executable).parent / "ortflow"), "train", "--config-json", json.dumps(config_mod.as_dict(config)),
          "--train", str(results / "data/train"), "--eval", str(results / "data/eval"),
          "--artifacts", str(results / "artifacts"), "--out", str(out)],
         env=env, stderr=subprocess.PIPE, text=True)

@@ -32,11 +32,12 @@ MODEL = {"kind": "gpt", "layers": 1, "heads": 2, "width": 8}
 WEIGHT_DECAY = 0.1
 
 
-def settings(optimizer: str = "adamw") -> dict:
-    """The config, with train.optimizer.no_decay at its default."""
-    return config_mod.validate({
+def settings(optimizer: str = "adamw", **train) -> config_mod.Config:
+    """The config, with train.optimizer.no_decay at its default (and the `train` keys given)."""
+    return config_mod.load(overrides={
         "run": {"seed": 3}, "data": {"source": "text", "context": 8}, "model": MODEL,
-        "train": {"optimizer": {"name": optimizer, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": WEIGHT_DECAY}},
+        "train": {"optimizer": {"name": optimizer, "betas": [0.8, 0.95], "eps": 1e-6, "weight_decay": WEIGHT_DECAY},
+                  **train},
     })
 
 
@@ -46,7 +47,7 @@ def train_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("decay")
     text = root / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-    prepare(config_mod.validate({"data": {"source": str(text), "context": 8}}), root / "train", root / "eval")
+    prepare(config_mod.load(overrides={"data": {"source": str(text), "context": 8}}), root / "train", root / "eval")
     return root / "train"
 
 
@@ -62,8 +63,8 @@ def built(train_dir, tmp_path_factory) -> dict[str, tuple[Path, dict]]:
 
 def test_default_rules_and_name_patterns():
     shapes = {"fc.weight": (4, 3), "fc.bias": (4,), "ln_f.weight": (3,), "wte.weight": (9, 3), "scale": ()}
-    default = config_mod.validate({})["train"]["optimizer"]["no_decay"]
-    assert default == ["<1d>", "<embedding>"]
+    default = config_mod.load().train.optimizer.no_decay
+    assert default == ("<1d>", "<embedding>")
     excluded = [n for n, s in shapes.items() if is_excluded(n, len(s), {"wte.weight"}, default)]
     assert excluded == ["fc.bias", "ln_f.weight", "wte.weight", "scale"]
     # transformers' Trainer's names: a pattern matches a name containing it, ignoring case, with wildcards.
@@ -97,13 +98,13 @@ def open_training(artifacts: Path, description: dict, name: str = "adamw"):
     """ORT's Module on the initial checkpoint, the optimizer's step, an Optimizer over every
     trainable parameter and the run's WeightDecay."""
     state = engine.initial_state(Artifacts(artifacts))
-    module, step = engine.open_sessions(Artifacts(artifacts), state, "cpu", 1, settings(name)["train"]["optimizer"], np)
+    module, step = engine.open_sessions(Artifacts(artifacts), state, "cpu", 1, settings(name).train.optimizer, np)
     module.train()
     names = engine.trainable(state)
     shapes = {parameter: state.parameters[parameter].data.shape for parameter in names}
     optimizer = Optimizer(state, [Piece(n, 0, int(np.prod(shapes[n]))) for n in names],
-                          settings(name)["train"]["optimizer"], np)
-    decay = WeightDecay(shapes, description["embeddings"], settings(name)["train"]["optimizer"])
+                          settings(name).train.optimizer, np)
+    decay = WeightDecay(shapes, description["embeddings"], settings(name).train.optimizer)
     return state, module, (optimizer, step), decay
 
 
@@ -111,17 +112,17 @@ def torch_training(train_dir: Path, state, decay: WeightDecay, optimizer: str):
     """The tiny GPT in torch with ORT's initial weights, and torch.optim.AdamW (or
     SGD) with two parameter groups: `decay.decayed` at WEIGHT_DECAY, the others at 0."""
     manifest = json.loads((train_dir / "manifest.json").read_text())
-    model = built_in({**settings()["model"]}, manifest, "cross_entropy")
+    model = built_in(settings().model, manifest, "cross_entropy")
     parameters = dict(model.named_parameters())
     with torch.no_grad():
         for name, parameter in parameters.items():
             parameter.copy_(torch.from_numpy(state.parameters[name].data))
     groups = [{"params": [parameters[n] for n in decay.decayed], "weight_decay": WEIGHT_DECAY},
               {"params": [parameters[n] for n in decay.not_decayed], "weight_decay": 0.0}]
-    cfg = settings()["train"]["optimizer"]
+    cfg = settings().train.optimizer
     if optimizer == "sgd":
         return model, parameters, torch.optim.SGD(groups, lr=RATES[0])
-    return model, parameters, torch.optim.AdamW(groups, lr=RATES[0], betas=cfg["betas"], eps=cfg["eps"])
+    return model, parameters, torch.optim.AdamW(groups, lr=RATES[0], betas=cfg.betas, eps=cfg.eps)
 
 
 # Five steps at changing learning rates, as a schedule gives them.
@@ -132,8 +133,7 @@ RATES = [0.01, 0.02, 0.015, 0.005, 0.01]
 def test_training_steps_equal_torch_with_two_parameter_groups(built, train_dir, kind, tolerance, tmp_path):
     artifacts, description = built[kind]
     # ortflow's Trainer on one rank (this process), stepped by hand at the schedule's rates.
-    config = config_mod.validate({**settings(kind), "train": {**settings(kind)["train"], "world_size": 1,
-                                                                "micro_batch_size": 8, "clip_grad_norm": None}})
+    config = settings(kind, world_size=1, micro_batch_size=8, clip_grad_norm=None)
     trainer = Trainer(config, train_dir, train_dir.parent / "eval", Artifacts(artifacts), TrainFolder(tmp_path),
                       StopRequest())
     state, decay = trainer.state, trainer.decay
@@ -171,11 +171,11 @@ def test_with_zero_gradients_only_the_decayed_parameters_shrink_by_exactly_one_m
         for g in gradients.gradients(state, engine.trainable(state), np):
             g[...] = 0.0  # Adam's update of a zero gradient is zero: what changes is the decay alone
         optimizer[0].step(RATES[0], optimizer[1], decay)
-    cfg = settings()["train"]["optimizer"]
+    cfg = settings().train.optimizer
     for name in decay.decayed:
         np.testing.assert_array_equal(state.parameters[name].data, before[name] * factor * factor * factor, name)
         reference = torch.nn.Parameter(torch.from_numpy(before[name]))
-        torch_optimizer = torch.optim.AdamW([reference], lr=RATES[0], betas=cfg["betas"], eps=cfg["eps"],
+        torch_optimizer = torch.optim.AdamW([reference], lr=RATES[0], betas=cfg.betas, eps=cfg.eps,
                                             weight_decay=WEIGHT_DECAY)
         for _ in range(3):
             reference.grad = torch.zeros_like(reference)
@@ -190,7 +190,7 @@ def test_the_groups_are_logged_and_artifacts_without_embeddings_are_refused(buil
 
     artifacts, description = built["adamw"]
     state = api.CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
-    optimizer = settings()["train"]["optimizer"]
+    optimizer = settings().train.optimizer
     with caplog.at_level(logging.INFO, logger="ortflow.train"):
         weight_decay.for_run(state, engine.trainable(state), description, optimizer, np)
     assert caplog.messages == [

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import require_e2e
-from ortflow import config as config_mod
-from ortflow.stages import merge_checkpoint, train
+from ortflow import config as config_mod, launcher
+from ortflow.stages import merge_checkpoint
 from ortflow.checkpoints import layout, reader
 import test_weight_decay as tiny_gpt
 from test_weight_decay import settings
@@ -37,9 +37,9 @@ def run_ranks(folder: Path, artifacts: Path, data: Path, ranks: int, zero: int, 
         "resume_from": str(resume_from) if resume_from else None}})
     job = {"config": config, "train": str(data), "eval": str(data.parent / "eval"), "artifacts": str(artifacts),
            "out": str(folder)}
-    result = subprocess.run(train.launcher_command("mpirun", ranks, 2)
+    result = subprocess.run(launcher.launcher_command("mpirun", ranks, 2)
                             + [sys.executable, "-m", "ortflow.training.trainer", json.dumps(job)],
-                            env=train.launcher_env(os.environ), capture_output=True, text=True,
+                            env=launcher.launcher_env(os.environ), capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return folder / "checkpoints"

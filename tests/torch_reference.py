@@ -34,23 +34,23 @@ def train_like_ortflow(model: torch.nn.Module, config: dict, train_dir: Path,
     with `config`; return the loss of each step and the final parameters.
     `groups`: AdamW's parameter groups (each with its weight_decay), by default
     one group of every parameter with the config's weight decay."""
-    train, opt = config["train"], config["train"]["optimizer"]
-    optimizer = torch.optim.AdamW(groups or model.parameters(), lr=opt["lr"], betas=tuple(opt["betas"]),
-                                  eps=opt["eps"], weight_decay=opt["weight_decay"])
+    train, opt = config.train, config.train.optimizer
+    optimizer = torch.optim.AdamW(groups or model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
+                                  eps=opt.eps, weight_decay=opt.weight_decay)
     reader = ShardReader(train_dir)
     features = [f["name"] for f in reader.manifest["features"]]
     losses = []
-    for step in range(train["steps"]):
+    for step in range(train.steps):
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, train["steps"], opt["lr"], train["lr_schedule"])
-        indices = reader.global_batch(step, config["run"]["seed"], config_mod.global_batch_size(config))
+            group["lr"] = learning_rate(step, train.steps, opt.lr, train.lr_schedule)
+        indices = reader.global_batch(step, config.run.seed, config_mod.global_batch_size(config))
         batch = reader.gather(np.sort(indices))
         logits = model(*(torch.from_numpy(batch[name]) for name in features))
         loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(batch[reader.label_name]))
         optimizer.zero_grad()
         loss.backward()
-        if train["clip_grad_norm"] is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), train["clip_grad_norm"])
+        if train.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), train.clip_grad_norm)
         optimizer.step()
         losses.append(loss.item())
     return losses, {k: v.detach().numpy() for k, v in model.state_dict().items()}

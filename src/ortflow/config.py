@@ -4,10 +4,12 @@ and derive the hashes that decide what a checkpoint or an artifact belongs to.""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import math
 import re
+import types
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -197,7 +199,7 @@ def validate(config: dict, partial: bool = False, command_line: dict | None = No
     if config["data"]["split_seed"] is None:
         config["data"]["split_seed"] = config["run"]["seed"]
     if not partial:
-        _check_cross_keys(config)
+        _check_cross_keys(typed(config))
     return config
 
 
@@ -212,107 +214,107 @@ def _resolve_eps(optimizer: dict) -> None:
         optimizer["eps"] = OPTIMIZER_EPS[optimizer["name"]]
 
 
-def _check_cross_keys(config: dict) -> None:
-    model, train, data = config["model"], config["train"], config["data"]
-    if model["kind"] in ("onnx", "torch") and not model["path"]:
+def _check_cross_keys(config: Config) -> None:
+    model, train, data = config.model, config.train, config.data
+    if model.kind in ("onnx", "torch") and not model.path:
         raise ConfigError(
-            f"config key 'model.path': required when model.kind is '{model['kind']}' "
+            f"config key 'model.path': required when model.kind is '{model.kind}' "
             "(an .onnx file, or `package.module:Class` for torch)"
         )
-    if model["kind"] == "gpt" and data["source"] != "text" and not data["source"].endswith(".txt"):
+    if model.kind == "gpt" and data.source != "text" and not data.source.endswith(".txt"):
         raise ConfigError(
             f"config key 'model.kind': 'gpt' needs text data (data.source: text or a .txt file), "
-            f"got data.source={data['source']!r}"
+            f"got data.source={data.source!r}"
         )
-    if model["kind"] == "gpt" and model["width"] % model["heads"]:
+    if model.kind == "gpt" and model.width % model.heads:
         raise ConfigError(
-            f"config key 'model.heads': {model['heads']} does not divide model.width={model['width']}"
+            f"config key 'model.heads': {model.heads} does not divide model.width={model.width}"
         )
     _check_text_keys(data)
     check_lamb_sharding(train)
-    if train["backend"] == "nccl" and train["device"] != "cuda":
+    if train.backend == "nccl" and train.device != "cuda":
         raise ConfigError("config key 'train.backend': 'nccl' needs train.device: cuda")
-    if train["nodes"] > train["world_size"]:
+    if train.nodes > train.world_size:
         raise ConfigError(
-            f"config key 'train.nodes': {train['nodes']} nodes for train.world_size={train['world_size']} ranks; "
+            f"config key 'train.nodes': {train.nodes} nodes for train.world_size={train.world_size} ranks; "
             "every node needs at least one rank"
         )
-    profile = train["profile_steps"]
+    profile = train.profile_steps
     if profile and profile[0] > profile[1]:
         raise ConfigError(f"config key 'train.profile_steps': first {profile[0]} is after last {profile[1]}")
     for key in ("weights_skip", "weights_prefix", "weights_config"):
-        if model[key] and not model["weights"]:
+        if getattr(model, key) and not model.weights:
             raise ConfigError(f"config key 'model.{key}': set without model.weights, which it is about")
 
 
-def earlier_run(config: dict) -> dict | None:
+def earlier_run(config: Config) -> dict | None:
     """The validated config of the earlier run whose merged checkpoint
     `model.weights` names, from `model.weights_config` (None without one): the
     workflow runs that run's stages first. Refused in one line: a config of another
     run than the one model.weights names, this run's own output as its weights, and
     a run's checkpoint that is not there and that no config says how to make."""
-    model, run = config["model"], config["run"]["name"]
-    weights = Path(model["weights"]) if model["weights"] else None
+    model, run = config.model, config.run.name
+    weights = Path(model.weights) if model.weights else None
     if weights is None or weights.parts[:1] != ("results",) or len(weights.parts) < 2:
         return None
     if weights.parts[1] == run:
-        raise ConfigError(f"config key 'model.weights': {model['weights']} is an output of this run ({run!r}); "
+        raise ConfigError(f"config key 'model.weights': {model.weights} is an output of this run ({run!r}); "
                           "name another run's results/<run>/checkpoint")
-    if not model["weights_config"]:
+    if not model.weights_config:
         if not weights.exists():
             raise ConfigError(
-                f"config key 'model.weights': {model['weights']} does not exist yet; make it first with run "
+                f"config key 'model.weights': {model.weights} does not exist yet; make it first with run "
                 f"{weights.parts[1]!r}'s config (snakemake --configfile <its config>), or set model.weights_config to its config file so that "
                 "this call runs it first"
             )
         return None
-    earlier = load(model["weights_config"])
-    name = earlier["run"]["name"]
+    earlier = load(model.weights_config)
+    name = earlier.run.name
     expected = Path("results", name, "checkpoint")
     if name == run or weights != expected:
         raise ConfigError(
-            f"config key 'model.weights_config': {model['weights_config']} is run {name!r}, whose merged checkpoint "
-            f"is {expected}, but model.weights is {model['weights']}"
+            f"config key 'model.weights_config': {model.weights_config} is run {name!r}, whose merged checkpoint "
+            f"is {expected}, but model.weights is {model.weights}"
             + ("; it must be another run than this one" if name == run else f"; set model.weights: {expected}")
         )
-    return earlier
+    return as_dict(earlier)
 
 
-def check_lamb_sharding(train: dict) -> None:
+def check_lamb_sharding(train) -> None:
     """Refuse `train.zero: 1` with LAMB: the trust ratio is the norm of a whole tensor."""
-    if train["optimizer"]["name"] == "lamb" and train.get("zero"):
+    if train.optimizer.name == "lamb" and train.zero:
         raise ConfigError(
-            f"config key 'train.zero': {train['zero']} gives each rank slices of the optimizer's tensors, but "
+            f"config key 'train.zero': {train.zero} gives each rank slices of the optimizer's tensors, but "
             "LAMB's trust ratio needs the norm of each whole tensor; set train.zero: 0 with lamb, "
             "or use train.optimizer.name: adamw with ZeRO")
 
 
-def _check_text_keys(data: dict) -> None:
+def _check_text_keys(data) -> None:
     """data.text needs a table and data.tokenizer; data.tokenizer needs text to tokenize."""
-    source = data["source"]
+    source = data.source
     suffix = Path(source).suffix.lower()
     is_text = source == "text" or suffix == ".txt"
-    text = [data["text"]] if isinstance(data["text"], str) else data["text"] or []
+    text = [data.text] if isinstance(data.text, str) else data.text or []
     if text and suffix not in (".csv", ".parquet", ".jsonl"):
         raise ConfigError(f"config key 'data.text': text columns are read from a .csv, .parquet or .jsonl file, "
                           f"not data.source={source!r}")
-    if text and not data["tokenizer"]:
+    if text and not data.tokenizer:
         raise ConfigError("config key 'data.text': needs data.tokenizer (a tokenizer.json file or a "
                           "save_pretrained folder) to turn the text into token ids")
-    if data["label"] in text:
-        raise ConfigError(f"config key 'data.text': {data['label']!r} is data.label too; the model would read "
+    if data.label in text:
+        raise ConfigError(f"config key 'data.text': {data.label!r} is data.label too; the model would read "
                           "the answer")
-    if data["tokenizer"] and not text and not is_text:
+    if data.tokenizer and not text and not is_text:
         raise ConfigError(f"config key 'data.tokenizer': tokenizes text, data.source 'text' or a .txt file, or the "
                           f"columns named by data.text; data.source={source!r} has neither (set data.text)")
 
 
-def load(path: str | Path | None = None, overrides: dict | None = None) -> dict:
+def load(path: str | Path | None = None, overrides: dict | None = None) -> Config:
     """The config file `path` with `overrides` merged in, validated. Without a
     path: config/config.yaml in the working folder if there is one (the
     workflow's), else the schema's defaults, which that file holds too."""
     if path is None and not DEFAULT_CONFIG.is_file():
-        return validate(expand_dotted(overrides or {}))
+        return typed(validate(expand_dotted(overrides or {})))
     path = Path(path or DEFAULT_CONFIG)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
@@ -324,7 +326,7 @@ def load(path: str | Path | None = None, overrides: dict | None = None) -> dict:
         raise ConfigError(_yaml_error(path, error)) from None
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(raw).__name__}")
-    return validate(_merge(expand_dotted(raw), expand_dotted(overrides or {})))
+    return typed(validate(_merge(expand_dotted(raw), expand_dotted(overrides or {}))))
 
 
 def add_config_arguments(parser) -> None:
@@ -335,14 +337,14 @@ def add_config_arguments(parser) -> None:
     source.add_argument("--config-json", help="the config as JSON (what the workflow passes)")
 
 
-def load_config(args) -> dict:
+def load_config(args) -> Config:
     """The config of a stage command: the rules pass only the sections a stage needs (`--config-json`)."""
     if args.config_json:
         try:
             config = json.loads(args.config_json)
         except json.JSONDecodeError as error:
             raise ConfigError(f"--config-json: not valid JSON ({error})") from None
-        return validate(config, partial=True)
+        return typed(validate(config, partial=True))
     return load(args.config)
 
 
@@ -366,36 +368,36 @@ def pick(config: dict, keys) -> dict:
     return picked
 
 
-def global_batch_size(config: dict) -> int:
-    train = config["train"]
-    return train["micro_batch_size"] * train["grad_accum_steps"] * train["world_size"]
+def global_batch_size(config: Config) -> int:
+    train = config.train
+    return train.micro_batch_size * train.grad_accum_steps * train.world_size
 
 
-def training_identity(config: dict) -> dict:
+def training_identity(config: Config) -> dict:
     """What a checkpoint belongs to: resuming is only meaningful if all of this is
     unchanged. World size and the periods may change; the step count too unless the
     learning-rate schedule spreads its decay over it. The user's model and data
     files count by their content, not their path."""
-    train = config["train"]
+    train = config.train
     identity = {
-        "seed": config["run"]["seed"],
-        "data": by_content(config["data"]),
-        "model": by_content(config["model"]),
-        "optimizer": train["optimizer"],
-        "lr_schedule": train["lr_schedule"],
-        "clip_grad_norm": train["clip_grad_norm"],
+        "seed": config.run.seed,
+        "data": by_content(as_dict(config.data)),
+        "model": by_content(as_dict(config.model)),
+        "optimizer": as_dict(train.optimizer),
+        "lr_schedule": as_dict(train.lr_schedule),
+        "clip_grad_norm": train.clip_grad_norm,
         "global_batch_size": global_batch_size(config),
     }
-    if train["lr_schedule"]["name"] != "constant":
-        identity["steps"] = train["steps"]
+    if train.lr_schedule.name != "constant":
+        identity["steps"] = train.steps
     return identity
 
 
-def export_checkpoint(config: dict) -> str:
+def export_checkpoint(config: Config) -> str:
     """`best` or `last`: the checkpoint export.checkpoint picks, `auto` resolved."""
-    chosen = config["export"]["checkpoint"]
+    chosen = config.export.checkpoint
     if chosen == "auto":
-        return "best" if config["train"]["early_stopping"]["patience"] else "last"
+        return "best" if config.train.early_stopping.patience else "last"
     return chosen
 
 
@@ -422,3 +424,54 @@ def by_content(section: dict) -> dict:
 
     return {key: content(key, value) for key, value in section.items()}
 
+
+
+# --- the typed config ------------------------------------------------------------------------------
+# After `validate`, code reads the config as frozen dataclasses, one per section of the schema
+# (`config.train.optimizer.lr`), made from the schema itself: it stays the one source of the keys.
+# A list becomes a tuple and a free-form mapping (model.kwargs, sweep.grid) a read-only one.
+
+
+@functools.cache
+def _section_class(path: str) -> type:
+    """The frozen dataclass of the schema's section at dotted `path` ("" for the whole config)."""
+    node = _schema()
+    for part in filter(None, path.split(".")):
+        node = node["properties"][part]
+    name = "".join(part.title() for part in path.split(".")) or "Config"
+    cls = dataclasses.make_dataclass(name, [(key, Any) for key in node["properties"]], frozen=True)
+    cls.__doc__ = f"config section '{path}': {node.get('description', '')}".strip() if path else \
+        "The validated run configuration, one frozen dataclass a section (config.schema.yaml)."
+    cls.__module__ = __name__
+    return cls
+
+
+def _frozen(value: Any, schema: dict, path: str) -> Any:
+    if isinstance(value, dict) and "properties" in schema:
+        cls = _section_class(path)
+        return cls(**{key: _frozen(value[key], sub, f"{path}.{key}".lstrip("."))
+                      for key, sub in schema["properties"].items()})
+    if isinstance(value, dict):
+        return types.MappingProxyType({key: _frozen(item, {}, "") for key, item in value.items()})
+    if isinstance(value, list):
+        return tuple(_frozen(item, schema.get("items", {}), "") for item in value)
+    return value
+
+
+def typed(validated: dict) -> Config:
+    """The typed config of a config that `validate` returned (every key filled in)."""
+    return _frozen(validated, _schema(), "")
+
+
+def as_dict(value: Any) -> Any:
+    """A typed config, or a section or value of one, as plain JSON-able data again."""
+    if dataclasses.is_dataclass(value):
+        return {field.name: as_dict(getattr(value, field.name)) for field in dataclasses.fields(value)}
+    if isinstance(value, (dict, types.MappingProxyType)):
+        return {key: as_dict(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [as_dict(item) for item in value]
+    return value
+
+
+Config = _section_class("")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from . import atomic
 from .data import baseline
+from .config import Config, as_dict
 from .errors import MissingInputError
 from .checkpoints.best import chosen
 from .wording import plural
@@ -100,7 +101,7 @@ def speedup(export: dict) -> float | None:
 # --- plots -------------------------------------------------------------------------------------------
 
 
-def plot_training(metrics: dict, config: dict, out_dir: Path) -> None:
+def plot_training(metrics: dict, config: Config, out_dir: Path) -> None:
     """loss.png (train and eval loss, eval quality), learning_rate.png (the
     whole schedule and the logged rates), throughput.png (samples/s and step time)."""
     import matplotlib
@@ -124,12 +125,12 @@ def plot_training(metrics: dict, config: dict, out_dir: Path) -> None:
     quality_axes.set(xlabel="optimizer step", ylabel=name or "-", title=f"Eval {name or '(no quality measure)'}")
     save(figure, out_dir / "loss.png")
 
-    train_cfg = config["train"]
-    all_steps = range(train_cfg["steps"])
+    train_cfg = config.train
+    all_steps = range(train_cfg.steps)
     figure, axes = plt.subplots(figsize=(6, 4))
     axes.plot([s + 1 for s in all_steps],
-              [learning_rate(s, train_cfg["steps"], train_cfg["optimizer"]["lr"], train_cfg["lr_schedule"])
-               for s in all_steps], label=f"{train_cfg['lr_schedule']['name']} schedule")
+              [learning_rate(s, train_cfg.steps, train_cfg.optimizer.lr, train_cfg.lr_schedule)
+               for s in all_steps], label=f"{train_cfg.lr_schedule.name} schedule")
     axes.plot(steps, [row["lr"] for row in train], "o", label="logged")
     axes.set(xlabel="optimizer step", ylabel="learning rate", title="Learning rate")
     axes.legend()
@@ -260,7 +261,7 @@ def top_operators(profile_dir: Path, limit: int = TOP_OPERATORS) -> tuple[list[t
             for op in ranked], len(traces)
 
 
-def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchmarks: Path,
+def write_tables(config: Config, train_metrics: Path, export_metrics: Path, benchmarks: Path,
                  profile_dir: Path, out_dir: Path) -> None:
     import yaml
 
@@ -269,13 +270,13 @@ def write_tables(config: dict, train_metrics: Path, export_metrics: Path, benchm
     per_class = ("<h3>Per class (eval split, last evaluation)</h3>"
                  + table(["class", "eval records", "accuracy"], classes)) if classes else ""
     pages = {
-        "summary": page(f"Run {config['run']['name']}", table(["", "value"], summary_rows(train, export)) + per_class),
+        "summary": page(f"Run {config.run.name}", table(["", "value"], summary_rows(train, export)) + per_class),
         "quantization": page("fp32 versus int8", table(["", "fp32", "int8"], quantization_rows(export))),
         "stages": page("Stages: runtime and memory (Snakemake benchmarks)",
                        table(["stage", "wall time", "peak RSS", "CPU time"], stage_rows(benchmarks))),
-        "config": page("Config used", f"<pre>{html.escape(yaml.safe_dump(config, sort_keys=False))}</pre>"),
+        "config": page("Config used", f"<pre>{html.escape(yaml.safe_dump(as_dict(config), sort_keys=False))}</pre>"),
     }
-    steps = config["train"]["profile_steps"]
+    steps = config.train.profile_steps
     if steps:
         rows, traces = top_operators(profile_dir)
         pages["profile"] = page(

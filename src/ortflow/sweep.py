@@ -453,9 +453,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from .config import load_config
+    from .config import as_dict, load_config
 
-    config = load_config(args)
+    config = as_dict(load_config(args))  # the points' configs are made from it as data (`points`)
     if args.action == "halve":
         kept = survivors(config)
         record = {"steps": config["sweep"]["halving"]["steps"], "survivors": kept,

@@ -13,10 +13,10 @@ rule merge_checkpoint:
         "../../envs/ortflow.yaml"
     params:
         # The training identity picks this run's newest checkpoint among those of earlier configs.
-        config=config_json("run", "data", "model", "train", "export.checkpoint"),
+        config=config_json(*TRAIN_KEYS),
         checkpoints=str(TRAIN.checkpoints),
         # export.checkpoint: the step that evaluated best, or the last one.
-        which=ortflow_config.export_checkpoint(config),
+        which=ortflow_config.export_checkpoint(CONFIG),
     shell:
         "ortflow checkpoint merge {params.checkpoints:q} {output:q} --artifacts {input.artifacts:q}"
         " --checkpoint {params.which:q} --config-json {params.config:q} > {log:q} 2>&1"

@@ -15,9 +15,12 @@ try:
     _validated = ortflow_config.validate(
         config, command_line=workflow.config_settings.config
     )
+    # The rules read the config typed (`CONFIG.train.world_size`); Snakemake's own `config`
+    # stays the dict it passes on, of which each rule takes the keys it depends on.
+    CONFIG = ortflow_config.typed(_validated)
     # The run whose merged checkpoint model.weights names, if model.weights_config
     # gives its config: the Snakefile makes its stages rules of this workflow.
-    EARLIER_RUN = ortflow_config.earlier_run(_validated)
+    EARLIER_RUN = ortflow_config.earlier_run(CONFIG)
 except ortflow_config.ConfigError as error:
     raise WorkflowError(f"invalid configuration:\n{error}")
 config.clear()
@@ -28,16 +31,16 @@ config.update(_validated)
 # a folder's are only those its loader reads.
 try:
     TOKENIZER_FILES = (
-        user_files.tokenizer_files(config["data"]["tokenizer"])
-        if config["data"]["tokenizer"]
+        user_files.tokenizer_files(CONFIG.data.tokenizer)
+        if CONFIG.data.tokenizer
         else []
     )
-    if config["model"]["weights"]:
-        user_files.weights_files(config["model"]["weights"])
+    if CONFIG.model.weights:
+        user_files.weights_files(CONFIG.model.weights)
 except OrtflowError as error:
     raise WorkflowError(str(error))
 
-RUN = config["run"]["name"]
+RUN = CONFIG.run.name
 # A sweep's point (sweep.point, set by workflow/rules/sweep.smk) lives in its sweep's folder.
 RESULTS = str(ortflow_sweep.results(config))
 LOGS = str(ortflow_sweep.logs(config))
@@ -65,10 +68,20 @@ ARTIFACTS_KEYS = (
     "train.optimizer.betas",
     "train.optimizer.eps",
 )
+# Training, and the merge that picks its newest checkpoint, depend on the training
+# identity (and export.checkpoint: training keeps the best checkpoint when the export
+# will want it); export on the run's name (the model's metadata), quantization on its
+# section and the evaluation batch; the report on what it plots or shows.
+TRAIN_KEYS = ("run", "data", "model", "train", "export.checkpoint")
+EXPORT_KEYS = ("run.name",)
+QUANTIZE_KEYS = ("train.eval_batch_size", "export")
+PLOT_KEYS = ("train.steps", "train.optimizer.lr", "train.lr_schedule")
+TABLES_KEYS = ("run", "data", "model", "train", "export")
+DOCTOR_KEYS = ("train",)
 # A sweep's points share these stages: each lives in the sweep's shared/ folder,
 # named by the digest of the keys it depends on, and runs once for the points
 # whose keys are equal (workflow/rules/sweep.smk).
-if config["sweep"]["point"]:
+if CONFIG.sweep.point:
     DATA = str(ortflow_sweep.shared(config, "data", DATA_KEYS))
     ARTIFACTS = str(
         ortflow_sweep.shared(config, "artifacts", DATA_KEYS + ARTIFACTS_KEYS)
@@ -84,11 +97,11 @@ def data_files(wildcards):
     """The user's data file and tokenizer, if any: editing them reruns
     prepare_data, and a missing one stops the run before any job, naming it.
     A save_pretrained tokenizer folder counts by the tokenizer files read from it."""
-    data = config["data"]
-    if data["source"] == "text":
-        files = [data["text_path"]] if data["text_path"] else []
+    data = CONFIG.data
+    if data.source == "text":
+        files = [data.text_path] if data.text_path else []
     else:
-        files = [] if data["source"] == "digits" else [data["source"]]
+        files = [] if data.source == "digits" else [data.source]
     return files + [str(file) for file in TOKENIZER_FILES]
 
 
@@ -98,12 +111,12 @@ def model_files(wildcards):
     model.path (`package.module:Class`) when it is in the working directory or
     on PYTHONPATH, where build_artifacts imports it from; and model.weights (an
     earlier run's results/<run>/checkpoint is that run's merge_checkpoint output)."""
-    model = config["model"]
-    weights = [model["weights"]] if model["weights"] else []
-    if model["kind"] == "onnx":
-        return [model["path"], *weights]
-    if model["kind"] == "torch":
-        return module_file(model["path"].partition(":")[0]) + weights
+    model = CONFIG.model
+    weights = [model.weights] if model.weights else []
+    if model.kind == "onnx":
+        return [model.path, *weights]
+    if model.kind == "torch":
+        return module_file(model.path.partition(":")[0]) + weights
     return weights
 
 
@@ -158,48 +171,3 @@ def run_arguments():
     if workflow.config_settings.config_args:
         arguments += ["--config", *workflow.config_settings.config_args]
     return arguments
-
-
-# --- a sweep's points (workflow/rules/sweep.smk) ---
-
-
-def inherit_train_settings(name):
-    """Give rule `name`, a point's training, the settings that the profile and the command
-    line give the rule `train` (set-resources, set-threads, preemptible-rules), which name
-    it alone: through the Slurm profile each point's training is then one MPI job of
-    train.world_size tasks started with srun, submitted again after a stop. Snakemake
-    applies them by rule name when it makes the rule, from these (private) tables."""
-    settings = workflow.resource_settings
-    for table in (
-        settings._parsed_overwrite_resources,
-        settings._parsed_overwrite_threads,
-    ):
-        if "train" in table:
-            table[name] = table["train"]
-    remote = workflow.remote_execution_settings  # None in a dry run
-    if remote is not None and remote.preemptible_rules.is_preemptible("train"):
-        remote.preemptible_rules.rules = frozenset(remote.preemptible_rules.rules) | {
-            name
-        }
-
-
-def point_rule(point, name, first=False):
-    """Rule `name` of a point's run (`first`: of its run to the first budget)."""
-    return getattr(
-        rules, f"{ortflow_sweep.rule_prefix(point)}{'_first' if first else ''}_{name}"
-    )
-
-
-def going_on():
-    """The points whose own runs are made: all of them, or halving's survivors."""
-    if not config["sweep"]["halving"]["steps"]:
-        return SWEEP_POINTS
-    halving = json.loads(Path(checkpoints.sweep_halving.get().output[0]).read_text())
-    return [p for p in SWEEP_POINTS if p.name in halving["survivors"]]
-
-
-def point_outputs(name):
-    """The outputs of rule `name` of every point that goes on (an input function)."""
-    return lambda wildcards: [
-        str(f) for p in going_on() for f in point_rule(p, name).output
-    ]

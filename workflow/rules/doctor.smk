@@ -10,7 +10,7 @@ rule doctor:
     conda:
         "../../envs/ortflow.yaml"
     params:
-        config=config_json("train"),
+        config=config_json(*DOCTOR_KEYS),
         # Not an input: the doctor runs before the artifacts exist, and then skips the model's checks.
         artifacts=ARTIFACTS,
     shell:

@@ -1,13 +1,11 @@
 INT8 = f"{RESULTS}/export/model.int8.onnx"
 # export.quantize: none writes no int8 model (and removes one from an earlier
 # run); metrics.json then reports fp32 alone.
-QUANTIZED = {} if config["export"]["quantize"] == "none" else {"int8": INT8}
+QUANTIZED = {} if CONFIG.export.quantize == "none" else {"int8": INT8}
 # With data.tokenizer, the tokenizer travels beside the model (export_model
 # removes an earlier run's when there is none).
 TOKENIZER = (
-    {"tokenizer": f"{RESULTS}/export/tokenizer.json"}
-    if config["data"]["tokenizer"]
-    else {}
+    {"tokenizer": f"{RESULTS}/export/tokenizer.json"} if CONFIG.data.tokenizer else {}
 )
 
 
@@ -26,7 +24,7 @@ rule export_model:
     conda:
         "../../envs/ortflow.yaml"
     params:
-        config=config_json("run.name"),
+        config=config_json(*EXPORT_KEYS),
     shell:
         "ortflow export-model --config-json {params.config:q} --artifacts {input.artifacts:q}"
         " --checkpoint {input.checkpoint:q} --eval {input.eval:q} --out {output.model:q} > {log:q} 2>&1"
@@ -47,7 +45,7 @@ rule quantize_model:
     conda:
         "../../envs/ortflow.yaml"
     params:
-        config=config_json("train.eval_batch_size", "export"),
+        config=config_json(*QUANTIZE_KEYS),
         # Given even when it is no output, so that the command removes an earlier run's.
         # A function: Snakemake's lint refuses a string param that names an output.
         int8=lambda wildcards: INT8,

@@ -20,7 +20,7 @@ rule plot_training:
     conda:
         "../../envs/ortflow.yaml"
     params:
-        config=config_json("train.steps", "train.optimizer.lr", "train.lr_schedule"),
+        config=config_json(*PLOT_KEYS),
         out=lambda wildcards, output: os.path.dirname(output.loss),
     shell:
         "ortflow report plots --config-json {params.config:q} --metrics {input.metrics:q}"
@@ -46,7 +46,7 @@ rule report_tables:
     conda:
         "../../envs/ortflow.yaml"
     params:
-        config=config_json("run", "data", "model", "train", "export"),
+        config=config_json(*TABLES_KEYS),
         benchmarks=BENCHMARKS,
         profile=str(TRAIN.profile),
         out=lambda wildcards, output: os.path.dirname(output.summary),

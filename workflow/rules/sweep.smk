@@ -9,7 +9,9 @@ try:
 except ortflow_config.ConfigError as error:
     raise WorkflowError(f"invalid configuration:\n{error}")
 SWEEP = ortflow_sweep.folder(config)
-SWEEP_LOGS = ortflow_sweep.SWEEP_LOGS / config["sweep"]["name"]
+SWEEP_LOGS = ortflow_sweep.SWEEP_LOGS / CONFIG.sweep.name
+# The comparison and halving read every section of the config.
+SWEEP_KEYS = ("run", "data", "model", "train", "export", "sweep")
 
 
 # With sweep.halving, a point is two runs: to the first budget, and on from it.
@@ -52,7 +54,7 @@ for point_module, _config in SWEEP_RUNS.items():
 
 # With sweep.halving, the points whose runs go on, decided when every run to the
 # first budget is done (a Snakemake checkpoint: the jobs after it depend on it).
-if config["sweep"]["halving"]["steps"]:
+if CONFIG.sweep.halving.steps:
 
     checkpoint sweep_halving:
         input:
@@ -64,7 +66,7 @@ if config["sweep"]["halving"]["steps"]:
         conda:
             "../../envs/ortflow.yaml"
         params:
-            config=config_json("run", "data", "model", "train", "export", "sweep"),
+            config=config_json(*SWEEP_KEYS),
         shell:
             "ortflow sweep halve --config-json {params.config:q} > {log:q} 2>&1"
 
@@ -80,7 +82,7 @@ rule sweep_compare:
         first=[
             point_rule(p, "train", first=True).output
             for p in SWEEP_POINTS
-            if config["sweep"]["halving"]["steps"]
+            if CONFIG.sweep.halving.steps
         ],
     output:
         table=report(
@@ -106,6 +108,6 @@ rule sweep_compare:
     conda:
         "../../envs/ortflow.yaml"
     params:
-        config=config_json("run", "data", "model", "train", "export", "sweep"),
+        config=config_json(*SWEEP_KEYS),
     shell:
         "ortflow sweep compare --config-json {params.config:q} > {log:q} 2>&1"

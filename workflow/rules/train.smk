@@ -13,17 +13,16 @@ rule train:
         f"{RESULTS}/benchmarks/train.tsv"
     conda:
         "../../envs/ortflow.yaml"
-    threads: min(config["train"]["world_size"], workflow.cores)
+    threads: min(CONFIG.train.world_size, workflow.cores)
     resources:
-        tasks=config["train"]["world_size"],
+        tasks=CONFIG.train.world_size,
         # Slurm spreads the tasks over this many nodes (`sbatch --nodes`); locally unused.
-        nodes=config["train"]["nodes"],
+        nodes=CONFIG.train.nodes,
         mpi="mpirun",
         # One GPU per rank on CUDA; the Slurm profile sets tasks_per_gpu=1.
-        gpu=config["train"]["world_size"] if config["train"]["device"] == "cuda" else 0,
+        gpu=CONFIG.train.world_size if CONFIG.train.device == "cuda" else 0,
     params:
-        # export.checkpoint: training keeps the best checkpoint when the export will want it.
-        config=config_json("run", "data", "model", "train", "export.checkpoint"),
+        config=config_json(*TRAIN_KEYS),
         # A function: Snakemake's lint refuses a string param that is a prefix of an output.
         folder=lambda wildcards: str(TRAIN),
     shell:

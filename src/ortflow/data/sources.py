@@ -57,15 +57,15 @@ class Dataset:
         return len(self.label)
 
 
-def load(data: dict, scratch: Path | None = None) -> Dataset:
+def load(data, scratch: Path | None = None) -> Dataset:
     """Read `data.source` into a Dataset, checking it on the way. `scratch`: a
     folder for the token stream of a tokenized text (tokenizer.py), which is
     mapped from a file there rather than held in memory."""
-    source = data["source"]
+    source = data.source
     if source == "digits":
         dataset = _digits(data)
     elif source == "text":
-        path = Path(data["text_path"]) if data["text_path"] else None
+        path = Path(data.text_path) if data.text_path else None
         dataset = _text(data, "data.text_path", path, scratch)
     else:
         path = Path(source)
@@ -80,18 +80,18 @@ def load(data: dict, scratch: Path | None = None) -> Dataset:
             dataset = _text(data, "data.source", path, scratch)
         elif suffix in FRAME_SUFFIXES:
             frame, typed = {".csv": _csv, ".parquet": _parquet, ".jsonl": _jsonl}[suffix](path)
-            if data["text"]:
-                tokenizer = tokenizers.load(data["tokenizer"])
+            if data.text:
+                tokenizer = tokenizers.load(data.tokenizer)
                 features, label = _frame_text(frame, str(path), data, tokenizer)
             else:
                 _check_label_not_a_feature(data, path)
-                tokenizer, (features, label) = None, _frame_columns(frame, str(path), data["features"],
-                                                                    data["label"], typed)
+                tokenizer, (features, label) = None, _frame_columns(frame, str(path), data.features,
+                                                                    data.label, typed)
             dataset = _tabular(features, label, data, str(path))
             dataset.tokenizer = tokenizer
         else:
             _check_label_not_a_feature(data, path)
-            features, label = (_npz if suffix == ".npz" else _hdf5)(path, data["features"], data["label"])
+            features, label = (_npz if suffix == ".npz" else _hdf5)(path, data.features, data.label)
             dataset = _tabular(features, label, data, str(path))
     if len(dataset) == 0:
         raise DataError(f"data.source {source!r}: the data set has no samples")
@@ -103,16 +103,16 @@ def load(data: dict, scratch: Path | None = None) -> Dataset:
     return dataset
 
 
-def _digits(data: dict) -> Dataset:
+def _digits(data) -> Dataset:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     # Pixel values are 0..16; scaling to 0..1 keeps the first steps well conditioned.
     x = (digits.data / 16.0).astype(np.float32)
-    name = data["features"][0]
-    if data["task"] == "regression":
+    name = data.features[0]
+    if data.task == "regression":
         raise DataError("data.task: the digits data set is classification (labels 0..9)")
-    return Dataset({name: x}, digits.target.astype(np.int64), data["label"], "classification", 10)
+    return Dataset({name: x}, digits.target.astype(np.int64), data.label, "classification", 10)
 
 
 def _pydoc_text() -> str:
@@ -131,12 +131,12 @@ def _check_is_file(key: str, path: Path) -> None:
         raise DataError(f"{key}: {path} is not a regular file")
 
 
-def _check_label_not_a_feature(data: dict, path: Path) -> None:
+def _check_label_not_a_feature(data, path: Path) -> None:
     """A label among the inputs is target leakage: the model would read the answer."""
-    if data["label"] in data["features"]:
+    if data.label in data.features:
         raise DataError(
-            f"{path}: column {data['label']!r} is both data.label and one of data.features "
-            f"({', '.join(data['features'])}); the model would see the answer: remove it from data.features"
+            f"{path}: column {data.label!r} is both data.label and one of data.features "
+            f"({', '.join(data.features)}); the model would see the answer: remove it from data.features"
         )
 
 
@@ -167,16 +167,16 @@ def _check_classes(path: str, name: str, label: np.ndarray, classes: list[str] |
         )
 
 
-def _text(data: dict, key: str, path: Path | None, scratch: Path | None) -> Dataset:
+def _text(data, key: str, path: Path | None, scratch: Path | None) -> Dataset:
     """A language model's windows of the text file at `path` (config key `key`),
     or of Python's documentation: bytes, or token ids with data.tokenizer."""
     if path is not None:
         _check_is_file(key, path)
-    if not data["tokenizer"]:
+    if not data.tokenizer:
         text = _pydoc_text() if path is None else path.read_text(encoding="utf-8", errors="replace")
         tokens = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
         return _language_model(tokens, data, BYTE_VOCAB, "bytes")
-    tokenizer = tokenizers.load(data["tokenizer"])
+    tokenizer = tokenizers.load(data.tokenizer)
     tokens = tokenizers.language_model_tokens(tokenizer, _pydoc_text() if path is None else None, path, scratch)
     return _language_model(tokens, data, tokenizer.vocab_size, "tokens", tokenizer)
 
@@ -193,17 +193,17 @@ def windows(tokens: np.ndarray, context: int) -> tuple[np.ndarray, np.ndarray]:
     return view[:, :-1], view[:, 1:]
 
 
-def _language_model(tokens: np.ndarray, data: dict, vocab_size: int, unit: str,
+def _language_model(tokens: np.ndarray, data, vocab_size: int, unit: str,
                     tokenizer: tokenizers.Tokenizer | None = None) -> Dataset:
-    context = data["context"]
+    context = data.context
     inputs, labels = windows(tokens, context)
     if len(labels) < 2:
         raise DataError(
             f"data.source: the text has {len(tokens)} {unit}, fewer than two windows of data.context={context} + 1"
         )
     if tokenizer is not None:
-        tokenizer.input = data["features"][0]
-    return Dataset({data["features"][0]: inputs}, labels, data["label"], "language_model", vocab_size,
+        tokenizer.input = data.features[0]
+    return Dataset({data.features[0]: inputs}, labels, data.label, "language_model", vocab_size,
                    tokenizer=tokenizer)
 
 
@@ -261,17 +261,17 @@ def _label_column(frame, path: str, label: str) -> np.ndarray:
 
 def _frame_columns(frame, path: str, features: list[str], label: str, typed: bool = False):
     """The feature columns stacked into one input named `x` (`table_dtype`), and the label column."""
-    _require_columns(frame, path, features + [label], "data.features and data.label")
+    _require_columns(frame, path, [*features, label], "data.features and data.label")
     for column in features:
         _check_numeric(frame, path, column, " (a text column is data.text, with data.tokenizer)")
-    x = frame[features].to_numpy(dtype=table_dtype(frame[features], typed))
+    x = frame[list(features)].to_numpy(dtype=table_dtype(frame[list(features)], typed))
     return {TABLE_INPUT: x}, _label_column(frame, path, label)
 
 
-def _frame_text(frame, path: str, data: dict, tokenizer: tokenizers.Tokenizer):
+def _frame_text(frame, path: str, data, tokenizer: tokenizers.Tokenizer):
     """The `data.text` column(s), one text or a pair per row, tokenized (tokenizer.py), and the label column."""
     columns = text_columns(data)
-    _require_columns(frame, path, columns + [data["label"]], "data.text and data.label")
+    _require_columns(frame, path, columns + [data.label], "data.text and data.label")
     for column in columns:
         missing = frame[column].isna().to_numpy()
         if missing.any():
@@ -279,13 +279,13 @@ def _frame_text(frame, path: str, data: dict, tokenizer: tokenizers.Tokenizer):
                             f"row {int(np.argmax(missing))}); drop or fill those rows")
     texts = [frame[column].astype(str).tolist() for column in columns]
     tokenizer.text = columns
-    features = tokenizers.encode_columns(tokenizer, texts, data["context"], path)
-    return features, _label_column(frame, path, data["label"])
+    features = tokenizers.encode_columns(tokenizer, texts, data.context, path)
+    return features, _label_column(frame, path, data.label)
 
 
-def text_columns(data: dict) -> list[str]:
+def text_columns(data) -> list[str]:
     """`data.text` as a list: one column, or the two of a pair."""
-    return [data["text"]] if isinstance(data["text"], str) else list(data["text"] or [])
+    return [data.text] if isinstance(data.text, str) else list(data.text or [])
 
 
 def _csv(path: Path):
@@ -318,7 +318,7 @@ def _jsonl(path: Path):
 def _arrays(path: Path, features: list[str], label: str, available: list[str], get):
     """The feature arrays (numbers or bools) and the label array: numbers, bools, or
     strings, which `_tabular` turns into named classes as it does a CSV's."""
-    names = features + [label]
+    names = [*features, label]
     missing = [n for n in names if n not in available]
     if missing:
         raise DataError(
@@ -380,21 +380,21 @@ def _class_names(label: np.ndarray, path: str, name: str) -> tuple[np.ndarray, l
     return ids.astype(np.int64), names.tolist()
 
 
-def _tabular(features: dict[str, np.ndarray], label: np.ndarray, data: dict, path: str) -> Dataset:
+def _tabular(features: dict[str, np.ndarray], label: np.ndarray, data, path: str) -> Dataset:
     n = len(label)
     for name, array in features.items():
         if len(array) != n:
-            raise DataError(f"{path}: feature {name!r} has {len(array)} rows but label {data['label']!r} has {n}")
+            raise DataError(f"{path}: feature {name!r} has {len(array)} rows but label {data.label!r} has {n}")
         if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
             row = int(np.argwhere(~np.isfinite(array.reshape(n, -1)).all(axis=1))[0][0])
             raise DataError(f"{path}: feature {name!r} has NaN or infinite values (first at row {row})")
     if np.issubdtype(label.dtype, np.floating) and not np.isfinite(label).all():
         bad = ~np.isfinite(label.reshape(n, -1)).all(axis=1)
         raise DataError(
-            f"{path}: label {data['label']!r} has {int(bad.sum())} NaN or infinite value(s) "
+            f"{path}: label {data.label!r} has {int(bad.sum())} NaN or infinite value(s) "
             f"(first at row {int(np.argmax(bad))}); drop or fill those rows"
         )
-    task = data["task"]
+    task = data.task
     named = not (np.issubdtype(label.dtype, np.number) or label.dtype == bool)  # strings
     integral = np.issubdtype(label.dtype, np.integer) or label.dtype == bool
     if task == "auto":
@@ -402,17 +402,17 @@ def _tabular(features: dict[str, np.ndarray], label: np.ndarray, data: dict, pat
     features = {k: v.astype(feature_dtype(v.dtype)) for k, v in features.items()}
     if task == "regression":
         if named:
-            raise DataError(f"{path}: data.task is regression but label {data['label']!r} is not numeric (e.g. "
+            raise DataError(f"{path}: data.task is regression but label {data.label!r} is not numeric (e.g. "
                             f"{label[0]!r}); a label of strings is classes (data.task: classification or auto)")
-        return Dataset(features, label.astype(np.float32), data["label"], "regression")
+        return Dataset(features, label.astype(np.float32), data.label, "regression")
     classes = None
     if named or label.dtype == bool:
-        label, classes = _class_names(label, path, data["label"])
+        label, classes = _class_names(label, path, data.label)
     elif not integral and not np.array_equal(label, np.round(label)):
-        raise DataError(f"{path}: data.task is classification but label {data['label']!r} has fractional values")
+        raise DataError(f"{path}: data.task is classification but label {data.label!r} has fractional values")
     label = label.astype(np.int64)
     if n and label.min() < 0:
-        raise DataError(f"{path}: label {data['label']!r} has negative class {int(label.min())}; classes are 0..K-1")
-    _check_classes(path, data["label"], label, classes)
+        raise DataError(f"{path}: label {data.label!r} has negative class {int(label.min())}; classes are 0..K-1")
+    _check_classes(path, data.label, label, classes)
     num_classes = len(classes) if classes else int(label.max()) + 1 if n else 0
-    return Dataset(features, label, data["label"], "classification", num_classes, classes)
+    return Dataset(features, label, data.label, "classification", num_classes, classes)

@@ -11,7 +11,7 @@ from ..errors import ModelError
 from ..models.torch_export import export_torch
 
 
-def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
+def base_model(model, manifest: dict, loss: str, seed: int, path: Path):
     """Write the forward ONNX model to `path`, with `model.weights` loaded if given;
     return it and the names of the torch parameters that train (None for an ONNX
     file: every float initializer). Over external_data.threshold() its initializers go
@@ -22,8 +22,8 @@ def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
     from ..models import built_in, user, weights
 
     pretrained = weights.requested(model)
-    if model["kind"] == "onnx":
-        base = user.load_onnx(model["path"])
+    if model.kind == "onnx":
+        base = user.load_onnx(model.path)
         if pretrained:
             weights.load_into_onnx(base, pretrained)
         external_data.save_model(base, path)
@@ -31,7 +31,7 @@ def base_model(model: dict, manifest: dict, loss: str, seed: int, path: Path):
     # Every weight drawn in the constructor comes from the seed, including a new
     # head that a wrapper adds to a model it loads with from_pretrained.
     torch.manual_seed(seed)
-    module = user.import_torch(model["path"], model["kwargs"]) if model["kind"] == "torch" else built_in(
+    module = user.import_torch(model.path, model.kwargs) if model.kind == "torch" else built_in(
         model, manifest, loss
     )
     if pretrained:

@@ -20,7 +20,7 @@ from .loss import loss_block
 ORT_BLOCK_FILES = ("temp.onnx", "temp.onnx.data")
 
 
-def optimizer_block(optimizer: dict):
+def optimizer_block(optimizer):
     """AdamW as torch.optim.AdamW computes it (ORT's block defaults to the
     Hugging Face variant, adam_mode 1, which puts epsilon and the weight decay
     differently), or plain SGD. No clip_grad: training clips after the all-reduce.
@@ -33,9 +33,9 @@ def optimizer_block(optimizer: dict):
     files for every optimizer."""
     from onnxruntime.training.onnxblock import optim
 
-    if optimizer["name"] == "sgd":
+    if optimizer.name == "sgd":
         return optim.SGD()
-    return ort_private.torch_adamw_block(tuple(optimizer["betas"]), optimizer["eps"])
+    return ort_private.torch_adamw_block(tuple(optimizer.betas), optimizer.eps)
 
 
 def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits: Logits) -> None:

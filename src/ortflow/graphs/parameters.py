@@ -13,7 +13,7 @@ def float_initializers(base) -> dict[str, int]:
     return {t.name: math.prod(t.dims) for t in base.graph.initializer if is_float(t)}
 
 
-def split_parameters(base, model: dict, torch_trainable: list[str] | None) -> tuple[list[str], list[str]]:
+def split_parameters(base, model, torch_trainable: list[str] | None) -> tuple[list[str], list[str]]:
     """(trainable, frozen) parameter names: those `model.trainable` picks if given, else
     the torch module's parameters or the ONNX file's float initializers, minus those
     `model.frozen` picks. Both take train.optimizer.no_decay's patterns and rules
@@ -27,7 +27,7 @@ def split_parameters(base, model: dict, torch_trainable: list[str] | None) -> tu
     statistics = batchnorm.running_statistics(base)
 
     def picked(key: str) -> list[str]:
-        for entry in model[key] or []:
+        for entry in getattr(model, key) or ():
             matches = [n for n in parameters if is_excluded(n, ndim[n], tables, [entry])]
             if not matches:
                 raise ModelError(f"model.{key}: {entry!r} matches none of the model's parameters: "
@@ -35,10 +35,10 @@ def split_parameters(base, model: dict, torch_trainable: list[str] | None) -> tu
                                  f"({len(parameters)} in all; patterns as train.optimizer.no_decay's)")
             if key == "trainable" and all(n in statistics for n in matches):
                 batchnorm.check_trainable(base, matches)
-        return [n for n in parameters if is_excluded(n, ndim[n], tables, model[key] or [])]
+        return [n for n in parameters if is_excluded(n, ndim[n], tables, getattr(model, key) or ())]
 
     frozen = set(picked("frozen"))
-    if model["trainable"] is not None:
+    if model.trainable is not None:
         candidates = [n for n in picked("trainable") if n not in statistics]
     else:
         candidates = torch_trainable if torch_trainable is not None else [n for n in parameters if n not in statistics]

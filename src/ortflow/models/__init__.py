@@ -33,13 +33,13 @@ def output_shape(loss: str, manifest: dict) -> list[int]:
     return list(label_shape)
 
 
-def built_in(model: dict, manifest: dict, loss: str):
+def built_in(model, manifest: dict, loss: str):
     """The torch module of a built-in `model.kind`, with freshly initialised
     weights (the caller seeds torch)."""
     from . import cnn, gpt, mlp
 
     features = manifest["features"]
-    kind = model["kind"]
+    kind = model.kind
     if len(features) != 1:
         names = [f["name"] for f in features]
         raise ModelError(
@@ -48,9 +48,9 @@ def built_in(model: dict, manifest: dict, loss: str):
         )
     shape = features[0]["shape"]
     if kind == "mlp":
-        return mlp.MLP(shape, model["hidden"], output_shape(loss, manifest))
+        return mlp.MLP(shape, model.hidden, output_shape(loss, manifest))
     if kind == "cnn":
-        return cnn.SqueezeNet(shape, output_shape(loss, manifest), max(model["width"] // 8, 2))
+        return cnn.SqueezeNet(shape, output_shape(loss, manifest), max(model.width // 8, 2))
     if kind == "gpt":
         if manifest["task"] != "language_model" or loss != "cross_entropy" or len(shape) != 1:
             raise ModelError(
@@ -58,6 +58,6 @@ def built_in(model: dict, manifest: dict, loss: str):
                 f"task {manifest['task']!r} with feature shape {shape} and model.loss is {loss!r}"
             )
         return gpt.GPT(
-            manifest["num_classes"], shape[0], model["width"], model["heads"], model["layers"], model["tied"]
+            manifest["num_classes"], shape[0], model.width, model.heads, model.layers, model.tied
         )
     raise ModelError(f"model.kind {kind!r} is not a built-in model")

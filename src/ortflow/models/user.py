@@ -303,7 +303,7 @@ def downgrade_ir(model, where: str) -> None:
     model.ir_version = MAX_IR_VERSION
 
 
-def import_torch(path: str, kwargs: dict):
+def import_torch(path: str, kwargs):
     """Construct `package.module:Class(**kwargs)`. Importing the module runs its
     code, like any import; nothing else is called before `Class` is known to be
     a subclass of torch.nn.Module (`os:system` is refused without being called).
@@ -332,9 +332,9 @@ def import_torch(path: str, kwargs: dict):
             "name a torch.nn.Module class"
         )
     try:
-        return cls(**kwargs)
+        return cls(**dict(kwargs))
     except TypeError as error:
-        raise ModelError(f"model.kwargs: {path}(**{kwargs!r}) failed: {error}") from None
+        raise ModelError(f"model.kwargs: {path}(**{dict(kwargs)!r}) failed: {error}") from None
 
 
 def forward_features(module, manifest: dict) -> list[dict]:

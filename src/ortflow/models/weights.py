@@ -52,11 +52,11 @@ class Request:
     prefix: str | None
 
 
-def requested(model: dict) -> Request | None:
+def requested(model) -> Request | None:
     """The config's `model.weights*` keys (None without model.weights): the one place they are read."""
-    if not model["weights"]:
+    if not model.weights:
         return None
-    return Request(model["weights"], tuple(model["weights_skip"]), model["weights_prefix"])
+    return Request(model.weights, tuple(model.weights_skip), model.weights_prefix)
 
 
 def read(path: str) -> dict[str, np.ndarray]:

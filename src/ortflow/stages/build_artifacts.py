@@ -28,6 +28,7 @@ from pathlib import Path
 
 from .. import atomic
 from ..artifacts import Artifacts
+from ..config import Config
 from ..errors import MissingInputError
 from ..graphs.cost import batch_values, eval_bytes, forward_flops, per_sample_values
 from ..graphs.forward_model import base_model, check_interface
@@ -41,27 +42,27 @@ from ..models.logits import Logits, find as find_logits
 log = logging.getLogger("ortflow.build_artifacts")
 
 
-def build(config: dict, train_dir: Path, out: Path) -> dict:
+def build(config: Config, train_dir: Path, out: Path) -> dict:
     train_dir, out = Path(train_dir), Path(out)
     manifest_path = train_dir / "manifest.json"
     if not manifest_path.is_file():
         raise MissingInputError(f"{manifest_path}: no train manifest (run the prepare_data rule first)")
     manifest = json.loads(manifest_path.read_text())
-    model = config["model"]
-    loss = resolve_loss(model["loss"], manifest)
+    model = config.model
+    loss = resolve_loss(model.loss, manifest)
     with atomic.folder(out) as tmp:
-        base, torch_trainable = base_model(model, manifest, loss, config["run"]["seed"], Artifacts(tmp).base_model)
+        base, torch_trainable = base_model(model, manifest, loss, config.run.seed, Artifacts(tmp).base_model)
         check_interface(base, manifest)
         vocabulary.check(base, manifest)
         logits = find_logits(base, loss, manifest)
         trainable, frozen = split_parameters(base, model, torch_trainable)
-        log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model["kind"], loss, len(trainable),
+        log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model.kind, loss, len(trainable),
                  len(frozen))
-        generate(base, trainable, frozen, loss, manifest["label"], config["train"]["optimizer"], tmp, logits)
+        generate(base, trainable, frozen, loss, manifest["label"], config.train.optimizer, tmp, logits)
         drop_weights(base)
         running_stats = batchnorm.adapt(tmp)
         smoke_step(tmp, train_dir, manifest)
-        description = describe(base, manifest, loss, trainable, frozen, tmp, model["kind"], logits) | {
+        description = describe(base, manifest, loss, trainable, frozen, tmp, model.kind, logits) | {
             "running_stats": running_stats
         }
         Artifacts(tmp).model_json.write_text(json.dumps(description, indent=2) + "\n")

@@ -8,6 +8,7 @@ inform (versions, MPI library, the rank check) and the command.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -208,7 +209,7 @@ def check_ranks(world_size: int, timeout: float, nccl: bool) -> tuple[Check, dic
 # --- the command ---------------------------------------------------------------
 
 
-def check_config(args) -> tuple[Check, dict]:
+def check_config(args) -> tuple[Check, config_mod.Config]:
     """The config row, and the config to check the machine against (the defaults
     when the config given is invalid, so the other rows still mean something)."""
     import yaml
@@ -223,15 +224,15 @@ def check_config(args) -> tuple[Check, dict]:
             f"{where}: {'not valid YAML: ' if isinstance(error, yaml.YAMLError) else ''}{error}",
             f"correct it; every key is described in {config_mod.schema_file()}",
         )
-        return check, config_mod.validate({})
+        return check, config_mod.typed(config_mod.validate({}))
     return Check("config", OK, f"{where}: valid"), config
 
 
 def diagnose(args) -> list[Check]:
     checks = [Check("python", OK, f"{sys.version.split()[0]} ({sys.executable})")]
     config_check, config = check_config(args)
-    world_size = args.world_size or config["train"]["world_size"]
-    device = config["train"]["device"]
+    world_size = args.world_size or config.train.world_size
+    device = config.train.device
     checks.append(config_check)
     for distribution in ("ortflow", "onnxruntime-training", "onnx", "torch", "snakemake", "mpi4py"):
         checks.append(check_version(distribution))
@@ -274,14 +275,14 @@ def diagnose(args) -> list[Check]:
     return checks + model_checks(args, config, world_size)
 
 
-def model_checks(args, config: dict, world_size: int) -> list[Check]:
+def model_checks(args, config: config_mod.Config, world_size: int) -> list[Check]:
     """Whether the built model (--artifacts' model.json) fits this host's memory at the
     config's world size and micro-batch, and its checkpoints the disk."""
-    model = Artifacts(args.artifacts or Path("results", config["run"]["name"], "artifacts"))
+    model = Artifacts(args.artifacts or Path("results", config.run.name, "artifacts"))
     if not model.model_json.is_file():
         why = f"skipped: no {model.model_json} (build the artifacts first: snakemake build_artifacts)"
         return [Check("memory", SKIP, why), Check("checkpoint disk", SKIP, why)]
-    description, train = model.description(), {**config["train"], "world_size": world_size}
+    description, train = model.description(), dataclasses.replace(config.train, world_size=world_size)
     return [check_memory(description, train), check_checkpoint_disk(description, train, Path("results"))]
 
 

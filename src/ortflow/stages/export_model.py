@@ -45,6 +45,7 @@ from ..checkpoints.ort_format import TrainingState, ort_state, read_ort_checkpoi
 from ..checkpoints.best import chosen
 from ..data import standardize
 from ..data.shards import TOKENIZER
+from ..config import Config
 from ..errors import DataError, MissingInputError, ModelError
 from ..evaluation import feeds, outputs_of
 from ..inference import inference_session, input_feeds, loss_of, set_metadata
@@ -261,7 +262,7 @@ def write_inference_model(module, files: Artifacts, info: dict, tmp: Path, out: 
     check_interface(model, info, out)
 
 
-def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, out: Path) -> dict:
+def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, out: Path) -> dict:
     """Write and check `out` (the inference model); return its metadata properties."""
     import onnx
 
@@ -278,7 +279,7 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
     module = trained_module(files, checkpoint_dir / "checkpoint")
 
     props = {
-        "ortflow.run": config["run"]["name"],
+        "ortflow.run": config.run.name,
         "ortflow.step": meta["step"],
         "ortflow.checkpoint": chosen(meta),
         "ortflow.identity_digest": meta["identity_digest"],
@@ -295,7 +296,7 @@ def export(config: dict, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, 
         onnx.checker.check_model(str(tmp), full_check=True)
         check_outputs(tmp, info, batch, expected, reader.label_name)
         copy_tokenizer(eval_dir, reader.manifest, out.parent)
-    log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config["run"]["name"], out,
+    log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config.run.name, out,
              external_data.model_bytes(out), [i["name"] for i in info["inputs"]], inference_output(info))
     return props
 

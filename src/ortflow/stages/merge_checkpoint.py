@@ -167,4 +167,4 @@ def _identity_digest(config_json: str | None) -> str | None:
         return None
     from .. import config as config_mod
 
-    return digest(config_mod.training_identity(config_mod.validate(json.loads(config_json))))
+    return digest(config_mod.training_identity(config_mod.typed(config_mod.validate(json.loads(config_json)))))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import config as config_mod
 from ..data import baseline, sources, standardize
 from ..data.shards import write_split
 
@@ -44,24 +45,24 @@ def check_eval_classes(dataset: sources.Dataset, train_rows: np.ndarray, eval_ro
         )
 
 
-def prepare(config: dict, train_dir: Path, eval_dir: Path) -> dict:
-    data = config["data"]
+def prepare(config: config_mod.Config, train_dir: Path, eval_dir: Path) -> dict:
+    data = config.data
     # A tokenized text's token stream is mapped from a scratch file near the splits (on their
     # disk, in a folder that exists: bad data leaves nothing behind), not held in memory.
     scratch = next(folder for folder in Path(train_dir).absolute().parents if folder.is_dir())
     dataset = sources.load(data, scratch)
-    train_rows, eval_rows = split_rows(len(dataset), data["eval_fraction"], data["split_seed"])
-    check_eval_classes(dataset, train_rows, eval_rows, f"data.source {data['source']!r}")
+    train_rows, eval_rows = split_rows(len(dataset), data.eval_fraction, data.split_seed)
+    check_eval_classes(dataset, train_rows, eval_rows, f"data.source {data.source!r}")
     stats = {}
-    if data["standardize"]:
+    if data.standardize:
         stats = standardize.statistics(dataset.features, train_rows)
         dataset.features = standardize.apply(dataset.features, stats)
         log.info("data.standardize: %s by the train split's mean and std",
                  ", ".join(f"input {name!r}" for name in stats) or "no float input to standardize")
     manifests = {}
     for split, rows, out in (("train", train_rows, train_dir), ("eval", eval_rows, eval_dir)):
-        manifests[split] = write_split(dataset, rows, Path(out), split, data["shards"], {"data": data},
-                                       stats)
+        manifests[split] = write_split(dataset, rows, Path(out), split, data.shards,
+                                       {"data": config_mod.as_dict(data)}, stats)
         log.info(
             "%s: %d records in %d shards of %d-byte records -> %s",
             split,

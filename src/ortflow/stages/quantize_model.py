@@ -45,6 +45,7 @@ import numpy as np
 from .. import atomic, external_data, ort_private
 from ..artifacts import Artifacts
 from ..data import standardize
+from ..config import Config
 from ..errors import ModelError
 from ..evaluation import batch_totals, eval_results
 from ..inference import inference_session, input_feeds, loss_of, set_metadata
@@ -73,11 +74,11 @@ NO_DYNAMIC_INT8_KERNEL = ("Conv",)
 MAX_EXCLUSION_ROUNDS = 8
 
 
-def method(export_cfg: dict, model) -> str:
+def method(export_cfg, model) -> str:
     """`export.quantize`, with `auto` chosen by the model's operators."""
-    if export_cfg["quantize"] == "auto":
+    if export_cfg.quantize == "auto":
         return "static" if any(node.op_type in CONVOLUTIONS for node in model.graph.node) else "dynamic"
-    return export_cfg["quantize"]
+    return export_cfg.quantize
 
 
 def calibration_reader(reader, input_names: list[str], batch_size: int, batches: int):
@@ -129,7 +130,7 @@ def unloadable_node(path: Path) -> str | None:
     return None
 
 
-def quantize_file(source: Path, target: Path, how: str, export_cfg: dict, reader, batch_size: int) -> None:
+def quantize_file(source: Path, target: Path, how: str, export_cfg, reader, batch_size: int) -> None:
     """Pre-processing, then dynamic or static (QDQ, u8 activations, s8 weights)
     quantization of the operator types ONNX Runtime has int8 CPU kernels for:
     an operator it cannot load quantized is found by loading the result, and kept fp32."""
@@ -165,18 +166,18 @@ def quantize_file(source: Path, target: Path, how: str, export_cfg: dict, reader
                      "in fp32; set export.quantize to another method or none")
 
 
-def quantize_once(source: Path, target: Path, how: str, op_types: list[str], export_cfg: dict, reader,
+def quantize_once(source: Path, target: Path, how: str, op_types: list[str], export_cfg, reader,
                   batch_size: int, external: bool) -> None:
     """One quantization of `source` to `target`; `external`: the source keeps its weights in external data."""
     from onnxruntime.quantization import QuantFormat, QuantType, quantize_dynamic, quantize_static
 
-    per_channel = export_cfg["per_channel"]
+    per_channel = export_cfg.per_channel
     if how == "dynamic":
         quantize_dynamic(str(source), str(target), op_types_to_quantize=op_types, per_channel=per_channel,
                          weight_type=QuantType.QInt8, use_external_data_format=external)
         return
     names = [i.name for i in inference_session(source).get_inputs()]
-    batches = export_cfg["calibration_batches"]
+    batches = export_cfg.calibration_batches
     log.info("calibrating on %d eval batch(es) of up to %d records", min(batches, -(-len(reader) // batch_size)),
              batch_size)
     quantize_static(
@@ -274,13 +275,13 @@ def table(report: dict) -> str:
     return tabulate(rows, headers=headers, floatfmt=".4g")
 
 
-def gate(report: dict, export_cfg: dict, model: Path, records: int, remedies: list[str]) -> dict:
+def gate(report: dict, export_cfg, model: Path, records: int, remedies: list[str]) -> dict:
     """The quality gate's entry of the report, its `outcome` `passed` or `refused` (int8 loses
     too much, said in a warning that names the `remedies`); QualityGateError instead of
     `refused` with export.gate_fails_run. For accuracy it says what one record is worth:
     on a tiny eval split one wrong answer is already several points."""
     compared, drop, unit = quality_drop(report["fp32"], report["int8"])
-    allowed = export_cfg["max_accuracy_drop"]
+    allowed = export_cfg.max_accuracy_drop
     granularity = f" (one of the {records} eval records is {100 / records:.3g} points)" if compared == "accuracy" else ""
     entry = {"metric": compared, "drop": drop, "unit": unit, "max_accuracy_drop": allowed}
     if drop <= allowed:
@@ -292,7 +293,7 @@ def gate(report: dict, export_cfg: dict, model: Path, records: int, remedies: li
                f"{report['fp32'][compared] * scale:.4g} is a loss of {drop:.4g} {unit}, more than "
                f"export.max_accuracy_drop={allowed}{granularity}")
     remedy = f"(try {'; '.join(remedies)})"
-    if export_cfg["gate_fails_run"]:
+    if export_cfg.gate_fails_run:
         raise QualityGateError(f"{refusal}; no int8 model is written and the fp32 model {model} stays "
                                f"(export.gate_fails_run) {remedy}")
     log.warning("%s; the int8 model is refused (metrics.json: gate outcome refused): deploy the fp32 model %s %s",
@@ -300,7 +301,7 @@ def gate(report: dict, export_cfg: dict, model: Path, records: int, remedies: li
     return {**entry, "outcome": "refused"}
 
 
-def remedies(export_cfg: dict, how: str, reader) -> list[str]:
+def remedies(export_cfg, how: str, reader) -> list[str]:
     """What may bring the int8 model within the gate, of the settings not set
     already: standardized inputs where they are unscaled floats (with the data
     as the model takes it), static quantization, per-channel weights."""
@@ -313,7 +314,7 @@ def remedies(export_cfg: dict, how: str, reader) -> list[str]:
             found.append(f"data.standardize: true ({problem})")
     if how != "static":
         found.append("export.quantize: static")
-    if not export_cfg["per_channel"]:
+    if not export_cfg.per_channel:
         found.append("export.per_channel: true")
     return [*found, "a larger export.max_accuracy_drop", "or export.quantize: none"]
 
@@ -331,7 +332,7 @@ def size_warning(report: dict, model: Path) -> str | None:
             "none to skip int8")
 
 
-def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: Path, metrics: Path) -> dict:
+def quantize(config: Config, model: Path, artifacts: Path, eval_dir: Path, int8: Path, metrics: Path) -> dict:
     """Quantize `model` into `int8` (unless export.quantize is none) and write the report to `metrics`."""
     import onnx
 
@@ -339,17 +340,17 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
 
     quiet_logging()
     info = Artifacts(artifacts).description()
-    export_cfg = config["export"]
+    export_cfg = config.export
     how = method(export_cfg, onnx.load(str(model), load_external_data=False))
     if how == "none" and int8.exists():
         # A user who turns quantization off expects no int8 model, not one left from an earlier run.
         int8.unlink()
         log.info("export.quantize is none: removed %s from an earlier run", int8)
     reader = ShardReader(eval_dir, raw=True)  # the exported model standardizes raw features itself
-    batch_size = config["train"]["eval_batch_size"]
-    report: dict = {"quantize": how, "per_channel": export_cfg["per_channel"], "threads": 1, "warnings": []}
+    batch_size = config.train.eval_batch_size
+    report: dict = {"quantize": how, "per_channel": export_cfg.per_channel, "threads": 1, "warnings": []}
     if how == "static":
-        report["calibration_batches"] = export_cfg["calibration_batches"]
+        report["calibration_batches"] = export_cfg.calibration_batches
 
     metrics.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=metrics.parent, prefix=".quantize-") as scratch:
@@ -367,7 +368,7 @@ def quantize(config: dict, model: Path, artifacts: Path, eval_dir: Path, int8: P
             report[name] = {**evaluate(path, reader, info, batch_size), "latency_ms": timings[name],
                             "size_bytes": external_data.model_bytes(path)}
         log.info("fp32 %s int8 (%s%s):\n%s", "without" if how == "none" else "versus", how,
-                 ", per channel" if export_cfg["per_channel"] else "", table(report))
+                 ", per channel" if export_cfg.per_channel else "", table(report))
         if how != "none":
             report["gate"] = gate(report, export_cfg, model, len(reader), remedies(export_cfg, how, reader))
             external_data.replace(paths["int8"], int8)

@@ -17,6 +17,7 @@ and watch over them:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import fcntl
 import json
 import math
@@ -53,8 +54,8 @@ def run(args) -> int:
     received = note_stop_signals()
     config = config_mod.load_config(args)
     if args.world_size:
-        config["train"]["world_size"] = args.world_size
-    world_size = config["train"]["world_size"]
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, world_size=args.world_size))
+    world_size = config.train.world_size
     # Cheap checks first: a missing launcher or GPU is reported with its fix
     # in a second, rather than as a hang or a traceback from inside a rank.
     folder = args.out
@@ -66,7 +67,7 @@ def run(args) -> int:
     lock = lock_attempt(folder)
     if lock is None:
         return 1
-    start_attempt(folder, config["train"]["resume_from"])
+    start_attempt(folder, config.train.resume_from)
     if received:
         print(f"ortflow train: stopped by {received[0].name} before the ranks started; rerun to train",
               file=sys.stderr)
@@ -74,7 +75,7 @@ def run(args) -> int:
     mpi = shutil.which(args.mpi) or args.mpi
     command = launcher_command(mpi, world_size, host_cores()) + [
         sys.executable, "-m", "ortflow.training.trainer",
-        json.dumps({"config": config, "train": str(args.train), "eval": str(args.eval),
+        json.dumps({"config": config_mod.as_dict(config), "train": str(args.train), "eval": str(args.eval),
                     "artifacts": str(args.artifacts), "out": str(folder)}),
     ]
     print(f"ortflow train: {' '.join(command[:command.index(sys.executable)])} ...", file=sys.stderr, flush=True)
@@ -98,7 +99,7 @@ def run(args) -> int:
     if not folder.metrics.exists():
         print(f"ortflow train: error: the ranks finished but wrote no {folder.metrics}", file=sys.stderr)
         return 1
-    atomic.write_text(folder.finished, json.dumps({"steps": config["train"]["steps"]}) + "\n")
+    atomic.write_text(folder.finished, json.dumps({"steps": config.train.steps}) + "\n")
     return 0
 
 

@@ -18,12 +18,13 @@ METRICS = {"classification": ("loss", "accuracy"), "language_model": ("loss", "a
 class Best:
     """The best evaluation (step, value) of the metric, and the evaluations since it."""
 
-    def __init__(self, settings: dict, task: str, evaluations: list[dict]):
-        self.metric, self.patience, self.min_delta = settings["metric"], settings["patience"], settings["min_delta"]
+    def __init__(self, settings, task: str, evaluations: list[dict]):
+        """`settings`: train.early_stopping."""
+        self.metric, self.patience, self.min_delta = settings.metric, settings.patience, settings.min_delta
         if self.metric not in METRICS[task]:
             raise ConfigError(f"config key 'train.early_stopping.metric': {self.metric!r} is not an eval metric of a "
                               f"{task.replace('_', ' ')} model; use one of {', '.join(METRICS[task])}")
-        mode = settings["mode"] if settings["mode"] != "auto" else ("max" if self.metric == "accuracy" else "min")
+        mode = settings.mode if settings.mode != "auto" else ("max" if self.metric == "accuracy" else "min")
         self.mode, self.sign = mode, (1.0 if mode == "min" else -1.0)
         self.step: int | None = None
         self.value: float | None = None

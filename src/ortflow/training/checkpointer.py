@@ -16,12 +16,12 @@ from .schedule import is_time
 class Checkpointer:
     """Decides when the ranks write a checkpoint together (`should_save`), and writes it."""
 
-    def __init__(self, root: Path, comm, config: dict):
-        train = config["train"]
+    def __init__(self, root: Path, comm, config: config_mod.Config):
+        train = config.train
         self.root, self.comm = root, comm
         self.identity = config_mod.training_identity(config)
         self.identity_digest = digest(self.identity)
-        self.every, self.steps, self.keep = train["checkpoint_every"], train["steps"], train["keep_checkpoints"]
+        self.every, self.steps, self.keep = train.checkpoint_every, train.steps, train.keep_checkpoints
         self.global_batch = config_mod.global_batch_size(config)
         self.last: tuple[int, Path] | None = None  # (step, folder) of the newest one written
 

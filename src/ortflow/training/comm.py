@@ -214,15 +214,15 @@ def gpu_for(local_rank: int, environ: dict) -> int:
     return local_rank % len(visible) if visible else local_rank
 
 
-def backend_for(train: dict) -> str:
+def backend_for(train) -> str:
     """`train.backend: auto` is nccl on cuda and mpi on cpu."""
-    if train["backend"] != "auto":
-        return train["backend"]
-    return "nccl" if train["device"] == "cuda" else "mpi"
+    if train.backend != "auto":
+        return train.backend
+    return "nccl" if train.device == "cuda" else "mpi"
 
 
-def create(train: dict, heartbeat_dir: Path):
+def create(train, heartbeat_dir: Path):
     if backend_for(train) == "nccl":
-        return NCCLComm(heartbeat_dir, train["collective_timeout_s"])
-    xp = require_cupy() if train["device"] == "cuda" else np
-    return MPIComm(heartbeat_dir, train["collective_timeout_s"], xp)
+        return NCCLComm(heartbeat_dir, train.collective_timeout_s)
+    xp = require_cupy() if train.device == "cuda" else np
+    return MPIComm(heartbeat_dir, train.collective_timeout_s, xp)

@@ -26,7 +26,7 @@ def threads_per_rank(local_size: int, affinity: int, environ: dict) -> int:
     return max(1, affinity // local_size)
 
 
-def open_sessions(artifacts: Artifacts, state, device: str, threads: int, optimizer: dict, xp,
+def open_sessions(artifacts: Artifacts, state, device: str, threads: int, optimizer, xp,
                   profile_prefix: Path | None = None):
     """The Module over `state` and the step of the optimizer `optimizer`
     (train.optimizer; optimizer.py). They can be reopened at any step: parameters and gradients live
@@ -86,13 +86,13 @@ class Sessions:
     profiler on for the steps of `train.profile_steps` (traces of this run only),
     and the running statistics among the Module's outputs (`model.json` `running_stats`)."""
 
-    def __init__(self, artifacts: Artifacts, state, comm, train_cfg: dict, profile_dir: Path, running_stats: dict):
+    def __init__(self, artifacts: Artifacts, state, comm, train_cfg, profile_dir: Path, running_stats: dict):
         self.artifacts, self.state, self.rank = artifacts, state, comm.rank
-        self.device = f"cuda:{comm_mod.gpu_for(comm.local_rank, os.environ)}" if train_cfg["device"] == "cuda" \
+        self.device = f"cuda:{comm_mod.gpu_for(comm.local_rank, os.environ)}" if train_cfg.device == "cuda" \
             else "cpu"
         self.threads = threads_per_rank(comm.local_size, len(os.sched_getaffinity(0)), os.environ)
-        self.profile_steps, self.profile_dir, self.profiling = train_cfg["profile_steps"], profile_dir, False
-        self.optimizer_cfg, self.xp = train_cfg["optimizer"], comm.xp
+        self.profile_steps, self.profile_dir, self.profiling = train_cfg.profile_steps, profile_dir, False
+        self.optimizer_cfg, self.xp = train_cfg.optimizer, comm.xp
         for old in profile_dir.glob(f"rank{self.rank}-*"):
             old.unlink()
         self.module, self.optimizer_step = self.open()

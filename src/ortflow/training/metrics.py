@@ -31,12 +31,12 @@ class Metrics:
     """Decides when to log (train.log_every, train.histogram_every) and keeps the
     run's history; rank 0 (`enabled`) writes it to the log, TensorBoard and metrics.json."""
 
-    def __init__(self, tensorboard: Path, enabled: bool, start_step: int, train_cfg: dict, global_batch: int,
+    def __init__(self, tensorboard: Path, enabled: bool, start_step: int, train_cfg, global_batch: int,
                  history: dict | None = None):
         """`history`: what the run logged before `start_step` (kept in the checkpoint resumed from)."""
-        self.enabled, self.start_step, self.total_steps = enabled, start_step, train_cfg["steps"]
+        self.enabled, self.start_step, self.total_steps = enabled, start_step, train_cfg.steps
         self.global_batch = global_batch
-        self.log_every, self.histogram_every = train_cfg["log_every"], train_cfg["histogram_every"]
+        self.log_every, self.histogram_every = train_cfg.log_every, train_cfg.histogram_every
         self.step_times: list[float] = []  # of this attempt
         self.history: dict[str, list] = history or {"train": [], "eval": []}
         self.started = time.perf_counter()

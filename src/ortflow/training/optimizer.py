@@ -103,17 +103,17 @@ def views(state, pieces: list[Piece], which: str, xp) -> list:
 class LambStep:
     """LAMB (lamb.py), computed with `xp` over whole tensors (train.zero 1 is refused with it)."""
 
-    def __init__(self, optimizer: dict, xp):
-        self.betas, self.eps, self.xp = tuple(optimizer["betas"]), optimizer["eps"], xp
+    def __init__(self, optimizer, xp):
+        self.betas, self.eps, self.xp = tuple(optimizer.betas), optimizer.eps, xp
 
     def __call__(self, lr: float, step: int, params: list, grads: list, moments: list[list],
                  decays: list[float] | None = None) -> None:
         Lamb(self.betas, self.eps, decays, self.xp).step(lr, step, params, grads, *moments)
 
 
-def open_step(optimizer: dict, path: Path, options, xp):
+def open_step(optimizer, path: Path, options, xp):
     """The step of train.optimizer `optimizer`: ORT's graph in the artifacts (AdamW, SGD), or LAMB."""
-    if optimizer["name"] == "lamb":
+    if optimizer.name == "lamb":
         return LambStep(optimizer, xp)
     return GraphStep(path, options, xp)
 
@@ -122,10 +122,10 @@ class Optimizer:
     """The optimizer state of the `pieces` of the trainable parameters that this rank
     steps (training/sharding.py says which), and the step over them."""
 
-    def __init__(self, state, pieces: list[Piece], optimizer: dict, xp):
+    def __init__(self, state, pieces: list[Piece], optimizer, xp):
         self.state, self.pieces, self.xp = state, pieces, xp
-        self.initial_lr = optimizer["lr"]
-        self.moment_names = sorted(MOMENTS[optimizer["name"]])
+        self.initial_lr = optimizer.lr
+        self.moment_names = sorted(MOMENTS[optimizer.name])
         params = views(state, pieces, "data", xp)
         self.moments = {m: {p.name: xp.zeros_like(v) for p, v in zip(pieces, params)} for m in self.moment_names}
         self.count = 0  # steps taken: ORT's optimizer graph takes the count including the step it takes
@@ -155,9 +155,9 @@ class Optimizer:
         return {m: on_host(self.moments[m][name][start - piece.start:stop - piece.start], self.xp)
                 for m in self.moment_names}
 
-    def load(self, optimizer: dict, moments: dict[str, dict]) -> None:
-        """The state of a checkpoint: its optimizer group's scalars and {parameter: {moment: whole array}}."""
-        self.count = optimizer["step"]
+    def load(self, group: dict, moments: dict[str, dict]) -> None:
+        """The state of a checkpoint: its optimizer `group`'s scalars and {parameter: {moment: whole array}}."""
+        self.count = group["step"]
         for p in self.pieces:
             for m in self.moment_names:
                 self.moments[m][p.name][...] = self.xp.asarray(moments[p.name][m].reshape(-1)[p.start:p.stop])

@@ -11,12 +11,13 @@ import logging
 import os
 import shutil
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
 from .. import cuda_libraries
 from ..checkpoints.checks import MOMENTS
+from ..config import Config
 from ..errors import PreflightError
 from ..wording import plural
 
@@ -293,21 +294,21 @@ def available_memory() -> tuple[int, str]:
     return available, where
 
 
-def memory_estimate(description: dict, train: dict, world_size: int, micro_batch: int) -> dict[str, float]:
+def memory_estimate(description: dict, train, world_size: int, micro_batch: int) -> dict[str, float]:
     """A rank's peak memory in bytes, by part, from model.json: float32 weights, their
     gradients, the optimizer's moments (a 1/world_size share of them with train.zero 1),
     the larger of the forward pass's activations for a micro-batch and what an evaluation
     batch of train.eval_batch_size holds (an evaluation runs between steps, never during
     one), and the runtime."""
     trainable = description["trainable_parameters"]
-    moments = len(MOMENTS[train["optimizer"]["name"]]) * 4 * trainable
-    if train["zero"] == 1:
+    moments = len(MOMENTS[train.optimizer.name]) * 4 * trainable
+    if train.zero == 1:
         moments /= world_size
     training = micro_batch * description["activation_bytes_per_sample"]
     # model.json of artifacts built before evaluations were counted has no eval_bytes_per_sample.
-    evaluation = train["eval_batch_size"] * description.get("eval_bytes_per_sample", 0)
+    evaluation = train.eval_batch_size * description.get("eval_bytes_per_sample", 0)
     batch = ({f"activations of {micro_batch} samples": training} if training >= evaluation
-             else {f"an evaluation batch of {train['eval_batch_size']} samples": evaluation})
+             else {f"an evaluation batch of {train.eval_batch_size} samples": evaluation})
     return {
         "weights": STATE_COPIES * 4 * description["parameters"],
         "gradients": STATE_COPIES * 4 * trainable,
@@ -317,31 +318,31 @@ def memory_estimate(description: dict, train: dict, world_size: int, micro_batch
     }
 
 
-def memory_fixes(description: dict, train: dict, world_size: int, available: int) -> list[str]:
+def memory_fixes(description: dict, train, world_size: int, available: int) -> list[str]:
     """The settings that would fit `world_size` ranks in `available` bytes, each alone; where
     an evaluation batch is the larger part and no smaller one fits alone, each together with
     evaluation batches no larger than a training step's activations."""
     def fits(ranks: int, micro: int, settings: dict) -> bool:
         return ranks * sum(memory_estimate(description, settings, ranks, micro).values()) <= available
 
-    micro, fixes, also = train["micro_batch_size"], [], ""
+    micro, fixes, also = train.micro_batch_size, [], ""
     # Smaller evaluation batches read the same records: the cheapest fix, where it is one.
-    eval_batch = next((e for e in range(train["eval_batch_size"] - 1, 0, -1)
-                       if fits(world_size, micro, {**train, "eval_batch_size": e})), None)
+    eval_batch = next((e for e in range(train.eval_batch_size - 1, 0, -1)
+                       if fits(world_size, micro, replace(train, eval_batch_size=e))), None)
     step_bytes = micro * description["activation_bytes_per_sample"]
     sample_eval_bytes = description.get("eval_bytes_per_sample", 0)
     if eval_batch:
         fixes.append(f"set train.eval_batch_size to {eval_batch} (an evaluation reads the same records, in smaller "
                      "batches)")
-    elif sample_eval_bytes * train["eval_batch_size"] > step_bytes:
+    elif sample_eval_bytes * train.eval_batch_size > step_bytes:
         eval_batch = max(1, int(step_bytes // sample_eval_bytes))
-        train, also = {**train, "eval_batch_size": eval_batch}, f"train.eval_batch_size to {eval_batch} and "
+        train, also = replace(train, eval_batch_size=eval_batch), f"train.eval_batch_size to {eval_batch} and "
     smaller = next((m for m in range(micro - 1, 0, -1) if fits(world_size, m, train)), None)
     if smaller:
         fixes.append(f"set {also}train.micro_batch_size to {smaller} (train.grad_accum_steps {-(-micro // smaller)} "
                      "keeps the batch)")
-    if train["optimizer"]["name"] == "adamw" and world_size > 1 and not train["zero"] \
-            and fits(world_size, micro, {**train, "zero": 1}):
+    if train.optimizer.name == "adamw" and world_size > 1 and not train.zero \
+            and fits(world_size, micro, replace(train, zero=1)):
         fixes.append(f"set {also}train.zero: 1 (each rank keeps 1/world_size of the AdamW moments)")
     fewer = next((w for w in range(world_size - 1, 0, -1) if fits(w, micro, train)), None)
     if fewer:
@@ -349,13 +350,13 @@ def memory_fixes(description: dict, train: dict, world_size: int, available: int
     return fixes or ["the model does not fit this host's memory at any of these settings: use a host with more"]
 
 
-def check_memory(description: dict, train: dict, launcher: str = "mpirun") -> Check:
+def check_memory(description: dict, train, launcher: str = "mpirun") -> Check:
     """Whether train.world_size ranks of this model fit this host's memory."""
     name = "memory"
-    if launcher != "mpirun" or train["device"] == "cuda":
+    if launcher != "mpirun" or train.device == "cuda":
         why = f"{launcher} places the ranks on Slurm's nodes" if launcher != "mpirun" else "train.device is cuda"
         return Check(name, SKIP, f"skipped: {why}")
-    world_size, micro = train["world_size"], train["micro_batch_size"]
+    world_size, micro = train.world_size, train.micro_batch_size
     parts = memory_estimate(description, train, world_size, micro)
     available, where = available_memory()
     per_rank = sum(parts.values())
@@ -367,17 +368,17 @@ def check_memory(description: dict, train: dict, launcher: str = "mpirun") -> Ch
     return Check(name, OK, detail)
 
 
-def checkpoint_bytes(description: dict, train: dict) -> int:
+def checkpoint_bytes(description: dict, train) -> int:
     """One checkpoint on disk: float32 weights and the optimizer's moments (all ranks' shards)."""
-    moments = len(MOMENTS[train["optimizer"]["name"]]) * 4 * description["trainable_parameters"]
+    moments = len(MOMENTS[train.optimizer.name]) * 4 * description["trainable_parameters"]
     return 4 * description["parameters"] + moments
 
 
-def check_checkpoint_disk(description: dict, train: dict, results: Path) -> Check:
+def check_checkpoint_disk(description: dict, train, results: Path) -> Check:
     """Whether the checkpoints a run keeps fit the free disk under `results`."""
     (free, where), size = free_disk(results), checkpoint_bytes(description, train)
-    count = train["keep_checkpoints"] + EXTRA_CHECKPOINTS
-    detail = (f"{count} checkpoints (train.keep_checkpoints {train['keep_checkpoints']}, the best, the one being "
+    count = train.keep_checkpoints + EXTRA_CHECKPOINTS
+    detail = (f"{count} checkpoints (train.keep_checkpoints {train.keep_checkpoints}, the best, the one being "
               f"written) x {gib(size)} = {gib(count * size)}; {gib(free)} free under {where}")
     if count * size > free:
         return Check("checkpoint disk", FAIL, f"the checkpoints do not fit: {detail}",
@@ -388,19 +389,19 @@ def check_checkpoint_disk(description: dict, train: dict, results: Path) -> Chec
 # --- preflight: what the training stage runs before it starts the ranks ---------
 
 
-def preflight(config: dict, launcher: str = "mpirun", results: Path = Path("results"),
+def preflight(config: Config, launcher: str = "mpirun", results: Path = Path("results"),
               description: dict | None = None) -> list[Problem]:
     """The cheap checks (no ranks started) for a validated config; with model.json's
     `description`, also whether the model fits memory and its checkpoints the disk."""
-    train = config["train"]
+    train = config.train
     checks = [
         check_launcher(launcher),
         check_onnxruntime_distributions(installed_distributions()),
         check_training_import(),
     ]
-    if train["device"] == "cuda":
+    if train.device == "cuda":
         checks += cuda_checks()
-    checks += [check_world_size(train["world_size"], train["device"], launcher), check_disk(results)]
+    checks += [check_world_size(train.world_size, train.device, launcher), check_disk(results)]
     if description:
         checks += [check_memory(description, train, launcher), check_checkpoint_disk(description, train, results)]
     return [Problem(f"{c.name}: {c.detail}", c.fix, fatal=c.status == FAIL) for c in checks if c.status in (WARN, FAIL)]

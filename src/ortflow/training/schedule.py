@@ -10,13 +10,13 @@ from __future__ import annotations
 import math
 
 
-def learning_rate(step: int, total_steps: int, base_lr: float, schedule: dict) -> float:
+def learning_rate(step: int, total_steps: int, base_lr: float, schedule) -> float:
     """The rate for optimizer step `step` (0-based) of `total_steps`."""
-    warmup = schedule["warmup_steps"]
+    warmup = schedule.warmup_steps
     if step < warmup:
         return base_lr * (step + 1) / warmup
-    min_lr = base_lr * schedule["min_lr_ratio"]
-    name = schedule["name"]
+    min_lr = base_lr * schedule.min_lr_ratio
+    name = schedule.name
     if name == "constant":
         return base_lr
     decay_steps = max(total_steps - warmup, 1)
@@ -26,7 +26,7 @@ def learning_rate(step: int, total_steps: int, base_lr: float, schedule: dict) -
     elif name == "cosine":
         factor = 0.5 * (1.0 + math.cos(math.pi * progress))
     elif name == "polynomial":
-        factor = (1.0 - progress) ** schedule["power"]
+        factor = (1.0 - progress) ** schedule.power
     else:
         raise ValueError(f"train.lr_schedule.name: unknown schedule {name!r}")
     return min_lr + (base_lr - min_lr) * factor

@@ -133,6 +133,6 @@ def unpack(arrays: list, a: int, b: int, flat) -> None:
         segment[...] = flat[at:at + segment.size]
 
 
-def for_run(train: dict, state, trainable: list[str], comm, slices: list[dict[str, tuple[int, int]]]):
+def for_run(train, state, trainable: list[str], comm, slices: list[dict[str, tuple[int, int]]]):
     """The sharding of train.zero over the checkpoints' `slices` of each rank."""
-    return ZeRO1(state, trainable, comm, slices) if train["zero"] else Replicated(state, trainable, comm)
+    return ZeRO1(state, trainable, comm, slices) if train.zero else Replicated(state, trainable, comm)

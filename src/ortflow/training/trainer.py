@@ -65,15 +65,15 @@ class Trainer:
     the communicator, ONNX Runtime's sessions over the live state, the
     checkpointer, the metrics, the weight decay and the stop request."""
 
-    def __init__(self, config: dict, train_data: Path, eval_data: Path, artifacts: Artifacts, folder: TrainFolder,
-                 stop: StopRequest):
-        self.train_cfg, self.folder, self.stop_request = config["train"], folder, stop
-        self.steps, self.seed = self.train_cfg["steps"], config["run"]["seed"]
+    def __init__(self, config: config_mod.Config, train_data: Path, eval_data: Path, artifacts: Artifacts,
+                 folder: TrainFolder, stop: StopRequest):
+        self.train_cfg, self.folder, self.stop_request = config.train, folder, stop
+        self.steps, self.seed = self.train_cfg.steps, config.run.seed
         folder.folder.mkdir(parents=True, exist_ok=True)
         self.comm = comm_mod.create(self.train_cfg, folder.heartbeat)
-        if self.comm.world_size != self.train_cfg["world_size"]:
+        if self.comm.world_size != self.train_cfg.world_size:
             raise TrainingError(f"started with {plural(self.comm.world_size, 'rank')} but train.world_size is "
-                                f"{self.train_cfg['world_size']}")
+                                f"{self.train_cfg.world_size}")
         # Checked before the first step: checksums, batch size against the data.
         self.train_data, self.eval_data = ShardReader(train_data), ShardReader(eval_data)
         self.artifacts, self.info = artifacts, artifacts.description()
@@ -82,7 +82,7 @@ class Trainer:
         self.global_batch = config_mod.global_batch_size(config)
         self.train_data.check_batch(self.global_batch)
         self.checkpointer = Checkpointer(folder.checkpoints, self.comm, config)
-        resume = self.checkpointer.find_resume(self.train_cfg["resume_from"], artifacts.folder)
+        resume = self.checkpointer.find_resume(self.train_cfg.resume_from, artifacts.folder)
         self.start_step, self.resumed_from = (resume.step, resume.path) if resume else (0, None)
         whole = resume_mod.load_state(resume, artifacts.folder) if resume else None
         self.state = with_parameters(artifacts, whole, self.comm.xp) if whole else initial_state(artifacts)
@@ -91,19 +91,19 @@ class Trainer:
         self.input_names = self.sessions.module.input_names()
         self.trainable = trainable(self.state)
         # What each rank writes of a checkpoint, which is also what it owns under train.zero 1.
-        layout = sharding.layout(self.state, self.trainable, len(MOMENTS[self.train_cfg["optimizer"]["name"]]),
+        layout = sharding.layout(self.state, self.trainable, len(MOMENTS[self.train_cfg.optimizer.name]),
                                  self.comm.world_size, self.comm.xp)
         self.slices = layout[self.comm.rank]
         self.sharding = sharding.for_run(self.train_cfg, self.state, self.trainable, self.comm, layout)
-        self.optimizer = Optimizer(self.state, self.sharding.pieces, self.train_cfg["optimizer"], self.comm.xp)
+        self.optimizer = Optimizer(self.state, self.sharding.pieces, self.train_cfg.optimizer, self.comm.xp)
         if whole:
             self.optimizer.load(whole.optimizer, whole.optimizer_states)
-        self.decay = weight_decay.for_run(self.state, self.trainable, self.info, self.train_cfg["optimizer"],
+        self.decay = weight_decay.for_run(self.state, self.trainable, self.info, self.train_cfg.optimizer,
                                           self.comm.xp)
         self.metrics = Metrics(folder.tensorboard, self.comm.rank == 0, self.start_step, self.train_cfg,
                                self.global_batch,
                                resume_mod.read_history(resume) if resume else None)
-        self.best = Best(self.train_cfg["early_stopping"], self.info["task"], self.metrics.history["eval"])
+        self.best = Best(self.train_cfg.early_stopping, self.info["task"], self.metrics.history["eval"])
         self.keep_best = config_mod.export_checkpoint(config) == "best"  # the export will want it
         self.fault = Fault()
         self.last_eval: dict = {}
@@ -128,9 +128,9 @@ class Trainer:
         started = time.perf_counter()
         self.sessions.at_step(step)
         self.comm.watchdog.beat(step, "forward")
-        lr = learning_rate(step, self.steps, self.train_cfg["optimizer"]["lr"], self.train_cfg["lr_schedule"])
+        lr = learning_rate(step, self.steps, self.train_cfg.optimizer.lr, self.train_cfg.lr_schedule)
         batches = self.train_data.micro_batches(step, self.seed, self.comm.rank, self.comm.world_size,
-                                                self.train_cfg["micro_batch_size"], self.train_cfg["grad_accum_steps"])
+                                                self.train_cfg.micro_batch_size, self.train_cfg.grad_accum_steps)
         self.fault.inject(step, self.comm.rank, batches, self.stop_request)
         loss, norm, votes = self.train_step(step, batches, lr)
         if not (math.isfinite(loss) and math.isfinite(norm)):
@@ -142,7 +142,7 @@ class Trainer:
         self.metrics.log_step(done, loss, lr, norm, lambda: parameters_on_host(self.state, self.trainable,
                                                                                self.comm.xp))
         new_best = False
-        if is_time(done, self.train_cfg["eval_every"], self.steps):
+        if is_time(done, self.train_cfg.eval_every, self.steps):
             self.evaluate(done, whole=done == self.steps)
             new_best = self.best.update(done, self.last_eval) and self.keep_best
         reason = stop_mod.agreed(votes)  # every rank knows it from the same all-reduce
@@ -158,7 +158,7 @@ class Trainer:
         (see the top of this file). Returns the mean loss, the gradient norm before
         clipping, and every rank's stop votes summed."""
         module, running_stats = self.sessions.module, self.sessions.running_stats
-        scale_to_mean = 1.0 / (self.train_cfg["grad_accum_steps"] * self.comm.world_size)
+        scale_to_mean = 1.0 / (self.train_cfg.grad_accum_steps * self.comm.world_size)
         loss_sum = 0.0
         for micro_batch, batch in enumerate(batches):
             seed_random_operators(self.seed, step, self.comm.rank, micro_batch)
@@ -166,7 +166,7 @@ class Trainer:
             running_stats.keep(outputs)
             loss_sum += outputs_of(outputs)[0]
         self.comm.watchdog.beat(step, "allreduce")
-        norm = self.sharding.average_and_clip(scale_to_mean, self.train_cfg["clip_grad_norm"])
+        norm = self.sharding.average_and_clip(scale_to_mean, self.train_cfg.clip_grad_norm)
         # The stop votes and BatchNorm's running statistics ride along with the loss:
         # neither costs a collective of its own.
         votes = self.stop_request.votes()
@@ -191,10 +191,10 @@ class Trainer:
     def evaluate(self, done: int, whole: bool) -> None:
         """Evaluate after step `done`: the `whole` eval split, or train.eval_batches of it."""
         self.comm.watchdog.beat(done - 1, "eval")
-        bound = self.train_cfg["eval_batches"]
-        records = bound * self.train_cfg["eval_batch_size"] if bound and not whole else None
+        bound = self.train_cfg.eval_batches
+        records = bound * self.train_cfg.eval_batch_size if bound and not whole else None
         self.last_eval = evaluate(self.sessions.for_eval(), self.eval_data, self.comm, self.info,
-                                  self.train_cfg["eval_batch_size"], self.train_data.label_name, records)
+                                  self.train_cfg.eval_batch_size, self.train_data.label_name, records)
         self.whole_eval_at = done if whole else None
         self.metrics.eval(done, self.last_eval)
 
@@ -233,12 +233,12 @@ class Trainer:
             train = self.train_cfg
             ranks = plural(self.comm.world_size, "rank")
             log.info("%s, global batch %d (%d x %d accumulated x %s), %s, %d threads per rank",
-                     ranks, self.global_batch, train["micro_batch_size"], train["grad_accum_steps"], ranks,
+                     ranks, self.global_batch, train.micro_batch_size, train.grad_accum_steps, ranks,
                      f"resuming at step {self.start_step} from {self.resumed_from}" if self.resumed_from
                      else "starting at step 0",
                      self.sessions.threads)
             log.info("ranks per node: %s", placement)
-            if train["zero"]:
+            if train.zero:
                 log.info("%s", self.zero_saving())
 
     def zero_saving(self) -> str:
@@ -266,8 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s [rank {rank}] %(levelname)s %(message)s")
     quiet_logging()
     try:
-        config = config_mod.validate(job["config"])
-        if config["train"]["device"] == "cuda":  # before ONNX Runtime loads its CUDA provider
+        config = config_mod.typed(job["config"])  # as `ortflow train` validated it
+        if config.train.device == "cuda":  # before ONNX Runtime loads its CUDA provider
             cuda_libraries.preload()
         Trainer(config, Path(job["train"]), Path(job["eval"]), Artifacts(job["artifacts"]), folder, stop).run()
         stop.settle()

@@ -61,13 +61,13 @@ def is_excluded(name: str, ndim: int, embeddings: set[str], no_decay: list[str])
 class WeightDecay:
     """The two groups of one run's trainable parameters, and the decay of each step."""
 
-    def __init__(self, shapes: dict[str, tuple], embeddings: list[str], optimizer: dict):
+    def __init__(self, shapes: dict[str, tuple], embeddings: list[str], optimizer):
         """`shapes`: the trainable parameters' shapes, by name; `embeddings`: the
         parameters that an embedding lookup reads (model.json); `optimizer`: train.optimizer."""
-        self.weight_decay = optimizer["weight_decay"]
-        self.inside_optimizer = optimizer["name"] == "lamb"  # LAMB decays inside its trust ratio (lamb.py)
+        self.weight_decay = optimizer.weight_decay
+        self.inside_optimizer = optimizer.name == "lamb"  # LAMB decays inside its trust ratio (lamb.py)
         excluded = {name for name, shape in shapes.items()
-                    if is_excluded(name, len(shape), set(embeddings), optimizer["no_decay"])}
+                    if is_excluded(name, len(shape), set(embeddings), optimizer.no_decay)}
         self.decayed = [name for name in shapes if name not in excluded]
         self.not_decayed = [name for name in shapes if name in excluded]
         self.decayed_set = set(self.decayed)
@@ -98,10 +98,10 @@ class WeightDecay:
                 array *= factor
 
 
-def for_run(state, names: list[str], info: dict, optimizer: dict, xp) -> WeightDecay:
+def for_run(state, names: list[str], info: dict, optimizer, xp) -> WeightDecay:
     """The groups of the trainable parameters `names` of a live CheckpointState,
     with the embedding tables that model.json (`info`) names, logged."""
-    if EMBEDDING in optimizer["no_decay"] and "embeddings" not in info:
+    if EMBEDDING in optimizer.no_decay and "embeddings" not in info:
         raise TrainingError("the artifacts' model.json names no embeddings (built by an older ortflow), which "
                             "train.optimizer.no_decay's <embedding> needs; rebuild them (--forcerun build_artifacts)")
     arrays = parameters(state, names, xp)
