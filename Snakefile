@@ -51,12 +51,14 @@ if ortflow_sweep.is_sweep(config):
 
 # Where the model is and how good it is, from whatever stages have run.
 onsuccess:
-    from ortflow.report import read_json, run_summary
+    from ortflow.reporting.results import read_json
+    from ortflow.reporting.summary import run_summary
+    from ortflow.sweeps import comparison
 
     if ortflow_sweep.is_sweep(config):
         best = read_json(Path(rules.sweep_compare.output.best))
         if best:  # not when the targets stopped before the comparison
-            print(ortflow_sweep.summary(config, best, run_arguments()))
+            print(comparison.summary(config, best, run_arguments()))
         return
     summary = run_summary(
         RESULTS,
@@ -77,14 +79,15 @@ onsuccess:
 # Each failed stage's own error message, last on the console: nobody needs to open its log.
 onerror:
     import sys
-    from ortflow.report import stage_failures
+    from ortflow.reporting.failures import stage_failures
+    from ortflow.sweeps import comparison
 
     failed = [(job.rule.name, list(job.log)) for job in workflow.scheduler.failed]
     print(stage_failures(failed), file=sys.stderr)
     # With --keep-going the points that finished are compared, the failed ones marked.
     if ortflow_sweep.is_sweep(config):
-        best = ortflow_sweep.compare(config, [rule for rule, _ in failed])
-        print(ortflow_sweep.summary(config, best, run_arguments()), file=sys.stderr)
+        best = comparison.compare(config, [rule for rule, _ in failed])
+        print(comparison.summary(config, best, run_arguments()), file=sys.stderr)
 
 
 # A run that starts from an earlier run's merged checkpoint (model.weights:

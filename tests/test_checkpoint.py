@@ -102,8 +102,8 @@ def test_each_rank_writes_its_shard(reference):
     assert all(set(part.optimizer_states[n]) == {"momentum0", "momentum1"} for n in part.parameters)
     assert part.optimizer["step"] == 40
     assert part.properties["step"] == 40 and part.properties["samples_seen"] == 40 * 48
-    train = config_mod.load(overrides=_config())["train"]
-    last_lr = learning_rate(39, 40, train["optimizer"]["lr"], train["lr_schedule"])
+    train = config_mod.load(overrides=_config()).train
+    last_lr = learning_rate(39, 40, train.optimizer.lr, train.lr_schedule)
     assert part.properties["lr"] == pytest.approx(last_lr, rel=1e-6)  # stored as float32
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from ortflow import cli, errors, report
+from ortflow import cli, errors
+from ortflow.stages import report
 
 
 def test_an_expected_failure_is_one_line_without_a_traceback(capsys):

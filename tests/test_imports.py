@@ -129,3 +129,46 @@ def test_pyflakes_finds_no_undefined_name_or_unused_code():
     collect = Collect()
     api.checkRecursive([str(REPO / folder) for folder in ("src", "tests", "bench")], collect)
     assert collect.found == []
+
+
+# The layers of src/ortflow/, lowest first. The foundation is the modules at the top of the
+# package (errors, files, the config, ONNX Runtime's private parts); the libraries are its
+# packages, by concern; stages/ holds the stage commands, one a rule; cli.py runs them.
+FOUNDATION, LIBRARY, STAGE, CLI = range(4)
+
+
+def layer(module: str) -> int:
+    parts = module.split(".")
+    if module == "ortflow.cli":
+        return CLI
+    if len(parts) == 1:  # the package itself: its version
+        return FOUNDATION
+    if parts[1:2] == ["stages"]:
+        return STAGE
+    return LIBRARY if len(parts) > 2 or (SRC / Path(*parts) / "__init__.py").is_file() else FOUNDATION
+
+
+def wrong_imports(graph: dict[str, set[str]]) -> list[str]:
+    """`a -> b` for each import that points upward, or from one stage to another."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            upward = layer(target) > layer(module)
+            between_stages = layer(module) == layer(target) == STAGE
+            if upward or between_stages:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_stages_import_libraries_never_another_stage_and_no_library_imports_upward():
+    graph = import_graph(SRC, "ortflow")
+    assert layer("ortflow.stages.train") == STAGE and layer("ortflow.training.trainer") == LIBRARY
+    assert layer("ortflow.config") == FOUNDATION and layer("ortflow.evaluation") == LIBRARY
+    assert wrong_imports(graph) == []
+
+
+def test_an_import_between_stages_and_one_upward_are_found():
+    graph = {"ortflow.stages.report": {"ortflow.stages.merge_checkpoint"},
+             "ortflow.config": {"ortflow.training.lamb"}, "ortflow.training.lamb": {"ortflow.errors"}}
+    assert wrong_imports(graph) == ["ortflow.config -> ortflow.training.lamb",
+                                    "ortflow.stages.report -> ortflow.stages.merge_checkpoint"]

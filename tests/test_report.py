@@ -19,7 +19,9 @@ import pytest
 
 from chromium import Chromium
 from conftest import fault, run_snakemake
-from ortflow.report import fmt, quality, run_summary, speedup, summary_rows
+from ortflow.reporting.results import fmt, quality, speedup
+from ortflow.reporting.summary import run_summary
+from ortflow.reporting.tables import summary_rows
 from ortflow.training.run_folder import TrainFolder
 
 # A run other than the default one: its own run.name, from its own --configfile.
@@ -226,7 +228,7 @@ def test_summary_shows_the_baseline_and_says_when_the_model_does_not_beat_it(tmp
 def test_summary_and_report_of_a_run_whose_int8_model_the_gate_refused(tmp_path):
     """The gate refused int8 (export/metrics.json): the summary and the report's table say so and by how
     much, and the int8 file, still on disk, is not offered as the model."""
-    from ortflow.report import summary_rows
+    from ortflow.reporting.tables import summary_rows
 
     results = tmp_path / "results" / "digits"
     (results / "export").mkdir(parents=True)

@@ -14,7 +14,7 @@ import yaml
 from chromium import Chromium
 from conftest import run_snakemake
 from ortflow import config as ortflow_config
-from ortflow import sweep
+from ortflow.sweeps import comparison as sweep_comparison, points as sweep
 from ortflow.errors import ConfigError
 from ortflow.training.run_folder import TrainFolder
 
@@ -125,7 +125,7 @@ def test_the_comparison_ranks_the_points_and_marks_the_failed_one(tmp_path, monk
     fake_point(folder / "lr-0.01", [0.8, 0.6], exported=True)
     fake_point(folder / "lr-0.001", [0.4], exported=False)  # trained best, but its export failed
     # The jobs that failed (the Snakefile's onerror passes their rules); lr-1e-5 never started.
-    best = sweep.compare(config, ["point_lr_0_001_export_model", "point_lr_0_0001_train", "sweep_compare"])
+    best = sweep_comparison.compare(config, ["point_lr_0_001_export_model", "point_lr_0_0001_train", "sweep_compare"])
     rows = comparison(folder)
     assert [(r["rank"], r["point"], r["status"], r["best eval_loss (min)"], r["best step"], r["last eval_loss (min)"])
             for r in rows] == [("1", "lr-0.001", "failed: export_model", "0.4", "10", "0.4"),
@@ -137,7 +137,7 @@ def test_the_comparison_ranks_the_points_and_marks_the_failed_one(tmp_path, monk
     assert (best["failed"], best["not_run"]) == ({"lr-0.001": "export_model", "lr-0.0001": "train"}, ["lr-1e-5"])
     assert (folder / "best" / "model.onnx").read_bytes() == b"lr-0.1"
     assert {"curves.png", "by_key.png", "comparison.html"} <= {f.name for f in folder.iterdir()}
-    printed = sweep.summary(config, best, [])
+    printed = sweep_comparison.summary(config, best, [])
     assert "best point lr-0.1 (eval_loss 0.5, min, at step 20)" in printed
     assert "  failed: lr-0.001 (export_model), lr-0.0001 (train) (their logs: logs/sweeps/s/<point>/)" in printed
     assert "  not run: lr-1e-5 (snakemake stopped first; --keep-going runs them)" in printed
@@ -156,13 +156,13 @@ def test_the_comparison_says_which_attempt_a_resumed_point_timed_and_which_int8_
     gate = {"metric": "loss", "drop": 36.0, "unit": "%", "max_accuracy_drop": 1.0, "outcome": "refused"}
     (folder / "lr-0.01" / "export" / "metrics.json").write_text(json.dumps(
         {"fp32": {"loss": 0.5, "size_bytes": 4000}, "int8": {"loss": 0.68, "size_bytes": 1000}, "gate": gate}))
-    best = sweep.compare(config)
+    best = sweep_comparison.compare(config)
     rows = {row["point"]: row for row in comparison(folder)}
     assert (rows["lr-0.1"]["steps"], rows["lr-0.01"]["steps"]) == ("20 (5 in the last attempt)", "20")
     assert rows["lr-0.1"]["wall time (s, last attempt)"] == "1.5" and rows["lr-0.1"]["samples/s (last attempt)"] == "100"
     assert rows["lr-0.01"]["int8 eval_loss"] == "refused by the gate, +36% loss (export.max_accuracy_drop: 1)"
     assert rows["lr-0.01"]["status"] == "finished" and best["int8_refused"] == ["lr-0.01"]
-    assert "  int8 refused by the gate: lr-0.01 (their fp32 models stand" in sweep.summary(config, best, [])
+    assert "  int8 refused by the gate: lr-0.01 (their fp32 models stand" in sweep_comparison.summary(config, best, [])
 
 
 def test_repeats_are_ranked_by_their_points_mean(tmp_path, monkeypatch):
@@ -177,7 +177,7 @@ def test_repeats_are_ranked_by_their_points_mean(tmp_path, monkeypatch):
         fake_point(folder / f"lr-0.1_seed-{seed}", [loss], exported=True, baseline=mean)
     for seed, loss in ((1, 0.3), (2, 0.5)):  # its third repeat failed: the mean is of the two that trained
         fake_point(folder / f"lr-0.01_seed-{seed}", [loss], exported=True, baseline=mean)
-    best = sweep.compare(config)
+    best = sweep_comparison.compare(config)
     rows = comparison(folder)
     assert [(r["rank"], r["point"], r["mean eval_loss (min) over repeats"], r["std eval_loss (min) over repeats"],
              r["best eval_loss (min)"], r["baseline eval_loss"], r["beats baseline"]) for r in rows] == [
@@ -188,11 +188,11 @@ def test_repeats_are_ranked_by_their_points_mean(tmp_path, monkeypatch):
         ("5", "lr-0.1_seed-3", "0.5", "0.264575", "0.7", "0.55", "no"),
         ("", "lr-0.01_seed-3", "0.4", "0.141421", "", "", "")]
     assert (best["point"], best["mean"]) == ("lr-0.01_seed-1", pytest.approx(0.4))
-    said = sweep.summary(config, best, [])
+    said = sweep_comparison.summary(config, best, [])
     assert "(eval_loss 0.3, min, at step 10; mean 0.4 (std 0.141) over its repeats; baseline 0.55)" in said
     assert "does not beat the baseline" not in said
     record = {**best, "beats_baseline": "no"}
-    assert "  warning: it does not beat the baseline" in sweep.summary(config, record, [])
+    assert "  warning: it does not beat the baseline" in sweep_comparison.summary(config, record, [])
 
 
 # A grid of 4 points on the default data, few steps of a tiny MLP on one rank each.

@@ -18,7 +18,8 @@ from ortflow.stages.prepare_data import split_rows
 from ortflow.data.shards import ShardReader
 from ortflow.stages.export_model import TOLERANCE
 from ortflow.inference import loss_of
-from ortflow.report import fmt, summary_rows
+from ortflow.reporting.results import fmt
+from ortflow.reporting.tables import summary_rows
 
 SEED = 1234  # run.seed of config/config.yaml
 

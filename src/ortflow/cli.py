@@ -27,8 +27,8 @@ COMMANDS = {
     "export-model": "ortflow.stages.export_model",
     "quantize-model": "ortflow.stages.quantize_model",
     "checkpoint": "ortflow.stages.merge_checkpoint",
-    "report": "ortflow.report",
-    "sweep": "ortflow.sweep",
+    "report": "ortflow.stages.report",
+    "sweep": "ortflow.stages.sweep",
 }
 
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         # Known bad input or setup: one clear line that names the problem, no traceback to dig
         # through. Any other exception is a bug and keeps its traceback. The further lines of
         # a message that has them (a list of problems and their fixes) are indented, which
-        # tells where the message ends (report.stage_failures shows all of it).
+        # tells where the message ends (reporting/failures.py shows all of it).
         message = str(error).replace("\n", "\n  ")
         print(f"ortflow {args.command}: error: {message}", file=sys.stderr)
         return 1

@@ -3,7 +3,7 @@ import os
 from pathlib import Path
 
 from ortflow import config as ortflow_config
-from ortflow import sweep as ortflow_sweep
+from ortflow.sweeps import points as ortflow_sweep
 from ortflow import user_files
 from ortflow.errors import OrtflowError
 from ortflow.training.run_folder import TrainFolder

@@ -1,5 +1,5 @@
 # A sweep (the config's `sweep` section, docs/sweeps.md): each point is a run of
-# this Snakefile with the point's config (src/ortflow/sweep.py names and checks
+# this Snakefile with the point's config (src/ortflow/sweeps/points.py names and checks
 # the points), its rules named point_<point>_<rule>, its files in
 # results/sweeps/<sweep>/<point>/. The data and the graphs live in the sweep's
 # shared/ folder, named by the keys they depend on: the first point with those

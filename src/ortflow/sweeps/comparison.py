@@ -1,216 +1,36 @@
-"""Sweeps: many runs from one config, one per point of its `sweep` section (a
-grid, random draws, repeats over run.seed), and their comparison.
-
-The workflow (workflow/rules/sweep.smk) makes each point a run of its own, with
-every stage, from `points(config)`; this module names the points, checks their
-configs before any job runs, and `ortflow sweep compare` writes the comparison
-in results/sweeps/<name>/: comparison.tsv and .html (every point, sorted by the
-metric), curves.png, by_key.png, and best/ (the best point's model).
-"""
+"""A sweep's comparison, in results/sweeps/<name>/: comparison.tsv and .html (every point,
+ranked by the metric), curves.png, by_key.png, and best/ (the best point's model); and
+the lines `snakemake` prints at the end of a sweep."""
 
 from __future__ import annotations
 
-import copy
 import csv
 import html
 import json
 import math
-import random
-import re
 import shlex
 import shutil
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 
-from . import atomic
-from .config import ConfigError, _merge, expand_dotted, pick, read_value, validate
-from .digests import digest
-from .training.run_folder import TrainFolder
+from .. import atomic
+from ..training.run_folder import TrainFolder
+from .points import SWEEP_LOGS, Point, folder, format_value, goal, point_name, points, results, rule_prefix
 
-HELP = "compare the points of a sweep (the table, the plots and the best point's model)"
-
-SWEEPS = Path("results", "sweeps")
-SWEEP_LOGS = Path("logs", "sweeps")
 # The eval result each sweep.metric reads: a regression's eval loss is its MSE.
 EVAL_KEYS = {"eval_loss": "loss", "accuracy": "accuracy", "perplexity": "perplexity", "mse": "loss"}
 # Where a point's stages leave them (workflow/rules/export.smk).
 EXPORTED_MODEL = Path("export", "model.onnx")
 EXPORT_METRICS = Path("export", "metrics.json")
-# With sweep.halving: which points go on after the first budget (`ortflow sweep halve`).
-HALVING = "halving.json"
 COLUMNS = ("rank", "point", "status", "best", "best_step", "last", "steps", "wall_time_s", "samples_per_s",
            "fp32_mb", "int8_mb", "int8_metric", "baseline", "beats_baseline")
-
-
-@dataclass(frozen=True)
-class Point:
-    name: str  # readable and stable: from the point's values alone (micro_batch_size-16_lr-0.001)
-    values: dict  # dotted config key -> this point's value
-    config: dict  # the validated config of the point's run
-    first: dict | None = None  # with sweep.halving: the config of its run to the first budget
-
-
-def is_sweep(config: dict) -> bool:
-    """Whether `config` asks for a sweep (a grid or random points), rather than being one run."""
-    sweep = config["sweep"]
-    return not sweep["point"] and bool(sweep["grid"] or sweep["random"]["points"])
-
-
-def folder(config: dict) -> Path:
-    """results/sweeps/<name>: the comparison, and a folder per point."""
-    return SWEEPS / config["sweep"]["name"]
-
-
-def results(config: dict) -> Path:
-    """A run's folder: results/<run.name>, or results/sweeps/<sweep>/<point> for a sweep's point."""
-    point = config["sweep"]["point"]
-    return folder(config) / point if point else Path("results", config["run"]["name"])
-
-
-def logs(config: dict) -> Path:
-    point = config["sweep"]["point"]
-    return SWEEP_LOGS / config["sweep"]["name"] / point if point else Path("logs", config["run"]["name"])
-
-
-def shared(config: dict, stage: str, keys) -> Path:
-    """The folder of a stage that a sweep's points share: named by the config keys it
-    depends on (`data-<digest>`), so that the points whose keys are equal find it made."""
-    return folder(config) / "shared" / f"{stage}-{digest(pick(config, keys))[:12]}"
-
-
-def rule_prefix(point: Point) -> str:
-    """The prefix of a point's rules (`point_lr_0_001_train`): a Python name."""
-    return "point_" + re.sub(r"\W", "_", point.name)
-
-
-def goal(sweep: dict) -> str:
-    if sweep["goal"] != "auto":
-        return sweep["goal"]
-    return "max" if sweep["metric"] == "accuracy" else "min"
-
-
-def points(config: dict) -> list[Point]:
-    """Every point of the sweep, each config validated: a bad key or value
-    names the point and the key, before any job runs."""
-    sweep = config["sweep"]
-    for key in [*sweep["grid"], *sweep["random"]["ranges"]]:
-        if key == "run.name" or key.split(".")[0] == "sweep":
-            raise ConfigError(f"config key 'sweep': '{key}' cannot be swept (the sweep names each point's run)")
-    combinations = [{}]
-    # Keys in sorted order, here and in the draws: the names and the draws do not depend on the
-    # order the keys are written in (the rules pass the config as JSON with sorted keys).
-    for key, values in sorted(sweep["grid"].items()):
-        combinations = [{**c, key: value} for c in combinations for value in values]
-    draws = random_draws(sweep["random"])
-    # Each value as the point's config will read it, so that its name and its column say the
-    # same (YAML gives `1e-3` as text, the config reads it as 0.001).
-    chosen = [{key: read_value(key, value) for key, value in sorted({**c, **d}.items())}
-              for c in combinations for d in draws]
-    if sweep["repeats"] > 1:
-        seed = config["run"]["seed"]
-        chosen = [{**c, "run.seed": seed + r} for c in chosen for r in range(sweep["repeats"])]
-    named = {point_name(values): values for values in chosen}
-    if len(named) < len(chosen):
-        raise ConfigError("config key 'sweep': two points have the same values; list each value once")
-    chosen = [Point(name, values, point_config(config, name, values)) for name, values in named.items()]
-    return [halved(point, sweep["halving"]) for point in chosen] if sweep["halving"]["steps"] else chosen
-
-
-def halved(point: Point, halving: dict) -> Point:
-    """`point` with the run to the first budget of steps (its name `<point>.steps-<budget>`), from
-    whose last checkpoint the point's own run goes on when the point is kept (train.resume_from)."""
-    budget, train = halving["steps"], point.config["train"]
-    if train["lr_schedule"]["name"] != "constant":
-        raise ConfigError(f"sweep point {point.name!r}: config key 'sweep.halving.steps' needs "
-                          f"train.lr_schedule.name: constant, not {train['lr_schedule']['name']!r} (a decaying "
-                          "schedule spreads over train.steps: the first budget would train differently)")
-    if budget >= train["steps"]:
-        raise ConfigError(f"sweep point {point.name!r}: config key 'sweep.halving.steps': {budget} is not below "
-                          f"train.steps={train['steps']}")
-    from .checkpoints.layout import step_dir  # numpy and ONNX: not for every Snakefile that imports this
-
-    first = copy.deepcopy(point.config)
-    first["sweep"]["point"] = f"{point.name}.steps-{budget}"
-    first["run"]["name"] += f".steps-{budget}"
-    first["train"]["steps"] = budget
-    final = copy.deepcopy(point.config)
-    final["train"]["resume_from"] = str(step_dir(TrainFolder(results(first) / "train").checkpoints, budget))
-    return Point(point.name, point.values, final, first)
-
-
-def survivors(config: dict) -> list[str]:
-    """With sweep.halving: the points that go on after the first budget, by the metric at
-    their best evaluation so far (halving.keep of them, at least one); a failed one never."""
-    sweep = config["sweep"]
-    every = points(config)
-    first = [point_row(Point(p.name, p.values, p.first), sweep) for p in every]
-    ranked_first = [row["point"] for row in ranked(first, sweep) if row.get("best") is not None]
-    return ranked_first[:max(1, math.ceil(len(every) * sweep["halving"]["keep"]))]
-
-
-def random_draws(random_search: dict) -> list[dict]:
-    """random.points draws from random.ranges with random.seed, one value per range (by key):
-    adding draws keeps the earlier ones. Floats keep 4 significant digits,
-    so that the name shows the value trained."""
-    if not random_search["points"]:
-        return [{}]
-    generator = random.Random(random_search["seed"])
-    draws = []
-    for _ in range(random_search["points"]):
-        draw = {}
-        for key, ((kind, bounds),) in ((k, tuple(r.items())) for k, r in sorted(random_search["ranges"].items())):
-            if kind == "choice":
-                draw[key] = generator.choice(bounds)
-                continue
-            low, high = (math.log(b) for b in bounds) if kind == "log_uniform" else bounds
-            value = generator.uniform(low, high)
-            draw[key] = float(f"{math.exp(value) if kind == 'log_uniform' else value:.4g}")
-        draws.append(draw)
-    return draws
-
-
-def point_name(values: dict) -> str:
-    """`micro_batch_size-16_lr-0.001`: each key (in sorted order) by its last part (the whole dotted key when
-    two keys share it), then the value; characters a folder name should not have become '_'."""
-    last = [key.split(".")[-1] for key in values]
-    parts = []
-    for key, value in values.items():
-        label = key.split(".")[-1] if last.count(key.split(".")[-1]) == 1 else key
-        parts.append(f"{label}-{format_value(value)}")
-    return re.sub(r"[^A-Za-z0-9._-]", "_", "_".join(parts)) or "base"
-
-
-def format_value(value) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float):  # 0.001, 3e-05 as 3e-5, 1e+09 as 1e9
-        return re.sub(r"e([+-])0*(\d)", lambda m: "e" + m[1].strip("+") + m[2], f"{value:g}")
-    if isinstance(value, (list, tuple)):
-        return "-".join(format_value(v) for v in value)
-    return str(value)
-
-
-def point_config(config: dict, name: str, values: dict) -> dict:
-    """The base config with the point's values, as the run of point `name` of the sweep."""
-    base = copy.deepcopy(config)
-    base["sweep"] = {"name": config["sweep"]["name"], "point": name}
-    merged = _merge(base, expand_dotted(values))
-    merged["run"]["name"] = f"{config['sweep']['name']}.{name}"
-    try:
-        return validate(merged)
-    except ConfigError as error:
-        raise ConfigError(f"sweep point {name!r}: {error}") from None
-
-
-# --- the comparison -----------------------------------------------------------------------------------
 
 
 def point_row(point: Point, sweep: dict, failed_stage: str | None = None) -> dict:
     """A point's line of the comparison, from its train/metrics.json and export/metrics.json.
     Its status: `finished` (exported), `trained` (its export not run yet), `failed: <stage>`
     (`failed_stage`: ranked by its training metric when training finished), `not run`."""
-    from .report import read_json, refusal  # numpy and ONNX behind them: not for every Snakefile that imports this
+    from ..reporting.results import read_json, refusal  # numpy and ONNX behind them: not for every Snakefile that imports this
 
     run = results(point.config)
     train = read_json(TrainFolder(run / "train").metrics)
@@ -238,7 +58,7 @@ def point_row(point: Point, sweep: dict, failed_stage: str | None = None) -> dic
 
 def beside_baseline(best: dict | None, key: str, measures: dict | None) -> dict:
     """The point's baseline for the sweep's metric (data/baseline.py), and whether its best evaluation beats it."""
-    from .data import baseline  # numpy behind it: not for every Snakefile that imports this
+    from ..data import baseline  # numpy behind it: not for every Snakefile that imports this
 
     if best is None or measures is None or measures.get(key) is None:
         return {}
@@ -291,6 +111,16 @@ def spread(values: list[float]) -> dict:
     """The mean and the (sample) standard deviation of a point's best metric over its repeats."""
     return {"mean": statistics.fmean(values) if values else None,
             "std": statistics.stdev(values) if len(values) > 1 else None}
+
+
+def survivors(config: dict) -> list[str]:
+    """With sweep.halving: the points that go on after the first budget, by the metric at
+    their best evaluation so far (halving.keep of them, at least one); a failed one never."""
+    sweep = config["sweep"]
+    every = points(config)
+    first = [point_row(Point(p.name, p.values, p.first), sweep) for p in every]
+    ranked_first = [row["point"] for row in ranked(first, sweep) if row.get("best") is not None]
+    return ranked_first[:max(1, math.ceil(len(every) * sweep["halving"]["keep"]))]
 
 
 def compare(config: dict, failed_rules: list[str] = ()) -> dict | None:
@@ -372,7 +202,7 @@ def plot_comparison(rows: list[dict], swept: list[str], sweep: dict, out: Path) 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import save
+    from ..reporting.plots import save
 
     key = EVAL_KEYS[sweep["metric"]]
     finished = [row for row in rows if "history" in row]  # those that trained
@@ -440,29 +270,3 @@ def over_repeats(config: dict, best: dict) -> str:
 def beside(best: dict) -> str:
     """`; baseline 0.1`: what the metric of predicting from the labels alone is (data/baseline.py)."""
     return "" if best.get("baseline") is None else f"; baseline {best['baseline']:.6g}"
-
-
-def add_arguments(parser) -> None:
-    from .config import add_config_arguments
-
-    sub = parser.add_subparsers(dest="action", required=True)
-    comparison = sub.add_parser("compare", help="results/sweeps/<name>/: the table, the plots and best/")
-    add_config_arguments(comparison)
-    halving = sub.add_parser("halve", help="results/sweeps/<name>/halving.json: the points that go on")
-    add_config_arguments(halving)
-
-
-def run(args) -> int:
-    from .config import as_dict, load_config
-
-    config = as_dict(load_config(args))  # the points' configs are made from it as data (`points`)
-    if args.action == "halve":
-        kept = survivors(config)
-        record = {"steps": config["sweep"]["halving"]["steps"], "survivors": kept,
-                  "stopped": [p.name for p in points(config) if p.name not in kept]}
-        with atomic.file(folder(config) / HALVING) as temporary:
-            temporary.write_text(json.dumps(record, indent=2))
-        print(f"sweep {config['sweep']['name']!r}: {', '.join(kept)} go on; {', '.join(record['stopped'])} stop")
-        return 0
-    print(summary(config, compare(config), []))
-    return 0

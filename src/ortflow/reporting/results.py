@@ -1,0 +1,72 @@
+"""A run's results as a person reads them: its metrics files read back, and every number
+shown by the one function `fmt` (tests read the report back through it)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..data import baseline
+
+
+def fmt(value: float, kind: str) -> str:
+    """The one way a number is shown (tests read the report back through it); None
+    (in metrics.json: a measure an attempt that ran no step does not have) is n/a."""
+    if value is None:
+        return "n/a"
+    return {
+        "percent": lambda v: f"{100 * v:.2f}%",
+        "seconds": lambda v: f"{v:.2f} s",
+        "ms": lambda v: f"{v:.3f} ms",
+        "rate": lambda v: f"{v:,.0f}",
+        "ratio": lambda v: f"{v:.2f}x",
+        "float": lambda v: f"{v:.4f}",
+        "mb": lambda v: f"{v:,.1f} MB",
+    }[kind](value)
+
+
+def read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def quality(results: dict) -> tuple[str, str]:
+    """(name, shown value) of the quality measure of an eval: accuracy, perplexity or loss."""
+    if "perplexity" in results:
+        return "perplexity", fmt(results["perplexity"], "float")
+    if "accuracy" in results:
+        return "accuracy", fmt(results["accuracy"], "percent")
+    return "loss", fmt(results["loss"], "float")
+
+
+def baseline_shown(train: dict | None) -> str | None:
+    """The shown baseline of a run (train/metrics.json's `baseline`, data/baseline.py), beside its
+    measures: `mse 7042.1008, R^2 -0.0024 (predicting the train split's mean)`."""
+    measures = (train or {}).get("baseline")
+    if not measures:
+        return None
+    shown = {"accuracy": ("accuracy", "percent"), "loss": ("mse", "float"), "r2": ("R^2", "float"),
+             "perplexity": ("perplexity", "float")}
+    parts = [f"{label} {fmt(measures[key], kind)}" for key, (label, kind) in shown.items() if key in measures]
+    return f"{', '.join(parts)} (predicting {measures['of']})"
+
+
+def not_beaten(train: dict | None) -> str | None:
+    """What a run's summary warns of when its last evaluation does not beat the baseline."""
+    return baseline.not_beaten(train["eval"], train.get("baseline")) if train else None
+
+
+def refusal(export: dict | None) -> str | None:
+    """`refused by the gate, -3.6 points (export.max_accuracy_drop: 1)` when the quality gate
+    refused the int8 model (export/metrics.json), else None."""
+    gate = (export or {}).get("gate")
+    if not gate or gate.get("outcome") != "refused":  # before the outcome was kept, a refusal failed the stage
+        return None
+    change = f"{-gate['drop']:+.3g} points" if gate["unit"] == "points" else f"{gate['drop']:+.3g}% {gate['metric']}"
+    return f"refused by the gate, {change} (export.max_accuracy_drop: {gate['max_accuracy_drop']:g})"
+
+
+def speedup(export: dict) -> float | None:
+    """How many times faster int8 runs than fp32 at batch 64 (median latency)."""
+    if "int8" not in export:
+        return None
+    return export["fp32"]["latency_ms"]["b64_p50"] / export["int8"]["latency_ms"]["b64_p50"]

@@ -1,0 +1,80 @@
+"""The lines `snakemake` prints when a run ends: where the model is, how good it is, how
+training went, and the command that writes the run's report."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from ..checkpoints.best import chosen
+from ..wording import plural
+from .results import baseline_shown, fmt, not_beaten, quality, read_json, refusal, speedup
+
+
+def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
+                int8: str | Path, checkpoint: str | Path, report: str | Path, reported: Iterable[str | Path] = (),
+                targets: Iterable[str] = (), run_arguments: Sequence[str] = (),
+                artifacts: str | Path | None = None) -> str:
+    """A few lines on what exists of the run in the folder `results`: printed when
+    `snakemake` finishes, whichever stages ran. The files are where the rules
+    write them (the Snakefile passes their outputs); `report` is the report
+    command's page. `run_arguments` are those that chose the run (--configfile,
+    --config): the report command needs them too. `artifacts` (build_artifacts'
+    folder) tells whether the model's output follows its logits (a final Softmax)."""
+    results, model, int8 = Path(results), Path(model), Path(int8)
+    train, export = read_json(Path(train_metrics)), read_json(Path(export_metrics))
+    description = read_json(Path(artifacts) / "model.json") if artifacts else None
+    lines = [f"ortflow: run {results.name} in {results}"]
+    outputs = description["outputs"] if description else {}
+    if "inference" in outputs and outputs["inference"] != outputs["logits"]:
+        lines.append(f"  output    {outputs['inference']!r} follows the logits {outputs['logits']!r} (a final Softmax "
+                     "or LogSoftmax, kept in the exported model); the loss is computed on the logits")
+    # An int8 model the gate refused, or no smaller than the fp32 one, is not offered (the lines below say why).
+    offered = (bool(export) and "int8" in export and not refusal(export)
+               and export["int8"]["size_bytes"] < export["fp32"]["size_bytes"])
+    if model.is_file():
+        lines.append(f"  model     {model}" + (f" (int8: {int8})" if int8.is_file() and offered else ""))
+    if export:
+        name, shown = quality(export["fp32"])
+        line = f"  {name:<9} {shown}"
+        if "int8" in export:
+            line += f", int8 {quality(export['int8'])[1]}, int8 speed-up {fmt(speedup(export), 'ratio')} at batch 64"
+        lines.append(line)
+        if refusal(export):
+            lines.append(f"  int8      {refusal(export)}: deploy the fp32 model")
+    elif train:
+        name, shown = quality(train["eval"])
+        lines.append(f"  {name:<9} {shown} (eval at step {train['steps']})")
+    if baseline_shown(train):
+        lines.append(f"  baseline  {baseline_shown(train)}")
+    if train:
+        this_attempt = train.get("steps_this_attempt", train["steps"])
+        lines.append(f"  training  {train['steps']} steps ({this_attempt} in this attempt) in "
+                     f"{fmt(train['wall_time_s'], 'seconds')}, {fmt(train['samples_per_s'], 'rate')} samples/s "
+                     f"on {plural(len(train['peak_rss_mb']), 'rank')}")
+        if train.get("stopped_early"):
+            best = train["best"]
+            lines.append(f"  stopped   early after step {train['steps']}: eval {best['metric']} had not improved "
+                         f"since step {best['step']}")
+    merged = read_json(Path(checkpoint) / "meta.json")
+    if merged:
+        lines.append(f"  exported  the checkpoint of step {merged['step']}, the {chosen(merged)}")
+    lines += [f"  warning   {warning}" for warning in [not_beaten(train), *(export or {}).get("warnings", [])]
+              if warning]
+    if len(lines) == 1:
+        lines.append("  nothing trained yet")
+    lines.append(f"  report    {shlex.join(report_command(report, reported, targets, run_arguments))}")
+    return "\n".join(lines)
+
+
+def report_command(report: str | Path, reported: Iterable[str | Path], targets: Iterable[str],
+                   run_arguments: Sequence[str]) -> list[str]:
+    """The `snakemake --report` command of this run. It refuses to start while a file
+    marked for the report (`reported`) does not exist, as after a run of some stages
+    (`snakemake merge_checkpoint`): then it reports on this run's `targets` only
+    (what they made, with Snakemake's own pages), the workflow's plots and tables
+    once `snakemake` has made them. The targets go before `run_arguments`, whose
+    --configfile would take them for more files."""
+    missing = [path for path in reported if not Path(path).exists()]
+    return ["snakemake", "--report", str(report), *(sorted(targets) if missing else ()), *run_arguments]

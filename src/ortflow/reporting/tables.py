@@ -1,0 +1,146 @@
+"""The HTML tables of a run's report: the run at a glance, fp32 versus int8, each stage's
+runtime and memory, the operators that took the most time in the profiled steps, and
+the config used."""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from .. import atomic
+from ..config import Config, as_dict
+from .results import baseline_shown, fmt, not_beaten, quality, read_json, refusal, speedup
+
+TABLES = ("summary", "quantization", "stages", "profile", "config")
+# The stages in pipeline order, as the rules and their benchmark files are named.
+STAGES = ("prepare_data", "build_artifacts", "train", "merge_checkpoint", "export_model", "quantize_model")
+TOP_OPERATORS = 15
+
+
+def page(title: str, body: str) -> str:
+    style = ("body{font-family:sans-serif;margin:1.5em} table{border-collapse:collapse}"
+             "td,th{border:1px solid #ccc;padding:4px 10px;text-align:left} td.n{text-align:right}"
+             "pre{background:#f6f6f6;padding:1em}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{style}</style></head><body><h2>{html.escape(title)}</h2>{body}</body></html>")
+
+
+def table(header: list[str], rows: list[tuple]) -> str:
+    """rows: (key, cells...); `key` becomes the row's data-key, for readers that check the numbers."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join(
+        f"<tr data-key='{html.escape(key)}'>"
+        + "".join(f"<td{' class=n' if i else ''}>{html.escape(str(cell))}</td>" for i, cell in enumerate(cells))
+        + "</tr>"
+        for key, *cells in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def summary_rows(train: dict | None, export: dict | None) -> list[tuple]:
+    rows = []
+    if export:
+        name, shown = quality(export["fp32"])
+        rows.append(("fp32", f"{name} (fp32, eval split)", shown))
+        if "int8" in export:
+            rows.append(("int8", f"{name} (int8, {export['quantize']})", quality(export["int8"])[1]))
+            rows.append(("speedup", "int8 speed-up (batch 64, 1 thread)", fmt(speedup(export), "ratio")))
+        if refusal(export):
+            rows.append(("gate", "int8", refusal(export)))
+    elif train:
+        name, shown = quality(train["eval"])
+        rows.append(("eval", f"{name} (eval at the last step)", shown))
+    if baseline_shown(train):
+        rows.append(("baseline", "baseline (eval split)", baseline_shown(train)))
+        rows.append(("beats_baseline", "beats the baseline", "no" if not_beaten(train) else "yes"))
+    if train:
+        rows += [
+            ("steps", "optimizer steps", str(train["steps"])),
+            ("wall_time_s", "training time", fmt(train["wall_time_s"], "seconds")),
+            ("samples_per_s", "samples/s (steady state)", fmt(train["samples_per_s"], "rate")),
+            ("ranks", "ranks", str(len(train["peak_rss_mb"]))),
+        ]
+    return rows
+
+
+def class_rows(train: dict | None) -> list[tuple]:
+    """Each class of a classifier (by its name: a label of strings' own, else its id)
+    with its eval records and accuracy, from the last evaluation of train/metrics.json."""
+    per_class = (train or {}).get("eval", {}).get("per_class", {})
+    return [(name, name, str(entry["count"]), fmt(entry["accuracy"], "percent")) for name, entry in per_class.items()]
+
+
+def quantization_rows(export: dict) -> list[tuple]:
+    models = [m for m in ("fp32", "int8") if m in export]
+    measures = [("loss", "loss", "float")]
+    measures += [(k, k, "percent" if k == "accuracy" else "float")
+                 for k in ("accuracy", "perplexity") if k in export["fp32"]]
+    rows = [(k, label, *(fmt(export[m][k], kind) for m in models)) for k, label, kind in measures]
+    rows.append(("size_bytes", "size", *(fmt(export[m]["size_bytes"] / 1e6, "mb") for m in models)))
+    rows += [(f"latency_ms.{k}", f"latency {k.replace('_', ' ')}", *(fmt(export[m]["latency_ms"][k], "ms")
+                                                                    for m in models))
+             for k in export["fp32"]["latency_ms"]]
+    return rows
+
+
+def stage_rows(benchmarks: Path) -> list[tuple]:
+    """One row per stage that has a Snakemake benchmark file `<benchmarks>/<stage>.tsv`."""
+    rows = []
+    for stage in STAGES:
+        if not (benchmarks / f"{stage}.tsv").is_file():
+            continue
+        with open(benchmarks / f"{stage}.tsv") as file:
+            record = next(csv.DictReader(file, delimiter="\t"))
+        rows.append((stage, stage, fmt(float(record["s"]), "seconds"), fmt(float(record["max_rss"]), "mb"),
+                     fmt(float(record["cpu_time"]), "seconds")))
+    return rows
+
+
+def top_operators(profile_dir: Path, limit: int = TOP_OPERATORS) -> tuple[list[tuple], int]:
+    """Kernel time per operator type over every trace in `profile_dir` (all
+    ranks, training and optimizer graphs), most first; and the number of trace files."""
+    total_us: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    traces = sorted(profile_dir.glob("rank*.json")) if profile_dir.is_dir() else []
+    for trace in traces:
+        for event in json.loads(trace.read_text()):
+            if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                total_us[event["args"]["op_name"]] += event["dur"]
+                calls[event["args"]["op_name"]] += 1
+    everything = sum(total_us.values()) or 1.0
+    ranked = sorted(total_us, key=total_us.get, reverse=True)[:limit]
+    return [(op, op, calls[op], fmt(total_us[op] / 1000, "ms"), fmt(total_us[op] / everything, "percent"))
+            for op in ranked], len(traces)
+
+
+def write_tables(config: Config, train_metrics: Path, export_metrics: Path, benchmarks: Path,
+                 profile_dir: Path, out_dir: Path) -> None:
+    import yaml
+
+    train, export = read_json(train_metrics), read_json(export_metrics)
+    classes = class_rows(train)
+    per_class = ("<h3>Per class (eval split, last evaluation)</h3>"
+                 + table(["class", "eval records", "accuracy"], classes)) if classes else ""
+    pages = {
+        "summary": page(f"Run {config.run.name}", table(["", "value"], summary_rows(train, export)) + per_class),
+        "quantization": page("fp32 versus int8", table(["", "fp32", "int8"], quantization_rows(export))),
+        "stages": page("Stages: runtime and memory (Snakemake benchmarks)",
+                       table(["stage", "wall time", "peak RSS", "CPU time"], stage_rows(benchmarks))),
+        "config": page("Config used", f"<pre>{html.escape(yaml.safe_dump(as_dict(config), sort_keys=False))}</pre>"),
+    }
+    steps = config.train.profile_steps
+    if steps:
+        rows, traces = top_operators(profile_dir)
+        pages["profile"] = page(
+            f"Operators by kernel time, steps {steps[0]} to {steps[1]}",
+            f"<p>{traces} traces in <code>{html.escape(str(profile_dir))}</code> (open them in "
+            "https://ui.perfetto.dev or chrome://tracing)</p>"
+            + table(["operator", "calls", "kernel time", "share"], rows))
+    else:
+        pages["profile"] = page("Operators by kernel time",
+                                "<p>Profiling was off: set <code>train.profile_steps: [first, last]</code>.</p>")
+    for name, text in pages.items():
+        atomic.write_text(out_dir / f"{name}.html", text)
