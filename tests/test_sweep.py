@@ -1,4 +1,4 @@
-"""Sweeps (src/ortflow/sweep.py, workflow/rules/sweep.smk): the points, their names
+"""Sweeps (src/ortflow/sweeps/, workflow/rules/sweep.smk): the points, their names
 and checks, and a sweep run through Snakemake, compared in results/sweeps/<name>/."""
 
 import csv

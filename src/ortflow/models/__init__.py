@@ -1,6 +1,6 @@
 """The models that `build_artifacts` turns into training graphs.
 
-Built in (torch modules, exported to ONNX by build_artifacts.py): `mlp`, `cnn`, `gpt`.
+Built in (torch modules, exported to ONNX by torch_export.py): `mlp`, `cnn`, `gpt`.
 Brought by the user (user.py): `onnx` (a file) and `torch` (an import path).
 Every model takes the data's features as inputs named like them and returns
 one output, `logits`.

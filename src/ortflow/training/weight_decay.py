@@ -7,7 +7,7 @@ Why training applies it and not ONNX Runtime's optimizer graph: ORT's
 AdamWOptimizer operator has one `weight_decay` attribute for the whole sequence
 of parameters it updates, and the training API's Optimizer runs one such graph
 over every trainable parameter (its checkpoint holds one optimizer group). So
-the optimizer graph is built with weight decay 0 (build_artifacts.py) and every
+the optimizer graph is built with weight decay 0 (graphs/generate.py) and every
 rank decays the parameters itself, in torch's order (torch.optim.adamw,
 _single_tensor_adamw): `p *= 1 - lr * weight_decay` with the step's scheduled
 lr, after the gradients are final and before the optimizer step, which then
