@@ -19,7 +19,8 @@ columns always become float32: their types are pandas' guesses from text.
 
 The label keeps its name (`data.label`). A label of strings or bools is
 classification: its sorted values are the classes 0..K-1, their names kept in
-`Dataset.classes` (and the manifest).
+`Dataset.classes` (and the manifest). An integer class label of -100
+(IGNORE_INDEX) is no class: the loss and the metrics leave such positions out.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
+from ..models import IGNORE_INDEX
 from . import tokenizer as tokenizers
 
 FRAME_SUFFIXES = (".csv", ".parquet", ".jsonl")  # read by pandas; the only ones with text columns (data.text)
@@ -157,12 +159,13 @@ def _check_float32_range(path: str, what: str, array: np.ndarray) -> None:
                     "(data.standardize scales values only after they are read)")
 
 
-def _check_classes(path: str, name: str, label: np.ndarray, classes: list[str] | None) -> None:
+def _check_classes(path: str, name: str, label: np.ndarray, classes: list[str] | None, rows: int) -> None:
+    """`label`: the class ids of `rows` rows that are not IGNORE_INDEX."""
     present = np.unique(label)
     if len(label) and len(present) < 2:
         only = repr(classes[present[0]]) if classes else present[0]
         raise DataError(
-            f"{path}: label {name!r} has a single class ({only}) in all {len(label)} rows; "
+            f"{path}: label {name!r} has a single class ({only}) in all {rows} rows; "
             "classification needs two or more (data.task: regression for a numeric target)"
         )
 
@@ -411,8 +414,10 @@ def _tabular(features: dict[str, np.ndarray], label: np.ndarray, data, path: str
     elif not integral and not np.array_equal(label, np.round(label)):
         raise DataError(f"{path}: data.task is classification but label {data.label!r} has fractional values")
     label = label.astype(np.int64)
-    if n and label.min() < 0:
-        raise DataError(f"{path}: label {data.label!r} has negative class {int(label.min())}; classes are 0..K-1")
-    _check_classes(path, data.label, label, classes)
-    num_classes = len(classes) if classes else int(label.max()) + 1 if n else 0
+    kept = label[label != IGNORE_INDEX]
+    if kept.size and kept.min() < 0:
+        raise DataError(f"{path}: label {data.label!r} has negative class {int(kept.min())}; classes are 0..K-1 "
+                        f"({IGNORE_INDEX} marks a position the loss ignores)")
+    _check_classes(path, data.label, kept, classes, n)
+    num_classes = len(classes) if classes else int(kept.max()) + 1 if kept.size else 0
     return Dataset(features, label, data.label, "classification", num_classes, classes)

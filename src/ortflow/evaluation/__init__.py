@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from ..data.shards import ShardReader
-from ..models import CLASS_LOSSES
+from ..models import CLASS_LOSSES, IGNORE_INDEX
 
 
 def feeds(batch: dict, input_names: list[str], label_input: str, data_label: str) -> list[np.ndarray]:
@@ -42,21 +42,23 @@ def batch_totals(loss: float, logits: np.ndarray | None, labels: np.ndarray, inf
     batches (and ranks) and turned into results by `eval_results`. `info` is
     model.json: its task and loss. A prediction is the class of the largest logit
     (cross-entropy), or class 1 where the logit is positive (bce_with_logits on two
-    classes)."""
-    # The loss is a mean over the batch's elements (samples, or tokens for a language model).
+    classes). Labels of IGNORE_INDEX (padding, sub-tokens) count nowhere."""
+    # The loss is a mean over the batch's elements (samples, or tokens for a language model)
+    # that it does not ignore; a batch with none adds nothing (its mean is not a number).
     task = info["task"]
-    n = labels.size if task != "regression" else len(labels)
+    kept = labels != IGNORE_INDEX if info["loss"] in CLASS_LOSSES else np.ones(labels.shape, dtype=bool)
+    n = int(kept.sum()) if task != "regression" else len(labels)
     hits = np.zeros(labels.shape, dtype=bool)
     if logits is not None and task != "regression":
         logits = label_layout(logits, labels, info["loss"])
         predicted = np.argmax(logits, axis=1) if info["loss"] in CLASS_LOSSES else (logits > 0)
-        hits = predicted == labels
+        hits = (predicted == labels) & kept
     per_class = []
     if num_classes:
-        classes = labels.reshape(-1).astype(np.int64)
-        per_class = [np.bincount(classes[hits.reshape(-1)], minlength=num_classes),
+        classes = labels[kept].astype(np.int64)
+        per_class = [np.bincount(classes[hits[kept]], minlength=num_classes),
                      np.bincount(classes, minlength=num_classes)]
-    return np.concatenate([[loss * n, float(hits.sum()), n], *per_class]).astype(np.float64)
+    return np.concatenate([[loss * n if n else 0.0, float(hits.sum()), n], *per_class]).astype(np.float64)
 
 
 def eval_results(totals, task: str, classes: list[str] | None = None) -> dict:
