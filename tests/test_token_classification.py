@@ -136,7 +136,9 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def test_word_tags_are_aligned_to_the_first_sub_token_as_transformers_does(tmp_path):
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_word_tags_are_aligned_to_the_first_sub_token_as_transformers_does(suffix, tmp_path):
+    import pandas as pd
     from tokenizers import Tokenizer
 
     from ortflow.data import sources
@@ -146,8 +148,13 @@ def test_word_tags_are_aligned_to_the_first_sub_token_as_transformers_does(tmp_p
     words = [" ".join(row["tokens"]) for row in rows]
     train_wordpiece(tmp_path / "tokenizer.json", 60, words)
     context = 48
+    source = tmp_path / f"tags{suffix}"
+    if suffix == ".jsonl":
+        write_jsonl(source, rows)
+    else:  # Parquet's lists come back as numpy arrays
+        pd.DataFrame(rows).to_parquet(source)
     config = config_mod.load(overrides={"data": {
-        "source": str(write_jsonl(tmp_path / "tags.jsonl", rows)), "text": "tokens", "label": "tags",
+        "source": str(source), "text": "tokens", "label": "tags",
         "tokenizer": str(tmp_path / "tokenizer.json"), "context": context}})
     dataset = sources.load(config.data)
     assert dataset.classes == ["B-LOC", "B-PER", "I-LOC", "I-PER", "O"] and dataset.num_classes == 5
@@ -192,6 +199,18 @@ def test_word_tags_that_do_not_fit_are_refused_in_one_line(rows, message, tmp_pa
     with pytest.raises(DataError) as error:
         sources.load(config.data)
     assert str(error.value) == f"{path}: {message}"
+
+
+def test_a_label_of_lists_without_data_text_is_refused_in_one_line(tmp_path):
+    from ortflow.data import sources
+    from ortflow.errors import DataError
+
+    path = write_jsonl(tmp_path / "tags.jsonl", [{"n": 1, "tags": ["O", "B-X"]}, {"n": 2, "tags": ["O"]}])
+    config = config_mod.load(overrides={"data": {"source": str(path), "features": ["n"], "label": "tags"}})
+    with pytest.raises(DataError) as error:
+        sources.load(config.data)
+    assert str(error.value) == (f"{path}: column 'tags' holds lists (a tag per word?); token classification reads "
+                                "the words from the column that data.text names, encoded with data.tokenizer")
 
 
 def test_entity_scores_equal_seqeval_and_per_class_scores_scikit_learn():

@@ -257,6 +257,9 @@ def _label_column(frame, path: str, label: str) -> np.ndarray:
     from pandas.api.types import is_bool_dtype, is_numeric_dtype
 
     column = frame[label]
+    if _is_lists(column):
+        raise DataError(f"{path}: column {label!r} holds lists (a tag per word?); token classification reads the "
+                        "words from the column that data.text names, encoded with data.tokenizer")
     if is_numeric_dtype(column) or is_bool_dtype(column):
         _check_float32_range(path, f"column {label!r}", column.to_numpy())
         return column.to_numpy()
