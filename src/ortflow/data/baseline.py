@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import atomic
+from ..models import IGNORE_INDEX
 
 BASELINE = "baseline.json"
 # Records at a time: a language model's labels are windows over a token stream that may not fit in memory.
@@ -30,11 +31,14 @@ ROUNDING = 1e-6
 def of_split(label: np.ndarray, task: str, num_classes: int | None, train_rows: np.ndarray,
              eval_rows: np.ndarray) -> dict:
     """The baseline of `task`: its name (`of`) and its measures on the eval split."""
-    if task == "classification":
-        counts = np.bincount(label[train_rows].reshape(-1), minlength=num_classes)
+    if task == "classification":  # over the labels that are not IGNORE_INDEX
+        train = label[train_rows]
+        counts = np.bincount(train[train != IGNORE_INDEX], minlength=num_classes)
         majority = int(counts.argmax())
+        truth = label[eval_rows]
+        truth = truth[truth != IGNORE_INDEX]
         return {"of": f"the train split's most frequent class ({majority})",
-                "accuracy": float((label[eval_rows] == majority).mean())}
+                "accuracy": float((truth == majority).mean()) if truth.size else None}
     if task == "regression":
         mean = label[train_rows].astype(np.float64).mean(axis=0)
         truth = label[eval_rows].astype(np.float64)

@@ -19,7 +19,8 @@ columns always become float32: their types are pandas' guesses from text.
 
 The label keeps its name (`data.label`). A label of strings or bools is
 classification: its sorted values are the classes 0..K-1, their names kept in
-`Dataset.classes` (and the manifest).
+`Dataset.classes` (and the manifest). An integer class label of -100
+(IGNORE_INDEX) is no class: the loss and the metrics leave such positions out.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
+from ..models import IGNORE_INDEX
 from . import tokenizer as tokenizers
 
 FRAME_SUFFIXES = (".csv", ".parquet", ".jsonl")  # read by pandas; the only ones with text columns (data.text)
@@ -80,14 +82,15 @@ def load(data, scratch: Path | None = None) -> Dataset:
             dataset = _text(data, "data.source", path, scratch)
         elif suffix in FRAME_SUFFIXES:
             frame, typed = {".csv": _csv, ".parquet": _parquet, ".jsonl": _jsonl}[suffix](path)
+            classes = None
             if data.text:
                 tokenizer = tokenizers.load(data.tokenizer)
-                features, label = _frame_text(frame, str(path), data, tokenizer)
+                features, label, classes = _frame_text(frame, str(path), data, tokenizer)
             else:
                 _check_label_not_a_feature(data, path)
                 tokenizer, (features, label) = None, _frame_columns(frame, str(path), data.features,
                                                                     data.label, typed)
-            dataset = _tabular(features, label, data, str(path))
+            dataset = _tabular(features, label, data, str(path), classes)
             dataset.tokenizer = tokenizer
         else:
             _check_label_not_a_feature(data, path)
@@ -157,12 +160,13 @@ def _check_float32_range(path: str, what: str, array: np.ndarray) -> None:
                     "(data.standardize scales values only after they are read)")
 
 
-def _check_classes(path: str, name: str, label: np.ndarray, classes: list[str] | None) -> None:
+def _check_classes(path: str, name: str, label: np.ndarray, classes: list[str] | None, rows: int) -> None:
+    """`label`: the class ids of `rows` rows that are not IGNORE_INDEX."""
     present = np.unique(label)
     if len(label) and len(present) < 2:
         only = repr(classes[present[0]]) if classes else present[0]
         raise DataError(
-            f"{path}: label {name!r} has a single class ({only}) in all {len(label)} rows; "
+            f"{path}: label {name!r} has a single class ({only}) in all {rows} rows; "
             "classification needs two or more (data.task: regression for a numeric target)"
         )
 
@@ -253,6 +257,9 @@ def _label_column(frame, path: str, label: str) -> np.ndarray:
     from pandas.api.types import is_bool_dtype, is_numeric_dtype
 
     column = frame[label]
+    if _is_lists(column):
+        raise DataError(f"{path}: column {label!r} holds lists (a tag per word?); token classification reads the "
+                        "words from the column that data.text names, encoded with data.tokenizer")
     if is_numeric_dtype(column) or is_bool_dtype(column):
         _check_float32_range(path, f"column {label!r}", column.to_numpy())
         return column.to_numpy()
@@ -269,7 +276,9 @@ def _frame_columns(frame, path: str, features: list[str], label: str, typed: boo
 
 
 def _frame_text(frame, path: str, data, tokenizer: tokenizers.Tokenizer):
-    """The `data.text` column(s), one text or a pair per row, tokenized (tokenizer.py), and the label column."""
+    """The `data.text` column(s), one text or a pair per row, tokenized (tokenizer.py), and the label column
+    and its class names (None: `_tabular` names the classes of a label of strings). A label column of lists
+    is token classification (`_word_tags`)."""
     columns = text_columns(data)
     _require_columns(frame, path, columns + [data.label], "data.text and data.label")
     for column in columns:
@@ -277,10 +286,51 @@ def _frame_text(frame, path: str, data, tokenizer: tokenizers.Tokenizer):
         if missing.any():
             raise DataError(f"{path}: text column {column!r} has {int(missing.sum())} missing value(s) (first at "
                             f"row {int(np.argmax(missing))}); drop or fill those rows")
-    texts = [frame[column].astype(str).tolist() for column in columns]
     tokenizer.text = columns
+    if _is_lists(frame[data.label]):
+        return _word_tags(frame, path, data, tokenizer)
+    texts = [frame[column].astype(str).tolist() for column in columns]
     features = tokenizers.encode_columns(tokenizer, texts, data.context, path)
-    return features, _label_column(frame, path, data.label)
+    return features, _label_column(frame, path, data.label), None
+
+
+def _is_lists(column) -> bool:
+    """Whether a column holds lists (JSON's; Parquet's come as numpy arrays)."""
+    return any(isinstance(value, (list, np.ndarray)) for value in column)
+
+
+def _word_tags(frame, path: str, data, tokenizer: tokenizers.Tokenizer):
+    """Token classification (the CoNLL shape, `{"tokens": [...], "tags": [...]}`): the
+    `data.text` column's lists of words tokenized as split, and the `data.label`
+    column's tags, one per word, aligned to the tokens (tokenizer.encode_words):
+    IGNORE_INDEX where a token is no word's first. String tags are classes, their
+    sorted names kept; integer tags are class ids."""
+    if len(text_columns(data)) != 1:
+        raise DataError(f"{path}: label {data.label!r} holds lists (a tag per word), which go with one data.text "
+                        f"column of word lists, not {len(text_columns(data))}")
+    words, tags = [], []
+    for row, (row_words, row_tags) in enumerate(zip(frame[data.text], frame[data.label])):
+        if not isinstance(row_words, (list, np.ndarray)) or not isinstance(row_tags, (list, np.ndarray)):
+            raise DataError(f"{path}: row {row}: token classification needs a list of words in {data.text!r} and "
+                            f"a list of tags in {data.label!r}, one per word; got {type(row_words).__name__} and "
+                            f"{type(row_tags).__name__}")
+        if len(row_words) != len(row_tags):
+            raise DataError(f"{path}: row {row} has {len(row_words)} words in {data.text!r} but {len(row_tags)} "
+                            f"tags in {data.label!r}; give one tag per word")
+        words.append([str(word) for word in row_words])
+        tags.append(list(row_tags))
+    flat = [tag for row_tags in tags for tag in row_tags]
+    classes = None
+    if all(isinstance(tag, str) for tag in flat):
+        classes = sorted(set(flat))
+        ids = {name: i for i, name in enumerate(classes)}
+        tags = [[ids[tag] for tag in row_tags] for row_tags in tags]
+    elif not all(isinstance(tag, (int, np.integer)) and not isinstance(tag, bool) for tag in flat):
+        kinds = sorted({type(tag).__name__ for tag in flat})
+        raise DataError(f"{path}: column {data.label!r} has tags of type {', '.join(kinds)}; tags are all strings "
+                        "(class names) or all integers (class ids)")
+    features, labels = tokenizers.encode_words(tokenizer, words, tags, data.context, path)
+    return features, labels, classes
 
 
 def text_columns(data) -> list[str]:
@@ -380,7 +430,9 @@ def _class_names(label: np.ndarray, path: str, name: str) -> tuple[np.ndarray, l
     return ids.astype(np.int64), names.tolist()
 
 
-def _tabular(features: dict[str, np.ndarray], label: np.ndarray, data, path: str) -> Dataset:
+def _tabular(features: dict[str, np.ndarray], label: np.ndarray, data, path: str,
+             classes: list[str] | None = None) -> Dataset:
+    """`classes`: the names of a label already made class ids (word tags, `_word_tags`)."""
     n = len(label)
     for name, array in features.items():
         if len(array) != n:
@@ -405,14 +457,15 @@ def _tabular(features: dict[str, np.ndarray], label: np.ndarray, data, path: str
             raise DataError(f"{path}: data.task is regression but label {data.label!r} is not numeric (e.g. "
                             f"{label[0]!r}); a label of strings is classes (data.task: classification or auto)")
         return Dataset(features, label.astype(np.float32), data.label, "regression")
-    classes = None
-    if named or label.dtype == bool:
+    if classes is None and (named or label.dtype == bool):
         label, classes = _class_names(label, path, data.label)
     elif not integral and not np.array_equal(label, np.round(label)):
         raise DataError(f"{path}: data.task is classification but label {data.label!r} has fractional values")
     label = label.astype(np.int64)
-    if n and label.min() < 0:
-        raise DataError(f"{path}: label {data.label!r} has negative class {int(label.min())}; classes are 0..K-1")
-    _check_classes(path, data.label, label, classes)
-    num_classes = len(classes) if classes else int(label.max()) + 1 if n else 0
+    kept = label[label != IGNORE_INDEX]
+    if kept.size and kept.min() < 0:
+        raise DataError(f"{path}: label {data.label!r} has negative class {int(kept.min())}; classes are 0..K-1 "
+                        f"({IGNORE_INDEX} marks a position the loss ignores)")
+    _check_classes(path, data.label, kept, classes, n)
+    num_classes = len(classes) if classes else int(kept.max()) + 1 if kept.size else 0
     return Dataset(features, label, data.label, "classification", num_classes, classes)

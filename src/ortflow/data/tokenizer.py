@@ -18,7 +18,9 @@ Two uses:
   becomes `input_ids`, `attention_mask` (and `token_type_ids` where the
   tokenizer gives them), truncated and padded to `data.context`; the JSON then
   carries that truncation and padding, so that encoding with it gives the model's
-  inputs exactly.
+  inputs exactly. For token classification (`encode_words`) the column holds
+  lists of words, encoded as split (is_pretokenized), and the words' tags are
+  aligned to the tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from ..errors import DataError
+from ..models import IGNORE_INDEX
 from ..user_files import tokenizer_files
 
 log = logging.getLogger("ortflow.prepare_data")
@@ -261,6 +264,34 @@ def encode_columns(tokenizer: Tokenizer, texts: list[list[str]], context: int, w
     token_type_ids where the tokenizer gives them), [rows, context] int64,
     truncated (the longest text of a pair first) and padded to `context`. The
     tokenizer keeps that truncation and padding: its JSON then encodes as here."""
+    inputs = texts[0] if len(texts) == 1 else list(zip(*texts))
+    return _encode(tokenizer, inputs, context, where)
+
+
+def encode_words(tokenizer: Tokenizer, words: list[list[str]], tags: list[list[int]], context: int,
+                 where: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """Token classification: one list of words per row, with one tag (a class id)
+    per word -> the inputs of `encode_columns` from the words as they are split
+    (is_pretokenized), and the tags aligned to the tokens as transformers'
+    examples align them (word_ids): a word's first token carries its tag, its
+    other tokens, the special tokens and the padding IGNORE_INDEX. [rows, context] int64."""
+    labels = np.full((len(words), context), IGNORE_INDEX, dtype=np.int64)
+
+    def align(start: int, encodings) -> None:
+        for row, encoding in enumerate(encodings, start):
+            previous = None
+            for position, word in enumerate(encoding.word_ids):
+                if word is not None and word != previous:
+                    labels[row, position] = tags[row][word]
+                previous = word
+
+    return _encode(tokenizer, words, context, where, pretokenized=True, each_batch=align), labels
+
+
+def _encode(tokenizer: Tokenizer, inputs: list, context: int, where: str, pretokenized: bool = False,
+            each_batch=None) -> dict[str, np.ndarray]:
+    """`inputs` (texts, pairs, or with `pretokenized` lists of words) encoded into
+    [rows, context] arrays; `each_batch(start, encodings)` sees every batch's encodings."""
     if tokenizer.pad_token is None and tokenizer.eos_token is None:
         raise DataError(f"data.tokenizer: {tokenizer.source} has no padding token (none of {', '.join(PAD_TOKENS)}) "
                         "and no end-of-text token to pad with; add a [PAD] special token")
@@ -272,15 +303,16 @@ def encode_columns(tokenizer: Tokenizer, texts: list[list[str]], context: int, w
     backend = tokenizer.backend
     backend.enable_truncation(max_length=context)
     backend.enable_padding(length=context, pad_id=tokenizer.token_id(pad), pad_token=pad)
-    rows = len(texts[0])
+    rows = len(inputs)
     names = [INPUT_IDS, ATTENTION_MASK] + ([TOKEN_TYPE_IDS] if tokenizer.type_ids else [])
     arrays = {name: np.empty((rows, context), dtype=np.int64) for name in names}
-    inputs = texts[0] if len(texts) == 1 else list(zip(*texts))
     progress = Progress(where, rows, "rows", 1)
+    # encode_batch_fast leaves out the offsets, and with them the word ids that word tags are aligned by.
+    encode = backend.encode_batch if pretokenized else backend.encode_batch_fast
     truncated = 0
     for start in range(0, rows, BATCH_ROWS):
         try:
-            encodings = backend.encode_batch_fast(inputs[start:start + BATCH_ROWS])
+            encodings = encode(inputs[start:start + BATCH_ROWS], is_pretokenized=pretokenized)
         except Exception as error:  # the library's own, e.g. a pair that truncation cannot shorten enough
             raise DataError(f"{where}: data.tokenizer cannot encode rows {start}..{start + BATCH_ROWS - 1} into "
                             f"data.context={context} tokens ({str(error).strip()[:200]}); raise data.context") from None
@@ -294,6 +326,8 @@ def encode_columns(tokenizer: Tokenizer, texts: list[list[str]], context: int, w
         arrays[ATTENTION_MASK][start:end] = [e.attention_mask for e in encodings]
         if tokenizer.type_ids:
             arrays[TOKEN_TYPE_IDS][start:end] = [e.type_ids for e in encodings]
+        if each_batch is not None:
+            each_batch(start, encodings)
         truncated += sum(bool(e.overflowing) for e in encodings)
         progress.done = end
         progress.update(int(arrays[ATTENTION_MASK][start:end].sum()), final=end == rows)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import ModelError
-from ..models import CLASS_LOSSES
+from ..models import CLASS_LOSSES, IGNORE_INDEX
 from ..models.logits import Logits
 
 # ORT's loss blocks by config name; bce_with_logits is ortflow's own (models/losses.py).
@@ -41,6 +41,8 @@ def loss_block(loss: str, label: dict, logits: Logits):
     """ORT's loss block behind a label input that has the data's name, dtype
     and shape ([batch, *label shape]); ORT's own blocks would derive the label's
     shape from the logits, which is wrong for [batch, classes, time] logits.
+    Cross-entropy ignores labels of IGNORE_INDEX: its mean is over the other
+    elements, as torch's cross_entropy(ignore_index=-100) is.
     The label is cast to the type the loss wants (integer 0/1 labels to float
     for bce_with_logits; a no-op otherwise). Logits that differ from the label's
     layout in size-1 dimensions only are reshaped to it (models/logits.py)."""
@@ -52,11 +54,12 @@ def loss_block(loss: str, label: dict, logits: Logits):
     class LabelledLoss(onnxblock.Block):
         def __init__(self):
             super().__init__()
-            self.inner = (
-                losses.stable_bce_with_logits()
-                if loss == "bce_with_logits"
-                else getattr(onnxblock.loss, LOSS_BLOCKS[loss])()
-            )
+            if loss == "bce_with_logits":
+                self.inner = losses.stable_bce_with_logits()
+            elif loss in CLASS_LOSSES:
+                self.inner = getattr(onnxblock.loss, LOSS_BLOCKS[loss])(ignore_index=IGNORE_INDEX)
+            else:
+                self.inner = getattr(onnxblock.loss, LOSS_BLOCKS[loss])()
 
         def build(self, logits_name: str):
             if logits.reshape:  # Reshape's 0 keeps the batch (and classes) as they are: [N, C, 1, 1] -> [N, C]

@@ -11,6 +11,7 @@ import numpy as np
 from .. import external_data
 from ..errors import ModelError
 from ..evaluation import label_layout
+from ..models import IGNORE_INDEX
 from ..sessions import session_options
 
 
@@ -50,11 +51,13 @@ def loss_of(logits: np.ndarray, labels: np.ndarray, loss: str) -> float:
     """The training loss (`model.json` `loss`, a mean like ORT's loss blocks) of
     an inference model's logits, which have no loss output of their own."""
     logits = label_layout(logits, labels, loss).astype(np.float64)
-    if loss == "cross_entropy":  # logits [batch, classes, ...], labels [batch, ...]
+    if loss == "cross_entropy":  # logits [batch, classes, ...], labels [batch, ...]; IGNORE_INDEX left out
         shifted = logits - logits.max(axis=1, keepdims=True)
         log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
-        picked = np.take_along_axis(log_probs, labels.astype(np.int64)[:, None], axis=1)
-        return float(-picked.mean())
+        labels = labels.astype(np.int64)
+        kept = labels != IGNORE_INDEX
+        picked = np.take_along_axis(log_probs, np.where(kept, labels, 0)[:, None], axis=1)[:, 0]
+        return float(-picked[kept].mean()) if kept.any() else 0.0
     target = labels.astype(np.float64).reshape(logits.shape)
     if loss == "mse":
         return float(((logits - target) ** 2).mean())

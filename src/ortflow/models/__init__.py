@@ -12,6 +12,9 @@ from ..errors import ModelError
 
 LOGITS = "logits"
 CLASS_LOSSES = ("cross_entropy",)
+# A class label of -100 (transformers' value) is no class: padding and sub-tokens carry it,
+# and the cross-entropy, accuracy and per-class counts leave it out.
+IGNORE_INDEX = -100
 
 
 def is_float(tensor) -> bool:

@@ -66,11 +66,23 @@ def summary_rows(train: dict | None, export: dict | None) -> list[tuple]:
     return rows
 
 
+SCORES = ("precision", "recall", "f1")
+
+
 def class_rows(train: dict | None) -> list[tuple]:
     """Each class of a classifier (by its name: a label of strings' own, else its id)
-    with its eval records and accuracy, from the last evaluation of train/metrics.json."""
-    per_class = (train or {}).get("eval", {}).get("per_class", {})
-    return [(name, name, str(entry["count"]), fmt(entry["accuracy"], "percent")) for name, entry in per_class.items()]
+    with its eval records, accuracy, precision, recall and F1 (n/a in metrics of runs
+    from before they were recorded), from the last evaluation of train/metrics.json;
+    then, for BIO tags, the entities' scores (seqeval's), as a row `entities`."""
+    evaluation = (train or {}).get("eval", {})
+    rows = [(name, name, str(entry["count"]), fmt(entry["accuracy"], "percent"),
+             *(fmt(entry.get(score), "float") for score in SCORES))
+            for name, entry in evaluation.get("per_class", {}).items()]
+    if "entities" in evaluation:
+        entities = evaluation["entities"]
+        rows.append(("entities", "entities (BIO spans)", str(entities["count"]), "",
+                     *(fmt(entities[score], "float") for score in SCORES)))
+    return rows
 
 
 def quantization_rows(export: dict) -> list[tuple]:
@@ -123,7 +135,7 @@ def write_tables(config: Config, train_metrics: Path, export_metrics: Path, benc
     train, export = read_json(train_metrics), read_json(export_metrics)
     classes = class_rows(train)
     per_class = ("<h3>Per class (eval split, last evaluation)</h3>"
-                 + table(["class", "eval records", "accuracy"], classes)) if classes else ""
+                 + table(["class", "eval records", "accuracy", "precision", "recall", "F1"], classes)) if classes else ""
     pages = {
         "summary": page(f"Run {config.run.name}", table(["", "value"], summary_rows(train, export)) + per_class),
         "quantization": page("fp32 versus int8", table(["", "fp32", "int8"], quantization_rows(export))),

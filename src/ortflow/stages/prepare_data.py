@@ -12,6 +12,7 @@ import numpy as np
 from .. import config as config_mod
 from ..data import baseline, sources, standardize
 from ..data.shards import write_split
+from ..models import IGNORE_INDEX
 
 log = logging.getLogger("ortflow.prepare_data")
 SHOWN_CLASSES = 10  # classes named in a message, at most
@@ -34,6 +35,7 @@ def check_eval_classes(dataset: sources.Dataset, train_rows: np.ndarray, eval_ro
     if dataset.task != "classification":
         return
     unseen = np.setdiff1d(dataset.label[eval_rows], dataset.label[train_rows])
+    unseen = unseen[unseen != IGNORE_INDEX]  # no class: a position without a label
     if len(unseen):
         names = ", ".join(repr(dataset.classes[i] if dataset.classes else int(i)) for i in unseen[:SHOWN_CLASSES])
         if len(unseen) > SHOWN_CLASSES:
