@@ -30,12 +30,10 @@ def run_ranks(folder: Path, artifacts: Path, data: Path, ranks: int, zero: int, 
               resume_from: Path | None = None) -> Path:
     """`ortflow train`'s rank program (training/trainer.py) on `ranks` MPI ranks; the training folder."""
     require_e2e("starts MPI ranks")
-    base = settings()
-    config = config_mod.validate({**base, "train": {
-        **base["train"], "world_size": ranks, "zero": zero, "steps": steps, "micro_batch_size": GLOBAL_BATCH // ranks,
-        "lr_schedule": {"name": "constant"}, "checkpoint_every": 50, "keep_checkpoints": 5, "eval_every": 1000,
-        "resume_from": str(resume_from) if resume_from else None}})
-    job = {"config": config, "train": str(data), "eval": str(data.parent / "eval"), "artifacts": str(artifacts),
+    config = settings(world_size=ranks, zero=zero, steps=steps, micro_batch_size=GLOBAL_BATCH // ranks,
+                      lr_schedule={"name": "constant"}, checkpoint_every=50, keep_checkpoints=5, eval_every=1000,
+                      resume_from=str(resume_from) if resume_from else None)
+    job = {"config": config_mod.as_dict(config), "train": str(data), "eval": str(data.parent / "eval"), "artifacts": str(artifacts),
            "out": str(folder)}
     result = subprocess.run(launcher.launcher_command("mpirun", ranks, 2)
                             + [sys.executable, "-m", "ortflow.training.trainer", json.dumps(job)],
