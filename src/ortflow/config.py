@@ -425,7 +425,6 @@ def by_content(section: dict) -> dict:
     return {key: content(key, value) for key, value in section.items()}
 
 
-
 # --- the typed config ------------------------------------------------------------------------------
 # After `validate`, code reads the config as frozen dataclasses, one per section of the schema
 # (`config.train.optimizer.lr`), made from the schema itself: it stays the one source of the keys.

@@ -6,15 +6,17 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+def sha256_file(path: Path) -> str:
+    with open(path, "rb") as handle:
+        return sha256_handle(handle)
+
+
+def sha256_handle(handle: BinaryIO) -> str:
+    """The sha256 of an open file, read in blocks from where it stands."""
+    return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def digest(obj: Any) -> str:

@@ -20,13 +20,12 @@ a tokenizer folder its tokenizer files (TOKENIZER_FILES), not every file under i
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from .digests import digest
+from .digests import digest, sha256_handle
 from .errors import DataError, ModelError
 
 TOKENIZER_KEY, WEIGHTS_KEY = "data.tokenizer", "model.weights"
@@ -91,7 +90,7 @@ def open_regular(file: Path) -> BinaryIO:
 def sha256(file: Path) -> str:
     """The sha256 of `file`, opened by open_regular."""
     with open_regular(file) as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+        return sha256_handle(handle)
 
 
 def _refuse(key: str, file: Path, reason: str, advice: str):
