@@ -199,8 +199,23 @@ def validate(config: dict, partial: bool = False, command_line: dict | None = No
     if config["data"]["split_seed"] is None:
         config["data"]["split_seed"] = config["run"]["seed"]
     if not partial:
+        _default_tokenizer(config)
         _check_cross_keys(typed(config))
     return config
+
+
+def _default_tokenizer(config: dict) -> None:
+    """A `kind: transformers` model's data.tokenizer, for text, is its folder's own tokenizer when
+    the config names none and the folder has one; without one, text is read as bytes."""
+    from .user_files import TOKENIZER_FILES
+
+    model, data = config["model"], config["data"]
+    if model["kind"] != "transformers" or not model["path"] or data["tokenizer"] is not None:
+        return
+    is_text = data["source"] == "text" or Path(data["source"]).suffix.lower() == ".txt" or data["text"]
+    folder = Path(model["path"])
+    if is_text and any((folder / name).is_file() for name in TOKENIZER_FILES if name != "config.json"):
+        data["tokenizer"] = model["path"]
 
 
 # Each optimizer's own epsilon, train.optimizer.eps's null: torch.optim.AdamW's, and
@@ -216,10 +231,15 @@ def _resolve_eps(optimizer: dict) -> None:
 
 def _check_cross_keys(config: Config) -> None:
     model, train, data = config.model, config.train, config.data
-    if model.kind in ("onnx", "torch") and not model.path:
+    if model.kind in ("onnx", "torch", "transformers") and not model.path:
         raise ConfigError(
             f"config key 'model.path': required when model.kind is '{model.kind}' "
-            "(an .onnx file, or `package.module:Class` for torch)"
+            "(an .onnx file, `package.module:Class` for torch, a save_pretrained folder for transformers)"
+        )
+    if model.task != "auto" and model.kind != "transformers":
+        raise ConfigError(
+            f"config key 'model.task': {model.task!r} picks the head of a `kind: transformers` model; model.kind is "
+            f"{model.kind!r} (leave model.task out, or set model.kind: transformers)"
         )
     if model.kind == "gpt" and data.source != "text" and not data.source.endswith(".txt"):
         raise ConfigError(
@@ -401,10 +421,10 @@ def export_checkpoint(config: Config) -> str:
     return chosen
 
 
-# Keys whose files are listed, checked and hashed by user_files (section key -> config key):
-# only these may name a folder, hashed by the files its loader reads, so that a value such
+# Keys whose files are listed, checked and hashed by user_files (section key -> config key;
+# model.path for kind transformers): only these may name a folder, hashed by the files its loader reads, so that a value such
 # as `text` or `auto` never reads a folder that happens to have its name.
-CHECKED_KEYS = {"tokenizer": "data.tokenizer", "weights": "model.weights"}
+CHECKED_KEYS = {"tokenizer": "data.tokenizer", "weights": "model.weights", "path": "model.path"}
 
 
 def by_content(section: dict) -> dict:
@@ -414,10 +434,14 @@ def by_content(section: dict) -> dict:
     from . import user_files
     from .digests import sha256_file
 
+    checked = dict(CHECKED_KEYS)
+    if section.get("kind") != "transformers":  # model.path is a folder for kind transformers only
+        del checked["path"]
+
     def content(key: str, value):
         path = Path(value) if isinstance(value, str) else None
-        if path is not None and key in CHECKED_KEYS and (path.exists() or path.is_symlink()):
-            return user_files.content(CHECKED_KEYS[key], value)
+        if path is not None and key in checked and (path.exists() or path.is_symlink()):
+            return user_files.content(checked[key], value)
         if path is not None and path.is_file():
             return f"sha256:{sha256_file(path)}"
         return value

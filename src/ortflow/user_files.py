@@ -28,7 +28,7 @@ from typing import BinaryIO
 from .digests import digest, sha256_handle
 from .errors import DataError, ModelError
 
-TOKENIZER_KEY, WEIGHTS_KEY = "data.tokenizer", "model.weights"
+TOKENIZER_KEY, WEIGHTS_KEY, MODEL_KEY = "data.tokenizer", "model.weights", "model.path"
 TOKENIZER_MAX_BYTES = 64 << 20
 # What transformers' AutoTokenizer reads from a local folder: its settings, special and added
 # tokens, the fast tokenizer's JSON, and the vocabulary files of the classes it converts from
@@ -40,7 +40,11 @@ TOKENIZER_FILES = (
     "chat_template.jinja", "chat_template.json",
 )
 CHECKPOINT = "checkpoint"  # the ONNX Runtime file of a merged checkpoint folder (stages/merge_checkpoint.py)
-ERRORS = {TOKENIZER_KEY: DataError, WEIGHTS_KEY: ModelError}
+# What a `kind: transformers` model is built from (models/hugging_face.py): the folder's config and its
+# weights in safetensors, whole or sharded by an index; never pytorch_model.bin, a pickle that runs code.
+MODEL_CONFIG, MODEL_WEIGHTS, MODEL_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"
+PICKLED_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+ERRORS = {TOKENIZER_KEY: DataError, WEIGHTS_KEY: ModelError, MODEL_KEY: ModelError}
 
 
 class NotRegular(OSError):
@@ -161,11 +165,52 @@ def weights_files(path: str) -> list[Path]:
     return files
 
 
-FILES = {TOKENIZER_KEY: tokenizer_files, WEIGHTS_KEY: weights_files}
+def model_files(path: str) -> list[Path]:
+    """The files of `model.path` that a model is built from, checked: an ONNX file itself, or
+    for a save_pretrained folder its config.json and safetensors weights (those an index
+    lists, for sharded weights). Neither the folder nor those files may be links; a folder
+    without config.json, or whose weights are pickled only, is refused. A path that is not
+    there (an import path `package.module:Class`) is returned as it is."""
+    import json
+
+    where = Path(path)
+    _not_a_link(MODEL_KEY, where)
+    if not where.is_dir():
+        if where.exists():
+            _check(MODEL_KEY, where)
+        return [where]
+    if not os.path.lexists(where / MODEL_CONFIG):
+        raise ModelError(f"{MODEL_KEY}: {where} has no {MODEL_CONFIG}; give a folder written by transformers' "
+                         "save_pretrained (or one holding only its config.json, for a model drawn from run.seed)")
+    files = [where / MODEL_CONFIG]
+    if os.path.lexists(where / MODEL_INDEX):
+        _check(MODEL_KEY, where / MODEL_INDEX, TOKENIZER_MAX_BYTES)
+        try:
+            shards = set(json.loads((where / MODEL_INDEX).read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise ModelError(f"{MODEL_KEY}: {where / MODEL_INDEX} is not a safetensors index (a JSON object "
+                             "with a weight_map of tensor names to file names)") from None
+        outside = sorted(shard for shard in shards if not isinstance(shard, str) or Path(shard).name != shard)
+        if outside:
+            raise ModelError(f"{MODEL_KEY}: {where / MODEL_INDEX} names weight files outside its folder: "
+                             f"{outside[:3]}; the index may only name files beside it")
+        files += [where / MODEL_INDEX, *(where / shard for shard in sorted(shards))]
+    elif os.path.lexists(where / MODEL_WEIGHTS):
+        files.append(where / MODEL_WEIGHTS)
+    elif any(os.path.lexists(where / name) for name in PICKLED_WEIGHTS):
+        raise ModelError(f"{MODEL_KEY}: {where} holds its weights as pytorch_model.bin only, a pickle, which can run "
+                         "code when loaded; ortflow reads safetensors: save the model again with "
+                         "save_pretrained(..., safe_serialization=True)")
+    for file in files:
+        _check(MODEL_KEY, file)
+    return files
+
+
+FILES = {TOKENIZER_KEY: tokenizer_files, WEIGHTS_KEY: weights_files, MODEL_KEY: model_files}
 
 
 def content(key: str, path: str) -> str:
-    """The digest of the files of `key` (data.tokenizer or model.weights) that its loader
+    """The digest of the files of `key` (data.tokenizer, model.weights, model.path) that its loader
     reads: `sha256:<digest>` of a file, `sha256-folder:<digest>` of a folder's."""
     where = Path(path)
     files = FILES[key](path)

@@ -26,7 +26,7 @@ except ortflow_config.ConfigError as error:
 config.clear()
 config.update(_validated)
 
-# The tokenizer's and the weights' files, checked before anything reads them (no links,
+# The tokenizer's, the weights' and a transformers model's files, checked before anything reads them (no links,
 # no special files, tokenizer files within their size cap; src/ortflow/user_files.py):
 # a folder's are only those its loader reads.
 try:
@@ -37,6 +37,11 @@ try:
     )
     if CONFIG.model.weights:
         user_files.weights_files(CONFIG.model.weights)
+    MODEL_FILES = (
+        user_files.model_files(CONFIG.model.path)
+        if CONFIG.model.kind == "transformers"
+        else []
+    )
 except OrtflowError as error:
     raise WorkflowError(str(error))
 
@@ -109,7 +114,8 @@ def model_files(wildcards):
     """The user's model files, if any: replacing one reruns build_artifacts. For
     `kind: onnx` model.path; for `kind: torch` the file of the module in
     model.path (`package.module:Class`) when it is in the working directory or
-    on PYTHONPATH, where build_artifacts imports it from; and model.weights (an
+    on PYTHONPATH, where build_artifacts imports it from; for `kind: transformers`
+    the folder's config and weights files; and model.weights (an
     earlier run's results/<run>/checkpoint is that run's merge_checkpoint output)."""
     model = CONFIG.model
     weights = [model.weights] if model.weights else []
@@ -117,7 +123,7 @@ def model_files(wildcards):
         return [model.path, *weights]
     if model.kind == "torch":
         return module_file(model.path.partition(":")[0]) + weights
-    return weights
+    return [str(file) for file in MODEL_FILES] + weights
 
 
 def module_file(name):

@@ -31,9 +31,14 @@ def base_model(model, manifest: dict, loss: str, seed: int, path: Path):
     # Every weight drawn in the constructor comes from the seed, including a new
     # head that a wrapper adds to a model it loads with from_pretrained.
     torch.manual_seed(seed)
-    module = user.import_torch(model.path, model.kwargs) if model.kind == "torch" else built_in(
-        model, manifest, loss
-    )
+    if model.kind == "torch":
+        module = user.import_torch(model.path, model.kwargs)
+    elif model.kind == "transformers":
+        from ..models import hugging_face
+
+        module = hugging_face.build(model, manifest)
+    else:
+        module = built_in(model, manifest, loss)
     if pretrained:
         weights.load_into_module(module, pretrained)
     # As constructed, in training mode: torch.onnx deprecates its `training` argument for the module's own mode.

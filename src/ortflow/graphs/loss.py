@@ -13,9 +13,14 @@ from ..models.logits import Logits
 LOSS_BLOCKS = {"cross_entropy": "CrossEntropyLoss", "mse": "MSELoss", "l1": "L1Loss"}
 
 
-def resolve_loss(loss: str, manifest: dict) -> str:
-    """`model.loss`, with `auto` chosen by the task, checked against the label."""
+def resolve_loss(loss: str, manifest: dict, model_task: str | None = None) -> str:
+    """`model.loss`, with `auto` chosen by the task (the data's, and a `kind: transformers`
+    model's `model_task`), checked against the label."""
     task, label = manifest["task"], manifest["label"]
+    if loss == "auto" and model_task:
+        from ..models.hugging_face import default_loss, task_of
+
+        loss = default_loss(task_of(model_task, manifest), manifest)
     if loss == "auto":
         loss = "mse" if task == "regression" else "cross_entropy"
     integral = np.issubdtype(np.dtype(label["dtype"]), np.integer) or label["dtype"] == "bool"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import numpy as np
+
 from .. import external_data
 from ..errors import ModelError
 from . import LOGITS, batchnorm
@@ -67,7 +69,27 @@ def export_torch(module, manifest: dict, path: Path):
         log.warning("model.path: %s stayed in eval mode while exported, so torch.onnx merged its parameters and "
                     "buffers of equal value; each has its own initializer again: %s", type(module).__name__,
                     sorted(untied))
-    changed = len(untied) + export_fixes.give_dropout_its_mask(exported) + batchnorm.restore_buffers(exported, buffers)
+    ignored = unread_inputs(exported, module, features)
+    changed = len(untied) + len(ignored) + export_fixes.give_dropout_its_mask(exported) + \
+        batchnorm.restore_buffers(exported, buffers)
     if changed or scattered or external_data.initializer_bytes(exported) > external_data.threshold():
         external_data.save_model(exported, path)
     return exported
+
+
+def unread_inputs(exported, module, features: list[dict]) -> list[str]:
+    """The features a module takes but does not read (`ignored_inputs`: a tokenizer's
+    token_type_ids for a model without them), which torch.onnx leaves out of the graph:
+    added back as inputs that nothing reads, so that the model takes every feature the
+    data has, as the data's other consumers (training, evaluation, inference) feed them."""
+    import onnx
+
+    present = {value.name for value in exported.graph.input}
+    added = []
+    for feature in features:
+        name = feature["name"]
+        if name in getattr(module, "ignored_inputs", ()) and name not in present:
+            elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(feature["dtype"]))
+            exported.graph.input.append(onnx.helper.make_tensor_value_info(name, elem, ["batch", *feature["shape"]]))
+            added.append(name)
+    return added

@@ -346,7 +346,8 @@ def forward_features(module, manifest: dict) -> list[dict]:
     import inspect
 
     features = manifest["features"]
-    parameters = list(inspect.signature(module.forward).parameters)
+    # A module that takes its features positionally names them (models/hugging_face.py's TaskModel).
+    parameters = list(getattr(module, "input_names", None) or inspect.signature(module.forward).parameters)
     names = [f["name"] for f in features]
     if all(name in parameters for name in names):
         return sorted(features, key=lambda f: parameters.index(f["name"]))

@@ -49,7 +49,7 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
         raise MissingInputError(f"{manifest_path}: no train manifest (run the prepare_data rule first)")
     manifest = json.loads(manifest_path.read_text())
     model = config.model
-    loss = resolve_loss(model.loss, manifest)
+    loss = resolve_loss(model.loss, manifest, model.task if model.kind == "transformers" else None)
     with atomic.folder(out) as tmp:
         base, torch_trainable = base_model(model, manifest, loss, config.run.seed, Artifacts(tmp).base_model)
         check_interface(base, manifest)

@@ -1,0 +1,201 @@
+"""`model.kind: transformers`: a Hugging Face model fine-tuned by task, with no code of the user's.
+
+`model.path` is a local folder written by `save_pretrained` (its weights are then the
+initial checkpoint's, bit for bit), or one that holds only its `config.json` (the
+weights are drawn from `run.seed`). `model.task` picks the AutoModelFor<task> class
+(`auto`: from the data, `task_of`), and the data set its head: `num_labels`, and
+`id2label`/`label2id` from the classes' names. A head of another size than the
+folder's is replaced by a new one drawn from `run.seed`, and the log says so.
+
+`TaskModel` is the torch module that build_artifacts exports like any other. It
+takes the data's features by name: a tokenizer's `input_ids`, `attention_mask`,
+`token_type_ids` (one that the model's forward does not take is not fed, and stays
+an input of the ONNX model that nothing reads), the token windows of text (`x`) as
+`input_ids`, an image feature as `pixel_values`. It turns caches off and returns the
+logits in ortflow's layout: classes first, so a language model's and a tagger's
+`[batch, time, classes]` become `[batch, classes, time]`. ortflow adds the loss.
+
+Attention runs as `eager`: written out in ONNX operators, the same for every
+family; `sdpa`'s fully masked rows give NaN gradients in some (docs/models.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelError
+from ..user_files import MODEL_KEY, model_files
+
+log = logging.getLogger("ortflow.build_artifacts")
+
+# model.task -> the transformers class that builds it
+CLASSES = {
+    "causal-lm": "AutoModelForCausalLM",
+    "sequence-classification": "AutoModelForSequenceClassification",
+    "regression": "AutoModelForSequenceClassification",
+    "token-classification": "AutoModelForTokenClassification",
+    "image-classification": "AutoModelForImageClassification",
+}
+# Tasks whose logits have a score per position: [batch, time, classes] -> [batch, classes, time].
+PER_TOKEN = ("causal-lm", "token-classification")
+# The token windows of text (data.source text, a .txt file) are one feature of this name.
+TEXT_WINDOWS = "x"
+ATTENTION = "eager"
+
+
+def is_image(feature: dict) -> bool:
+    return feature["dtype"].startswith("float") and len(feature["shape"]) == 3
+
+
+def task_of(task: str, manifest: dict) -> str:
+    """`model.task` with `auto` resolved from the data, checked against it."""
+    data_task, label, features = manifest["task"], manifest["label"], manifest["features"]
+    per_token = data_task == "classification" and len(label["shape"]) == 1 and any(
+        f["shape"] == label["shape"] and not f["dtype"].startswith("float") for f in features)
+    image = any(is_image(f) for f in features)
+    if data_task == "language_model":
+        found = "causal-lm"
+    elif data_task == "regression":
+        found = "regression"
+    elif image:
+        found = "image-classification"
+    elif per_token:
+        found = "token-classification"
+    else:
+        found = "sequence-classification"
+    if task == "auto":
+        return found
+    # A float target vector in [0, 1] is what multi-label sequence classification trains on.
+    fits = task == found or (task == "sequence-classification" and data_task == "regression")
+    if not fits:
+        raise ModelError(
+            f"model.task: {task!r} does not fit the data, which is {describe(manifest)}: that is {found!r} "
+            f"(set model.task: {found}, or auto)"
+        )
+    return task
+
+
+def describe(manifest: dict) -> str:
+    label = manifest["label"]
+    what = {"language_model": "text windows (next-token prediction)", "regression": "float targets",
+            "classification": f"{manifest['num_classes']} classes"}[manifest["task"]]
+    return f"{what}, label {label['name']!r} of shape {label['shape']}"
+
+
+def default_loss(task: str, manifest: dict) -> str:
+    """`model.loss: auto` for a task: multi-label classification trains with bce_with_logits, as
+    transformers' `problem_type: multi_label_classification` does; the rest as for any model."""
+    return "bce_with_logits" if task == "sequence-classification" and manifest["task"] == "regression" else "auto"
+
+
+def load_config(folder: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except Exception as error:  # transformers raises ValueError, OSError, ... with the reason first
+        reason = str(error).strip().splitlines()[0][:300] if str(error).strip() else type(error).__name__
+        raise ModelError(f"{MODEL_KEY}: transformers cannot read the model config of {folder} ({reason})") from None
+
+
+def head_config(config, task: str, manifest: dict) -> None:
+    """The data's head on the model's config: how many outputs, the classes' names, the problem type."""
+    if task == "causal-lm":
+        config.use_cache = False
+        return
+    label = manifest["label"]
+    if task == "regression" or manifest["task"] == "regression":
+        size = 1
+        for dim in label["shape"]:
+            size *= dim
+        config.num_labels = size
+        config.problem_type = "multi_label_classification" if task == "sequence-classification" else "regression"
+        return
+    names = manifest.get("classes") or [str(i) for i in range(manifest["num_classes"])]
+    config.num_labels = len(names)
+    config.id2label = dict(enumerate(names))
+    config.label2id = {name: i for i, name in enumerate(names)}
+    config.problem_type = "single_label_classification" if task == "sequence-classification" else None
+
+
+def pretrained(folder: Path, task: str, manifest: dict):
+    """The AutoModelFor<task> of `folder`, its head fitted to the data, in training mode, float32."""
+    import transformers
+
+    model_files(str(folder))  # a save_pretrained folder, no links, safetensors only
+    config = load_config(folder)
+    head_config(config, task, manifest)
+    cls = getattr(transformers, CLASSES[task])
+    weights = [p for p in model_files(str(folder)) if p.name != "config.json"]
+    try:
+        if not weights:
+            log.info("%s: %s has no weights; %s drawn from run.seed", MODEL_KEY, folder, type(config).__name__)
+            module = cls.from_config(config, attn_implementation=ATTENTION, dtype=torch.float32)
+        else:
+            module, info = cls.from_pretrained(
+                str(folder), config=config, local_files_only=True, use_safetensors=True, trust_remote_code=False,
+                ignore_mismatched_sizes=True, attn_implementation=ATTENTION, dtype=torch.float32,
+                output_loading_info=True)
+            new = sorted({*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))})
+            if new:
+                log.warning("%s: %s has no weights of this shape for %d tensor(s) of the %s head (%d outputs for "
+                            "the data): drawn from run.seed: %s", MODEL_KEY, folder, len(new), task,
+                            getattr(config, "num_labels", 0), ", ".join(new[:6]))
+    except ValueError as error:  # a config of no class for this task ("Unrecognized configuration class ...")
+        reason = str(error).strip().splitlines()[0][:300]
+        raise ModelError(f"{MODEL_KEY}: {folder} ({config.model_type}) has no {CLASSES[task]} model for model.task "
+                         f"{task!r} ({reason})") from None
+    return module.train()
+
+
+class TaskModel(torch.nn.Module):
+    """The Hugging Face model `hf` between the data's features and ortflow's logits: `arguments`
+    are the forward arguments the features go to, in order (None: not fed)."""
+
+    def __init__(self, hf, task: str, input_names: list[str], arguments: list[str | None]):
+        super().__init__()
+        self.model = hf
+        self.task = task
+        self.input_names = input_names  # what forward takes, in this order (user.forward_features)
+        self.arguments = arguments
+        self.ignored_inputs = [name for name, argument in zip(input_names, arguments) if argument is None]
+        self.no_cache = "use_cache" in inspect.signature(hf.forward).parameters
+
+    def forward(self, *features):
+        given = {argument: value for argument, value in zip(self.arguments, features) if argument}
+        if self.no_cache:
+            given["use_cache"] = False
+        logits = self.model(**given).logits
+        return logits.transpose(1, 2) if self.task in PER_TOKEN else logits
+
+
+def build(model, manifest: dict) -> TaskModel:
+    """The TaskModel of config `model` (model.path, model.task) for the data of `manifest`."""
+    task = task_of(model.task, manifest)
+    folder = Path(model.path)
+    hf = pretrained(folder, task, manifest)
+    accepted = list(inspect.signature(hf.forward).parameters)
+    arguments = []
+    for feature in manifest["features"]:
+        name = feature["name"]
+        if name in accepted:
+            arguments.append(name)
+        elif name == TEXT_WINDOWS and task == "causal-lm":
+            arguments.append("input_ids")
+        elif is_image(feature) and task == "image-classification":
+            arguments.append("pixel_values")
+        elif name == "token_type_ids":
+            log.info("%s: %s.forward takes no token_type_ids, which data.tokenizer gives: not fed",
+                     MODEL_KEY, type(hf).__name__)
+            arguments.append(None)
+        else:
+            raise ModelError(
+                f"{MODEL_KEY}: the data's feature {name!r} is none of {type(hf).__name__}.forward's inputs "
+                f"({', '.join(a for a in accepted if a not in ('kwargs', 'labels'))}); name the features like them")
+
+    log.info("%s: %s (%s) for model.task %s", MODEL_KEY, type(hf).__name__, folder, task)
+    return TaskModel(hf, task, [f["name"] for f in manifest["features"]], arguments)
