@@ -4,10 +4,9 @@ with its own tokenizer (config/fine_tuning.yaml).
 `python examples/fine_tuning.py` writes `pretrained/gpt2/` as transformers'
 save_pretrained writes a model and its tokenizer: a small GPT-2 (random weights)
 and a byte-level BPE tokenizer trained on Python's documentation, a stand-in for
-a model you already have; nothing is downloaded. The config then names the
-folder twice: as the tokenizer (data.tokenizer) and as what `PretrainedGPT2`
-loads (model.path: examples.fine_tuning:PretrainedGPT2, found from the folder
-Snakemake runs in)."""
+a model you already have; nothing is downloaded. The config names the folder
+(`model: {kind: transformers, path: pretrained/gpt2, task: causal-lm}`), and
+ortflow reads both from it: the model's weights and its tokenizer."""
 
 from __future__ import annotations
 
@@ -19,20 +18,6 @@ from transformers import GPT2LMHeadModel
 
 FOLDER = Path("pretrained/gpt2")
 EOS = "<|endoftext|>"
-
-
-class PretrainedGPT2(torch.nn.Module):
-    """The wrapper you write for your own folder: from_pretrained in __init__ (the
-    initial checkpoint is the folder's weights, bit for bit), the logits as
-    [batch, vocabulary, time], where ortflow's cross-entropy wants the classes."""
-
-    def __init__(self, folder: str):
-        super().__init__()
-        self.model = GPT2LMHeadModel.from_pretrained(folder)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # No cache: training never reuses keys and values.
-        return self.model(input_ids=x, use_cache=False).logits.transpose(1, 2)
 
 
 def documentation() -> list[str]:

@@ -2,7 +2,8 @@
 CPU): a GPT-2 saved with save_pretrained on a `.txt` text with a byte-level BPE
 tokenizer, and a BERT encoder under a new head of 3 labels on a `.jsonl` of texts
 with string labels and a WordPiece tokenizer. The folders and tokenizers are made
-here (tests/transformers_models.py, tests/text_models.py): nothing is downloaded.
+here (tests/transformers_models.py, tests/text_models.py): nothing is downloaded;
+both are fine-tuned by task with no code (`model.kind: transformers`).
 And README's Fine-tuning example (examples/fine_tuning.py, config/fine_tuning.yaml)
 up to the stages."""
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +19,7 @@ import onnxruntime
 import pytest
 import yaml
 from safetensors.numpy import load_file
+from transformers import PreTrainedTokenizerFast
 
 from conftest import run_snakemake
 from ortflow import config as config_mod
@@ -32,12 +33,6 @@ from text_models import pydoc_text, train_bpe, train_wordpiece
 from transformers_models import save_bert, save_gpt2
 
 TESTS = Path(__file__).resolve().parent
-
-
-@pytest.fixture
-def user_models(monkeypatch):
-    """The wrappers of tests/transformers_models.py importable by the stages, as a user's my_models.py."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
 
 
 def assert_initial_is_the_folders(artifacts: Path, folder: Path, prefix: str, new: list[str]) -> None:
@@ -60,9 +55,9 @@ def assert_tokenizer_travels(export: Path) -> dict[str, str]:
 
 
 @pytest.mark.e2e
-def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, user_models):
-    """GPT-2 from its folder on Python's documentation as a .txt file, tokenized by
-    a BPE tokenizer trained here: the vocabulary check passes, step 0 is the
+def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path):
+    """GPT-2 from its folder by task (`model.kind: transformers`, causal-lm) on Python's
+    documentation as a .txt file, tokenized by a BPE tokenizer trained here: the vocabulary check passes, step 0 is the
     folder's weights, the loss falls from about ln(vocabulary), and the exported
     model with its tokenizer gives the eval loss that training measured."""
     from tokenizers import Tokenizer
@@ -77,7 +72,7 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, user_m
         "run": {"name": "gpt2"},
         "data": {"source": "text", "text_path": "docs.txt", "tokenizer": "tokenizer.json", "context": 32,
                  "shards": 1},
-        "model": {"kind": "torch", "path": "transformers_models:PretrainedGPT2", "kwargs": {"folder": str(folder)}},
+        "model": {"kind": "transformers", "path": str(folder), "task": "causal-lm"},
         "train": {"world_size": 2, "steps": 300, "micro_batch_size": 8, "log_every": 1, "eval_every": 300,
                   "optimizer": {"lr": 0.003}, "lr_schedule": {"warmup_steps": 10}},
     }
@@ -113,10 +108,10 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, user_m
 
 
 @pytest.mark.e2e
-def test_bert_under_a_new_head_on_jsonl_texts_with_string_labels(tmp_path, user_models):
-    """A BERT encoder from its folder under a new head of 3 labels, on a .jsonl of
-    sentences labelled with the animal they mention, tokenized by a WordPiece
-    tokenizer trained here: step 0 is the folder's encoder, the class names are
+def test_bert_under_a_new_head_on_jsonl_texts_with_string_labels(tmp_path):
+    """A BERT encoder from its folder (with its WordPiece tokenizer, trained here) under a
+    new head of 3 labels, by task with no code (`model.kind: transformers`), on a
+    .jsonl of sentences labelled with the animal they mention: step 0 is the folder's encoder, the class names are
     in the manifest, metrics.json and the exported model's metadata, and the
     exported model with its tokenizer classifies raw text well above chance."""
     from tokenizers import Tokenizer
@@ -127,12 +122,13 @@ def test_bert_under_a_new_head_on_jsonl_texts_with_string_labels(tmp_path, user_
     frame.to_json(workdir / "animals.jsonl", orient="records", lines=True)
     vocab = train_wordpiece(workdir / "tokenizer.json", 120, list(frame["review"])).get_vocab_size()
     folder = save_bert(tmp_path / "bert", vocab)
+    # The folder holds its tokenizer, as save_pretrained folders do: data.tokenizer is then not needed.
+    PreTrainedTokenizerFast(tokenizer_file=str(workdir / "tokenizer.json"), pad_token="[PAD]", unk_token="[UNK]",
+                            model_input_names=["input_ids", "token_type_ids", "attention_mask"]).save_pretrained(folder)
     config = {
         "run": {"name": "bert"},
-        "data": {"source": "animals.jsonl", "text": "review", "label": "animal", "tokenizer": "tokenizer.json",
-                 "context": 16, "shards": 1},
-        "model": {"kind": "torch", "path": "transformers_models:PretrainedBert",
-                  "kwargs": {"folder": str(folder), "classes": len(ANIMALS)}},
+        "data": {"source": "animals.jsonl", "text": "review", "label": "animal", "context": 16, "shards": 1},
+        "model": {"kind": "transformers", "path": str(folder)},
         "train": {"world_size": 2, "steps": 200, "micro_batch_size": 16, "log_every": 10, "eval_every": 100,
                   "optimizer": {"lr": 0.002}, "lr_schedule": {"warmup_steps": 10}},
     }
@@ -146,9 +142,11 @@ def test_bert_under_a_new_head_on_jsonl_texts_with_string_labels(tmp_path, user_
     manifest = ShardReader(results / "data/train").manifest
     assert (manifest["classes"], manifest["num_classes"]) == (classes, 3)
     assert [f["name"] for f in manifest["features"]] == ["input_ids", "attention_mask", "token_type_ids"]
-    assert (f"data.tokenizer tokenizer.json has a vocabulary of {vocab} token ids, the model's embedding "
+    log = (workdir / "logs/bert/build_artifacts.log").read_text()
+    assert (f"data.tokenizer {folder} has a vocabulary of {vocab} token ids, the model's embedding "
             f"'model.bert.embeddings.word_embeddings.weight' (which looks up 'input_ids') {vocab} rows: they match") \
-        in (workdir / "logs/bert/build_artifacts.log").read_text()
+        in log
+    assert "BertForSequenceClassification (" in log
     trained = json.loads((results / "train/metrics.json").read_text())["eval"]
     assert list(trained["per_class"]) == classes
     assert sum(c["count"] for c in trained["per_class"].values()) == len(eval_rows)
@@ -172,9 +170,10 @@ def test_bert_under_a_new_head_on_jsonl_texts_with_string_labels(tmp_path, user_
 def test_the_readme_examples_folder_fits_its_config(tmp_path, monkeypatch):
     """README's Fine-tuning, short of running the stages (which the GPT-2 test above
     does at a smaller size): examples/fine_tuning.py writes one folder that
-    AutoTokenizer and the config's wrapper both load, of one vocabulary, with the
-    end-of-text token that text needs; config/fine_tuning.yaml is valid and names it."""
-    from transformers import AutoTokenizer
+    AutoTokenizer and AutoModelForCausalLM both load, of one vocabulary, with the
+    end-of-text token that text needs; config/fine_tuning.yaml is valid, names it as
+    model.path, and its data.tokenizer defaults to the folder's own."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(TESTS.parent))
@@ -182,11 +181,10 @@ def test_the_readme_examples_folder_fits_its_config(tmp_path, monkeypatch):
 
     fine_tuning.main()
     config = config_mod.validate(yaml.safe_load((TESTS.parent / "config/fine_tuning.yaml").read_text()))
-    folder = Path(config["data"]["tokenizer"])
-    assert folder == fine_tuning.FOLDER and config["model"]["kwargs"] == {"folder": str(folder)}
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = fine_tuning.PretrainedGPT2(**config["model"]["kwargs"]).model
+    assert (config["model"]["kind"], config["model"]["task"]) == ("transformers", "causal-lm")
+    assert Path(config["model"]["path"]) == Path(config["data"]["tokenizer"]) == fine_tuning.FOLDER
+    tokenizer = AutoTokenizer.from_pretrained(fine_tuning.FOLDER, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(fine_tuning.FOLDER, local_files_only=True)
     assert (len(tokenizer), tokenizer.eos_token) == (model.config.vocab_size, "<|endoftext|>")
     assert model.config.eos_token_id == tokenizer.eos_token_id
     assert model.config.n_positions >= config["data"]["context"]
-    assert config["model"]["path"] == "examples.fine_tuning:PretrainedGPT2"

@@ -251,18 +251,18 @@ def test_entity_scores_equal_seqeval_and_per_class_scores_scikit_learn():
 
 
 @pytest.mark.e2e
-def test_token_classification_through_the_workflow(tmp_path, monkeypatch):
-    """A .jsonl of words and BIO tags, a WordPiece tokenizer and a torch TokenTagger
-    through every stage: metrics.json holds each tag's precision/recall/F1 and
-    seqeval's entity-level scores, which the eval split's predictions reproduce."""
-    import os
-
+def test_token_classification_through_the_workflow(tmp_path):
+    """A .jsonl of words and BIO tags, a WordPiece tokenizer and a BERT folder fine-tuned
+    by task (`model.kind: transformers`, the task found from the data) through every
+    stage: metrics.json holds each tag's precision/recall/F1 and seqeval's
+    entity-level scores, which the eval split's predictions reproduce."""
     from seqeval.metrics import f1_score
 
     from conftest import run_snakemake
     from ortflow.stages.prepare_data import split_rows
     from ortflow.inference import inference_session
     from text_models import train_wordpiece
+    from transformers_models import save_bert
 
     workdir = tmp_path / "work"
     workdir.mkdir()
@@ -273,15 +273,13 @@ def test_token_classification_through_the_workflow(tmp_path, monkeypatch):
         "run": {"name": "ner"},
         "data": {"source": "ner.jsonl", "text": "tokens", "label": "tags", "tokenizer": "tokenizer.json",
                  "context": 32, "shards": 1},
-        "model": {"kind": "torch", "path": "token_models:TokenTagger",
-                  "kwargs": {"vocab_size": vocab, "classes": 5}},
+        "model": {"kind": "transformers", "path": str(save_bert(tmp_path / "bert", vocab))},
         "train": {"world_size": 1, "steps": 120, "micro_batch_size": 16, "eval_every": 120, "log_every": 20,
-                  "optimizer": {"lr": 0.03}, "lr_schedule": {"warmup_steps": 5}},
+                  "optimizer": {"lr": 0.01}, "lr_schedule": {"warmup_steps": 5}},
     }
-    tests = str(Path(__file__).resolve().parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
     run_snakemake(workdir, config)
     results = workdir / "results" / "ner"
+    assert "BertForTokenClassification (" in (workdir / "logs/ner/build_artifacts.log").read_text()
 
     trained = json.loads((results / "train/metrics.json").read_text())["eval"]
     tags = ["B-LOC", "B-PER", "I-LOC", "I-PER", "O"]
