@@ -188,3 +188,41 @@ def test_the_readme_examples_folder_fits_its_config(tmp_path, monkeypatch):
     assert (len(tokenizer), tokenizer.eos_token) == (model.config.vocab_size, "<|endoftext|>")
     assert model.config.eos_token_id == tokenizer.eos_token_id
     assert model.config.n_positions >= config["data"]["context"]
+
+
+@pytest.mark.e2e
+def test_bert_regression_by_task_on_jsonl_texts(tmp_path):
+    """`model.task: regression` on a .jsonl of sentences and a float target (the size of
+    the animal each mentions): a BERT folder under a one-output head (transformers'
+    problem_type regression), trained with mse, ends far below the train split's
+    mean as a predictor, and the exported model's predictions give the eval mse."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    frame = animal_texts(400)
+    size = {"bird": -1.0, "cat": 0.0, "dog": 1.0}  # a float target that the animal named decides
+    frame["size"] = frame["animal"].map(size).astype(np.float32)
+    frame.to_json(workdir / "animals.jsonl", orient="records", lines=True)
+    vocab = train_wordpiece(workdir / "tokenizer.json", 120, list(frame["review"])).get_vocab_size()
+    config = {
+        "run": {"name": "weights"},
+        "data": {"source": "animals.jsonl", "text": "review", "label": "size", "tokenizer": "tokenizer.json",
+                 "context": 16, "shards": 1},
+        "model": {"kind": "transformers", "path": str(save_bert(tmp_path / "bert", vocab)), "task": "regression"},
+        "train": {"world_size": 1, "steps": 150, "micro_batch_size": 16, "log_every": 10, "eval_every": 150,
+                  "optimizer": {"lr": 0.005}, "lr_schedule": {"warmup_steps": 10}},
+    }
+    run_snakemake(workdir, config)
+    results = workdir / "results/weights"
+    log = (workdir / "logs/weights/build_artifacts.log").read_text()
+    assert "BertForSequenceClassification (" in log and "model transformers, loss mse" in log
+    metrics = json.loads((results / "train/metrics.json").read_text())
+    # The eval loss is the mse; the baseline's is the train split's mean as the prediction.
+    assert metrics["eval"]["loss"] < 0.2 * metrics["baseline"]["loss"], (metrics["eval"], metrics["baseline"])
+
+    _, eval_rows = split_rows(len(frame), 0.2, config_mod.load(overrides=config).data.split_seed)
+    eval_ = whole(ShardReader(results / "data/eval"))
+    session = onnxruntime.InferenceSession(str(results / "export/model.onnx"))
+    predicted = session.run(None, {i.name: eval_[i.name] for i in session.get_inputs()})[0]
+    assert predicted.shape == (len(eval_rows), 1)
+    mse = float(((predicted[:, 0] - frame["size"].to_numpy()[eval_rows]) ** 2).mean())
+    assert mse == pytest.approx(metrics["eval"]["loss"], rel=1e-3)
