@@ -21,6 +21,7 @@ from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.errors import ConfigError, ModelError
 from ortflow.models.hugging_face import task_of
+from ortflow.reporting.summary import run_summary
 from ortflow.stages.build_artifacts import build
 from ortflow.stages.prepare_data import prepare
 from ortflow.user_files import model_files
@@ -118,6 +119,14 @@ def test_a_new_head_of_the_datas_classes_is_drawn_from_the_seed(tmp_path, monkey
     assert description["loss"] == "cross_entropy" and description["num_classes"] == 3
     assert "model.path: bert has no weights of this shape for 2 tensor(s) of the sequence-classification head " \
            "(3 outputs for the data): drawn from run.seed: classifier.bias, classifier.weight" in caplog.text
+    assert description["transformers"] == {"class": "BertForSequenceClassification",
+                                           "task": "sequence-classification", "weights": "folder",
+                                           "new_head": ["classifier.bias", "classifier.weight"]}
+    summary = run_summary(tmp_path, train_metrics=tmp_path / "none", export_metrics=tmp_path / "none",
+                          model=tmp_path / "none", int8=tmp_path / "none", checkpoint=tmp_path / "none",
+                          report=tmp_path / "report.html", artifacts=out)
+    assert ("  fine-tune BertForSequenceClassification (sequence-classification) from the folder's weights, a new "
+            "head drawn from run.seed (classifier.bias, classifier.weight)") in summary.splitlines()
     initial = read_ort_checkpoint(Artifacts(out).checkpoint).parameters
     from safetensors.numpy import load_file
 
@@ -156,6 +165,8 @@ def test_a_folder_with_only_its_config_is_drawn_from_the_seed(tmp_path, monkeypa
                  "model": {"kind": "transformers", "path": "vit"}}
     description, out = build_in(tmp_path / "a", overrides)
     assert description["num_classes"] == 4 and description["inputs"][0]["name"] == "pixels"
+    assert description["transformers"] == {"class": "ViTForImageClassification", "task": "image-classification",
+                                           "weights": "run.seed", "new_head": []}
     _, again = build_in(tmp_path / "b", overrides)
     first, second = (read_ort_checkpoint(Artifacts(o).checkpoint).parameters for o in (out, again))
     assert sorted(first) == sorted(second) and all(bits(first[n]) == bits(second[n]) for n in first)

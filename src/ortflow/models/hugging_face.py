@@ -147,6 +147,7 @@ def pretrained(folder: Path, task: str, manifest: dict):
                 ignore_mismatched_sizes=True, attn_implementation=ATTENTION, dtype=torch.float32,
                 output_loading_info=True)
             new = sorted({*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))})
+            module.new_tensors = new
             if new:
                 log.warning("%s: %s has no weights of this shape for %d tensor(s) of the %s head (%d outputs for "
                             "the data): drawn from run.seed: %s", MODEL_KEY, folder, len(new), task,
@@ -181,6 +182,16 @@ class TaskModel(torch.nn.Module):
             given["use_cache"] = False
         logits = self.model(**given).logits
         return logits.transpose(1, 2) if self.task in PER_TOKEN else logits
+
+
+def origin(module: TaskModel) -> dict:
+    """What model.json records of the model and the end-of-run summary shows: its class and
+    task, whether its weights are the folder's or drawn from run.seed, and the new head's
+    tensors (drawn from run.seed) under the folder's."""
+    hf = module.model
+    new = getattr(hf, "new_tensors", None)
+    return {"class": type(hf).__name__, "task": module.task, "weights": "run.seed" if new is None else "folder",
+            "new_head": new or []}
 
 
 def build(model, manifest: dict) -> TaskModel:
