@@ -117,8 +117,8 @@ def test_a_new_head_of_the_datas_classes_is_drawn_from_the_seed(tmp_path, monkey
     with caplog.at_level(logging.INFO, "ortflow.build_artifacts"):
         description, out = build_in(tmp_path / "a", overrides)
     assert description["loss"] == "cross_entropy" and description["num_classes"] == 3
-    assert "model.path: bert has no weights of this shape for 2 tensor(s) of the sequence-classification head " \
-           "(3 outputs for the data): drawn from run.seed: classifier.bias, classifier.weight" in caplog.text
+    assert "model.path: bert has no sequence-classification head of 3 outputs, the data's: 2 tensor(s) drawn from " \
+           "run.seed: classifier.bias, classifier.weight" in caplog.text
     assert description["transformers"] == {"class": "BertForSequenceClassification",
                                            "task": "sequence-classification", "weights": "folder",
                                            "new_head": ["classifier.bias", "classifier.weight"]}

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..user_files import MODEL_KEY, model_files
+from ..user_files import MODEL_CONFIG, MODEL_KEY, model_files
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -132,11 +132,11 @@ def pretrained(folder: Path, task: str, manifest: dict):
     """The AutoModelFor<task> of `folder`, its head fitted to the data, in training mode, float32."""
     import transformers
 
-    model_files(str(folder))  # a save_pretrained folder, no links, safetensors only
+    # A save_pretrained folder, no links, safetensors only: its config.json and weight files.
+    weights = [file for file in model_files(str(folder)) if file.name != MODEL_CONFIG]
     config = load_config(folder)
     head_config(config, task, manifest)
     cls = getattr(transformers, CLASSES[task])
-    weights = [p for p in model_files(str(folder)) if p.name != "config.json"]
     try:
         if not weights:
             log.info("%s: %s has no weights; %s drawn from run.seed", MODEL_KEY, folder, type(config).__name__)
@@ -149,9 +149,8 @@ def pretrained(folder: Path, task: str, manifest: dict):
             new = sorted({*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))})
             module.new_tensors = new
             if new:
-                log.warning("%s: %s has no weights of this shape for %d tensor(s) of the %s head (%d outputs for "
-                            "the data): drawn from run.seed: %s", MODEL_KEY, folder, len(new), task,
-                            getattr(config, "num_labels", 0), ", ".join(new[:6]))
+                log.warning("%s: %s has no %s head of %d outputs, the data's: %d tensor(s) drawn from run.seed: %s",
+                            MODEL_KEY, folder, task, config.num_labels, len(new), ", ".join(new[:6]))
     except ValueError as error:  # a config of no class for this task ("Unrecognized configuration class ...")
         reason = str(error).strip().splitlines()[0][:300]
         raise ModelError(f"{MODEL_KEY}: {folder} ({config.model_type}) has no {CLASSES[task]} model for model.task "
