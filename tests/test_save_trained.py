@@ -76,7 +76,7 @@ def test_gpt2_folder_loads_with_its_trained_weights_and_scores_other_lengths(tmp
                           {"kind": "transformers", "path": str(folder), "task": "causal-lm"})
     saved = export / "transformers"
     assert sorted(p.name for p in saved.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
-    assert "no data.tokenizer, so no tokenizer files: the model's token ids are the text's bytes" in caplog.text
+    assert "no data.tokenizer, so the transformers folder has no tokenizer files" in caplog.text
     assert json.loads((saved / "config.json").read_text())["use_cache"] is True  # off only for training
     model, info = AutoModelForCausalLM.from_pretrained(saved, output_loading_info=True)
     assert info["missing_keys"] == info["unexpected_keys"] == set() and not info["mismatched_keys"], info
@@ -165,6 +165,35 @@ def test_torch_module_state_dict_loads_strictly_with_tied_names(tmp_path):
     assert np.abs(onnx_logits(export, {"x": tokens}) - expected).max() < 1e-4
     # n_positions is data.context here: the sequence is dynamic, checked at 1 and 16 tokens.
     assert sequence_dims(export)["x"] == ["batch", "sequence"]
+
+
+class WithUnused(torch.nn.Module):
+    """A digits classifier with a layer its forward never reads, which torch.onnx leaves out."""
+
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(64, 10)
+        self.unused = torch.nn.Linear(64, 3)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_a_tensor_forward_never_reads_keeps_its_value_as_built(tmp_path, caplog):
+    """Not in the ONNX model, so not in the merged checkpoint: export/model.safetensors has it as the
+    module was built from run.seed (load_state_dict(strict=True) wants every name), and the log says so."""
+    from safetensors.torch import load_file
+
+    with caplog.at_level(logging.INFO, logger="ortflow"):
+        export = exported(tmp_path, {}, {"kind": "torch", "path": "test_save_trained:WithUnused"})
+    tensors = load_file(str(export / "model.safetensors"))
+    torch.manual_seed(config_mod.load().run.seed)
+    built = WithUnused()
+    assert torch.equal(tensors["unused.weight"], built.unused.weight.detach())
+    assert not torch.equal(tensors["used.weight"], built.used.weight.detach())  # the checkpoint's
+    built.load_state_dict(tensors, strict=True)
+    assert "2 that forward never reads (not in the ONNX model) keep their values as built: unused.weight, " \
+           "unused.bias" in caplog.text
 
 
 def test_built_in_gpt_keeps_its_sequence_fixed(tmp_path, caplog):

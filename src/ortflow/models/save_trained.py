@@ -14,6 +14,7 @@ is what export_model compares with the ONNX model.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -30,9 +31,40 @@ STATE_DICT = "model.safetensors"  # export/model.safetensors
 POSITIONS = ("n_positions", "max_position_embeddings")
 
 
+@contextlib.contextmanager
+def quietly():
+    """The module built again, saved and read back without build_artifacts' log, transformers' loading
+    report and its progress bars: what they say of the build (a new head drawn from run.seed, weights
+    loaded from the folder) is undone by the checkpoint's weights, and the export log says what it did."""
+    build_log = logging.getLogger("ortflow.build_artifacts")
+    level = build_log.level
+    build_log.setLevel(logging.ERROR)
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # kind torch without transformers installed
+        hf_logging = None
+    if hf_logging:
+        verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        build_log.setLevel(level)
+        if hf_logging:
+            hf_logging.set_verbosity(verbosity)
+            if bars:
+                hf_logging.enable_progress_bar()
+
+
 def load_trained(module, checkpoint_dir: Path) -> None:
-    """The merged checkpoint's parameters (results/<run>/checkpoint) into `module`, by state_dict names."""
-    load_into_module(module, Request(str(checkpoint_dir), (), None))
+    """The merged checkpoint's parameters (results/<run>/checkpoint) into `module`, by state_dict names.
+    A tensor that forward never reads is not in it (torch.onnx leaves it out of the ONNX model) and
+    keeps its value as built."""
+    kept = load_into_module(module, Request(str(checkpoint_dir), (), None), keep_absent=True)
+    log.info("%s: the weights of %s loaded by their state_dict names%s", type(module).__name__, checkpoint_dir,
+             f"; {len(kept)} that forward never reads (not in the ONNX model) keep their values as built: "
+             f"{', '.join(kept[:5])}" if kept else "")
 
 
 def position_limit(module) -> int | None:
@@ -74,7 +106,8 @@ def save_pretrained(task_model, model_path: str, tokenizer: str | None, describe
         hf.config.use_cache = getattr(load_config(Path(model_path)), "use_cache", True)
     hf.save_pretrained(str(folder), safe_serialization=True)
     if not tokenizer:
-        log.info("%s: no data.tokenizer, so no tokenizer files: the model's token ids are the text's bytes", folder)
+        log.info("no data.tokenizer, so the transformers folder has no tokenizer files: the model's token ids are "
+                 "the text's bytes")
         return
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 

@@ -279,8 +279,10 @@ def check_sequence_lengths(path: Path, info: dict, batch: dict, output: np.ndarr
         try:
             scores = session.run([model.graph.output[0].name], feeds)[0]
         except Exception as error:  # ONNX Runtime's own error names the node
-            raise ExportError(f"{path}: the model's sequence dimension is dynamic, but it fails at {length} token(s) "
-                              f"(data.context is {context}): {str(error).strip()[:300]}") from None
+            unknown = "" if limit else (" (the model has no transformers config that gives n_positions or "
+                                        "max_position_embeddings, so it is run at twice data.context)")
+            raise ExportError(f"{path}: the model's sequence dimension is dynamic, but it fails at {length} token(s)"
+                              f"{unknown}, data.context being {context}: {str(error).strip()[:300]}") from None
         expected = [length if i == axis else size for i, size in enumerate(output.shape)]
         if list(scores.shape) != expected:
             raise ExportError(f"{path}: at {length} token(s) its output has shape {list(scores.shape)}, expected "
@@ -300,8 +302,9 @@ def trained_torch_module(config: Config, info: dict, manifest: dict, checkpoint_
     it, with the merged checkpoint's weights; None for other kinds."""
     if config.model.kind not in ("torch", "transformers"):
         return None
-    module = torch_module(config.model, manifest, info["loss"], config.run.seed)
-    save_trained.load_trained(module, checkpoint_dir)
+    with save_trained.quietly():
+        module = torch_module(config.model, manifest, info["loss"], config.run.seed)
+        save_trained.load_trained(module, checkpoint_dir)
     return module.eval()
 
 
@@ -320,7 +323,7 @@ def write_torch_formats(config: Config, module, info: dict, manifest: dict, batc
         (folder / save_trained.STATE_DICT).unlink(missing_ok=True)
     if kind == "transformers":
         target = folder / save_trained.TRANSFORMERS
-        with atomic.folder(target) as tmp:
+        with atomic.folder(target) as tmp, save_trained.quietly():
             save_trained.save_pretrained(module, config.model.path, config.data.tokenizer, manifest.get("tokenizer"),
                                          tmp)
             loaded = save_trained.from_pretrained(module, tmp)
@@ -330,7 +333,8 @@ def write_torch_formats(config: Config, module, info: dict, manifest: dict, batc
         target = folder / save_trained.STATE_DICT
         with atomic.file(target) as tmp:
             save_trained.save_state_dict(module, tmp)
-            fresh = torch_module(config.model, manifest, info["loss"], config.run.seed)
+            with save_trained.quietly():
+                fresh = torch_module(config.model, manifest, info["loss"], config.run.seed)
             save_trained.read_state_dict(fresh, tmp)
             check_torch_outputs(f"{target} through load_state_dict", fresh, manifest, batch, output)
 
