@@ -140,6 +140,26 @@ def test_bert_classifier_folder_has_its_labels_and_tokenizer(tmp_path, caplog):
         in caplog.text
 
 
+def test_the_folders_own_tokenizer_is_saved_again(tmp_path):
+    """A GPT-2 folder with its own BPE tokenizer (data.tokenizer defaults to the folder): export/transformers/
+    holds that tokenizer, saved again through AutoTokenizer, which encodes text as the folder's does."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from text_models import train_bpe
+
+    (tmp_path / "corpus.txt").write_text(pydoc_text()[:20_000])
+    vocab = train_bpe(tmp_path / "bpe.json", 300).get_vocab_size()
+    folder = save_gpt2(tmp_path / "gpt2", vocab_size=vocab, context=2 * CONTEXT)
+    PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "bpe.json"), eos_token="<|endoftext|>").save_pretrained(
+        folder)
+    export = exported(tmp_path, {"source": "text", "text_path": str(tmp_path / "corpus.txt"), "context": CONTEXT},
+                      {"kind": "transformers", "path": str(folder), "task": "causal-lm"})
+    saved = AutoTokenizer.from_pretrained(export / "transformers")
+    text = pydoc_text()[20_000:21_000]
+    assert saved(text)["input_ids"] == AutoTokenizer.from_pretrained(folder)(text)["input_ids"]
+    assert saved.eos_token == "<|endoftext|>"
+
+
 def test_torch_module_state_dict_loads_strictly_with_tied_names(tmp_path):
     """kind torch (a GPT-2 wrapper with its embedding tied to its head): export/model.safetensors holds
     every state_dict name, the tied tensor under both, the checkpoint's values; load_state_dict(strict=True)
