@@ -200,5 +200,5 @@ def test_flops_per_sample_count_every_matmul_of_transformers_models(kind, tmp_pa
     by_hand = {"gpt2": 16 * (2 * (24 * 64**2 + 4 * 16 * 64) + 2 * 64 * 256)}
     base = _export(module, features, tmp_path)
     generate.drop_weights(base)  # as build counts them: once the checkpoint holds the weights
-    assert cost.forward_flops(base, cost.per_sample_values(base)) == counter.get_total_flops()
+    assert cost.forward_flops(base, cost.per_sample_values(base, {"features": features})) == counter.get_total_flops()
     assert counter.get_total_flops() == by_hand.get(kind, counter.get_total_flops())

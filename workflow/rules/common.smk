@@ -75,10 +75,12 @@ ARTIFACTS_KEYS = (
 )
 # Training, and the merge that picks its newest checkpoint, depend on the training
 # identity (and export.checkpoint: training keeps the best checkpoint when the export
-# will want it); export on the run's name (the model's metadata), quantization on its
+# will want it); export on the run's name (the model's metadata) and, for the torch
+# module it builds again (kind torch, transformers), on the model, its seed and the
+# tokenizer it saves beside a transformers model; quantization on its
 # section and the evaluation batch; the report on what it plots or shows.
 TRAIN_KEYS = ("run", "data", "model", "train", "export.checkpoint")
-EXPORT_KEYS = ("run.name",)
+EXPORT_KEYS = ("run.name", "run.seed", "model", "data.tokenizer")
 QUANTIZE_KEYS = ("train.eval_batch_size", "export")
 PLOT_KEYS = ("train.steps", "train.optimizer.lr", "train.lr_schedule")
 TABLES_KEYS = ("run", "data", "model", "train", "export")

@@ -8,6 +8,14 @@ TOKENIZER = (
     {"tokenizer": f"{RESULTS}/export/tokenizer.json"} if CONFIG.data.tokenizer else {}
 )
 
+# The trained model in its own framework's format too (src/ortflow/models/save_trained.py):
+# a save_pretrained folder for kind transformers, the module's state_dict for kind torch
+# (export_model removes an earlier run's of another kind).
+TORCH_FORMATS = {
+    "transformers": {"transformers": directory(f"{RESULTS}/export/transformers")},
+    "torch": {"state_dict": f"{RESULTS}/export/model.safetensors"},
+}.get(CONFIG.model.kind, {})
+
 
 rule export_model:
     input:
@@ -16,6 +24,7 @@ rule export_model:
         eval=DATA_EVAL,
     output:
         **TOKENIZER,
+        **TORCH_FORMATS,
         model=f"{RESULTS}/export/model.onnx",
     log:
         f"{LOGS}/export_model.log",

@@ -8,13 +8,15 @@ import logging
 import math
 
 from ..models import is_float
+from ..models.torch_export import SEQUENCE, sequence_features
 
 log = logging.getLogger("ortflow.build_artifacts")
 
 
-def per_sample_values(base) -> dict[str, tuple[list[int], int]]:
+def per_sample_values(base, manifest: dict) -> dict[str, tuple[list[int], int]]:
     """Name -> (shape, bytes per element) of every value of the forward model whose
-    shape is known for a batch of one sample. ONNX Runtime's symbolic shape
+    shape is known for a batch of one sample of the data of `manifest` (a text model's
+    dynamic sequence dimension at the data's length). ONNX Runtime's symbolic shape
     inference follows shapes through Shape, Gather, Concat and Reshape, which torch's
     exporter emits around transformers' Conv1D (a Gemm on the flattened batch) and
     attention (MatMuls of [batch, heads, time, head]); ONNX's own inference loses them there."""
@@ -25,10 +27,15 @@ def per_sample_values(base) -> dict[str, tuple[list[int], int]]:
     model.CopyFrom(base)
     del model.graph.value_info[:]
     initializers = {t.name for t in model.graph.initializer}
+    # A dimension named like the sequence's has the length of the data's text (models/torch_export.py).
+    lengths = {"batch": 1} | {SEQUENCE: f["shape"][0] for f in manifest["features"]
+                              if f["name"] in sequence_features(manifest, manifest["features"])}
     for value in [*model.graph.input, *model.graph.output]:
         if value.name not in initializers and value.type.tensor_type.shape.dim:
-            value.type.tensor_type.shape.dim[0].ClearField("dim_param")
-            value.type.tensor_type.shape.dim[0].dim_value = 1
+            value.type.tensor_type.shape.dim[0].dim_param = "batch"
+            for dim in value.type.tensor_type.shape.dim:
+                if dim.dim_param in lengths:
+                    dim.dim_value = lengths[dim.dim_param]
     # The float initializers as graph inputs of their shapes, which is all shape inference needs
     # of them: their values are gone once the checkpoint holds them (drop_weights), and symbolic
     # shape inference would read the empty tensors (BERT: "cannot reshape array of size 0").

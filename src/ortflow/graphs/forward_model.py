@@ -18,9 +18,7 @@ def base_model(model, manifest: dict, loss: str, seed: int, path: Path):
     came from (hugging_face.origin; else None). Over external_data.threshold() its initializers go
     to `inference_base.onnx.data`, and the model returned holds their shapes, not their
     values (what the checks and model.json read; generate_artifacts reads the file)."""
-    import torch
-
-    from ..models import built_in, hugging_face, user, weights
+    from ..models import hugging_face, user, weights
 
     pretrained = weights.requested(model)
     if model.kind == "onnx":
@@ -29,20 +27,29 @@ def base_model(model, manifest: dict, loss: str, seed: int, path: Path):
             weights.load_into_onnx(base, pretrained)
         external_data.save_model(base, path)
         return base, None, None
-    # Every weight drawn in the constructor comes from the seed, including a new
-    # head that a wrapper adds to a model it loads with from_pretrained.
-    torch.manual_seed(seed)
-    if model.kind == "torch":
-        module = user.import_torch(model.path, model.kwargs)
-    elif model.kind == "transformers":
-        module = hugging_face.build(model, manifest)
-    else:
-        module = built_in(model, manifest, loss)
+    module = torch_module(model, manifest, loss, seed)
     if pretrained:
         weights.load_into_module(module, pretrained)
     origin = hugging_face.origin(module) if model.kind == "transformers" else None
     # As constructed, in training mode: torch.onnx deprecates its `training` argument for the module's own mode.
     return export_torch(module, manifest, path), [n for n, p in module.named_parameters() if p.requires_grad], origin
+
+
+def torch_module(model, manifest: dict, loss: str, seed: int):
+    """The torch module of a `model.kind` other than onnx, as constructed (before `model.weights`):
+    what build_artifacts exports, and what export_model loads the trained weights into."""
+    import torch
+
+    from ..models import built_in, hugging_face, user
+
+    # Every weight drawn in the constructor comes from the seed, including a new
+    # head that a wrapper adds to a model it loads with from_pretrained.
+    torch.manual_seed(seed)
+    if model.kind == "torch":
+        return user.import_torch(model.path, model.kwargs)
+    if model.kind == "transformers":
+        return hugging_face.build(model, manifest)
+    return built_in(model, manifest, loss)
 
 
 def check_interface(base, manifest: dict) -> None:

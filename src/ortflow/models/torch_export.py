@@ -15,12 +15,14 @@ log = logging.getLogger("ortflow.build_artifacts")
 
 # ORT 1.19's gradient builder fails on opset 17's one-output LayerNormalization.
 OPSET = 16
+# The name of a text model's dynamic sequence dimension (dim 1 of its token-id inputs).
+SEQUENCE = "sequence"
 
 
 def export_torch(module, manifest: dict, path: Path):
-    """torch -> ONNX (written to `path` and returned) with the batch dimension dynamic, in training mode and
-    without constant folding, so that every parameter stays an initializer;
-    with export_fixes' repairs (torch.diff, cumsum, the attention's dropout, the embedding's padding row,
+    """torch -> ONNX (written to `path` and returned) with the batch dimension dynamic (and a text model's
+    sequence dimension, `sequence_axes`), in training mode and without constant folding, so that every
+    parameter stays an initializer; with export_fixes' repairs (torch.diff, cumsum, the attention's dropout, the embedding's padding row,
     initializers merged by value),
     and the buffers (BatchNorm's running statistics) as they were before the export ran the module."""
     import onnx
@@ -34,6 +36,8 @@ def export_torch(module, manifest: dict, path: Path):
     example = tuple(torch.zeros([2, *f["shape"]], dtype=getattr(torch, f["dtype"])) for f in features)
     names = [f["name"] for f in features]
     buffers = batchnorm.buffers_before_export(module)
+    sequence = sequence_axes(module, manifest, features, example)
+    axes = {name: {0: "batch"} | sequence.get(name, {}) for name in [*names, LOGITS]}
     try:
         torch.onnx.export(
             module,
@@ -41,7 +45,7 @@ def export_torch(module, manifest: dict, path: Path):
             str(path),
             input_names=names,
             output_names=[LOGITS],
-            dynamic_axes={name: {0: "batch"} for name in [*names, LOGITS]},
+            dynamic_axes=axes,
             opset_version=OPSET,
             training=torch.onnx.TrainingMode.TRAINING,
             do_constant_folding=False,
@@ -69,7 +73,7 @@ def export_torch(module, manifest: dict, path: Path):
         log.warning("model.path: %s stayed in eval mode while exported, so torch.onnx merged its parameters and "
                     "buffers of equal value; each has its own initializer again: %s", type(module).__name__,
                     sorted(untied))
-    ignored = unread_inputs(exported, module, features)
+    ignored = unread_inputs(exported, module, features, axes)
     changed = len(untied) + len(ignored) + export_fixes.give_dropout_its_mask(exported) + \
         batchnorm.restore_buffers(exported, buffers)
     if changed or scattered or external_data.initializer_bytes(exported) > external_data.threshold():
@@ -77,27 +81,64 @@ def export_torch(module, manifest: dict, path: Path):
     return exported
 
 
-def unread_inputs(exported, module, features: list[dict]) -> list[str]:
+def sequence_features(manifest: dict, features: list[dict]) -> list[str]:
+    """The features that are a text's token positions (token ids, their attention mask and types):
+    every one-dimensional feature of text, read as windows of `data.context` (a language model) or
+    through data.tokenizer."""
+    if manifest.get("task") != "language_model" and not manifest.get("tokenizer"):
+        return []
+    return [f["name"] for f in features if len(f["shape"]) == 1 and not f["dtype"].startswith("float")]
+
+
+def sequence_axes(module, manifest: dict, features: list[dict], example: tuple) -> dict[str, dict[int, str]]:
+    """Input or output name -> {its sequence dimension: SEQUENCE}, for a text model that takes another length:
+    dim 1 of the token features, and the dimension of the logits that follows their length, found
+    by running the module at the training length and one shorter. None for a module that cannot
+    (the built-in gpt adds its whole position table, `data.context` rows, to every window)."""
+    import torch
+
+    sequences = sequence_features(manifest, features)
+    length = next((f["shape"][0] for f in features if f["name"] in sequences), 0)
+    if length < 2:
+        return {}
+    shorter = tuple(tensor[:, :length - 1] if f["name"] in sequences else tensor
+                    for f, tensor in zip(features, example))
+    try:
+        with torch.no_grad():
+            full, short = module(*example).shape, module(*shorter).shape
+    except Exception as error:  # any failure means the module takes its training length only
+        log.info("%s takes token sequences of data.context=%d only (%s: %s): its ONNX model's sequence dimension "
+                 "stays fixed", type(module).__name__, length, type(error).__name__, str(error).strip()[:120])
+        return {}
+    moved = [axis for axis, (a, b) in enumerate(zip(full, short)) if a != b]
+    if len(full) != len(short) or [(full[axis], short[axis]) for axis in moved] not in ([], [(length, length - 1)]):
+        log.info("%s's logits %s at length %d change to %s at length %d, not in one dimension of that length: "
+                 "its ONNX model's sequence dimension stays fixed", type(module).__name__, list(full), length,
+                 list(short), length - 1)
+        return {}
+    return {name: {1: SEQUENCE} for name in sequences} | ({LOGITS: {moved[0]: SEQUENCE}} if moved else {})
+
+
+def unread_inputs(exported, module, features: list[dict], axes: dict[str, dict[int, str]]) -> list[str]:
     """The features a module takes but does not read (`ignored_inputs`: a tokenizer's
     token_type_ids for a model without them), which torch.onnx leaves out of the graph:
-    added back (`add_inputs`)."""
-    ignored = getattr(module, "ignored_inputs", ())
-    return add_inputs(exported, [{"name": f["name"], "dtype": f["dtype"], "shape": ["batch", *f["shape"]]}
-                                 for f in features if f["name"] in ignored])
-
-
-def add_inputs(model, inputs: list[dict]) -> list[str]:
-    """Each of `inputs` (name, dtype, shape with the batch: model.json's) that the ONNX `model`
-    lacks, added as an input that nothing reads: the model then takes every feature the data has, as
-    the data's consumers (training, evaluation, inference) feed them. Torch's exporter and
-    ONNX Runtime's inference export both leave out an input that nothing reads."""
+    added back (`add_inputs`), with the dynamic `axes` of the export."""
     import onnx
 
+    ignored = getattr(module, "ignored_inputs", ())
+    values = [onnx.helper.make_tensor_value_info(
+        f["name"], onnx.helper.np_dtype_to_tensor_dtype(np.dtype(f["dtype"])),
+        [axes.get(f["name"], {}).get(axis, size) for axis, size in enumerate([None, *f["shape"]])])
+        for f in features if f["name"] in ignored]
+    return add_inputs(exported, values)
+
+
+def add_inputs(model, inputs) -> list[str]:
+    """Each of `inputs` (ONNX ValueInfos) that the ONNX `model` lacks, added as an input that
+    nothing reads: the model then takes every feature the data has, as the data's consumers
+    (training, evaluation, inference) feed them. Torch's exporter and ONNX Runtime's inference
+    export both leave out an input that nothing reads."""
     present = {value.name for value in model.graph.input}
-    added = []
-    for value in inputs:
-        if value["name"] not in present:
-            elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(value["dtype"]))
-            model.graph.input.append(onnx.helper.make_tensor_value_info(value["name"], elem, value["shape"]))
-            added.append(value["name"])
-    return added
+    added = [value for value in inputs if value.name not in present]
+    model.graph.input.extend(added)
+    return [value.name for value in added]

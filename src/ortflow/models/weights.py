@@ -265,10 +265,13 @@ def _report(source: str, loaded: dict, kept: list[str]) -> None:
              f"; {_listed('keep their initial values (model.weights_skip)', kept)}" if kept else "")
 
 
-def load_into_module(module, request: Request) -> None:
+def load_into_module(module, request: Request, keep_absent: bool = False) -> list[str]:
     """Set a torch module's parameters and buffers (its state_dict) from the weights,
     before it is exported. Integer buffers (BatchNorm's num_batches_tracked) are
-    loaded when the weights have them and not required: ortflow keeps no such tensor."""
+    loaded when the weights have them and not required: ortflow keeps no such tensor.
+    With `keep_absent` (export_model, from a run's merged checkpoint, which has no tensor
+    that forward never reads: torch.onnx leaves those out) a float tensor the weights
+    lack keeps its value too. Returns the float tensors that kept their values."""
     import torch
 
     tensors = module.state_dict(keep_vars=True)  # the live tensors; a tied one under each of its names
@@ -277,9 +280,11 @@ def load_into_module(module, request: Request) -> None:
         names_of.setdefault(id(tensor), []).append(name)
     model = {name: (tuple(tensor.shape), torch.empty(0, dtype=tensor.dtype).numpy().dtype)
              for name, tensor in tensors.items()}
-    required = [names for names in names_of.values() if tensors[names[0]].is_floating_point()]
     path = request.path
-    loaded = plan(request, read(path), model, required)
+    given = read(path)
+    required = [names for names in names_of.values() if tensors[names[0]].is_floating_point()
+                and (not keep_absent or any(name in given for name in names))]
+    loaded = plan(request, given, model, required)
     for names in names_of.values():
         given = [name for name in names if name in loaded]
         if any(not np.array_equal(loaded[given[0]], loaded[name]) for name in given[1:]):
@@ -289,8 +294,10 @@ def load_into_module(module, request: Request) -> None:
         for name, array in loaded.items():
             tensors[name].copy_(torch.from_numpy(array))
     set_tensors = {id(tensors[name]) for name in loaded}
-    _report(path, loaded, [names[0] for key, names in names_of.items()
-                           if key not in set_tensors and tensors[names[0]].is_floating_point()])
+    kept = [names[0] for key, names in names_of.items()
+            if key not in set_tensors and tensors[names[0]].is_floating_point()]
+    _report(path, loaded, kept)
+    return kept
 
 
 def load_into_onnx(model, request: Request) -> None:

@@ -83,7 +83,7 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
 
     training = onnx.load(str(Artifacts(out).training_model), load_external_data=False)
     sizes = float_initializers(base)
-    values = per_sample_values(base)
+    values = per_sample_values(base, manifest)
     forward = forward_flops(base, values)
     batch = batch_values(base, values)
     label = manifest["label"]

@@ -5,7 +5,8 @@
    with the loss, gradient and optimizer operators stripped, taking the data's
    features by name and returning the model's output (the logits, or for a
    model that ends in a Softmax its probabilities, as the user's model returned
-   them: models/logits.py), with the batch dimension dynamic.
+   them: models/logits.py), with the batch dimension dynamic, and a text model's
+   sequence dimension where build_artifacts exported it so (models/torch_export.py).
 2. The model's metadata properties record where it came from: `ortflow.run`,
    `ortflow.step`, `ortflow.identity_digest` (the training identity's sha256:
    seed, data, model, optimizer, schedule, global batch) and `ortflow.version`;
@@ -27,7 +28,21 @@
    - ONNX's reference evaluator agrees with ONNX Runtime within TOLERANCE. It is
      a second opinion, not a gate: where it disagrees (or fails) while the eval
      graph agrees, the log warns and names the first operator it evaluates
-     differently, and the model is exported.
+     differently, and the model is exported;
+   - with a dynamic sequence dimension, at 1 token and at twice data.context (or
+     the most positions the model has) its output has that length and, for a
+     language model, the first positions' logits are those at data.context
+     (check_sequence_lengths).
+4. For `model.kind: transformers` and `torch`, the trained model in its own
+   framework's format (models/save_trained.py), from the torch module built as
+   build_artifacts built it (graphs/forward_model.torch_module) with the merged
+   checkpoint's weights: `transformers/`, a save_pretrained folder with the
+   tokenizer's files, or `model.safetensors`, the module's state_dict. Each is
+   read back as its users read it (from_pretrained with no missing or unexpected
+   weight, load_state_dict(strict=True)), and that module's output on eval records
+   must be the exported model's within TOLERANCE before it is renamed into place;
+   an earlier run's of another kind is removed. model.onnx is renamed into place
+   last, once every check has passed.
 """
 
 from __future__ import annotations
@@ -48,8 +63,11 @@ from ..data.shards import TOKENIZER
 from ..config import Config
 from ..errors import DataError, MissingInputError, ModelError
 from ..evaluation import feeds, outputs_of
+from ..graphs.forward_model import torch_module
 from ..inference import inference_session, input_feeds, loss_of, set_metadata
-from ..models.torch_export import add_inputs
+from ..models import save_trained
+from ..models.torch_export import SEQUENCE, add_inputs
+from ..models.user import forward_features
 from ..sessions import quiet_logging
 
 log = logging.getLogger("ortflow.export")
@@ -152,11 +170,12 @@ def eval_graph_outputs(module, info: dict, eval_batch: dict, data_label: str) ->
     return outputs_of(module(*feeds(eval_batch, module.input_names(), info["label"]["name"], data_label)))
 
 
-def check_outputs(path: Path, info: dict, batch: dict, expected: tuple[float, np.ndarray], data_label: str) -> None:
+def check_outputs(path: Path, info: dict, batch: dict, expected: tuple[float, np.ndarray],
+                  data_label: str) -> np.ndarray:
     """The exported model on `batch` against the eval graph's (loss, logits) on the same
     weights and records (`expected`, from eval_graph_outputs: standardized where the exported
     model standardizes itself), then ONNX's reference evaluator, each with the other's weights
-    out of memory."""
+    out of memory. Returns the exported model's output on `batch`."""
     names = list(dict.fromkeys([inference_output(info), info["outputs"]["logits"]]))
     session = inference_session(path, also=tuple(names))
     results = dict(zip(names, session.run(names, input_feeds(session, batch))))
@@ -170,6 +189,7 @@ def check_outputs(path: Path, info: dict, batch: dict, expected: tuple[float, np
     log.info("%d eval records: logits within %.3g of the eval graph's, loss %.6g (eval graph %.6g)",
              len(batch[data_label]), worst, loss, eval_loss)
     check_reference(path, few, results[inference_output(info)][:REFERENCE_RECORDS])
+    return results[inference_output(info)]
 
 
 def check_reference(path: Path, feeds: dict, output: np.ndarray) -> None:
@@ -230,6 +250,101 @@ def first_disagreement(model, feeds: dict) -> str:
     return "no single node (each agrees on ONNX Runtime's inputs)"
 
 
+def lengthened(tokens: np.ndarray, length: int) -> np.ndarray:
+    """`tokens` [batch, n] repeated along the sequence and cut to [batch, length]."""
+    return np.concatenate([tokens] * -(-length // tokens.shape[1]), axis=1)[:, :length]
+
+
+def check_sequence_lengths(path: Path, info: dict, batch: dict, output: np.ndarray, limit: int | None) -> None:
+    """A text model exported with a dynamic sequence dimension (models/torch_export.py) run on
+    `batch` at 1 token and at twice data.context (or the most positions the model has, `limit`):
+    its output must have that length where the training length's `output` has it and, for a
+    language model (causal: a position sees only those before it), the first positions' scores
+    must be those of the training length's run."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    sequences = [v.name for v in model.graph.input
+                 if len(v.type.tensor_type.shape.dim) > 1 and v.type.tensor_type.shape.dim[1].dim_param == SEQUENCE]
+    if not sequences:
+        return
+    dims = model.graph.output[0].type.tensor_type.shape.dim
+    axis = next((i for i, d in enumerate(dims) if d.dim_param == SEQUENCE), None)
+    context = batch[sequences[0]].shape[1]
+    session = inference_session(path)
+    lengths = sorted({1, min(2 * context, limit or 2 * context)})
+    for length in lengths:
+        feeds = input_feeds(session, {name: lengthened(array, length) if name in sequences else array
+                                      for name, array in batch.items()})
+        try:
+            scores = session.run([model.graph.output[0].name], feeds)[0]
+        except Exception as error:  # ONNX Runtime's own error names the node
+            unknown = "" if limit else (" (the model has no transformers config that gives n_positions or "
+                                        "max_position_embeddings, so it is run at twice data.context)")
+            raise ExportError(f"{path}: the model's sequence dimension is dynamic, but it fails at {length} token(s)"
+                              f"{unknown}, data.context being {context}: {str(error).strip()[:300]}") from None
+        expected = [length if i == axis else size for i, size in enumerate(output.shape)]
+        if list(scores.shape) != expected:
+            raise ExportError(f"{path}: at {length} token(s) its output has shape {list(scores.shape)}, expected "
+                              f"{expected} (at data.context={context}: {list(output.shape)})")
+        if info["task"] == "language_model" and axis is not None:
+            shared = min(length, context)
+            compare(f"the first {shared} position(s)' logits at {length} token(s) vs at data.context={context}",
+                    scores.take(range(shared), axis), output.take(range(shared), axis))
+    log.info("dynamic sequence length: %d eval records at %s token(s) (data.context %d%s) give outputs of that "
+             "length%s", len(output), " and ".join(map(str, lengths)), context,
+             f", positions up to {limit}" if limit else "",
+             ", and the first positions' logits those of data.context" if info["task"] == "language_model" else "")
+
+
+def trained_torch_module(config: Config, info: dict, manifest: dict, checkpoint_dir: Path):
+    """The torch module of a `kind: torch` or `transformers` model, built as build_artifacts built
+    it, with the merged checkpoint's weights; None for other kinds."""
+    if config.model.kind not in ("torch", "transformers"):
+        return None
+    with save_trained.quietly():
+        module = torch_module(config.model, manifest, info["loss"], config.run.seed)
+        save_trained.load_trained(module, checkpoint_dir)
+    return module.eval()
+
+
+def write_torch_formats(config: Config, module, info: dict, manifest: dict, batch: dict, output: np.ndarray,
+                        folder: Path) -> None:
+    """Into `folder`, the trained model in its own framework's format (models/save_trained.py):
+    `transformers/` for kind transformers, `model.safetensors` for kind torch, each read back as
+    its users read it and its output on `batch` (standardized features) checked against the exported
+    model's (`output`); an earlier run's of another kind removed."""
+    import shutil
+
+    kind = config.model.kind
+    if kind != "transformers":
+        shutil.rmtree(folder / save_trained.TRANSFORMERS, ignore_errors=True)
+    if kind != "torch":
+        (folder / save_trained.STATE_DICT).unlink(missing_ok=True)
+    if kind == "transformers":
+        target = folder / save_trained.TRANSFORMERS
+        with atomic.folder(target) as tmp, save_trained.quietly():
+            save_trained.save_pretrained(module, config.model.path, config.data.tokenizer, manifest.get("tokenizer"),
+                                         tmp)
+            loaded = save_trained.from_pretrained(module, tmp)
+            check_torch_outputs(f"{target} through {type(loaded.model).__name__}.from_pretrained", loaded, manifest,
+                                batch, output)
+    elif kind == "torch":
+        target = folder / save_trained.STATE_DICT
+        with atomic.file(target) as tmp:
+            save_trained.save_state_dict(module, tmp)
+            with save_trained.quietly():
+                fresh = torch_module(config.model, manifest, info["loss"], config.run.seed)
+            save_trained.read_state_dict(fresh, tmp)
+            check_torch_outputs(f"{target} through load_state_dict", fresh, manifest, batch, output)
+
+
+def check_torch_outputs(name: str, module, manifest: dict, batch: dict, output: np.ndarray) -> None:
+    worst = compare(f"{name}: its output vs the exported model's",
+                    save_trained.outputs(module, forward_features(module, manifest), batch), output)
+    log.info("%s: output on %d eval records within %.3g of the exported model's", name, len(output), worst)
+
+
 def trained_module(artifacts: Artifacts, checkpoint: Path):
     """The training Module with the merged checkpoint's parameters and nothing export has no
     use for: no optimizer state (two copies of the weights), and every parameter frozen, so
@@ -253,11 +368,12 @@ def write_inference_model(module, files: Artifacts, info: dict, tmp: Path, out: 
         module.export_model_for_inferencing(tmp.name, [inference_output(info)])
     model = external_data.load_model(tmp, f"{out}: the model ONNX Runtime exported")
     external_data.data_file(tmp).unlink(missing_ok=True)  # read in: save_model writes `<out>.data`
+    base = external_data.load_model(files.base_model, load_data=False)
     if inference_output(info) != info["outputs"]["logits"]:
         # The eval graph returns the logits; the model's own output keeps the type the model gave it.
-        base = external_data.load_model(files.base_model, load_data=False)
         model.graph.output[0].CopyFrom(base.graph.output[0])
-    add_inputs(model, info["inputs"])  # one that nothing reads (models/hugging_face.py), dropped by ONNX Runtime
+    # An input that nothing reads (models/hugging_face.py), which ONNX Runtime's export drops, as the model had it.
+    add_inputs(model, base.graph.input)
     standardize.prepend(model, reader.standardized)
     set_metadata(model, props)
     external_data.save_model(model, tmp, out)
@@ -296,7 +412,12 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
         expected = eval_graph_outputs(module, info, standardize.apply(batch, reader.standardized), reader.label_name)
         del module  # its weights and gradients: the checks below load the exported model's
         onnx.checker.check_model(str(tmp), full_check=True)
-        check_outputs(tmp, info, batch, expected, reader.label_name)
+        output = check_outputs(tmp, info, batch, expected, reader.label_name)[:REFERENCE_RECORDS]
+        few = {name: array[:REFERENCE_RECORDS] for name, array in batch.items()}
+        trained = trained_torch_module(config, info, reader.manifest, checkpoint_dir)
+        check_sequence_lengths(tmp, info, few, output, trained and save_trained.position_limit(trained))
+        write_torch_formats(config, trained, info, reader.manifest, standardize.apply(few, reader.standardized),
+                            output, out.parent)
         copy_tokenizer(eval_dir, reader.manifest, out.parent)
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config.run.name, out,
              external_data.model_bytes(out), [i["name"] for i in info["inputs"]], inference_output(info))
