@@ -11,7 +11,7 @@ import numpy as np
 from ..artifacts import Artifacts
 from ..errors import ModelError
 from ..inference import inference_session
-from ..sessions import quiet_logging
+from ..sessions import quiet_logging, training_options
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -30,7 +30,7 @@ def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
     batch = reader.gather(np.arange(min(SMOKE_RECORDS, len(reader))))
     files = Artifacts(out)
     state = api.CheckpointState.load_checkpoint(str(files.checkpoint))
-    module = api.Module(str(files.training_model), state, str(files.eval_model))
+    module = api.Module(str(files.training_model), state, str(files.eval_model), session_options=training_options())
     module.train()
     try:
         # (loss, logits), then BatchNorm's updated running statistics if the model has any

@@ -60,6 +60,7 @@ from ..checkpoints.ort_format import TrainingState, ort_state, read_ort_checkpoi
 from ..checkpoints.best import chosen
 from ..data import standardize
 from ..data.shards import TOKENIZER
+from ..data.tokenizer import DECODER_INPUT_IDS
 from ..config import Config
 from ..errors import DataError, MissingInputError, ModelError
 from ..evaluation import feeds, outputs_of
@@ -68,7 +69,7 @@ from ..inference import inference_session, input_feeds, loss_of, set_metadata
 from ..models import save_trained
 from ..models.torch_export import SEQUENCE, add_inputs
 from ..models.user import forward_features
-from ..sessions import quiet_logging
+from ..sessions import quiet_logging, training_options
 
 log = logging.getLogger("ortflow.export")
 
@@ -260,7 +261,8 @@ def check_sequence_lengths(path: Path, info: dict, batch: dict, output: np.ndarr
     `batch` at 1 token and at twice data.context (or the most positions the model has, `limit`):
     its output must have that length where the training length's `output` has it and, for a
     language model (causal: a position sees only those before it), the first positions' scores
-    must be those of the training length's run."""
+    must be those of the training length's run (for a sequence-to-sequence model, at other
+    lengths of its target, `decoder_input_ids`)."""
     import onnx
 
     model = onnx.load(str(path), load_external_data=False)
@@ -268,6 +270,9 @@ def check_sequence_lengths(path: Path, info: dict, batch: dict, output: np.ndarr
                  if len(v.type.tensor_type.shape.dim) > 1 and v.type.tensor_type.shape.dim[1].dim_param == SEQUENCE]
     if not sequences:
         return
+    # A sequence-to-sequence model reads its whole source at each target position: its target is what
+    # is causal, and what is run at other lengths.
+    sequences = [name for name in sequences if name == DECODER_INPUT_IDS] or sequences
     dims = model.graph.output[0].type.tensor_type.shape.dim
     axis = next((i for i, d in enumerate(dims) if d.dim_param == SEQUENCE), None)
     context = batch[sequences[0]].shape[1]
@@ -356,7 +361,8 @@ def trained_module(artifacts: Artifacts, checkpoint: Path):
     frozen = dict.fromkeys(merged.parameters, False)
     state = ort_state(TrainingState(merged.parameters, frozen, {}, {}, {}, merged.version))
     # Absolute: ONNX Runtime reads the eval graph again when it exports, from inside the export's folder.
-    return Module(str(artifacts.training_model.resolve()), state, str(artifacts.eval_model.resolve()))
+    return Module(str(artifacts.training_model.resolve()), state, str(artifacts.eval_model.resolve()),
+                  session_options=training_options())
 
 
 def write_inference_model(module, files: Artifacts, info: dict, tmp: Path, out: Path, reader, props: dict) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..artifacts import Artifacts
-from ..sessions import session_options
+from ..sessions import training_options
 from . import comm as comm_mod
 from .gradients import parameters
 from .optimizer import open_step
@@ -38,7 +38,7 @@ def open_sessions(artifacts: Artifacts, state, device: str, threads: int, optimi
     the two traces would write over each other."""
     from onnxruntime.training.api import Module
 
-    options = session_options(threads)
+    options = training_options(threads)
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = f"{profile_prefix}-train"
