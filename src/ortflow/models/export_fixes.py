@@ -37,13 +37,34 @@ And one for any module that stays in eval mode while it is exported (one whose
    BatchNorms' weights (ones) and biases (zeros), or two zero Linear biases,
    become one initializer, the others an Identity of it, and would train as
    one. `untie_initializers` gives each its own initializer again.
+
+And one in ONNX Runtime's gradient builder, found by training Falcon with
+multi-query attention (one key/value head, broadcast against the query heads):
+
+6. The builder sums a broadcast input's gradient over the broadcast dimensions
+   only where the graph records both inputs' shapes; ONNX's own shape inference
+   loses them at the Reshapes of a shape computed at run time, so the gradient
+   of Falcon's `query * key` keeps 4 heads where the key has 1 ("Shape mismatch
+   attempting to re-use buffer"). `infer_shapes` writes every value's shape
+   with ONNX Runtime's symbolic shape inference (symbols for the batch and
+   whatever follows from it) before the training graphs are generated.
+
+And one in ONNX Runtime's inference export, found by exporting DistilBERT
+trained on a tokenizer's features, token_type_ids among them:
+
+7. `Module.export_model_for_inferencing` leaves out the inputs that nothing
+   reads, which the forward model keeps so that every consumer feeds the data's
+   features alike (torch_export.unread_inputs). `restore_inputs` adds them back.
 """
 
 from __future__ import annotations
 
+import logging
 import re
 
 from ..errors import ModelError
+
+log = logging.getLogger("ortflow.build_artifacts")
 
 
 def _diff(g, input, n, dim, prepend, append):
@@ -180,6 +201,29 @@ def untie_initializers(model, module) -> list[str]:
     model.graph.initializer.extend(numpy_helper.from_array(tensors[name].detach().cpu().numpy(), name)
                                    for name in untied)
     return untied
+
+
+def infer_shapes(model):
+    """`model` with the shape of every value that ONNX Runtime's symbolic shape
+    inference finds; `model` as it is where the inference fails (it is a help to
+    the gradient builder, which works without it for most models)."""
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    try:
+        return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    except Exception as error:  # noqa: BLE001 - it fails in many ways on models it does not cover
+        log.warning("model.path: ONNX Runtime's symbolic shape inference failed (%s: %s); the training graphs are "
+                    "built without the shapes it finds", type(error).__name__, str(error).strip()[:200])
+        return model
+
+
+def restore_inputs(model, base, names: list[str]) -> list[str]:
+    """Add to `model` each input of `base` (the forward model) named in `names` that `model`
+    lacks, as `base` declares it; returns the names added."""
+    present = {value.name for value in model.graph.input}
+    missing = [value for value in base.graph.input if value.name in names and value.name not in present]
+    model.graph.input.extend(missing)
+    return [value.name for value in missing]
 
 
 def unsupported_operator(error: Exception, module: str, opset: int) -> ModelError:
