@@ -63,6 +63,7 @@ import logging
 import re
 
 from ..errors import ModelError
+from . import is_float
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -203,18 +204,29 @@ def untie_initializers(model, module) -> list[str]:
     return untied
 
 
-def infer_shapes(model):
-    """`model` with the shape of every value that ONNX Runtime's symbolic shape
-    inference finds; `model` as it is where the inference fails (it is a help to
-    the gradient builder, which works without it for most models)."""
+def infer_shapes(model) -> None:
+    """Write into `model` the shape of every value that ONNX Runtime's symbolic shape
+    inference finds; nothing where it fails (a help to the gradient builder, which works
+    without it for most models). The inference copies the model it is given: it is given
+    the graph with the float initializers (the weights) as inputs of their shapes, since it
+    reads the values of integer initializers only."""
+    import onnx
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
+    graph = model.graph
+    weights = [onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in graph.initializer if is_float(t)]
+    light = onnx.helper.make_model(
+        onnx.helper.make_graph(graph.node, graph.name, [*graph.input, *weights], graph.output,
+                               [t for t in graph.initializer if not is_float(t)]),
+        opset_imports=model.opset_import, ir_version=model.ir_version, functions=model.functions)
     try:
-        return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+        inferred = SymbolicShapeInference.infer_shapes(light, auto_merge=True)
     except Exception as error:  # noqa: BLE001 - it fails in many ways on models it does not cover
         log.warning("model.path: ONNX Runtime's symbolic shape inference failed (%s: %s); the training graphs are "
                     "built without the shapes it finds", type(error).__name__, str(error).strip()[:200])
-        return model
+        return
+    del graph.value_info[:]
+    graph.value_info.extend(inferred.graph.value_info)
 
 
 def restore_inputs(model, base, names: list[str]) -> list[str]:

@@ -72,7 +72,7 @@ def export_torch(module, manifest: dict, path: Path):
     unread_inputs(exported, module, features)
     export_fixes.give_dropout_its_mask(exported)
     batchnorm.restore_buffers(exported, buffers)
-    exported = export_fixes.infer_shapes(exported)
+    export_fixes.infer_shapes(exported)
     external_data.save_model(exported, path)
     return exported
 
