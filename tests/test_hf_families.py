@@ -151,24 +151,26 @@ def train_in_ort(artifacts: Artifacts, config: config_mod.Config, train_dir: Pat
     return losses
 
 
-# The biases an attention adds to its keys (GPT-2's: the middle third of c_attn's). Their gradient is
-# zero in exact arithmetic and AdamW moves them by rounding noise alone, in other directions in torch
-# and ONNX Runtime (tests/torch_layers.py's key_bias): left out of the comparison, as the layer tests do.
-KEY_BIASES = (".key.bias", ".k_proj.bias", ".k_lin.bias", ".key_proj.bias")
+# The biases an attention adds to its keys (GPT-2's: the middle third of c_attn's). Where nothing
+# position-dependent comes between them and the scores (no rotary or relative positions), their
+# gradient is zero in exact arithmetic (q.b is added to all of a query's scores, which the softmax
+# ignores) and AdamW moves them by rounding noise alone, in other directions in torch and ONNX
+# Runtime (tests/torch_layers.py's key_bias): left out of the comparison, as the layer tests do.
+KEY_BIASES = (".key.bias", ".k_proj.bias", ".k_lin.bias")
 FUSED_KEY_BIASES = (".attn.c_attn.bias",)  # [query, key, value]
+ABSOLUTE_POSITIONS = {"bert", "bert-tokens", "roberta", "distilbert", "albert", "electra", "gpt2", "opt", "vit"}
 
 
-def differences(trained: dict, reference: dict) -> dict:
-    """The largest difference of each parameter but the keys' biases."""
+def differences(family: str, trained: dict, reference: dict) -> dict:
+    """The largest difference of each parameter, but the keys' biases of a family of ABSOLUTE_POSITIONS."""
     worst = {}
     for name, array in trained.items():
-        if name.endswith(KEY_BIASES):
+        other = reference[name]
+        if family in ABSOLUTE_POSITIONS and name.endswith(KEY_BIASES):
             continue
-        if name.endswith(FUSED_KEY_BIASES):
-            third = len(array) // 3
-            array, other = np.delete(array, slice(third, 2 * third)), np.delete(reference[name], slice(third, 2 * third))
-        else:
-            other = reference[name]
+        if family in ABSOLUTE_POSITIONS and name.endswith(FUSED_KEY_BIASES):
+            key = slice(len(array) // 3, 2 * len(array) // 3)
+            array, other = np.delete(array, key), np.delete(other, key)
         worst[name] = largest(array, other)
     return worst
 
@@ -224,10 +226,12 @@ def test_family_trains_like_torch_exports_and_quantizes(family, tmp_path, monkey
     trained = dict(read_ort_checkpoint(tmp_path / "checkpoint/checkpoint").parameters)
     manifest = json.loads((train_dir / "manifest.json").read_text())
     torch_losses, torch_trained = train_like_ortflow(torch_twin(config, manifest, initial), config, train_dir)
-    worst = differences(trained, torch_trained)
+    worst = differences(family, trained, torch_trained)
     print(f"{family}: loss {largest(losses, torch_losses):.2g}, parameters {max(worst.values()):.2g} "
           f"({max(worst, key=worst.get)})")
-    assert largest(losses, torch_losses) <= LOSS_TOLERANCE, (losses, torch_losses)
+    # float32 rounds relative to a value's size: the layer tests' limit is for losses near 1,
+    # a language model's on bytes starts at ln 256 = 5.5.
+    assert largest(losses, torch_losses) <= LOSS_TOLERANCE * max(1.0, *torch_losses), (losses, torch_losses)
     assert max(worst.values()) <= PARAMETER_TOLERANCE, worst
     assert max(largest(trained[name], initial[name]) for name in trained) > 100 * PARAMETER_TOLERANCE  # it trained
 

@@ -17,6 +17,9 @@ logits in ortflow's layout: classes first, so a language model's and a tagger's
 
 Attention runs as `eager`: written out in ONNX operators, the same for every
 family; `sdpa`'s fully masked rows give NaN gradients in some (docs/models.md).
+A model that cannot train as torch does is refused before the export (REFUSED),
+and an embedding's padding row that is not zero is zeroed (zero_padding_rows);
+docs/models.md's "Families tried" lists what was measured.
 """
 
 from __future__ import annotations
