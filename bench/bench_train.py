@@ -25,6 +25,14 @@ DDP with torch.optim.AdamW and with torch's ZeroRedundancyOptimizer around it,
 each rank's peak RSS and optimizer state, and the step time:
 
     python bench/bench_train.py --zero gpt2-124m --steps 5 --warmup 2
+
+With --by-task, a save_pretrained folder of GPT-2 and of a BERT encoder (both at
+6 layers, width 384) trains at 2 ranks two ways from the same folder, in
+alternating rounds: by task (`model.kind: transformers`, eager attention) and
+through the wrapper of tests/transformers_models.py (`kind: torch`, transformers'
+default attention); samples/s, each rank's peak RSS and the graphs' node counts:
+
+    python bench/bench_train.py --by-task gpt2 bert --rounds 2 --steps 30
 """
 
 from __future__ import annotations
@@ -84,6 +92,22 @@ STAGES = {
     },
 }
 STAGE_RULES = ["prepare_data", "build_artifacts", "train", "merge_checkpoint", "export_model", "quantize_model"]
+# The by-task path against the wrapper (--by-task), each from a folder that `by_task_folders` writes.
+BY_TASK = {
+    "gpt2": {
+        "data": {"source": "text", "text_path": "docs.txt", "context": 128, "eval_fraction": 0.02},
+        "by task": {"kind": "transformers", "path": "gpt2-folder", "task": "causal-lm"},
+        "wrapper": {"kind": "torch", "path": "transformers_models:PretrainedGPT2", "kwargs": {"folder": "gpt2-folder"}},
+        "train": {"micro_batch_size": 8},
+    },
+    "bert": {
+        "data": {"source": "tokens.npz", "features": ["input_ids", "attention_mask"], "eval_fraction": 0.05},
+        "by task": {"kind": "transformers", "path": "bert-folder"},
+        "wrapper": {"kind": "torch", "path": "transformers_models:PretrainedBert",
+                    "kwargs": {"folder": "bert-folder", "classes": 2}},
+        "train": {"micro_batch_size": 8},
+    },
+}
 
 
 def mnist_like(path: Path, n: int = 8192) -> None:
@@ -106,10 +130,11 @@ def inputs(workdir: Path) -> None:
     np.savez(workdir / "tokens.npz", input_ids=ids * mask, attention_mask=mask, y=rng.integers(0, 2, 640))
 
 
-def prepare(workdir: Path, name: str, target: str = "build_artifacts", train: dict | None = None) -> dict:
-    """Run the workflow up to `target` with the model's config; its train settings
+def prepare(workdir: Path, name: str, target: str = "build_artifacts", train: dict | None = None,
+            config: dict | None = None) -> dict:
+    """Run the workflow up to `target` with the model's config (or `config`); its train settings
     turn off periodic work (`train` overrides them) so that steps time the step."""
-    config = {"run": {"name": name}, **{**MODELS, **STAGES}[name]}
+    config = {"run": {"name": name}, **(config or {**MODELS, **STAGES}[name])}
     config["train"] = {**config["train"], "eval_every": 10**6, "checkpoint_every": 10**6,
                        "histogram_every": 10**6, "log_every": 10**6, "clip_grad_norm": None, **(train or {})}
     (workdir / "bench.yaml").write_text(yaml.safe_dump(config))
@@ -333,6 +358,43 @@ def zero_memory(workdir: Path, name: str, steps: int, warmup: int) -> None:
               f"{' / '.join(f'{b / peer:.2f}' for b, peer in zip(state, peer_state))} | {step:.2f}")
 
 
+def by_task_folders(workdir: Path) -> None:
+    """GPT-2 and a BERT encoder at 6 layers, width 384, written by save_pretrained (weights from torch's seed 0)."""
+    import torch
+    from transformers import BertConfig, BertModel, GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_layer=6, n_head=6, n_embd=384, n_positions=128, vocab_size=256)) \
+        .save_pretrained(workdir / "gpt2-folder")
+    BertModel(BertConfig(vocab_size=30522, hidden_size=384, num_hidden_layers=6, num_attention_heads=6,
+                         intermediate_size=1536, max_position_embeddings=128)).save_pretrained(workdir / "bert-folder")
+
+
+def by_task(workdir: Path, name: str, rounds: int, steps: int) -> None:
+    """The by-task path against the wrapper on the same folder (see the module's docstring)."""
+    import onnx
+
+    setup = BY_TASK[name]
+    configs = {}
+    for way in ("by task", "wrapper"):
+        run = f"{name}-{way.replace(' ', '-')}"
+        configs[way] = prepare(workdir, run, config={"data": setup["data"], "model": setup[way],
+                                                     "train": setup["train"]})
+        graph = onnx.load(str(workdir / f"results/{run}/artifacts/training_model.onnx"), load_external_data=False)
+        print(f"{name} {way}: training graph of {len(graph.graph.node)} nodes")
+    best = {way: (0.0, []) for way in configs}
+    for round_ in range(rounds):
+        for way, config in configs.items():
+            metrics = ortflow_metrics(workdir, config, 2, steps)
+            rate, rss = metrics["samples_per_s"], metrics["peak_rss_mb"]
+            print(f"{name} round {round_ + 1} {way}: {rate:.1f} samples/s, peak RSS {', '.join(f'{mb:,.0f}' for mb in rss)} MB")
+            if rate > best[way][0]:
+                best[way] = (rate, rss)
+    (task_rate, task_rss), (wrap_rate, wrap_rss) = best["by task"], best["wrapper"]
+    print(f"{name}: by task / wrapper samples/s {task_rate / wrap_rate:.2f}x, peak RSS rank 0 "
+          f"{task_rss[0] / wrap_rss[0]:.2f}x ({task_rss[0]:,.0f} / {wrap_rss[0]:,.0f} MB)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -344,6 +406,8 @@ def main() -> None:
                         help="instead of --models: ZeRO-1's memory on these models (train.zero 0 and 1, DDP with "
                              "and without ZeroRedundancyOptimizer), --steps steps")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="with --zero: steps left out of the step time")
+    parser.add_argument("--by-task", nargs="+", choices=list(BY_TASK), default=[],
+                        help="instead of --models: kind transformers against the wrapper on these models")
     args = parser.parse_args()
     os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
     # The transformers wrapper, for build_artifacts (PYTHONPATH) and the DDP
@@ -359,7 +423,11 @@ def main() -> None:
             stages(workdir, name, args.steps, peak)
         for name in args.zero:
             zero_memory(workdir, name, args.steps, args.warmup)
-        for name in [] if args.stages or args.zero else args.models:
+        if args.by_task:
+            by_task_folders(workdir)
+        for name in args.by_task:
+            by_task(workdir, name, args.rounds, args.steps)
+        for name in [] if args.stages or args.zero or args.by_task else args.models:
             config = prepare(workdir, name)
             runs = {
                 "ortflow W=2": lambda: run_ortflow(workdir, config, 2, args.steps),

@@ -188,3 +188,85 @@ def test_the_readme_examples_folder_fits_its_config(tmp_path, monkeypatch):
     assert (len(tokenizer), tokenizer.eos_token) == (model.config.vocab_size, "<|endoftext|>")
     assert model.config.eos_token_id == tokenizer.eos_token_id
     assert model.config.n_positions >= config["data"]["context"]
+
+
+@pytest.mark.e2e
+def test_bert_regression_by_task_on_jsonl_texts(tmp_path):
+    """`model.task: regression` on a .jsonl of sentences and a float target (the size of
+    the animal each mentions): a BERT folder under a one-output head (transformers'
+    problem_type regression), trained with mse, ends far below the train split's
+    mean as a predictor, and the exported model's predictions give the eval mse."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    frame = animal_texts(400)
+    size = {"bird": -1.0, "cat": 0.0, "dog": 1.0}  # a float target that the animal named decides
+    frame["size"] = frame["animal"].map(size).astype(np.float32)
+    frame.to_json(workdir / "animals.jsonl", orient="records", lines=True)
+    vocab = train_wordpiece(workdir / "tokenizer.json", 120, list(frame["review"])).get_vocab_size()
+    config = {
+        "run": {"name": "weights"},
+        "data": {"source": "animals.jsonl", "text": "review", "label": "size", "tokenizer": "tokenizer.json",
+                 "context": 16, "shards": 1},
+        "model": {"kind": "transformers", "path": str(save_bert(tmp_path / "bert", vocab)), "task": "regression"},
+        "train": {"world_size": 1, "steps": 150, "micro_batch_size": 16, "log_every": 10, "eval_every": 150,
+                  "optimizer": {"lr": 0.005}, "lr_schedule": {"warmup_steps": 10}},
+    }
+    run_snakemake(workdir, config)
+    results = workdir / "results/weights"
+    log = (workdir / "logs/weights/build_artifacts.log").read_text()
+    assert "BertForSequenceClassification (" in log and "model transformers, loss mse" in log
+    metrics = json.loads((results / "train/metrics.json").read_text())
+    # The eval loss is the mse; the baseline's is the train split's mean as the prediction.
+    assert metrics["eval"]["loss"] < 0.2 * metrics["baseline"]["loss"], (metrics["eval"], metrics["baseline"])
+
+    _, eval_rows = split_rows(len(frame), 0.2, config_mod.load(overrides=config).data.split_seed)
+    eval_ = whole(ShardReader(results / "data/eval"))
+    session = onnxruntime.InferenceSession(str(results / "export/model.onnx"))
+    predicted = session.run(None, {i.name: eval_[i.name] for i in session.get_inputs()})[0]
+    assert predicted.shape == (len(eval_rows), 1)
+    mse = float(((predicted[:, 0] - frame["size"].to_numpy()[eval_rows]) ** 2).mean())
+    assert mse == pytest.approx(metrics["eval"]["loss"], rel=1e-3)
+
+
+@pytest.mark.e2e
+def test_t5_seq2seq_by_task_on_jsonl_text_pairs(tmp_path):
+    """`model.task: seq2seq` on a .jsonl of sentences (data.text) and target texts
+    (data.label: the animal each mentions, twice): a T5 folder learns the targets, far
+    below the unigram baseline's perplexity, and the exported model scores the eval
+    targets with the eval loss training measured (decoder_input_ids: the target
+    shifted right, as the data stage made them; the padding ignored)."""
+    from ortflow.models import IGNORE_INDEX
+    from transformers_models import save_t5
+
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    frame = animal_texts(300)
+    frame["answer"] = frame["animal"] + " " + frame["animal"]
+    frame.to_json(workdir / "pairs.jsonl", orient="records", lines=True)
+    tokenizer = train_wordpiece(workdir / "tokenizer.json", 120, list(frame["review"]))
+    folder = save_t5(tmp_path / "t5", tokenizer.get_vocab_size(), tokenizer.token_to_id("[PAD]"),
+                     tokenizer.token_to_id("[SEP]"))
+    config = {
+        "run": {"name": "t5"},
+        "data": {"source": "pairs.jsonl", "text": "review", "label": "answer", "tokenizer": "tokenizer.json",
+                 "context": 16, "shards": 1},
+        "model": {"kind": "transformers", "path": str(folder), "task": "seq2seq"},
+        "train": {"world_size": 1, "steps": 150, "micro_batch_size": 16, "log_every": 10, "eval_every": 150,
+                  "optimizer": {"lr": 0.005}, "lr_schedule": {"warmup_steps": 10}},
+    }
+    run_snakemake(workdir, config)
+    results = workdir / "results/t5"
+    assert "T5ForConditionalGeneration (" in (workdir / "logs/t5/build_artifacts.log").read_text()
+    metrics = json.loads((results / "train/metrics.json").read_text())
+    assert metrics["eval"]["perplexity"] < 0.25 * metrics["baseline"]["perplexity"], metrics
+
+    eval_ = whole(ShardReader(results / "data/eval"))
+    labels = eval_["answer"]
+    kept = labels != IGNORE_INDEX
+    assert (eval_["decoder_input_ids"][:, 1:][kept[:, :-1]] == labels[:, :-1][kept[:, :-1]]).all()
+    session = onnxruntime.InferenceSession(str(results / "export/model.onnx"))
+    logits = session.run(None, {i.name: eval_[i.name] for i in session.get_inputs()})[0]  # [rows, vocab, time]
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+    picked = np.take_along_axis(log_probs, np.where(kept, labels, 0)[:, None, :], axis=1)[:, 0]
+    assert -picked[kept].mean() == pytest.approx(metrics["eval"]["loss"], rel=1e-4)

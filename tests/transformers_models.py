@@ -113,3 +113,15 @@ def save_bert(folder: Path, vocab_size: int = 32, **config) -> Path:
     BertModel(BertConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                          intermediate_size=64, max_position_embeddings=64, **config)).save_pretrained(folder)
     return folder
+
+
+def save_t5(folder: Path, vocab_size: int, pad_token_id: int, eos_token_id: int) -> Path:
+    """A tiny T5 (encoder-decoder; weights from torch's seed 0), saved as transformers saves it;
+    its decoder starts from the padding token, as T5's does."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(T5Config(vocab_size=vocab_size, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                                        num_heads=2, pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                                        decoder_start_token_id=pad_token_id)).save_pretrained(folder)
+    return folder

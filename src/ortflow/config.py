@@ -206,10 +206,13 @@ def validate(config: dict, partial: bool = False, command_line: dict | None = No
 
 def _default_tokenizer(config: dict) -> None:
     """A `kind: transformers` model's data.tokenizer, for text, is its folder's own tokenizer when
-    the config names none and the folder has one; without one, text is read as bytes."""
+    the config names none and the folder has one; without one, text is read as bytes.
+    Its model.task seq2seq makes data.task seq2seq."""
     from .user_files import TOKENIZER_FILES
 
     model, data = config["model"], config["data"]
+    if model["kind"] == "transformers" and model["task"] == "seq2seq" and data["task"] == "auto":
+        data["task"] = "seq2seq"  # the data stage tokenizes data.label's target texts
     if model["kind"] != "transformers" or not model["path"] or data["tokenizer"] is not None:
         return
     is_text = data["source"] == "text" or Path(data["source"]).suffix.lower() == ".txt" or data["text"]
@@ -321,6 +324,9 @@ def _check_text_keys(data) -> None:
     if text and not data.tokenizer:
         raise ConfigError("config key 'data.text': needs data.tokenizer (a tokenizer.json file or a "
                           "save_pretrained folder) to turn the text into token ids")
+    if data.task == "seq2seq" and not text:
+        raise ConfigError("config key 'data.task': seq2seq reads source texts from data.text and target texts "
+                          "from data.label, columns of a .csv, .parquet or .jsonl file; set data.text")
     if data.label in text:
         raise ConfigError(f"config key 'data.text': {data.label!r} is data.label too; the model would read "
                           "the answer")

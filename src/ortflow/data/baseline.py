@@ -54,11 +54,13 @@ def unigram_perplexity(label: np.ndarray, train_rows: np.ndarray, eval_rows: np.
     token occurs in the train split, add-one smoothed (a token it never saw counts once)."""
     counts = np.ones(vocab_size)
     for rows in blocks(train_rows):
-        counts += np.bincount(label[rows].reshape(-1), minlength=vocab_size)
+        chosen = label[rows].reshape(-1)
+        counts += np.bincount(chosen[chosen != IGNORE_INDEX], minlength=vocab_size)
     log_p = np.log(counts / counts.sum())
     total, tokens = 0.0, 0
     for rows in blocks(eval_rows):
         chosen = label[rows].reshape(-1)
+        chosen = chosen[chosen != IGNORE_INDEX]  # a target's padding (sequence-to-sequence)
         total, tokens = total + float(log_p[chosen].sum()), tokens + len(chosen)
     return float(np.exp(-total / tokens))
 

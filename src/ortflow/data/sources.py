@@ -90,7 +90,10 @@ def load(data, scratch: Path | None = None) -> Dataset:
                 _check_label_not_a_feature(data, path)
                 tokenizer, (features, label) = None, _frame_columns(frame, str(path), data.features,
                                                                     data.label, typed)
-            dataset = _tabular(features, label, data, str(path), classes)
+            if data.task == "seq2seq":  # the target's tokens, as a language model's
+                dataset = Dataset(features, label, data.label, "language_model", tokenizer.vocab_size)
+            else:
+                dataset = _tabular(features, label, data, str(path), classes)
             dataset.tokenizer = tokenizer
         else:
             _check_label_not_a_feature(data, path)
@@ -278,19 +281,25 @@ def _frame_columns(frame, path: str, features: list[str], label: str, typed: boo
 def _frame_text(frame, path: str, data, tokenizer: tokenizers.Tokenizer):
     """The `data.text` column(s), one text or a pair per row, tokenized (tokenizer.py), and the label column
     and its class names (None: `_tabular` names the classes of a label of strings). A label column of lists
-    is token classification (`_word_tags`)."""
+    is token classification (`_word_tags`); with data.task seq2seq the label column holds target texts,
+    tokenized into the labels and the decoder's inputs (tokenizer.encode_targets)."""
     columns = text_columns(data)
     _require_columns(frame, path, columns + [data.label], "data.text and data.label")
-    for column in columns:
+    targets = [data.label] if data.task == "seq2seq" else []
+    for column in columns + targets:
         missing = frame[column].isna().to_numpy()
         if missing.any():
             raise DataError(f"{path}: text column {column!r} has {int(missing.sum())} missing value(s) (first at "
                             f"row {int(np.argmax(missing))}); drop or fill those rows")
     tokenizer.text = columns
-    if _is_lists(frame[data.label]):
+    if _is_lists(frame[data.label]) and not targets:
         return _word_tags(frame, path, data, tokenizer)
     texts = [frame[column].astype(str).tolist() for column in columns]
     features = tokenizers.encode_columns(tokenizer, texts, data.context, path)
+    if targets:
+        decoder_inputs, labels = tokenizers.encode_targets(tokenizer, frame[data.label].astype(str).tolist(),
+                                                           data.context, path)
+        return features | {tokenizers.DECODER_INPUT_IDS: decoder_inputs}, labels, None
     return features, _label_column(frame, path, data.label), None
 
 

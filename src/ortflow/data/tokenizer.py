@@ -20,7 +20,8 @@ Two uses:
   carries that truncation and padding, so that encoding with it gives the model's
   inputs exactly. For token classification (`encode_words`) the column holds
   lists of words, encoded as split (is_pretokenized), and the words' tags are
-  aligned to the tokens.
+  aligned to the tokens. For sequence-to-sequence (`encode_targets`) the label
+  column's target texts become the labels and the decoder's inputs.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ log = logging.getLogger("ortflow.prepare_data")
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 PAD_TOKENS = ("[PAD]", "<pad>", "<|pad|>", "<|padding|>")
 INPUT_IDS, ATTENTION_MASK, TOKEN_TYPE_IDS = "input_ids", "attention_mask", "token_type_ids"
+DECODER_INPUT_IDS = "decoder_input_ids"  # a sequence-to-sequence model's decoder inputs
 DOCUMENT_SEPARATOR = "\n\n"
 READ_CHARS = 1 << 22  # text read per step of a .txt file
 BATCH_CHARS = 1 << 20  # text per encode_batch call: enough for the library's threads, little memory
@@ -286,6 +288,21 @@ def encode_words(tokenizer: Tokenizer, words: list[list[str]], tags: list[list[i
                 previous = word
 
     return _encode(tokenizer, words, context, where, pretokenized=True, each_batch=align), labels
+
+
+def encode_targets(tokenizer: Tokenizer, texts: list[str], context: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Sequence-to-sequence: target texts -> the decoder's inputs and the labels,
+    [rows, context] int64, as transformers makes them from its labels: the labels
+    are the target's token ids with IGNORE_INDEX on the padding; the decoder's
+    inputs are the target shifted right by one (shift_tokens_right), the padding
+    id first, which the model replaces by its own decoder_start_token_id
+    (models/hugging_face.py)."""
+    encoded = _encode(tokenizer, texts, context, where)
+    ids = encoded[INPUT_IDS]
+    labels = np.where(encoded[ATTENTION_MASK] == 1, ids, IGNORE_INDEX)
+    decoder_inputs = np.full_like(ids, tokenizer.token_id(tokenizer.pad_token))
+    decoder_inputs[:, 1:] = ids[:, :-1]
+    return decoder_inputs, labels
 
 
 def _encode(tokenizer: Tokenizer, inputs: list, context: int, where: str, pretokenized: bool = False,

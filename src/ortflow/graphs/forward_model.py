@@ -13,13 +13,14 @@ from ..models.torch_export import export_torch
 
 def base_model(model, manifest: dict, loss: str, seed: int, path: Path):
     """Write the forward ONNX model to `path`, with `model.weights` loaded if given;
-    return it and the names of the torch parameters that train (None for an ONNX
-    file: every float initializer). Over external_data.threshold() its initializers go
+    return it, the names of the torch parameters that train (None for an ONNX
+    file: every float initializer) and, for `kind: transformers`, where the model
+    came from (hugging_face.origin; else None). Over external_data.threshold() its initializers go
     to `inference_base.onnx.data`, and the model returned holds their shapes, not their
     values (what the checks and model.json read; generate_artifacts reads the file)."""
     import torch
 
-    from ..models import built_in, user, weights
+    from ..models import built_in, hugging_face, user, weights
 
     pretrained = weights.requested(model)
     if model.kind == "onnx":
@@ -27,22 +28,21 @@ def base_model(model, manifest: dict, loss: str, seed: int, path: Path):
         if pretrained:
             weights.load_into_onnx(base, pretrained)
         external_data.save_model(base, path)
-        return base, None
+        return base, None, None
     # Every weight drawn in the constructor comes from the seed, including a new
     # head that a wrapper adds to a model it loads with from_pretrained.
     torch.manual_seed(seed)
     if model.kind == "torch":
         module = user.import_torch(model.path, model.kwargs)
     elif model.kind == "transformers":
-        from ..models import hugging_face
-
         module = hugging_face.build(model, manifest)
     else:
         module = built_in(model, manifest, loss)
     if pretrained:
         weights.load_into_module(module, pretrained)
+    origin = hugging_face.origin(module) if model.kind == "transformers" else None
     # As constructed, in training mode: torch.onnx deprecates its `training` argument for the module's own mode.
-    return export_torch(module, manifest, path), [n for n, p in module.named_parameters() if p.requires_grad]
+    return export_torch(module, manifest, path), [n for n, p in module.named_parameters() if p.requires_grad], origin
 
 
 def check_interface(base, manifest: dict) -> None:

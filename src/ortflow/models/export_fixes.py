@@ -49,12 +49,6 @@ multi-query attention (one key/value head, broadcast against the query heads):
    with ONNX Runtime's symbolic shape inference (symbols for the batch and
    whatever follows from it) before the training graphs are generated.
 
-And one in ONNX Runtime's inference export, found by exporting DistilBERT
-trained on a tokenizer's features, token_type_ids among them:
-
-7. `Module.export_model_for_inferencing` leaves out the inputs that nothing
-   reads, which the forward model keeps so that every consumer feeds the data's
-   features alike (torch_export.unread_inputs). `restore_inputs` adds them back.
 """
 
 from __future__ import annotations
@@ -227,15 +221,6 @@ def infer_shapes(model) -> None:
         return
     del graph.value_info[:]
     graph.value_info.extend(inferred.graph.value_info)
-
-
-def restore_inputs(model, base, names: list[str]) -> list[str]:
-    """Add to `model` each input of `base` (the forward model) named in `names` that `model`
-    lacks, as `base` declares it; returns the names added."""
-    present = {value.name for value in model.graph.input}
-    missing = [value for value in base.graph.input if value.name in names and value.name not in present]
-    model.graph.input.extend(missing)
-    return [value.name for value in missing]
 
 
 def unsupported_operator(error: Exception, module: str, opset: int) -> ModelError:

@@ -11,7 +11,9 @@ folder's is replaced by a new one drawn from `run.seed`, and the log says so.
 takes the data's features by name: a tokenizer's `input_ids`, `attention_mask`,
 `token_type_ids` (one that the model's forward does not take is not fed, and stays
 an input of the ONNX model that nothing reads), the token windows of text (`x`) as
-`input_ids`, an image feature as `pixel_values`. It turns caches off and returns the
+`input_ids`, an image feature as `pixel_values`, a sequence-to-sequence model's
+`decoder_input_ids` (the target shifted right, data/tokenizer.py) with its first
+position set to the config's `decoder_start_token_id`. It turns caches off and returns the
 logits in ortflow's layout: classes first, so a language model's and a tagger's
 `[batch, time, classes]` become `[batch, classes, time]`. ortflow adds the loss.
 
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
-from ..user_files import MODEL_KEY, model_files
+from ..user_files import MODEL_CONFIG, MODEL_KEY, model_files
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -42,9 +44,12 @@ CLASSES = {
     "regression": "AutoModelForSequenceClassification",
     "token-classification": "AutoModelForTokenClassification",
     "image-classification": "AutoModelForImageClassification",
+    "seq2seq": "AutoModelForSeq2SeqLM",
 }
 # Tasks whose logits have a score per position: [batch, time, classes] -> [batch, classes, time].
-PER_TOKEN = ("causal-lm", "token-classification")
+PER_TOKEN = ("causal-lm", "token-classification", "seq2seq")
+# A sequence-to-sequence model's decoder inputs, as the data stage makes them (data/tokenizer.py).
+DECODER_INPUT_IDS = "decoder_input_ids"
 # The token windows of text (data.source text, a .txt file) are one feature of this name.
 TEXT_WINDOWS = "x"
 ATTENTION = "eager"
@@ -67,7 +72,7 @@ def task_of(task: str, manifest: dict) -> str:
         f["shape"] == label["shape"] and not f["dtype"].startswith("float") for f in features)
     image = any(is_image(f) for f in features)
     if data_task == "language_model":
-        found = "causal-lm"
+        found = "seq2seq" if any(f["name"] == DECODER_INPUT_IDS for f in features) else "causal-lm"
     elif data_task == "regression":
         found = "regression"
     elif image:
@@ -90,7 +95,8 @@ def task_of(task: str, manifest: dict) -> str:
 
 def describe(manifest: dict) -> str:
     label = manifest["label"]
-    what = {"language_model": "text windows (next-token prediction)", "regression": "float targets",
+    what = {"language_model": "target texts" if any(f["name"] == DECODER_INPUT_IDS for f in manifest["features"])
+            else "text windows (next-token prediction)", "regression": "float targets",
             "classification": f"{manifest['num_classes']} classes"}[manifest["task"]]
     return f"{what}, label {label['name']!r} of shape {label['shape']}"
 
@@ -113,7 +119,7 @@ def load_config(folder: Path):
 
 def head_config(config, task: str, manifest: dict) -> None:
     """The data's head on the model's config: how many outputs, the classes' names, the problem type."""
-    if task == "causal-lm":
+    if task in ("causal-lm", "seq2seq"):
         config.use_cache = False
         return
     label = manifest["label"]
@@ -135,7 +141,8 @@ def pretrained(folder: Path, task: str, manifest: dict):
     """The AutoModelFor<task> of `folder`, its head fitted to the data, in training mode, float32."""
     import transformers
 
-    model_files(str(folder))  # a save_pretrained folder, no links, safetensors only
+    # A save_pretrained folder, no links, safetensors only: its config.json and weight files.
+    weights = [file for file in model_files(str(folder)) if file.name != MODEL_CONFIG]
     config = load_config(folder)
     for (model_type, flag), why in REFUSED.items():
         if config.model_type == model_type and getattr(config, flag, False):
@@ -143,7 +150,6 @@ def pretrained(folder: Path, task: str, manifest: dict):
                              f"cannot train: {why}")
     head_config(config, task, manifest)
     cls = getattr(transformers, CLASSES[task])
-    weights = [p for p in model_files(str(folder)) if p.name != "config.json"]
     try:
         if not weights:
             log.info("%s: %s has no weights; %s drawn from run.seed", MODEL_KEY, folder, type(config).__name__)
@@ -154,10 +160,10 @@ def pretrained(folder: Path, task: str, manifest: dict):
                 ignore_mismatched_sizes=True, attn_implementation=ATTENTION, dtype=torch.float32,
                 output_loading_info=True)
             new = sorted({*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))})
+            module.new_tensors = new
             if new:
-                log.warning("%s: %s has no weights of this shape for %d tensor(s) of the %s head (%d outputs for "
-                            "the data): drawn from run.seed: %s", MODEL_KEY, folder, len(new), task,
-                            getattr(config, "num_labels", 0), ", ".join(new[:6]))
+                log.warning("%s: %s has no %s head of %d outputs, the data's: %d tensor(s) drawn from run.seed: %s",
+                            MODEL_KEY, folder, task, config.num_labels, len(new), ", ".join(new[:6]))
     except ValueError as error:  # a config of no class for this task ("Unrecognized configuration class ...")
         reason = str(error).strip().splitlines()[0][:300]
         raise ModelError(f"{MODEL_KEY}: {folder} ({config.model_type}) has no {CLASSES[task]} model for model.task "
@@ -193,13 +199,27 @@ class TaskModel(torch.nn.Module):
         self.arguments = arguments
         self.ignored_inputs = [name for name, argument in zip(input_names, arguments) if argument is None]
         self.no_cache = "use_cache" in inspect.signature(hf.forward).parameters
+        self.decoder_start = getattr(hf.config, "decoder_start_token_id", None)
 
     def forward(self, *features):
         given = {argument: value for argument, value in zip(self.arguments, features) if argument}
+        if self.task == "seq2seq":  # the target shifted right starts with the model's own start token
+            shifted = given[DECODER_INPUT_IDS]
+            given[DECODER_INPUT_IDS] = torch.cat([torch.full_like(shifted[:, :1], self.decoder_start), shifted[:, 1:]], 1)
         if self.no_cache:
             given["use_cache"] = False
         logits = self.model(**given).logits
         return logits.transpose(1, 2) if self.task in PER_TOKEN else logits
+
+
+def origin(module: TaskModel) -> dict:
+    """What model.json records of the model and the end-of-run summary shows: its class and
+    task, whether its weights are the folder's or drawn from run.seed, and the new head's
+    tensors (drawn from run.seed) under the folder's."""
+    hf = module.model
+    new = getattr(hf, "new_tensors", None)
+    return {"class": type(hf).__name__, "task": module.task, "weights": "run.seed" if new is None else "folder",
+            "new_head": new or []}
 
 
 def build(model, manifest: dict) -> TaskModel:
@@ -207,6 +227,9 @@ def build(model, manifest: dict) -> TaskModel:
     task = task_of(model.task, manifest)
     folder = Path(model.path)
     hf = pretrained(folder, task, manifest)
+    if task == "seq2seq" and getattr(hf.config, "decoder_start_token_id", None) is None:
+        raise ModelError(f"{MODEL_KEY}: {folder}/config.json has no decoder_start_token_id, the token that "
+                         "starts the decoder's inputs; set it (T5 uses its pad_token_id, BART its eos_token_id)")
     accepted = list(inspect.signature(hf.forward).parameters)
     arguments = []
     for feature in manifest["features"]:

@@ -80,16 +80,24 @@ def export_torch(module, manifest: dict, path: Path):
 def unread_inputs(exported, module, features: list[dict]) -> list[str]:
     """The features a module takes but does not read (`ignored_inputs`: a tokenizer's
     token_type_ids for a model without them), which torch.onnx leaves out of the graph:
-    added back as inputs that nothing reads, so that the model takes every feature the
-    data has, as the data's other consumers (training, evaluation, inference) feed them."""
+    added back (`add_inputs`)."""
+    ignored = getattr(module, "ignored_inputs", ())
+    return add_inputs(exported, [{"name": f["name"], "dtype": f["dtype"], "shape": ["batch", *f["shape"]]}
+                                 for f in features if f["name"] in ignored])
+
+
+def add_inputs(model, inputs: list[dict]) -> list[str]:
+    """Each of `inputs` (name, dtype, shape with the batch: model.json's) that the ONNX `model`
+    lacks, added as an input that nothing reads: the model then takes every feature the data has, as
+    the data's consumers (training, evaluation, inference) feed them. Torch's exporter and
+    ONNX Runtime's inference export both leave out an input that nothing reads."""
     import onnx
 
-    present = {value.name for value in exported.graph.input}
+    present = {value.name for value in model.graph.input}
     added = []
-    for feature in features:
-        name = feature["name"]
-        if name in getattr(module, "ignored_inputs", ()) and name not in present:
-            elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(feature["dtype"]))
-            exported.graph.input.append(onnx.helper.make_tensor_value_info(name, elem, ["batch", *feature["shape"]]))
-            added.append(name)
+    for value in inputs:
+        if value["name"] not in present:
+            elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(value["dtype"]))
+            model.graph.input.append(onnx.helper.make_tensor_value_info(value["name"], elem, value["shape"]))
+            added.append(value["name"])
     return added

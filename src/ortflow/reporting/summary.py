@@ -21,12 +21,18 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     write them (the Snakefile passes their outputs); `report` is the report
     command's page. `run_arguments` are those that chose the run (--configfile,
     --config): the report command needs them too. `artifacts` (build_artifacts'
-    folder) tells whether the model's output follows its logits (a final Softmax)."""
+    folder) tells whether the model's output follows its logits (a final Softmax), and what a
+    `kind: transformers` model was fine-tuned from."""
     results, model, int8 = Path(results), Path(model), Path(int8)
     train, export = read_json(Path(train_metrics)), read_json(Path(export_metrics))
     description = read_json(Path(artifacts) / "model.json") if artifacts else None
     lines = [f"ortflow: run {results.name} in {results}"]
     outputs = description["outputs"] if description else {}
+    origin = (description or {}).get("transformers")
+    if origin:
+        weights = "weights drawn from run.seed" if origin["weights"] == "run.seed" else "the folder's weights" + (
+            f", a new head drawn from run.seed ({', '.join(origin['new_head'])})" if origin["new_head"] else "")
+        lines.append(f"  fine-tune {origin['class']} ({origin['task']}) from {weights}")
     if "inference" in outputs and outputs["inference"] != outputs["logits"]:
         lines.append(f"  output    {outputs['inference']!r} follows the logits {outputs['logits']!r} (a final Softmax "
                      "or LogSoftmax, kept in the exported model); the loss is computed on the logits")

@@ -15,7 +15,9 @@ graphs and initial checkpoint that ONNX Runtime's training engine runs out.
    statistics, and the eval graph normalizes with them (batchnorm.py).
 3. One training step on a few train records proves that the graphs fit the data.
 4. `model.json` describes the inputs, label, outputs, parameters, FLOPs and
-   running statistics (`running_stats`: training graph output -> parameter).
+   running statistics (`running_stats`: training graph output -> parameter); for
+   `kind: transformers` where the model came from (`transformers`: its class, task,
+   and the tensors of a new head drawn from run.seed).
 
 Everything is written to `<out>.tmp` and renamed to `<out>` when complete (atomic.folder).
 """
@@ -51,7 +53,7 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
     model = config.model
     loss = resolve_loss(model.loss, manifest, model.task if model.kind == "transformers" else None)
     with atomic.folder(out) as tmp:
-        base, torch_trainable = base_model(model, manifest, loss, config.run.seed, Artifacts(tmp).base_model)
+        base, torch_trainable, origin = base_model(model, manifest, loss, config.run.seed, Artifacts(tmp).base_model)
         check_interface(base, manifest)
         vocabulary.check(base, manifest)
         logits = find_logits(base, loss, manifest)
@@ -64,7 +66,7 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
         smoke_step(tmp, train_dir, manifest)
         description = describe(base, manifest, loss, trainable, frozen, tmp, model.kind, logits) | {
             "running_stats": running_stats
-        }
+        } | ({"transformers": origin} if origin else {})
         Artifacts(tmp).model_json.write_text(json.dumps(description, indent=2) + "\n")
     log.info(
         "%d parameters (%d trainable), %d forward FLOPs per sample -> %s",

@@ -49,7 +49,7 @@ from ..config import Config
 from ..errors import DataError, MissingInputError, ModelError
 from ..evaluation import feeds, outputs_of
 from ..inference import inference_session, input_feeds, loss_of, set_metadata
-from ..models import export_fixes
+from ..models.torch_export import add_inputs
 from ..sessions import quiet_logging
 
 log = logging.getLogger("ortflow.export")
@@ -253,11 +253,11 @@ def write_inference_model(module, files: Artifacts, info: dict, tmp: Path, out: 
         module.export_model_for_inferencing(tmp.name, [inference_output(info)])
     model = external_data.load_model(tmp, f"{out}: the model ONNX Runtime exported")
     external_data.data_file(tmp).unlink(missing_ok=True)  # read in: save_model writes `<out>.data`
-    base = external_data.load_model(files.base_model, load_data=False)
     if inference_output(info) != info["outputs"]["logits"]:
         # The eval graph returns the logits; the model's own output keeps the type the model gave it.
+        base = external_data.load_model(files.base_model, load_data=False)
         model.graph.output[0].CopyFrom(base.graph.output[0])
-    export_fixes.restore_inputs(model, base, [i["name"] for i in info["inputs"]])
+    add_inputs(model, info["inputs"])  # one that nothing reads (models/hugging_face.py), dropped by ONNX Runtime
     standardize.prepend(model, reader.standardized)
     set_metadata(model, props)
     external_data.save_model(model, tmp, out)
