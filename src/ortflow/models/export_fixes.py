@@ -37,13 +37,29 @@ And one for any module that stays in eval mode while it is exported (one whose
    BatchNorms' weights (ones) and biases (zeros), or two zero Linear biases,
    become one initializer, the others an Identity of it, and would train as
    one. `untie_initializers` gives each its own initializer again.
+
+And one in ONNX Runtime's gradient builder, found by training Falcon with
+multi-query attention (one key/value head, broadcast against the query heads):
+
+6. The builder sums a broadcast input's gradient over the broadcast dimensions
+   only where the graph records both inputs' shapes; ONNX's own shape inference
+   loses them at the Reshapes of a shape computed at run time, so the gradient
+   of Falcon's `query * key` keeps 4 heads where the key has 1 ("Shape mismatch
+   attempting to re-use buffer"). `infer_shapes` writes every value's shape
+   with ONNX Runtime's symbolic shape inference (symbols for the batch and
+   whatever follows from it) before the training graphs are generated.
+
 """
 
 from __future__ import annotations
 
+import logging
 import re
 
 from ..errors import ModelError
+from . import is_float
+
+log = logging.getLogger("ortflow.build_artifacts")
 
 
 def _diff(g, input, n, dim, prepend, append):
@@ -180,6 +196,31 @@ def untie_initializers(model, module) -> list[str]:
     model.graph.initializer.extend(numpy_helper.from_array(tensors[name].detach().cpu().numpy(), name)
                                    for name in untied)
     return untied
+
+
+def infer_shapes(model) -> None:
+    """Write into `model` the shape of every value that ONNX Runtime's symbolic shape
+    inference finds; nothing where it fails (a help to the gradient builder, which works
+    without it for most models). The inference copies the model it is given: it is given
+    the graph with the float initializers (the weights) as inputs of their shapes, since it
+    reads the values of integer initializers only."""
+    import onnx
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    graph = model.graph
+    weights = [onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in graph.initializer if is_float(t)]
+    light = onnx.helper.make_model(
+        onnx.helper.make_graph(graph.node, graph.name, [*graph.input, *weights], graph.output,
+                               [t for t in graph.initializer if not is_float(t)]),
+        opset_imports=model.opset_import, ir_version=model.ir_version, functions=model.functions)
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(light, auto_merge=True)
+    except Exception as error:  # noqa: BLE001 - it fails in many ways on models it does not cover
+        log.warning("model.path: ONNX Runtime's symbolic shape inference failed (%s: %s); the training graphs are "
+                    "built without the shapes it finds", type(error).__name__, str(error).strip()[:200])
+        return
+    del graph.value_info[:]
+    graph.value_info.extend(inferred.graph.value_info)
 
 
 def unsupported_operator(error: Exception, module: str, opset: int) -> ModelError:

@@ -19,6 +19,9 @@ logits in ortflow's layout: classes first, so a language model's and a tagger's
 
 Attention runs as `eager`: written out in ONNX operators, the same for every
 family; `sdpa`'s fully masked rows give NaN gradients in some (docs/models.md).
+A model that cannot train as torch does is refused before the export (REFUSED),
+and an embedding's padding row that is not zero is zeroed (zero_padding_rows);
+docs/models.md's "Families tried" lists what was measured.
 """
 
 from __future__ import annotations
@@ -50,6 +53,12 @@ DECODER_INPUT_IDS = "decoder_input_ids"
 # The token windows of text (data.source text, a .txt file) are one feature of this name.
 TEXT_WINDOWS = "x"
 ATTENTION = "eager"
+# (model_type, config flag) -> why a model with the flag on cannot train as torch does (docs/models.md,
+# "Families tried"): refused before the export, in one line.
+REFUSED = {
+    ("falcon", "alibi"): "its ALiBi bias is computed in bfloat16, which torch.onnx writes as a Cast to ONNX type 15 "
+                         "(complex128, not bfloat16) that ONNX Runtime cannot run; use a Falcon with alibi: false",
+}
 
 
 def is_image(feature: dict) -> bool:
@@ -135,6 +144,10 @@ def pretrained(folder: Path, task: str, manifest: dict):
     # A save_pretrained folder, no links, safetensors only: its config.json and weight files.
     weights = [file for file in model_files(str(folder)) if file.name != MODEL_CONFIG]
     config = load_config(folder)
+    for (model_type, flag), why in REFUSED.items():
+        if config.model_type == model_type and getattr(config, flag, False):
+            raise ModelError(f"{MODEL_KEY}: {folder} is a {model_type} model with {flag}=True, which ortflow "
+                             f"cannot train: {why}")
     head_config(config, task, manifest)
     cls = getattr(transformers, CLASSES[task])
     try:
@@ -155,7 +168,23 @@ def pretrained(folder: Path, task: str, manifest: dict):
         reason = str(error).strip().splitlines()[0][:300]
         raise ModelError(f"{MODEL_KEY}: {folder} ({config.model_type}) has no {CLASSES[task]} model for model.task "
                          f"{task!r} ({reason})") from None
+    zero_padding_rows(module, folder)
     return module.train()
+
+
+def zero_padding_rows(module, folder: Path) -> None:
+    """Zero each embedding's row of its padding_idx that is not zero (ModernBERT draws it with the
+    rest), saying so. ortflow keeps that row from training by masking its tokens' vectors to zero,
+    which equals torch's training (the row gets no gradient) only where the row is zero
+    (export_fixes.check_embeddings); the attention mask keeps padding tokens from the other
+    positions, so only the outputs at padding positions change."""
+    for name, layer in module.named_modules():
+        if isinstance(layer, torch.nn.Embedding) and layer.padding_idx is not None \
+                and bool(layer.weight[layer.padding_idx].any()):
+            with torch.no_grad():
+                layer.weight[layer.padding_idx] = 0
+            log.warning("%s: %s: the row of padding_idx %d of %s (nn.Embedding) is not zero: zeroed, as ortflow "
+                        "trains it (it takes no gradient in torch either)", MODEL_KEY, folder, layer.padding_idx, name)
 
 
 class TaskModel(torch.nn.Module):

@@ -22,8 +22,8 @@ SEQUENCE = "sequence"
 def export_torch(module, manifest: dict, path: Path):
     """torch -> ONNX (written to `path` and returned) with the batch dimension dynamic (and a text model's
     sequence dimension, `sequence_axes`), in training mode and without constant folding, so that every
-    parameter stays an initializer; with export_fixes' repairs (torch.diff, cumsum, the attention's dropout, the embedding's padding row,
-    initializers merged by value),
+    parameter stays an initializer; with export_fixes' repairs (torch.diff, cumsum, the attention's dropout,
+    the embedding's padding row, initializers merged by value, the shapes for ONNX Runtime's gradient builder),
     and the buffers (BatchNorm's running statistics) as they were before the export ran the module."""
     import onnx
     import torch
@@ -73,11 +73,11 @@ def export_torch(module, manifest: dict, path: Path):
         log.warning("model.path: %s stayed in eval mode while exported, so torch.onnx merged its parameters and "
                     "buffers of equal value; each has its own initializer again: %s", type(module).__name__,
                     sorted(untied))
-    ignored = unread_inputs(exported, module, features, axes)
-    changed = len(untied) + len(ignored) + export_fixes.give_dropout_its_mask(exported) + \
-        batchnorm.restore_buffers(exported, buffers)
-    if changed or scattered or external_data.initializer_bytes(exported) > external_data.threshold():
-        external_data.save_model(exported, path)
+    unread_inputs(exported, module, features, axes)
+    export_fixes.give_dropout_its_mask(exported)
+    batchnorm.restore_buffers(exported, buffers)
+    export_fixes.infer_shapes(exported)
+    external_data.save_model(exported, path)
     return exported
 
 
