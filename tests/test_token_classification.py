@@ -253,7 +253,7 @@ def test_entity_scores_equal_seqeval_and_per_class_scores_scikit_learn():
 @pytest.mark.e2e
 def test_token_classification_through_the_workflow(tmp_path, monkeypatch):
     """A .jsonl of words and BIO tags, a WordPiece tokenizer and a torch TokenTagger
-    through every stage: metrics.json holds each tag's precision/recall/F1 and
+    through every stage to the report's tables: metrics.json holds each tag's precision/recall/F1 and
     seqeval's entity-level scores, which the eval split's predictions reproduce."""
     import os
 
@@ -280,7 +280,7 @@ def test_token_classification_through_the_workflow(tmp_path, monkeypatch):
     }
     tests = str(Path(__file__).resolve().parent)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")])))
-    run_snakemake(workdir, config)
+    run_snakemake(workdir, config, "report_tables")
     results = workdir / "results" / "ner"
 
     trained = json.loads((results / "train/metrics.json").read_text())["eval"]
