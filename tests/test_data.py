@@ -132,7 +132,7 @@ def test_user_npz_through_snakemake(workdir):
 
 @pytest.mark.e2e
 def test_npz_with_string_labels_through_snakemake(workdir):
-    """An .npz whose label array is strings, through every stage: the manifest,
+    """An .npz whose label array is strings, through every stage to the report's tables: the manifest,
     metrics.json, the report and the exported model name the sorted classes."""
     import onnx
 
@@ -144,7 +144,7 @@ def test_npz_with_string_labels_through_snakemake(workdir):
     config = {"run": {"name": "parity"}, "data": {"source": "parity.npz", "label": "parity", "shards": 1},
               "model": {"hidden": [16]},
               "train": {"world_size": 1, "steps": 20, "log_every": 10, "eval_every": 20, "checkpoint_every": 20}}
-    run_snakemake(workdir, config)
+    run_snakemake(workdir, config, "report_tables")
     results = workdir / "results" / "parity"
     classes = ["even", "odd", "évén"]
     for split in ("train", "eval"):

@@ -196,6 +196,10 @@ def test_repeats_are_ranked_by_their_points_mean(tmp_path, monkeypatch):
 
 
 # A grid of 4 points on the default data, few steps of a tiny MLP on one rank each.
+# grid_run goes through the whole workflow, for the report; most other sweeps stop at sweep_compare,
+# which needs every point trained, exported and quantized, not their plots and report tables. The
+# failing point's sweep goes to the default target: after its failed run (whose comparison onerror
+# wrote), `snakemake sweep_compare` with a point added says "Nothing to be done".
 GRID = {
     "train": {"steps": 20, "world_size": 1, "eval_every": 10, "log_every": 5},
     "model": {"hidden": [16]},
@@ -295,7 +299,7 @@ def test_repeats_share_one_split_and_are_compared_by_their_mean_and_std(workdir)
     import statistics
 
     repeats = {**GRID, "sweep": {"name": "rep", "grid": {"train.optimizer.lr": [0.01, 0.001]}, "repeats": 2}}
-    result = run_snakemake(workdir, repeats)
+    result = run_snakemake(workdir, repeats, "sweep_compare")
     ran = jobs(result.stdout + result.stderr)
     assert sum(job.endswith("_prepare_data") for job in ran) == 1
     assert sum(job.endswith("_build_artifacts") for job in ran) == 2  # one per seed
@@ -319,7 +323,7 @@ def test_a_refused_int8_keeps_the_sweep_green_and_a_failed_stage_is_named_and_ra
     # One point's gate refuses every int8 model, the other's passes every one: certain on any CPU.
     gated = {**GRID, "sweep": {"name": "gate", "grid": {"export.max_accuracy_drop": [-1000.0, 100.0]}}}
     refused, passed = (p.name for p in sweep.points(ortflow_config.validate(gated)))
-    result = run_snakemake(workdir, gated)
+    result = run_snakemake(workdir, gated, "sweep_compare")
     folder = workdir / "results" / "sweeps" / "gate"
     rows = {row["point"]: row for row in comparison(folder)}
     assert {rows[refused]["status"], rows[passed]["status"]} == {"finished"}
@@ -328,7 +332,8 @@ def test_a_refused_int8_keeps_the_sweep_green_and_a_failed_stage_is_named_and_ra
     assert f"int8 refused by the gate: {refused} (their fp32 models stand" in result.stdout
 
     # Asked to fail the run, the refused point's quantize_model fails: it is ranked by its training.
-    failing = run_snakemake(workdir, {**gated, "export": {"gate_fails_run": True}}, "--keep-going", check=False)
+    failing = run_snakemake(workdir, {**gated, "export": {"gate_fails_run": True}}, "sweep_compare", "--keep-going",
+                            check=False)
     assert failing.returncode != 0
     rows = {row["point"]: row for row in comparison(folder)}
     assert rows[refused]["status"] == "failed: quantize_model" and rows[refused]["rank"] in ("1", "2"), rows[refused]
@@ -361,7 +366,7 @@ def test_halving_needs_a_constant_schedule_and_a_budget_below_the_steps():
 
 @pytest.mark.e2e
 def test_halving_stops_the_weak_points_and_its_survivors_go_on_bit_for_bit(workdir):
-    result = run_snakemake(workdir, HALVING)
+    result = run_snakemake(workdir, HALVING, "sweep_compare")
     ran = jobs(result.stdout + result.stderr)
     assert sum(job.endswith("_first_train") for job in ran) == 3
     folder = workdir / "results" / "sweeps" / "halve"
@@ -382,7 +387,7 @@ def test_halving_stops_the_weak_points_and_its_survivors_go_on_bit_for_bit(workd
     (point,) = [p for p in sweep.points(ortflow_config.validate(HALVING)) if p.name == survivor]
     reference = {"run": {"name": "reference"}, "train": {**HALVING["train"], "optimizer": {
         "lr": point.values["train.optimizer.lr"]}}, "model": HALVING["model"]}
-    run_snakemake(workdir, reference)
+    run_snakemake(workdir, reference, "export_model")
     resumed = json.loads(TrainFolder(folder / survivor / "train").metrics.read_text())
     uninterrupted = json.loads(TrainFolder(workdir / "results" / "reference" / "train").metrics.read_text())
     # The losses, not the whole history: it holds each step's throughput too.

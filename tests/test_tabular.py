@@ -51,7 +51,7 @@ def test_statistics_skip_integer_inputs_and_let_constant_columns_pass():
 
 @pytest.mark.e2e
 def test_wine_standardized_trains_and_the_export_takes_raw_features(workdir):
-    """178 wines, 13 unscaled features (proline up to 1680), 3 classes: through the whole pipeline."""
+    """178 wines, 13 unscaled features (proline up to 1680), 3 classes: through to the quantized model."""
     import onnx
     import onnxruntime as ort
     from sklearn.datasets import load_wine
@@ -60,7 +60,7 @@ def test_wine_standardized_trains_and_the_export_takes_raw_features(workdir):
     config = {"run": {"name": "wine"}, "data": {"source": "data.csv", "features": features, "label": "target",
                                                  "standardize": True},
               "train": {"steps": 100, "eval_every": 50, "checkpoint_every": 50}}
-    run_snakemake(workdir, config)
+    run_snakemake(workdir, config, "quantize_model")
     results = workdir / "results" / "wine"
 
     # The manifest's statistics are numpy's over the train split only, in float64.
@@ -165,7 +165,7 @@ def test_bce_with_logits_on_a_two_class_label_evaluates_and_exports(workdir):
                                                    "standardize": True},
               "model": {"loss": "bce_with_logits"},
               "train": {"steps": 30, "eval_every": 10, "checkpoint_every": 30}}
-    run_snakemake(workdir, config)
+    run_snakemake(workdir, config, "quantize_model")
     results = workdir / "results" / "cancer"
     train = json.loads((results / "train" / "metrics.json").read_text())
     assert [entry["step"] for entry in train["history"]["eval"]] == [10, 20, 30]
@@ -211,7 +211,7 @@ def test_the_int8_gate_suggests_standardize_for_unscaled_features_and_only_setti
               "train": {"steps": 100, "eval_every": 100, "checkpoint_every": 100},
               "export": {"quantize": "static", "max_accuracy_drop": -1000.0}}
     log = workdir / "logs" / "wine" / "quantize_model.log"
-    run_snakemake(workdir, config)
+    run_snakemake(workdir, config, "quantize_model")
     refusal = next(line for line in log.read_text().splitlines() if "quality gate: int8 accuracy" in line)
     _, eval_rows = split_rows(len(frame), 0.2, SEED)
     peaks = np.abs(frame[features].to_numpy(np.float32)[eval_rows]).max(axis=0)
@@ -223,7 +223,7 @@ def test_the_int8_gate_suggests_standardize_for_unscaled_features_and_only_setti
     assert "export.quantize: static" not in refusal
 
     config["data"]["standardize"] = True
-    run_snakemake(workdir, config)
+    run_snakemake(workdir, config, "quantize_model")
     refusal = next(line for line in log.read_text().splitlines() if "quality gate: int8 accuracy" in line)
     assert refusal.endswith("(try export.per_channel: true; a larger export.max_accuracy_drop; or export.quantize: "
                             "none)"), refusal

@@ -254,7 +254,7 @@ def test_entity_scores_equal_seqeval_and_per_class_scores_scikit_learn():
 def test_token_classification_through_the_workflow(tmp_path):
     """A .jsonl of words and BIO tags, a WordPiece tokenizer and a BERT folder fine-tuned
     by task (`model.kind: transformers`, the task found from the data) through every
-    stage: metrics.json holds each tag's precision/recall/F1 and seqeval's
+    stage to the report's tables: metrics.json holds each tag's precision/recall/F1 and seqeval's
     entity-level scores, which the eval split's predictions reproduce."""
     from seqeval.metrics import f1_score
 
@@ -277,7 +277,7 @@ def test_token_classification_through_the_workflow(tmp_path):
         "train": {"world_size": 1, "steps": 120, "micro_batch_size": 16, "eval_every": 120, "log_every": 20,
                   "optimizer": {"lr": 0.01}, "lr_schedule": {"warmup_steps": 5}},
     }
-    run_snakemake(workdir, config)
+    run_snakemake(workdir, config, "report_tables")
     results = workdir / "results" / "ner"
     assert "BertForTokenClassification (" in (workdir / "logs/ner/build_artifacts.log").read_text()
 
