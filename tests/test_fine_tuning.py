@@ -76,7 +76,7 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path):
         "train": {"world_size": 2, "steps": 300, "micro_batch_size": 8, "log_every": 1, "eval_every": 300,
                   "optimizer": {"lr": 0.003}, "lr_schedule": {"warmup_steps": 10}},
     }
-    run_snakemake(workdir, config)
+    run_snakemake(workdir, config, "export_model")  # what it reads
     results = workdir / "results/gpt2"
 
     assert_initial_is_the_folders(results / "artifacts", folder, "model.", [])
@@ -132,7 +132,7 @@ def test_bert_under_a_new_head_on_jsonl_texts_with_string_labels(tmp_path):
         "train": {"world_size": 2, "steps": 200, "micro_batch_size": 16, "log_every": 10, "eval_every": 100,
                   "optimizer": {"lr": 0.002}, "lr_schedule": {"warmup_steps": 10}},
     }
-    run_snakemake(workdir, config)
+    run_snakemake(workdir, config, "quantize_model")  # what it reads
     results = workdir / "results/bert"
     classes = sorted(ANIMALS)
     _, eval_rows = split_rows(len(frame), 0.2, SEED)
@@ -211,7 +211,7 @@ def test_bert_regression_by_task_on_jsonl_texts(tmp_path):
         "train": {"world_size": 1, "steps": 150, "micro_batch_size": 16, "log_every": 10, "eval_every": 150,
                   "optimizer": {"lr": 0.005}, "lr_schedule": {"warmup_steps": 10}},
     }
-    run_snakemake(workdir, config)
+    run_snakemake(workdir, config, "export_model")  # what it reads
     results = workdir / "results/weights"
     log = (workdir / "logs/weights/build_artifacts.log").read_text()
     assert "BertForSequenceClassification (" in log and "model transformers, loss mse" in log
@@ -254,7 +254,7 @@ def test_t5_seq2seq_by_task_on_jsonl_text_pairs(tmp_path):
         "train": {"world_size": 1, "steps": 150, "micro_batch_size": 16, "log_every": 10, "eval_every": 150,
                   "optimizer": {"lr": 0.005}, "lr_schedule": {"warmup_steps": 10}},
     }
-    run_snakemake(workdir, config)
+    run_snakemake(workdir, config, "export_model")  # what it reads
     results = workdir / "results/t5"
     assert "T5ForConditionalGeneration (" in (workdir / "logs/t5/build_artifacts.log").read_text()
     metrics = json.loads((results / "train/metrics.json").read_text())
