@@ -48,7 +48,6 @@ log = logging.getLogger("ortflow.prepare_data")
 EOS_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 PAD_TOKENS = ("[PAD]", "<pad>", "<|pad|>", "<|padding|>")
 INPUT_IDS, ATTENTION_MASK, TOKEN_TYPE_IDS = "input_ids", "attention_mask", "token_type_ids"
-DECODER_INPUT_IDS = "decoder_input_ids"  # a sequence-to-sequence model's decoder inputs
 DOCUMENT_SEPARATOR = "\n\n"
 READ_CHARS = 1 << 22  # text read per step of a .txt file
 BATCH_CHARS = 1 << 20  # text per encode_batch call: enough for the library's threads, little memory

@@ -8,7 +8,7 @@ import logging
 import math
 
 from ..models import is_float
-from ..models.torch_export import SEQUENCE, sequence_features
+from ..models.torch_export import sequence_features, sequence_name
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -28,7 +28,7 @@ def per_sample_values(base, manifest: dict) -> dict[str, tuple[list[int], int]]:
     del model.graph.value_info[:]
     initializers = {t.name for t in model.graph.initializer}
     # A dimension named like the sequence's has the length of the data's text (models/torch_export.py).
-    lengths = {"batch": 1} | {SEQUENCE: f["shape"][0] for f in manifest["features"]
+    lengths = {"batch": 1} | {sequence_name(f["name"]): f["shape"][0] for f in manifest["features"]
                               if f["name"] in sequence_features(manifest, manifest["features"])}
     for value in [*model.graph.input, *model.graph.output]:
         if value.name not in initializers and value.type.tensor_type.shape.dim:

@@ -15,6 +15,8 @@ CLASS_LOSSES = ("cross_entropy",)
 # A class label of -100 (transformers' value) is no class: padding and sub-tokens carry it,
 # and the cross-entropy, accuracy and per-class counts leave it out.
 IGNORE_INDEX = -100
+# A sequence-to-sequence model's third input: its target shifted right (data/tokenizer.py's encode_targets).
+DECODER_INPUT_IDS = "decoder_input_ids"
 
 
 def is_float(tensor) -> bool:

@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import external_data
 from ..errors import ModelError
-from . import LOGITS, batchnorm
+from . import DECODER_INPUT_IDS, LOGITS, batchnorm
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -17,6 +17,13 @@ log = logging.getLogger("ortflow.build_artifacts")
 OPSET = 16
 # The name of a text model's dynamic sequence dimension (dim 1 of its token-id inputs).
 SEQUENCE = "sequence"
+# A sequence-to-sequence model's target (its decoder's inputs and its logits) has a length of its own:
+# one name for both lengths would tell ONNX Runtime they are equal, and it plans memory by that.
+TARGET_SEQUENCE = "target_sequence"
+
+
+def sequence_name(feature: str) -> str:
+    return TARGET_SEQUENCE if feature == DECODER_INPUT_IDS else SEQUENCE
 
 
 def export_torch(module, manifest: dict, path: Path):
@@ -116,7 +123,9 @@ def sequence_axes(module, manifest: dict, features: list[dict], example: tuple) 
                  "its ONNX model's sequence dimension stays fixed", type(module).__name__, list(full), length,
                  list(short), length - 1)
         return {}
-    return {name: {1: SEQUENCE} for name in sequences} | ({LOGITS: {moved[0]: SEQUENCE}} if moved else {})
+    # The logits follow the target's length, where there is one, else the text's.
+    logits = TARGET_SEQUENCE if DECODER_INPUT_IDS in sequences else SEQUENCE
+    return {name: {1: sequence_name(name)} for name in sequences} | ({LOGITS: {moved[0]: logits}} if moved else {})
 
 
 def unread_inputs(exported, module, features: list[dict], axes: dict[str, dict[int, str]]) -> list[str]:

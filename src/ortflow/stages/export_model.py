@@ -60,14 +60,14 @@ from ..checkpoints.ort_format import TrainingState, ort_state, read_ort_checkpoi
 from ..checkpoints.best import chosen
 from ..data import standardize
 from ..data.shards import TOKENIZER
-from ..data.tokenizer import DECODER_INPUT_IDS
 from ..config import Config
 from ..errors import DataError, MissingInputError, ModelError
 from ..evaluation import feeds, outputs_of
 from ..graphs.forward_model import torch_module
 from ..inference import inference_session, input_feeds, loss_of, set_metadata
 from ..models import save_trained
-from ..models.torch_export import SEQUENCE, add_inputs
+from ..models import DECODER_INPUT_IDS
+from ..models.torch_export import SEQUENCE, TARGET_SEQUENCE, add_inputs
 from ..models.user import forward_features
 from ..sessions import quiet_logging, training_options
 
@@ -267,14 +267,15 @@ def check_sequence_lengths(path: Path, info: dict, batch: dict, output: np.ndarr
 
     model = onnx.load(str(path), load_external_data=False)
     sequences = [v.name for v in model.graph.input
-                 if len(v.type.tensor_type.shape.dim) > 1 and v.type.tensor_type.shape.dim[1].dim_param == SEQUENCE]
+                 if len(v.type.tensor_type.shape.dim) > 1
+                 and v.type.tensor_type.shape.dim[1].dim_param in (SEQUENCE, TARGET_SEQUENCE)]
     if not sequences:
         return
     # A sequence-to-sequence model reads its whole source at each target position: its target is what
     # is causal, and what is run at other lengths.
     sequences = [name for name in sequences if name == DECODER_INPUT_IDS] or sequences
     dims = model.graph.output[0].type.tensor_type.shape.dim
-    axis = next((i for i, d in enumerate(dims) if d.dim_param == SEQUENCE), None)
+    axis = next((i for i, d in enumerate(dims) if d.dim_param in (SEQUENCE, TARGET_SEQUENCE)), None)
     context = batch[sequences[0]].shape[1]
     session = inference_session(path)
     lengths = sorted({1, min(2 * context, limit or 2 * context)})
