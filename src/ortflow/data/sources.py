@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import DataError
-from ..models import IGNORE_INDEX
+from ..models import DECODER_INPUT_IDS, IGNORE_INDEX
 from . import tokenizer as tokenizers
 
 FRAME_SUFFIXES = (".csv", ".parquet", ".jsonl")  # read by pandas; the only ones with text columns (data.text)
@@ -299,7 +299,7 @@ def _frame_text(frame, path: str, data, tokenizer: tokenizers.Tokenizer):
     if targets:
         decoder_inputs, labels = tokenizers.encode_targets(tokenizer, frame[data.label].astype(str).tolist(),
                                                            data.context, path)
-        return features | {tokenizers.DECODER_INPUT_IDS: decoder_inputs}, labels, None
+        return features | {DECODER_INPUT_IDS: decoder_inputs}, labels, None
     return features, _label_column(frame, path, data.label), None
 
 
