@@ -106,8 +106,8 @@ TOKEN_TYPES = {"distilbert"}
 REFUSED = {
     "falcon-alibi": r"^model.path: \S+ is a falcon model with alibi=True, which ortflow cannot train: its ALiBi bias "
                     r"is computed in bfloat16, which torch.onnx writes as a Cast to ONNX type 15 \(complex128",
-    "bart": r"^model.path: \S+ is a bart model with is_encoder_decoder=True, which ortflow cannot train: the "
-            r"transformers folder its export writes does not yet reproduce the exported model",
+    "bart": r"^model.path: \S+ is a bart model with tie_word_embeddings=True, which ortflow cannot train: its token "
+            r"embedding has a padding row and is tied to the output layer",
 }
 # Families whose folder's embedding has a padding row that is not zero (drawn like the other rows): zeroed.
 PADDING_ROW = {"modernbert": "model.embeddings.tok_embeddings"}
