@@ -73,6 +73,24 @@ def test_attention_dropout_gets_training_mode_and_mask(tmp_path):
     assert all(len(node.input) == 3 and len(node.output) == 2 and node.output[1] for node in dropouts)
 
 
+def test_shape_inference_that_gives_up_leaves_nothing_in_the_working_folder(tmp_path, monkeypatch):
+    """ONNX Runtime's symbolic shape inference saves a model it cannot finish into the
+    working folder (the user's, where build_artifacts runs) before it raises."""
+    from onnx import TensorProto, helper
+
+    from ortflow.models import export_fixes
+
+    nodes = [helper.make_node("Custom", ["x"], ["y"], domain="my.domain"), helper.make_node("Relu", ["y"], ["z"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch"])],
+                              [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("my.domain", 1)])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Exception, match="Incomplete symbolic shape inference"):
+        export_fixes.symbolic_shape_inference(model)
+    export_fixes.infer_shapes(model)  # gives up with a warning
+    assert not list(tmp_path.iterdir())
+
+
 def test_operator_torch_cannot_export_is_named(tmp_path):
     class Cummax(torch.nn.Module):
         def forward(self, x):

@@ -8,6 +8,7 @@ import logging
 import math
 
 from ..models import is_float
+from ..models.export_fixes import symbolic_shape_inference
 from ..models.torch_export import sequence_features, sequence_name
 
 log = logging.getLogger("ortflow.build_artifacts")
@@ -21,7 +22,6 @@ def per_sample_values(base, manifest: dict) -> dict[str, tuple[list[int], int]]:
     exporter emits around transformers' Conv1D (a Gemm on the flattened batch) and
     attention (MatMuls of [batch, heads, time, head]); ONNX's own inference loses them there."""
     import onnx
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     model = onnx.ModelProto()
     model.CopyFrom(base)
@@ -47,7 +47,7 @@ def per_sample_values(base, manifest: dict) -> dict[str, tuple[list[int], int]]:
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
     try:
-        model = SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+        model = symbolic_shape_inference(model)
     except Exception as error:  # an operator it does not know: ONNX's inference, which gives up more often
         log.warning("symbolic shape inference failed (%s); counting FLOPs from ONNX's shape inference", error)
         model = onnx.shape_inference.infer_shapes(model, data_prop=True)

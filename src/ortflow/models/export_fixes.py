@@ -198,6 +198,19 @@ def untie_initializers(model, module) -> list[str]:
     return untied
 
 
+def symbolic_shape_inference(model):
+    """ONNX Runtime's symbolic shape inference of `model`, in a scratch folder: where it
+    cannot infer every shape, it saves the model into the working folder (the user's:
+    sym_shape_infer_temp.onnx and a data file) before it raises."""
+    import contextlib
+    import tempfile
+
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    with tempfile.TemporaryDirectory(prefix="ortflow-shapes-") as scratch, contextlib.chdir(scratch):
+        return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+
+
 def infer_shapes(model) -> None:
     """Write into `model` the shape of every value that ONNX Runtime's symbolic shape
     inference finds; nothing where it fails (a help to the gradient builder, which works
@@ -205,7 +218,6 @@ def infer_shapes(model) -> None:
     the graph with the float initializers (the weights) as inputs of their shapes, since it
     reads the values of integer initializers only."""
     import onnx
-    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     graph = model.graph
     weights = [onnx.helper.make_tensor_value_info(t.name, t.data_type, t.dims) for t in graph.initializer if is_float(t)]
@@ -214,7 +226,7 @@ def infer_shapes(model) -> None:
                                [t for t in graph.initializer if not is_float(t)]),
         opset_imports=model.opset_import, ir_version=model.ir_version, functions=model.functions)
     try:
-        inferred = SymbolicShapeInference.infer_shapes(light, auto_merge=True)
+        inferred = symbolic_shape_inference(light)
     except Exception as error:  # noqa: BLE001 - it fails in many ways on models it does not cover
         log.warning("model.path: ONNX Runtime's symbolic shape inference failed (%s: %s); the training graphs are "
                     "built without the shapes it finds", type(error).__name__, str(error).strip()[:200])
