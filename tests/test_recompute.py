@@ -102,8 +102,8 @@ def test_recompute_trains_as_without_and_keeps_fewer_tensors(name, root):
     assert len(blocks) == 2  # every model here has 2 layers
     # What each block's forward computed and the backward read now comes from the copies; the
     # forward keeps the rest, and the blocks' inputs that the copies read in their place.
-    read_by_copies = {name[:-len("_late" + recompute.SUFFIX)] for node in after.node for name in node.output
-                      if name.endswith("_late" + recompute.SUFFIX)}
+    read_by_copies = {node.input[0] for node in after.node
+                      if node.op_type == "Reshape" and node.output[0].endswith(recompute.SUFFIX) and "_late_for_" in node.output[0]}
     recomputed_names = {name for block in recompute.rewrite(before, "blocks") for name in block.recomputed}
     kept_before = recompute.kept_for_backward(onnx.load(str(Artifacts(kept).training_model)).graph)
     assert recompute.kept_for_backward(after) == (kept_before - recomputed_names) | read_by_copies

@@ -267,7 +267,7 @@ def copy_block(block: Block, grown: set, trigger: str) -> list:
                 inputs.append(name + SUFFIX)
             elif name in grown:  # an activation from outside the block
                 late_inputs += [name] if name not in late_inputs else []
-                inputs.append(f"{name}_late{SUFFIX}")
+                inputs.append(late_name(name, block))
             else:  # a weight or a constant
                 inputs.append(name)
         if node.op_type in DROPOUT_OPS:
@@ -279,23 +279,28 @@ def copy_block(block: Block, grown: set, trigger: str) -> list:
                                     name=node.name + SUFFIX, domain=node.domain)
             copy.attribute.extend(node.attribute)
         nodes.append(copy)
-    return [*late(late_inputs, trigger), *nodes]
+    return [*late(late_inputs, trigger, block), *nodes]
 
 
-def late(names: list[str], trigger: str) -> list:
-    """For each tensor of `names`, `<name>_late_recompute`: the same tensor (a Reshape to its own
-    shape, which ONNX Runtime runs as an alias, no copy) that waits for `trigger`, through a
-    shape plus 0 x Size(trigger)."""
+def late_name(name: str, block: Block) -> str:
+    """The alias of `name` that `block`'s copies read (one per block: an attention mask
+    computed in the first block is read by every block)."""
+    return f"{name}_late_for_{block.name}{SUFFIX}"
+
+
+def late(names: list[str], trigger: str, block: Block) -> list:
+    """For each tensor of `names`, `late_name`: the same tensor (a Reshape to its own shape, which
+    ONNX Runtime runs as an alias, no copy) that waits for `trigger`, through a shape plus
+    0 x Size(trigger)."""
     from onnx import helper
 
-    zero = f"{trigger}_zero{SUFFIX}"
-    nodes = [helper.make_node("Size", [trigger], [f"{trigger}_size{SUFFIX}"], name=f"{trigger}_size{SUFFIX}"),
-             helper.make_node("Sub", [f"{trigger}_size{SUFFIX}", f"{trigger}_size{SUFFIX}"], [zero],
-                              name=zero)]
+    size, zero = f"{trigger}_size_for_{block.name}{SUFFIX}", f"{trigger}_zero_for_{block.name}{SUFFIX}"
+    nodes = [helper.make_node("Size", [trigger], [size], name=size),
+             helper.make_node("Sub", [size, size], [zero], name=zero)]
     for name in names:
-        shape = f"{name}_shape{SUFFIX}"
+        shape = f"{name}_shape_for_{block.name}{SUFFIX}"
         nodes += [helper.make_node("Shape", [name], [shape], name=shape),
                   helper.make_node("Add", [shape, zero], [f"{shape}_late"], name=f"{shape}_late"),
-                  helper.make_node("Reshape", [name, f"{shape}_late"], [f"{name}_late{SUFFIX}"],
-                                   name=f"{name}_late{SUFFIX}")]
+                  helper.make_node("Reshape", [name, f"{shape}_late"], [late_name(name, block)],
+                                   name=late_name(name, block))]
     return nodes
