@@ -4,7 +4,7 @@ is reused (enable_mem_reuse, execution_order), against Hugging Face's
 gradient_checkpointing_enable() with torch on the same model, batch and thread count, in
 the same run. The model is transformers' GPT-2 through tests/transformers_models.py's
 wrapper (GPT-2's shape: Dropout on), AdamW. Each measurement runs in a process of its own,
-one thread, so that its ru_maxrss is its own; the best step time of the steps after the
+one thread, its peak RSS its own (VmHWM, reset when it starts); the best step time of the steps after the
 first two is kept (the least disturbed by whatever else the machine runs).
 
     python bench/bench_recompute.py [--layers 4] [--width 256] [--context 256] [--batch 8] [--steps 6]
