@@ -12,7 +12,9 @@ graphs and initial checkpoint that ONNX Runtime's training engine runs out.
    gradient clipping: training clips globally after the all-reduce) and the
    initial weights (`checkpoint`). Both training and eval graphs return
    (loss, logits); the training graph then BatchNorm's updated running
-   statistics, and the eval graph normalizes with them (batchnorm.py).
+   statistics, and the eval graph normalizes with them (batchnorm.py). With
+   `train.recompute`, the training graph is then rewritten so that the blocks'
+   forward is computed again in the backward (graphs/recompute.py).
 3. One training step on a few train records proves that the graphs fit the data.
 4. `model.json` describes the inputs, label, outputs, parameters, FLOPs and
    running statistics (`running_stats`: training graph output -> parameter); for
@@ -32,6 +34,7 @@ from .. import atomic
 from ..artifacts import Artifacts
 from ..config import Config
 from ..errors import MissingInputError
+from ..graphs import recompute
 from ..graphs.cost import batch_values, eval_bytes, forward_flops, per_sample_values
 from ..graphs.forward_model import base_model, check_interface
 from ..graphs.generate import drop_weights, generate
@@ -61,10 +64,13 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model.kind, loss, len(trainable),
                  len(frozen))
         generate(base, trainable, frozen, loss, manifest["label"], config.train.optimizer, tmp, logits)
+        blocks = recompute.apply(Artifacts(tmp).training_model, config.train.recompute)
+        if blocks:
+            log.info("train.recompute: %d block(s) recomputed in the backward (%s ...)", len(blocks), blocks[0].name)
         drop_weights(base)
         running_stats = batchnorm.adapt(tmp)
         smoke_step(tmp, train_dir, manifest)
-        description = describe(base, manifest, loss, trainable, frozen, tmp, model.kind, logits) | {
+        description = describe(base, manifest, loss, trainable, frozen, tmp, model.kind, logits, blocks) | {
             "running_stats": running_stats
         } | ({"transformers": origin} if origin else {})
         Artifacts(tmp).model_json.write_text(json.dumps(description, indent=2) + "\n")
@@ -78,7 +84,7 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
     return description
 
 
-def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logits: Logits) -> dict:
+def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logits: Logits, blocks: list) -> dict:
     import onnx
 
     training = onnx.load(str(Artifacts(out).training_model), load_external_data=False)
@@ -107,8 +113,10 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
         # one for the weights per multiply-add), the usual estimate.
         "flops_per_sample": {"forward": forward, "backward": 2 * forward},
         # What training keeps for the backward pass at most, the part of a rank's memory that
-        # grows with the micro-batch (preflight.memory_estimate).
-        "activation_bytes_per_sample": sum(batch.values()),
+        # grows with the micro-batch (preflight.memory_estimate); with train.recompute, what
+        # the rewritten graph keeps plus the largest block recomputed (graphs/recompute.py).
+        "activation_bytes_per_sample": recompute.activation_bytes(training.graph, blocks, batch) if blocks
+        else sum(batch.values()),
         "eval_bytes_per_sample": eval_bytes(base, batch, logits.name),
     }
 

@@ -1,0 +1,173 @@
+"""Activation recomputation (`train.recompute: blocks`): one rank's peak RSS and step time
+with and without it, under ONNX Runtime's session options that decide whether freed memory
+is reused (enable_mem_reuse, execution_order), against Hugging Face's
+gradient_checkpointing_enable() with torch on the same model, batch and thread count, in
+the same run. The model is transformers' GPT-2 through tests/transformers_models.py's
+wrapper (GPT-2's shape: Dropout on), AdamW. Each measurement runs in a process of its own,
+one thread, its peak RSS its own (VmHWM, reset when it starts); the best step time of the steps after the
+first two is kept (the least disturbed by whatever else the machine runs).
+
+    python bench/bench_recompute.py [--layers 4] [--width 256] [--context 256] [--batch 8] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+WARMUP = 2
+# (label, train.recompute, enable_mem_reuse, execution_order)
+ORTFLOW = [
+    ("ortflow, no recompute, ORT's default options", "none", True, "DEFAULT"),
+    ("ortflow, no recompute, mem_reuse off + PRIORITY_BASED", "none", False, "PRIORITY_BASED"),
+    ("ortflow, no recompute, PRIORITY_BASED", "none", True, "PRIORITY_BASED"),
+    ("ortflow, recompute blocks, ORT's default options", "blocks", True, "DEFAULT"),
+    ("ortflow, recompute blocks, PRIORITY_BASED", "blocks", True, "PRIORITY_BASED"),
+    ("ortflow, recompute blocks, mem_reuse off + PRIORITY_BASED", "blocks", False, "PRIORITY_BASED"),
+]
+TORCH = [("torch, no checkpointing", False), ("torch, gradient_checkpointing_enable()", True)]
+
+
+def build(folder: Path, args) -> tuple[Path, Path]:
+    """Text data and the artifacts of the GPT-2 (train.recompute none and blocks)."""
+    sys.path[:0] = [str(REPO / "src"), str(REPO / "tests")]
+    from ortflow import config as config_mod
+    from ortflow.graphs import recompute
+    from ortflow.stages import build_artifacts
+    from ortflow.stages.prepare_data import prepare
+
+    text = folder / "corpus.txt"
+    text.write_text(" ".join(f"word{i % 97} text{i % 13}." for i in range(40_000)))
+    config = config_mod.load(overrides={
+        "data": {"source": str(text), "context": args.context},
+        "model": {"kind": "torch", "path": "transformers_models:GPT2",
+                  "kwargs": {"n_layer": args.layers, "n_embd": args.width, "n_head": args.width // 64,
+                             "context": args.context}}})
+    prepare(config, folder / "train", folder / "eval")
+    build_artifacts.build(config, folder / "train", folder / "none")
+    shutil.copytree(folder / "none", folder / "blocks")
+    recompute.apply(folder / "blocks" / "training_model.onnx", "blocks")
+    return folder / "train", folder
+
+
+def peak_rss_mib() -> float:
+    """This process's peak RSS since `reset_peak`: VmHWM (ru_maxrss would carry the parent's
+    peak over fork and exec, and the parent built the artifacts)."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    return int(status["VmHWM"].split()[0]) / 1024
+
+
+def reset_peak() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+
+
+def ortflow_child(artifacts: Path, train: Path, mem_reuse: bool, order: str, batch: int, steps: int) -> dict:
+    import onnxruntime as ort
+    from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    from ortflow.data.shards import ShardReader
+    from ortflow.sessions import session_options
+
+    options = session_options(1)
+    options.enable_mem_pattern = False
+    options.enable_mem_reuse = mem_reuse
+    options.execution_order = getattr(ort.ExecutionOrder, order)
+    state = CheckpointState.load_checkpoint(str(artifacts / "checkpoint"))
+    module = Module(str(artifacts / "training_model.onnx"), state, None, session_options=options)
+    optimizer = Optimizer(str(artifacts / "optimizer_model.onnx"), module)
+    reader = ShardReader(train)
+    module.train()
+    before = peak_rss_mib()
+    times, losses = [], []
+    for step in range(steps):
+        data = reader.gather(np.arange(step * batch, (step + 1) * batch))
+        started = time.perf_counter()
+        module.lazy_reset_grad()
+        losses.append(float(module(data["x"], data["y"])[0]))
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return {"peak_rss_mib": peak_rss_mib(), "rss_before_steps_mib": before, "step_s": min(times[WARMUP:]), "losses": losses[:3]}
+
+
+def torch_child(train: Path, checkpointing: bool, args) -> dict:
+    import torch
+
+    from ortflow.data.shards import ShardReader
+    from transformers_models import GPT2
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, context=args.context)
+    if checkpointing:
+        model.model.gradient_checkpointing_enable()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    reader = ShardReader(train)
+    before = peak_rss_mib()
+    times = []
+    for step in range(args.steps):
+        data = reader.gather(np.arange(step * args.batch, (step + 1) * args.batch))
+        started = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(data["x"])), torch.from_numpy(data["y"]))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return {"peak_rss_mib": peak_rss_mib(), "rss_before_steps_mib": before, "step_s": min(times[WARMUP:])}
+
+
+def child(spec: dict) -> dict:
+    """Run one measurement in a fresh process and return what it printed."""
+    result = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                            env={"PYTHONPATH": f"{REPO / 'src'}:{REPO / 'tests'}", "PATH": "/usr/bin:/bin"})
+    if result.returncode:
+        raise SystemExit(result.stderr[-3000:])
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--child")
+    args = parser.parse_args()
+    if args.child:
+        spec = json.loads(args.child)
+        reset_peak()
+        sys.path[:0] = [str(REPO / "src"), str(REPO / "tests")]
+        args = argparse.Namespace(**spec["args"])
+        if spec["kind"] == "ortflow":
+            out = ortflow_child(Path(spec["artifacts"]), Path(spec["train"]), spec["mem_reuse"], spec["order"],
+                                args.batch, args.steps)
+        else:
+            out = torch_child(Path(spec["train"]), spec["checkpointing"], args)
+        print(json.dumps(out))
+        return
+    with tempfile.TemporaryDirectory() as folder:
+        train, root = build(Path(folder), args)
+        common = {"args": vars(args) | {"child": None}, "train": str(train)}
+        rows = [(label, child(common | {"kind": "ortflow", "artifacts": str(root / recompute), "mem_reuse": reuse,
+                                        "order": order}))
+                for label, recompute, reuse, order in ORTFLOW]
+        rows += [(label, child(common | {"kind": "torch", "checkpointing": checkpointing}))
+                 for label, checkpointing in TORCH]
+    print(f"GPT-2 {args.layers} layers, width {args.width}, context {args.context}, batch {args.batch}, 1 thread")
+    print("| run | peak RSS (MiB) | RSS before the steps (MiB) | step (s) |\n| --- | ---: | ---: | ---: |")
+    for label, row in rows:
+        print(f"| {label} | {row['peak_rss_mib']:.0f} | {row['rss_before_steps_mib']:.0f} | {row['step_s']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
