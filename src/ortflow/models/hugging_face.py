@@ -19,8 +19,7 @@ logits in ortflow's layout: classes first, so a language model's and a tagger's
 
 Attention runs as `eager`: written out in ONNX operators, the same for every
 family; `sdpa`'s fully masked rows give NaN gradients in some (docs/models.md).
-A model that cannot train as torch does is refused before the export (REFUSED),
-and an embedding's padding row that is not zero is zeroed (zero_padding_rows);
+A model that cannot train as torch does is refused before the export (REFUSED);
 docs/models.md's "Families tried" lists what was measured.
 """
 
@@ -57,14 +56,6 @@ ATTENTION = "eager"
 REFUSED = {
     ("falcon", "alibi"): "its ALiBi bias is computed in bfloat16, which torch.onnx writes as a Cast to ONNX type 15 "
                          "(complex128, not bfloat16) that ONNX Runtime cannot run; use a Falcon with alibi: false",
-    # BART's token embedding has a padding row and is its output layer too, which trains that row;
-    # ortflow's export gives the padding token a zero vector (export_fixes: torch gives the row no
-    # gradient from the lookup), so at padding positions the trained model's outputs part from
-    # torch's (0.27 on a tiny BART; the loss, which ignores them, agrees) and export_model's check
-    # of export/transformers/ stops the run: refused before training instead.
-    ("bart", "tie_word_embeddings"): "its token embedding has a padding row and is tied to the output layer, which "
-                                     "trains that row, while ortflow's export gives the padding token a zero vector "
-                                     "(an open defect of ortflow's); use T5",
 }
 
 
@@ -175,23 +166,7 @@ def pretrained(folder: Path, task: str, manifest: dict):
         reason = str(error).strip().splitlines()[0][:300]
         raise ModelError(f"{MODEL_KEY}: {folder} ({config.model_type}) has no {CLASSES[task]} model for model.task "
                          f"{task!r} ({reason})") from None
-    zero_padding_rows(module, folder)
     return module.train()
-
-
-def zero_padding_rows(module, folder: Path) -> None:
-    """Zero each embedding's row of its padding_idx that is not zero (ModernBERT draws it with the
-    rest), saying so. ortflow keeps that row from training by masking its tokens' vectors to zero,
-    which equals torch's training (the row gets no gradient) only where the row is zero
-    (export_fixes.check_embeddings); the attention mask keeps padding tokens from the other
-    positions, so only the outputs at padding positions change."""
-    for name, layer in module.named_modules():
-        if isinstance(layer, torch.nn.Embedding) and layer.padding_idx is not None \
-                and bool(layer.weight[layer.padding_idx].any()):
-            with torch.no_grad():
-                layer.weight[layer.padding_idx] = 0
-            log.warning("%s: %s: the row of padding_idx %d of %s (nn.Embedding) is not zero: zeroed, as ortflow "
-                        "trains it (it takes no gradient in torch either)", MODEL_KEY, folder, layer.padding_idx, name)
 
 
 class TaskModel(torch.nn.Module):
