@@ -28,9 +28,10 @@ each rank's peak RSS and optimizer state, and the step time:
 
 With --by-task, a save_pretrained folder of GPT-2 and of a BERT encoder (both at
 6 layers, width 384) trains at 2 ranks two ways from the same folder, in
-alternating rounds: by task (`model.kind: transformers`, eager attention) and
-through the wrapper of tests/transformers_models.py (`kind: torch`, transformers'
-default attention); samples/s, each rank's peak RSS and the graphs' node counts:
+alternating rounds: by task (`model.kind: transformers`, with the attention
+that hugging_face.ATTENTION gives the family) and through the wrapper of
+tests/transformers_models.py (`kind: torch`, transformers' default attention,
+sdpa); samples/s, each rank's peak RSS and the graphs' node counts:
 
     python bench/bench_train.py --by-task gpt2 bert --rounds 2 --steps 30
 """

@@ -16,7 +16,6 @@ measured differences are docs/models.md's "Families tried"."""
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 
 import numpy as np
@@ -106,11 +105,7 @@ TOKEN_TYPES = {"distilbert"}
 REFUSED = {
     "falcon-alibi": r"^model.path: \S+ is a falcon model with alibi=True, which ortflow cannot train: its ALiBi bias "
                     r"is computed in bfloat16, which torch.onnx writes as a Cast to ONNX type 15 \(complex128",
-    "bart": r"^model.path: \S+ is a bart model with tie_word_embeddings=True, which ortflow cannot train: its token "
-            r"embedding has a padding row and is tied to the output layer",
 }
-# Families whose folder's embedding has a padding row that is not zero (drawn like the other rows): zeroed.
-PADDING_ROW = {"modernbert": "model.embeddings.tok_embeddings"}
 
 
 def write_data(family: str, task: str, root: Path) -> dict:
@@ -209,11 +204,13 @@ def torch_twin(config: config_mod.Config, manifest: dict, initial: dict) -> torc
     return model
 
 
-# The encoder-decoders' weights part by more than the layer tests allow (5e-6), though their losses
-# agree to 1e-6: measured 0.6e-6 to 6.8e-6 from one run to the next (T5, its ReLU MLP's output
-# projection; BART, refused now, 0.8e-6 to 6e-6) after 4 AdamW steps, AdamW's division by the root of a gradient's square
-# making rounding noise a step of the learning rate's size where a gradient is near zero.
-SEQ2SEQ_LOOSER = {"t5": 2}
+# Families whose weights part by more than the layer tests allow (5e-6), though their losses agree
+# to 1e-6: AdamW's division by the root of a gradient's square makes rounding noise a step of the
+# learning rate's size where a gradient is near zero. Measured after 4 steps: T5 0.6e-6 to 6.8e-6
+# from one run to the next (its ReLU MLP's output projection), BART 0.8e-6 to 6e-6; GPT-2 with sdpa
+# 5.4e-6 in one element of its embedding (the row of byte 137, absent from the text, which learns
+# through the tied output layer alone; the next largest difference 4.8e-7).
+LOOSER = {"t5": 2, "bart": 2, "gpt2": 2}
 
 
 # One family of each task, and each that needs one of ortflow's fixes or is refused, in the fast loop;
@@ -223,7 +220,7 @@ FAST = {"bert", "bert-tokens", "distilbert", "modernbert", "gpt2", "falcon", "fa
 
 @pytest.mark.parametrize("family", [family if family in FAST else pytest.param(family, marks=pytest.mark.e2e)
                                     for family in FAMILIES])
-def test_family_trains_like_torch_exports_and_quantizes(family, tmp_path, monkeypatch, caplog):
+def test_family_trains_like_torch_exports_and_quantizes(family, tmp_path, monkeypatch):
     task, make_config = FAMILIES[family]
     torch.manual_seed(0)
     hf_class = getattr(transformers, hugging_face.CLASSES[task])
@@ -244,25 +241,23 @@ def test_family_trains_like_torch_exports_and_quantizes(family, tmp_path, monkey
             build_artifacts.build(config, train_dir, artifacts.folder)
         assert "\n" not in str(refusal.value) and not artifacts.folder.exists()
         return
-    with caplog.at_level(logging.WARNING, logger="ortflow.build_artifacts"):
-        build_artifacts.build(config, train_dir, artifacts.folder)
-    zeroed = [r.getMessage() for r in caplog.records if "padding_idx" in r.getMessage()]
-    assert zeroed == ([f"model.path: {tmp_path / 'folder'}: the row of padding_idx 0 of {PADDING_ROW[family]} "
-                       "(nn.Embedding) is not zero: zeroed, as ortflow trains it (it takes no gradient in torch "
-                       "either)"] if family in PADDING_ROW else []), zeroed
+    build_artifacts.build(config, train_dir, artifacts.folder)
 
     initial = dict(read_ort_checkpoint(artifacts.checkpoint).parameters)
     losses = train_in_ort(artifacts, config, train_dir, tmp_path / "checkpoint")
     trained = dict(read_ort_checkpoint(tmp_path / "checkpoint/checkpoint").parameters)
     manifest = json.loads((train_dir / "manifest.json").read_text())
-    torch_losses, torch_trained = train_like_ortflow(torch_twin(config, manifest, initial), config, train_dir)
+    twin = torch_twin(config, manifest, initial)
+    implementation = twin.model.config._attn_implementation
+    assert implementation == hugging_face.attention(twin.model.config.model_type), implementation
+    torch_losses, torch_trained = train_like_ortflow(twin, config, train_dir)
     worst = differences(family, trained, torch_trained)
-    print(f"{family}: loss {largest(losses, torch_losses):.2g}, parameters {max(worst.values()):.2g} "
-          f"({max(worst, key=worst.get)})")
+    print(f"{family} ({implementation}): loss {largest(losses, torch_losses):.2g}, parameters "
+          f"{max(worst.values()):.2g} ({max(worst, key=worst.get)})")
     # float32 rounds relative to a value's size: the layer tests' limit is for losses near 1,
     # a language model's on bytes starts at ln 256 = 5.5.
     assert largest(losses, torch_losses) <= LOSS_TOLERANCE * max(1.0, *torch_losses), (losses, torch_losses)
-    assert max(worst.values()) <= PARAMETER_TOLERANCE * SEQ2SEQ_LOOSER.get(family, 1), worst
+    assert max(worst.values()) <= PARAMETER_TOLERANCE * LOOSER.get(family, 1), worst
     assert max(largest(trained[name], initial[name]) for name in trained) > 100 * PARAMETER_TOLERANCE  # it trained
 
     monkeypatch.setattr(quantize_model, "LATENCY_BUDGET_S", 0.1)  # timing is not what this test is about

@@ -158,23 +158,13 @@ class Bag(torch.nn.Module):
         return self.embed(ids).mean(1)
 
 
-def nonzero_padding_row() -> Bag:
-    bag = Bag(padding_idx=3)
-    with torch.no_grad():
-        bag.embed.weight[3] = 1.0
-    return bag
-
-
 @pytest.mark.parametrize("module, message", [
     (lambda: Bag(scale_grad_by_freq=True), "model.path: Bag.embed (nn.Embedding) has scale_grad_by_freq=True, "
      "which ONNX cannot express (it scales each token's gradient by its frequency in the batch); "
      "set scale_grad_by_freq=False"),
     (lambda: Bag(functional=True), "model.path: torch.onnx cannot export Bag: embedding with scale_grad_by_freq=True: "
      "ONNX cannot scale the gradients by the tokens' frequency; set scale_grad_by_freq=False"),
-    (nonzero_padding_row, "model.path: Bag.embed (nn.Embedding): the row of padding_idx 3 is not zero; ortflow keeps "
-     "that row from training by masking it, which needs it zero (as nn.Embedding initialises it): zero it in __init__ "
-     "(with torch.no_grad(): self.embed.weight[3] = 0) or drop padding_idx"),
-], ids=["scale_grad_by_freq", "functional_scale_grad_by_freq", "nonzero_padding_row"])
+], ids=["scale_grad_by_freq", "functional_scale_grad_by_freq"])
 def test_embedding_that_cannot_train_as_in_torch_is_refused_in_one_line(module, message, tmp_path):
     with pytest.raises(ModelError) as error:
         torch_export.export_torch(module(), {"features": [{"name": "ids", "dtype": "int64", "shape": [TIME]}]},

@@ -93,8 +93,13 @@ def key_bias(layer: str, width: int = 16) -> tuple[str, slice] | None:
 class LayerNet(nn.Module):
     def __init__(self, layer: str, vocab: int = 16, width: int = 16, classes: int = 3):
         super().__init__()
-        # Token 0 is padding: "embedding_padding_idx" tells the embedding (its row of 0 gets no gradient).
+        # Token 0 is padding: "embedding_padding_idx" tells the embedding (its row of 0 gets no gradient
+        # from the lookup) and draws that row like the others (ModernBERT does; a tied output layer
+        # trains it): the padding tokens' vectors count in the mean, unchanged by training.
         self.embed = nn.Embedding(vocab, width, padding_idx=0 if layer == "embedding_padding_idx" else None)
+        if layer == "embedding_padding_idx":
+            with torch.no_grad():
+                self.embed.weight[0] = torch.randn(width)
         self.layer = make_layer(layer, width)
         self.head = nn.Linear(width, classes)
 

@@ -11,7 +11,7 @@ from .. import external_data, ort_private
 from ..artifacts import Artifacts
 from ..checkpoints.ort_format import apply_threshold
 from ..errors import ModelError
-from ..models import is_float
+from ..models import export_fixes, is_float
 from ..models.logits import Logits
 from ..sessions import quiet_logging
 from .loss import loss_block
@@ -70,6 +70,7 @@ def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits:
         for scratch in ORT_BLOCK_FILES:
             (out / scratch).unlink(missing_ok=True)
     apply_threshold(Artifacts(out).checkpoint)
+    export_fixes.keep_padding_rows(Artifacts(out))
     for path in Artifacts(out).graphs:
         if onnx.load(str(path), load_external_data=False).ir_version > 10:
             raise ModelError(f"{path}: written with IR version > 10, which ORT 1.19 refuses; is onnx==1.17 installed?")

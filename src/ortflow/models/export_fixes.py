@@ -22,12 +22,17 @@ nn.Embedding(padding_idx=0) against torch (tests/test_torch_layers.py):
 
 4. torch's `aten::embedding` symbolic writes a bare Gather (with a warning that
    ONNX cannot keep the padding row from updating), so ONNX Runtime trains the
-   padding row that torch never updates, and the two trainings part at the
-   second step. `_embedding` multiplies the gathered rows by (ids !=
-   padding_idx): the padding row gets a zero gradient, as in torch, and the
-   outputs stay torch's because that row is zero (nn.Embedding zeroes it and a
-   zero gradient keeps it zero; `check_embeddings` refuses a module whose
-   padding row is not zero).
+   padding row that torch never updates from the lookup, and the two trainings
+   part at the second step. ONNX has no stop-gradient to keep the row's value in
+   the forward and drop the lookup's gradient into it (masking the gathered rows
+   to zero, as ortflow did, changes the outputs wherever the row is not zero: a
+   model whose output layer is its embedding trains that row). So the forward
+   stays the bare Gather, torch's values, and the gradient is fixed where ONNX
+   Runtime writes it: `mark_padding_rows` records in the exported model which
+   Gathers look up an nn.Embedding with a padding_idx, and after the training
+   graph is generated `keep_padding_rows` zeroes, before each such Gather's
+   GatherGrad, the incoming gradient at the padding positions, which is what
+   torch's embedding backward does.
 
 And one for any module that stays in eval mode while it is exported (one whose
 `train()` keeps it there; torch.onnx asks for training mode, not more):
@@ -98,47 +103,103 @@ def _cumsum(g, input, dim, dtype):
 
 
 def _embedding(g, weight, indices, padding_idx, scale_grad_by_freq, sparse):
-    """torch.nn.functional.embedding: Gather, times (indices != padding_idx) when there is a padding_idx."""
-    import onnx
-    import torch
+    """torch.nn.functional.embedding: a Gather, without torch's warning about padding_idx (whose
+    row `keep_padding_rows` keeps from the lookup's gradient)."""
     from torch.onnx import symbolic_helper
     from torch.onnx.errors import SymbolicValueError
 
     if symbolic_helper._get_const(scale_grad_by_freq, "b", "scale_grad_by_freq"):
         raise SymbolicValueError("embedding with scale_grad_by_freq=True: ONNX cannot scale the gradients by the "
                                  "tokens' frequency; set scale_grad_by_freq=False", weight)
-    rows = g.op("Gather", weight, indices)
-    padding_idx = symbolic_helper._get_const(padding_idx, "i", "padding_idx")
-    if padding_idx < 0:  # torch's "no padding_idx"; nn.Embedding makes a negative padding_idx positive
-        return rows
-    index_type = symbolic_helper._try_get_scalar_type(indices)
-    index_dtype = index_type.dtype() if index_type else torch.int64
-    padding = g.op("Constant", value_t=torch.tensor(padding_idx, dtype=index_dtype))
-    keep = g.op("Not", g.op("Equal", indices, padding))
-    keep = g.op("Unsqueeze", keep, g.op("Constant", value_t=torch.tensor([-1], dtype=torch.int64)))
-    # Cast, not CastLike: ONNX Runtime has no gradient for CastLike.
-    weight_type = symbolic_helper._try_get_scalar_type(weight)
-    to = weight_type.onnx_type() if weight_type else onnx.TensorProto.FLOAT
-    return g.op("Mul", rows, g.op("Cast", keep, to_i=to))
+    return g.op("Gather", weight, indices)
 
 
 def check_embeddings(module) -> None:
-    """Refuse an nn.Embedding that `_embedding` cannot train as torch does, naming it."""
+    """Refuse an nn.Embedding that cannot train in ONNX as in torch, naming it."""
     import torch
 
     for name, layer in module.named_modules():
-        if not isinstance(layer, torch.nn.Embedding):
-            continue
-        where = f"model.path: {type(module).__name__}.{name} (nn.Embedding)"
-        if layer.scale_grad_by_freq:
-            raise ModelError(f"{where} has scale_grad_by_freq=True, which ONNX cannot express (it scales each "
-                             "token's gradient by its frequency in the batch); set scale_grad_by_freq=False")
-        if layer.padding_idx is not None and bool(layer.weight[layer.padding_idx].any()):
-            raise ModelError(
-                f"{where}: the row of padding_idx {layer.padding_idx} is not zero; ortflow keeps that row from "
-                "training by masking it, which needs it zero (as nn.Embedding initialises it): zero it in __init__ "
-                f"(with torch.no_grad(): self.{name}.weight[{layer.padding_idx}] = 0) or drop padding_idx"
-            )
+        if isinstance(layer, torch.nn.Embedding) and layer.scale_grad_by_freq:
+            raise ModelError(f"model.path: {type(module).__name__}.{name} (nn.Embedding) has scale_grad_by_freq=True, "
+                             "which ONNX cannot express (it scales each token's gradient by its frequency in the "
+                             "batch); set scale_grad_by_freq=False")
+
+
+# The exported model's metadata property that lists its padding lookups: {Gather output: padding_idx}.
+PADDING_ROWS = "ortflow.padding_rows"
+
+
+def mark_padding_rows(model, module) -> dict[str, int]:
+    """Record in `model`'s metadata (PADDING_ROWS) each Gather that reads the weight of an
+    nn.Embedding of the torch `module` that has a padding_idx (an embedding tied to an output
+    layer is one initializer, read by the lookups and the layer's Transpose or MatMul alike).
+    Returns what it recorded."""
+    import json
+
+    import torch
+
+    padding = {layer.weight.data_ptr(): layer.padding_idx for layer in module.modules()
+               if isinstance(layer, torch.nn.Embedding) and layer.padding_idx is not None}
+    weights = {name: padding[tensor.data_ptr()] for name, tensor in module.named_parameters(remove_duplicate=False)
+               if tensor.data_ptr() in padding}
+    rows = {node.output[0]: weights[node.input[0]] for node in model.graph.node
+            if node.op_type == "Gather" and node.input[0] in weights}
+    if rows:
+        model.metadata_props.add(key=PADDING_ROWS, value=json.dumps(rows, sort_keys=True))
+    return rows
+
+
+def keep_padding_rows(artifacts) -> int:
+    """In ONNX Runtime's training graph (`artifacts`: generate_artifacts' output), give each
+    lookup marked by mark_padding_rows the gradient torch's embedding gives: none into the
+    padding row. ONNX Runtime's gradient of `Gather(weight, ids) -> rows` is
+    `GatherGrad(Shape(weight), ids, rows_grad)`, which adds each position's gradient into its
+    token's row: the positions of the padding token are zeroed first. The mark, which both
+    graphs inherit from the exported model, is removed from them (the exported model is written
+    from the eval graph). Returns how many GatherGrads were changed."""
+    import json
+
+    import numpy as np
+    import onnx
+
+    graphs = {path: onnx.load(str(path), load_external_data=False)
+              for path in (artifacts.training_model, artifacts.eval_model)}
+    marks = {path: [p for p in model.metadata_props if p.key == PADDING_ROWS] for path, model in graphs.items()}
+    if not any(marks.values()):
+        return 0
+    training = graphs[artifacts.training_model]
+    rows = json.loads(marks[artifacts.training_model][0].value)
+    gradients = {f"{output}_grad": padding for output, padding in rows.items()}
+    nodes, changed = [], 0
+    for node in training.graph.node:
+        padding = gradients.get(node.input[2]) if node.op_type == "GatherGrad" and len(node.input) == 3 else None
+        if padding is not None:
+            ids, gradient, prefix = node.input[1], node.input[2], f"{node.name or node.output[0]}/padding_row"
+            nodes += [
+                onnx.helper.make_node("Constant", [], [f"{prefix}/index"],
+                                      value=onnx.numpy_helper.from_array(np.array(padding, dtype=np.int64))),
+                onnx.helper.make_node("Cast", [ids], [f"{prefix}/ids"], to=onnx.TensorProto.INT64),
+                onnx.helper.make_node("Equal", [f"{prefix}/ids", f"{prefix}/index"], [f"{prefix}/is_padding"]),
+                onnx.helper.make_node("Constant", [], [f"{prefix}/last"],
+                                      value=onnx.numpy_helper.from_array(np.array([-1], dtype=np.int64))),
+                onnx.helper.make_node("Unsqueeze", [f"{prefix}/is_padding", f"{prefix}/last"], [f"{prefix}/where"]),
+                onnx.helper.make_node("Constant", [], [f"{prefix}/zero"],
+                                      value=onnx.numpy_helper.from_array(np.array(0, dtype=np.float32))),
+                # in the gradient's type (float16, double); these nodes take no gradient themselves
+                onnx.helper.make_node("CastLike", [f"{prefix}/zero", gradient], [f"{prefix}/typed_zero"]),
+                onnx.helper.make_node("Where", [f"{prefix}/where", f"{prefix}/typed_zero", gradient],
+                                      [f"{prefix}/grad"]),
+            ]
+            node.input[2] = f"{prefix}/grad"
+            changed += 1
+        nodes.append(node)
+    del training.graph.node[:]
+    training.graph.node.extend(nodes)
+    for path, model in graphs.items():
+        for mark in marks[path]:
+            model.metadata_props.remove(mark)
+        onnx.save(model, str(path))
+    return changed
 
 
 def register_symbolics(opset: int) -> None:

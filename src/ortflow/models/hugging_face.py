@@ -17,10 +17,9 @@ position set to the config's `decoder_start_token_id`. It turns caches off and r
 logits in ortflow's layout: classes first, so a language model's and a tagger's
 `[batch, time, classes]` become `[batch, classes, time]`. ortflow adds the loss.
 
-Attention runs as `eager`: written out in ONNX operators, the same for every
-family; `sdpa`'s fully masked rows give NaN gradients in some (docs/models.md).
-A model that cannot train as torch does is refused before the export (REFUSED),
-and an embedding's padding row that is not zero is zeroed (zero_padding_rows);
+Attention runs as transformers' default `sdpa` in the families where it trains as
+in torch, else as `eager` (ATTENTION, docs/models.md's "Families tried").
+A model that cannot train as torch does is refused before the export (REFUSED);
 docs/models.md's "Families tried" lists what was measured.
 """
 
@@ -51,21 +50,29 @@ CLASSES = {
 PER_TOKEN = ("causal-lm", "token-classification", "seq2seq")
 # The token windows of text (data.source text, a .txt file) are one feature of this name.
 TEXT_WINDOWS = "x"
-ATTENTION = "eager"
+# model_type -> its attention implementation: `sdpa` (transformers' default, whose export trains
+# faster: GPT-2's step was 13% slower with eager, docs/benchmarks.md) where the family matrix
+# (tests/test_hf_families.py) trains it as torch does, `eager` (the attention written out in
+# operators) where it does not, and for any model_type not tried.
+ATTENTION = {
+    **dict.fromkeys(("bert", "roberta", "distilbert", "albert", "electra", "gpt2", "opt", "llama", "mistral",
+                     "qwen2", "qwen3", "phi3", "gemma", "falcon", "bart", "vit"), "sdpa"),
+    "modernbert": "eager",  # sdpa: the fully masked rows of its local attention give NaN gradients
+    "t5": "eager",  # sdpa: ONNX Runtime's backward fails on a shape mismatch in its position bias' gradient
+    "deberta-v2": "eager",  # transformers has no sdpa for it
+    "gpt_neo": "eager",  # transformers has no sdpa for it
+}
+
 # (model_type, config flag) -> why a model with the flag on cannot train as torch does (docs/models.md,
 # "Families tried"): refused before the export, in one line.
 REFUSED = {
     ("falcon", "alibi"): "its ALiBi bias is computed in bfloat16, which torch.onnx writes as a Cast to ONNX type 15 "
                          "(complex128, not bfloat16) that ONNX Runtime cannot run; use a Falcon with alibi: false",
-    # BART's token embedding has a padding row and is its output layer too, which trains that row;
-    # ortflow's export gives the padding token a zero vector (export_fixes: torch gives the row no
-    # gradient from the lookup), so at padding positions the trained model's outputs part from
-    # torch's (0.27 on a tiny BART; the loss, which ignores them, agrees) and export_model's check
-    # of export/transformers/ stops the run: refused before training instead.
-    ("bart", "tie_word_embeddings"): "its token embedding has a padding row and is tied to the output layer, which "
-                                     "trains that row, while ortflow's export gives the padding token a zero vector "
-                                     "(an open defect of ortflow's); use T5",
 }
+
+
+def attention(model_type: str) -> str:
+    return ATTENTION.get(model_type, "eager")
 
 
 def is_image(feature: dict) -> bool:
@@ -160,11 +167,11 @@ def pretrained(folder: Path, task: str, manifest: dict):
     try:
         if not weights:
             log.info("%s: %s has no weights; %s drawn from run.seed", MODEL_KEY, folder, type(config).__name__)
-            module = cls.from_config(config, attn_implementation=ATTENTION, dtype=torch.float32)
+            module = cls.from_config(config, attn_implementation=attention(config.model_type), dtype=torch.float32)
         else:
             module, info = cls.from_pretrained(
                 str(folder), config=config, local_files_only=True, use_safetensors=True, trust_remote_code=False,
-                ignore_mismatched_sizes=True, attn_implementation=ATTENTION, dtype=torch.float32,
+                ignore_mismatched_sizes=True, attn_implementation=attention(config.model_type), dtype=torch.float32,
                 output_loading_info=True)
             new = sorted({*info.get("missing_keys", ()), *(key for key, *_ in info.get("mismatched_keys", ()))})
             module.new_tensors = new
@@ -175,23 +182,7 @@ def pretrained(folder: Path, task: str, manifest: dict):
         reason = str(error).strip().splitlines()[0][:300]
         raise ModelError(f"{MODEL_KEY}: {folder} ({config.model_type}) has no {CLASSES[task]} model for model.task "
                          f"{task!r} ({reason})") from None
-    zero_padding_rows(module, folder)
     return module.train()
-
-
-def zero_padding_rows(module, folder: Path) -> None:
-    """Zero each embedding's row of its padding_idx that is not zero (ModernBERT draws it with the
-    rest), saying so. ortflow keeps that row from training by masking its tokens' vectors to zero,
-    which equals torch's training (the row gets no gradient) only where the row is zero
-    (export_fixes.check_embeddings); the attention mask keeps padding tokens from the other
-    positions, so only the outputs at padding positions change."""
-    for name, layer in module.named_modules():
-        if isinstance(layer, torch.nn.Embedding) and layer.padding_idx is not None \
-                and bool(layer.weight[layer.padding_idx].any()):
-            with torch.no_grad():
-                layer.weight[layer.padding_idx] = 0
-            log.warning("%s: %s: the row of padding_idx %d of %s (nn.Embedding) is not zero: zeroed, as ortflow "
-                        "trains it (it takes no gradient in torch either)", MODEL_KEY, folder, layer.padding_idx, name)
 
 
 class TaskModel(torch.nn.Module):

@@ -125,11 +125,11 @@ def from_pretrained(task_model, folder: Path):
     refused when any weight is missing, unexpected or of another shape."""
     import transformers
 
-    from .hugging_face import ATTENTION, CLASSES, TaskModel
+    from .hugging_face import CLASSES, TaskModel, attention
 
     cls = getattr(transformers, CLASSES[task_model.task])
     hf, info = cls.from_pretrained(str(folder), local_files_only=True, use_safetensors=True, output_loading_info=True,
-                                   attn_implementation=ATTENTION)
+                                   attn_implementation=attention(task_model.model.config.model_type))
     wrong = {kind: sorted(str(key) for key in info.get(kind, ())) for kind in
              ("missing_keys", "unexpected_keys", "mismatched_keys")}
     if any(wrong.values()):

@@ -27,11 +27,10 @@ def sequence_name(feature: str) -> str:
 
 
 def export_torch(module, manifest: dict, path: Path):
-    """torch -> ONNX (written to `path` and returned) with the batch dimension dynamic (and a text model's
-    sequence dimension, `sequence_axes`), in training mode and without constant folding, so that every
-    parameter stays an initializer; with export_fixes' repairs (torch.diff, cumsum, the attention's dropout,
-    the embedding's padding row, initializers merged by value, the shapes for ONNX Runtime's gradient builder),
-    and the buffers (BatchNorm's running statistics) as they were before the export ran the module."""
+    """torch -> ONNX (written to `path`, returned): the batch (and a text model's sequence, `sequence_axes`)
+    dynamic, in training mode, no constant folding (every parameter stays an initializer); export_fixes' repairs
+    (torch.diff, cumsum, the attention's dropout, padding rows' lookups marked, initializers merged by value,
+    shapes for ONNX Runtime's gradient builder); the buffers (BatchNorm's running statistics) as before the export."""
     import onnx
     import torch
 
@@ -82,6 +81,7 @@ def export_torch(module, manifest: dict, path: Path):
                     sorted(untied))
     unread_inputs(exported, module, features, axes)
     export_fixes.give_dropout_its_mask(exported)
+    export_fixes.mark_padding_rows(exported, module)
     batchnorm.restore_buffers(exported, buffers)
     export_fixes.infer_shapes(exported)
     external_data.save_model(exported, path)
