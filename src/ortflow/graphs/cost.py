@@ -64,23 +64,29 @@ def per_sample_values(base, manifest: dict) -> dict[str, tuple[list[int], int]]:
 
 def forward_flops(base, values: dict) -> int:
     """Multiply-adds x 2 of MatMul, Gemm and Conv for one sample, from `per_sample_values`."""
-    total, unknown = 0, []
-    for node in base.graph.node:
+    return sum(node_flops(base.graph.node, values).values())
+
+
+def node_flops(nodes, values: dict) -> dict[int, int]:
+    """Index in `nodes` -> multiply-adds x 2 for one sample of each MatMul, Gemm and Conv
+    whose shapes `per_sample_values` knows (the others are named in a warning)."""
+    flops, unknown = {}, []
+    for index, node in enumerate(nodes):
         if node.op_type not in ("MatMul", "Gemm", "Conv"):
             continue
         a, b, y = (values[name][0] if name in values else None for name in (node.input[0], node.input[1], node.output[0]))
         if a is None or b is None or y is None:
             unknown.append(node.name or node.op_type)
         elif node.op_type == "Conv":
-            total += 2 * math.prod(y) * math.prod(b[1:])
+            flops[index] = 2 * math.prod(y) * math.prod(b[1:])
         elif node.op_type == "Gemm":
             trans_a = next((attr.i for attr in node.attribute if attr.name == "transA"), 0)
-            total += 2 * math.prod(y) * (a[0] if trans_a else a[-1])
+            flops[index] = 2 * math.prod(y) * (a[0] if trans_a else a[-1])
         else:
-            total += 2 * math.prod(y) * a[-1]
+            flops[index] = 2 * math.prod(y) * a[-1]
     if unknown:
         log.warning("FLOPs leave out %d node(s) whose shapes are not static: %s", len(unknown), unknown[:5])
-    return total
+    return flops
 
 
 def batch_values(base, values: dict) -> dict[str, int]:

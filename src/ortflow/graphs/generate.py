@@ -39,9 +39,15 @@ def optimizer_block(optimizer):
 
 
 def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits: Logits) -> None:
-    """ONNX Runtime's generate_artifacts on the base model: in memory, or (its weights in
-    external data) from its file, which ORT's blocks save again as they build, into their
-    working folder: `out`, so that nothing lands where the command runs."""
+    """The graphs of the whole model: `loss` against the data's label, on the logits."""
+    generate_with_loss(base, trainable, frozen, loss_block(loss, label, logits), logits.name, optimizer, out)
+
+
+def generate_with_loss(base, requires_grad, frozen, loss, loss_input: str, optimizer, out: Path) -> None:
+    """ONNX Runtime's generate_artifacts on the base model with the onnxblock `loss` on its
+    tensor `loss_input` (which the graphs also return): in memory, or (its weights in
+    external data) from its file `out`/inference_base.onnx, which ORT's blocks save again as
+    they build, into their working folder: `out`, so that nothing lands where the command runs."""
     import onnx
     from onnxruntime.training import artifacts
 
@@ -55,13 +61,13 @@ def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits:
         with contextlib.chdir(out):
             artifacts.generate_artifacts(
                 source,
-                requires_grad=trainable,
+                requires_grad=requires_grad,
                 frozen_params=frozen,
-                loss=loss_block(loss, label, logits),
+                loss=loss,
                 optimizer=optimizer_block(optimizer),
                 artifact_directory=out,
-                loss_input_names=[logits.name],
-                additional_output_names=[logits.name],
+                loss_input_names=[loss_input],
+                additional_output_names=[loss_input],
             )
     except Exception as error:
         raise explain_generation_error(error, base) from error
