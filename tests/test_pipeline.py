@@ -1,7 +1,7 @@
-"""Pipeline stages (graphs/pipeline.py): the built-in gpt and transformers' GPT-2 cut into 2
-and 3 stages whose Modules, run by hand forward then backward (the activation handed
-forward, its gradient handed back), give the whole model's loss and gradients; and the
-cuts that cannot be made are refused in one line."""
+"""Pipeline stages (graphs/pipeline.py): the built-in gpt, transformers' GPT-2 and a BERT
+classifier (token ids and an attention mask) cut into 2 and 3 stages whose Modules, run by
+hand forward then backward (the activation handed forward, its gradient handed back), give
+the whole model's loss and gradients; and the cuts that cannot be made are refused in one line."""
 
 from __future__ import annotations
 
@@ -24,52 +24,59 @@ from ortflow.sessions import training_options
 from ortflow.stages import build_artifacts
 from ortflow.stages.prepare_data import prepare
 from ortflow.training import engine, gradients
+from test_transformers import marked_sequences
 
 BATCH, SEED = 8, 11
 MODELS = {
-    "gpt": {"kind": "gpt", "layers": 2, "heads": 2, "width": 16},
+    "gpt": ({"kind": "gpt", "layers": 2, "heads": 2, "width": 16}, "text"),
     # transformers' configs have Dropout 0.1 (embeddings, attention, residuals) by default.
-    "gpt2": {"kind": "torch", "path": "transformers_models:GPT2", "kwargs": {"context": 16}},
+    "gpt2": ({"kind": "torch", "path": "transformers_models:GPT2", "kwargs": {"context": 16}}, "text"),
+    "bert": ({"kind": "torch", "path": "transformers_models:BertClassifier"}, "marked"),
 }
 
 
-def config(root: Path, model: dict) -> config_mod.Config:
-    return config_mod.load(overrides={"run": {"seed": 7}, "data": {"source": str(root / "corpus.txt"), "context": 16},
-                                      "model": model})
+def config(root: Path, model: dict, data: str) -> config_mod.Config:
+    sources = {"text": {"source": str(root / "corpus.txt"), "context": 16},
+               "marked": {"source": str(root / "marked.npz"), "features": ["input_ids", "attention_mask"]}}
+    return config_mod.load(overrides={"run": {"seed": 7}, "data": sources[data], "model": model})
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
+    """The text and token-id data as train splits."""
     root = tmp_path_factory.mktemp("pipeline")
     (root / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    prepare(config(root, {"kind": "mlp"}), root / "train", root / "eval")
+    marked_sequences(root / "marked.npz", n=200)
+    for data in ("text", "marked"):
+        prepare(config(root, {"kind": "mlp"}, data), root / data / "train", root / data / "eval")
     return root
 
 
 def whole(root: Path, name: str) -> Path:
     """The unpipelined artifacts of model `name`."""
+    model, data = MODELS[name]
     out = root / name / "whole"
     if not out.is_dir():
-        build_artifacts.build(config(root, MODELS[name]), root / "train", out)
+        build_artifacts.build(config(root, model, data), root / data / "train", out)
     return out
 
 
 def staged(root: Path, name: str, stages: int) -> tuple[pipeline.Plan, list[Path]]:
     """The plan and the stages' artifact folders of model `name` cut into `stages`."""
+    model, data = MODELS[name]
     artifacts = Artifacts(whole(root, name))
     description = artifacts.description()
     base = onnx.load(str(artifacts.base_model))
-    manifest = json.loads((root / "train" / "manifest.json").read_text())
+    manifest = json.loads((root / data / "train" / "manifest.json").read_text())
     plan = pipeline.cut(base, stages)
     folders = pipeline.build(plan, description["trainable"], description["loss"], manifest["label"],
-                             config(root, MODELS[name]).train.optimizer, root / name / f"p{stages}",
+                             config(root, model, data).train.optimizer, root / name / f"p{stages}",
                              find_logits(base, description["loss"], manifest))
     return plan, folders
 
 
-def batch_of(root: Path) -> dict:
-    reader = ShardReader(root / "train")
-    return reader.gather(np.arange(BATCH))
+def batch_of(root: Path, name: str) -> dict:
+    return ShardReader(root / MODELS[name][1] / "train").gather(np.arange(BATCH))
 
 
 def module(folder: Path) -> tuple[Module, CheckpointState]:
@@ -108,8 +115,7 @@ def pipelined_step(plan: pipeline.Plan, folders: list[Path], batch: dict, dropou
     modules = [module(folder) for folder in folders]
     feeds = dict(batch)
     for stage, (stage_module, _) in zip(plan.stages[:-1], modules):
-        sent_shape = [BATCH if d == "batch" else batch["x"].shape[1] if isinstance(d, str) else d  # a text's length
-                      for d in stage.output_shape]
+        sent_shape = plan.shape(stage.output_shape, {name: value.shape for name, value in batch.items()})
         stage_feeds = feeds | {f"{stage.output}{pipeline.UPSTREAM}": np.zeros(sent_shape, np.float32),
                                pipeline.DROPOUT: np.array(dropout)}
         ort.set_seed(SEED + stage.dropouts_before)
@@ -131,22 +137,26 @@ def pipelined_step(plan: pipeline.Plan, folders: list[Path], batch: dict, dropou
     return loss, grads
 
 
-@pytest.mark.parametrize("name, stages", [("gpt", 2), ("gpt", 3), ("gpt2", 2), ("gpt2", 3)])
+# The head tied to the token embedding: held by the first and the last stage, each computing its part of the gradient.
+TIED = {"gpt": "tokens.weight", "gpt2": "model.transformer.wte.weight"}
+
+
+@pytest.mark.parametrize("name, stages", [("gpt", 2), ("gpt", 3), ("gpt2", 2), ("gpt2", 3), ("bert", 2), ("bert", 3)])
 def test_stages_give_the_whole_models_gradients_bit_for_bit(name, stages, root):
-    """GPT-2 with its Dropout on: each stage seeded with the whole model's seed plus the
-    Dropouts before it draws the whole model's masks, in the forward it sends (its eval
+    """GPT-2 and BERT with their Dropout on: each stage seeded with the whole model's seed plus
+    the Dropouts before it draws the whole model's masks, in the forward it sends (its eval
     graph with Dropout switched on) and in its training step."""
     plan, folders = staged(root, name, stages)
-    batch = batch_of(root)
+    batch = batch_of(root, name)
     loss, expected = whole_step(root, name, batch)
     got_loss, got = pipelined_step(plan, folders, batch)
     assert sorted(got) == sorted(expected)  # every parameter trains in some stage
     assert got_loss == loss
     for parameter in expected:
         assert np.array_equal(got[parameter], expected[parameter]), parameter
-    # The tied embedding lives in the first and the last stage, each computing its own part of the gradient.
-    assert list(plan.tied.values()) == [[0, stages - 1]]
-    assert [stage.features for stage in plan.stages][0] == ["x"]
+    assert plan.tied == ({TIED[name]: [0, stages - 1]} if name in TIED else {})
+    # BERT's second stage is fed the attention mask, as the first is.
+    assert "attention_mask" in plan.stages[1].features if name == "bert" else plan.stages[0].features == ["x"]
 
 
 def test_dropout_needs_its_forward_on_and_the_seed_offset(root):
@@ -154,7 +164,7 @@ def test_dropout_needs_its_forward_on_and_the_seed_offset(root):
     without the Dropouts before them, give other gradients (measured: 0.05 and 0.08 off
     at most, GPT-2 in 2 stages)."""
     plan, folders = staged(root, "gpt2", 2)
-    batch = batch_of(root)
+    batch = batch_of(root, "gpt2")
     _, expected = whole_step(root, "gpt2", batch)
 
     def largest_difference(got: dict) -> float:
@@ -201,7 +211,7 @@ def test_named_cut_points_are_the_stages_boundaries(root):
 
 def test_flops_balance_cuts_elsewhere_than_parameters(root):
     """The token embedding holds a third of the parameters and no FLOPs."""
-    manifest = json.loads((root / "train" / "manifest.json").read_text())
+    manifest = json.loads((root / "text" / "train" / "manifest.json").read_text())
     by_parameters = pipeline.cut(gpt_base(root), 3)
     by_flops = pipeline.cut(gpt_base(root), 3, balance="flops", manifest=manifest)
     assert by_parameters.stages[0].output == "/tokens/Gather_output_0"

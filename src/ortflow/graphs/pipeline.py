@@ -36,8 +36,9 @@ The graphs (generate_artifacts on each stage's forward model, `build`):
 
 What the 1F1B schedule over MPI needs from these pieces, per micro-batch:
 - forward: stage s sends its output (`Stage.output`: float32 [batch, *dims], the dims
-  in `Stage.output_shape`, a name where the data's text length is dynamic) to stage
-  s+1, which feeds it as its input of the same name. Every stage is fed the batch's
+  in `Stage.output_shape`, a name where the data's text length is dynamic, which
+  `Plan.shape` resolves from the batch's shapes for the receiving side) to stage s+1,
+  which feeds it as its input of the same name. Every stage is fed the batch's
   features it reads (`Stage.features`: GPT-2's later stages read the token ids again,
   for their masks and positions), the last stage also the label. `Module` runs forward
   and backward in one call, so a stage but the last runs its forward twice: once in
@@ -57,8 +58,10 @@ What the 1F1B schedule over MPI needs from these pieces, per micro-batch:
   counted once; each stage's own optimizer state.
 
 Measured (tests/test_pipeline.py, ORT 1.19.2 CPU, one thread): the built-in gpt (2
-layers, width 16, tied head) and transformers' GPT-2 (2 layers, width 64, Dropout 0.1)
-in 2 and 3 stages give the whole model's loss and every gradient bit for bit, batch 8.
+layers, width 16, tied head), transformers' GPT-2 (2 layers, width 64, Dropout 0.1) and
+a BERT classifier (2 layers, width 32, Dropout 0.1, an attention mask fed to the stages
+that read it) in 2 and 3 stages give the whole model's loss and every gradient bit for
+bit, batch 8.
 A forward sent with Dropout off gives GPT-2's gradients 0.05 off, stages seeded without
 the offset 0.08 off. On two threads the embedding's gradient (ORT's GatherGrad) varies
 by up to 3e-8 from run to run. Stage 0 of GPT-2 (2 stages, batch 8): its eval graph's
@@ -115,6 +118,14 @@ class Plan:
     tied: dict[str, list[int]]  # a parameter read by more than one stage -> those stages
     costs: list[int]  # each stage's parameters (elements) or forward FLOPs per sample
     balance: str
+    symbols: dict[str, tuple[str, int]]  # a symbolic dim -> (the batch's input, axis) that has it
+
+    def shape(self, dims: list, feature_shapes: dict[str, tuple]) -> list[int]:
+        """`dims` (a Stage.output_shape) for a batch whose features have `feature_shapes`:
+        the size of what a stage receives, which a receive must know before it comes."""
+        if any(isinstance(d, str) and d not in self.symbols for d in dims):
+            raise ModelError(f"pipeline: activation dims {dims} name a dim no input of the model has {self.symbols}")
+        return [feature_shapes[self.symbols[d][0]][self.symbols[d][1]] if isinstance(d, str) else d for d in dims]
 
 
 def weighted_tensors(graph) -> set[str]:
@@ -130,6 +141,18 @@ def dims_of(value) -> list:
     return [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
 
 
+def input_symbols(graph) -> dict[str, tuple[str, int]]:
+    """Each symbolic dim of the graph's inputs -> (the first input that has it, its axis)."""
+    initializers = {t.name for t in graph.initializer}
+    symbols: dict[str, tuple[str, int]] = {}
+    for value in graph.input:
+        if value.name not in initializers:
+            for axis, dim in enumerate(dims_of(value)):
+                if isinstance(dim, str) and dim:
+                    symbols.setdefault(dim, (value.name, axis))
+    return symbols
+
+
 def shapes_from_inputs(model) -> int:
     """Rewrite in place each Shape node of a weighted tensor whose dims are known, each
     either a constant or a dimension of one of the graph's inputs (the batch, a text's
@@ -140,13 +163,7 @@ def shapes_from_inputs(model) -> int:
 
     graph = model.graph
     types = {v.name: v for v in [*graph.value_info, *graph.input, *graph.output]}
-    initializers = {t.name for t in graph.initializer}
-    symbols = {}  # dim name -> (input, axis), the first input that has it
-    for value in graph.input:
-        if value.name not in initializers:
-            for axis, dim in enumerate(dims_of(value)):
-                if isinstance(dim, str) and dim:
-                    symbols.setdefault(dim, (value.name, axis))
+    symbols = input_symbols(graph)
     weighted = weighted_tensors(graph)
     nodes, rewritten = [], 0
     for node in graph.node:
@@ -281,7 +298,7 @@ def cut(base, stages: int, balance: str = "parameters", at: list[str] | None = N
     stage_costs = [sum(costs[i] for i in stage_nodes) for stage_nodes in nodes]
     log.info("pipeline: %d stages at %s, %s %s%s%s", stages, cuts, balance, stage_costs,
              f", tied {tied}" if tied else "", f" ({rewritten} Shape nodes read from the inputs)" if rewritten else "")
-    return Plan(plan_stages, tied, stage_costs, balance)
+    return Plan(plan_stages, tied, stage_costs, balance, input_symbols(model.graph))
 
 
 def extract(model, weighted: set[str], cuts: list[str], candidates: list) -> tuple[list[Stage], list[set[int]]]:
