@@ -217,3 +217,35 @@ def test_flops_balance_cuts_elsewhere_than_parameters(root):
     assert by_parameters.stages[0].output == "/tokens/Gather_output_0"
     assert by_flops.stages[0].output != by_parameters.stages[0].output
     assert max(by_flops.costs) < 0.6 * sum(by_flops.costs)
+
+
+def small_onnx(batchnorm: bool):
+    """x [batch, 4] -> MatMul -> (BatchNormalization) -> Relu -> MatMul -> y [batch, 2], an ONNX file's model."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.normal(size=shape).astype(np.float32), name)
+               for name, shape in (("w1", (4, 4)), ("w2", (4, 2)))]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"])]
+    if batchnorm:
+        weights += [numpy_helper.from_array(np.full(4, value, np.float32), name)
+                    for name, value in (("scale", 1), ("bias", 0), ("mean", 0), ("var", 1))]
+        nodes.append(helper.make_node("BatchNormalization", ["h", "scale", "bias", "mean", "var"], ["n"], name="bn"))
+    nodes += [helper.make_node("Relu", ["n" if batchnorm else "h"], ["r"]),
+              helper.make_node("MatMul", ["r", "w2"], ["y"])]
+    graph = helper.make_graph(nodes, "small", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 2])], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)], ir_version=8)
+
+
+def test_an_onnx_models_cut_and_what_it_cannot_cut():
+    plan = pipeline.cut(small_onnx(batchnorm=False), 2)
+    assert [(s.input, s.output, s.parameters) for s in plan.stages] == [(None, "h", ["w1"]), ("h", "y", ["w2"])]
+    assert plan.costs == [16, 8]
+    assert plan.shape(plan.stages[0].output_shape, {"x": (5, 4)}) == [5, 4]
+    with pytest.raises(ModelError, match=r"^pipeline: the model has 2 stage\(s\) at most, fewer than the 3 asked for "
+                                         r"\(boundaries where one activation crosses: h\)$"):
+        pipeline.cut(small_onnx(batchnorm=False), 3)
+    with pytest.raises(ModelError, match="^pipeline: the model has BatchNormalization \\(bn, 1 in all\\), which "
+                                         "pipeline stages do not support yet; train it with 1 stage$"):
+        pipeline.cut(small_onnx(batchnorm=True), 2)

@@ -68,8 +68,10 @@ by up to 3e-8 from run to run. Stage 0 of GPT-2 (2 stages, batch 8): its eval gr
 forward 5 ms, its training graph's forward and backward 10 to 17 ms, so the forward it
 runs twice costs a third to a half of its training step more.
 Not done here: models over external_data.threshold() (the stages' models are built in
-memory), train.recompute on a stage's graph, stage costs count a tied weight in the
-first stage that reads it.
+memory), train.recompute on a stage's graph, BatchNorm (refused: the forward a stage
+sends would normalize with the running statistics; its eval graph's BatchNorm would
+need switching as its Dropout is), and stage costs count a tied weight in the first
+stage that reads it only.
 """
 
 from __future__ import annotations
@@ -289,6 +291,17 @@ def cut(base, stages: int, balance: str = "parameters", at: list[str] | None = N
         if name not in weighted or not any(name in node.output for node in model.graph.node):
             raise ModelError(f"pipeline: cut point {name!r} is not an activation of the model (a tensor that "
                              f"parameters lie behind); boundaries where one activation crosses: {named(candidates)}")
+    types = {v.name for v in [*model.graph.value_info, *model.graph.input, *model.graph.output]}
+    unknown = [name for name in cuts if name not in types]
+    if unknown:
+        raise ModelError(f"pipeline: the shape of cut point {unknown[0]!r} is unknown (shape inference could not "
+                         "follow the model to it); name another cut point")
+    statistics = [node.name or node.output[0] for node in model.graph.node if node.op_type == "BatchNormalization"]
+    if statistics and stages > 1:
+        # A stage sends the forward of its eval graph, where BatchNorm normalizes with its running
+        # statistics, not with the batch's as the training step does (Dropout is switchable there).
+        raise ModelError(f"pipeline: the model has BatchNormalization ({statistics[0]}, {len(statistics)} in all), "
+                         "which pipeline stages do not support yet; train it with 1 stage")
     plan_stages, nodes = extract(model, weighted, cuts, candidates)
     readers: dict[str, list[int]] = {}
     for stage in plan_stages:
