@@ -25,6 +25,8 @@ def test_defaults_fill_every_section():
     "override, message",
     [
         ({"train": {"world_size": 0}}, "config key 'train.world_size': 0 is less than the minimum of 1"),
+        ({"train": {"world_size": 3, "pipeline_stages": 2}}, "config key 'train.world_size': 3 ranks do not divide "
+                                                            "into train.pipeline_stages=2 stages; make it a multiple"),
         ({"train": {"wrld_size": 2}}, "config section 'train': unknown key(s) wrld_size; allowed keys:"),
         ({"model": {"kind": "rnn"}}, "config key 'model.kind': 'rnn' is not one of 'mlp', 'cnn'"),
         ({"train": {"optimizer": {"lr": "fast"}}}, "config key 'train.optimizer.lr': 'fast' is not of type 'number'"),
@@ -72,6 +74,13 @@ def test_identity_ignores_world_size_but_not_global_batch():
     c = config.load(overrides={"train": {"world_size": 1, "grad_accum_steps": 1}})
     assert digest(config.training_identity(a)) == digest(config.training_identity(b))
     assert digest(config.training_identity(a)) != digest(config.training_identity(c))
+
+
+def test_the_global_batch_is_split_across_the_copies_of_the_stages_not_the_stages():
+    """4 ranks in 2 stages are 2 data-parallel copies: the global batch of 2 ranks."""
+    pipelined = config.load(overrides={"train": {"world_size": 4, "pipeline_stages": 2}})
+    assert config.data_parallel_size(pipelined.train) == 2
+    assert config.global_batch_size(pipelined) == config.global_batch_size(config.load()) == 64
 
 
 def test_identity_has_the_steps_where_the_schedule_spreads_over_them():

@@ -257,6 +257,9 @@ def _check_cross_keys(config: Config) -> None:
     check_lamb_sharding(train)
     if train.backend == "nccl" and train.device != "cuda":
         raise ConfigError("config key 'train.backend': 'nccl' needs train.device: cuda")
+    if train.world_size % train.pipeline_stages:
+        raise ConfigError(f"config key 'train.world_size': {train.world_size} ranks do not divide into "
+                          f"train.pipeline_stages={train.pipeline_stages} stages; make it a multiple of it")
     if train.nodes > train.world_size:
         raise ConfigError(
             f"config key 'train.nodes': {train.nodes} nodes for train.world_size={train.world_size} ranks; "
@@ -396,7 +399,12 @@ def pick(config: dict, keys) -> dict:
 
 def global_batch_size(config: Config) -> int:
     train = config.train
-    return train.micro_batch_size * train.grad_accum_steps * train.world_size
+    return train.micro_batch_size * train.grad_accum_steps * data_parallel_size(train)
+
+
+def data_parallel_size(train) -> int:
+    """D: the copies of the model (of each of its train.pipeline_stages stages) that split the global batch."""
+    return train.world_size // train.pipeline_stages
 
 
 def training_identity(config: Config) -> dict:
