@@ -27,6 +27,8 @@ def test_defaults_fill_every_section():
         ({"train": {"world_size": 0}}, "config key 'train.world_size': 0 is less than the minimum of 1"),
         ({"train": {"world_size": 3, "pipeline_stages": 2}}, "config key 'train.world_size': 3 ranks do not divide "
                                                             "into train.pipeline_stages=2 stages; make it a multiple"),
+        ({"train": {"pipeline_stages": 2, "recompute": "blocks"}}, "config key 'train.recompute': 'blocks' is not "
+                                                                  "applied to pipeline stages yet"),
         ({"train": {"wrld_size": 2}}, "config section 'train': unknown key(s) wrld_size; allowed keys:"),
         ({"model": {"kind": "rnn"}}, "config key 'model.kind': 'rnn' is not one of 'mlp', 'cnn'"),
         ({"train": {"optimizer": {"lr": "fast"}}}, "config key 'train.optimizer.lr': 'fast' is not of type 'number'"),

@@ -35,10 +35,10 @@ MODELS = {
 }
 
 
-def config(root: Path, model: dict, data: str) -> config_mod.Config:
+def config(root: Path, model: dict, data: str, **train) -> config_mod.Config:
     sources = {"text": {"source": str(root / "corpus.txt"), "context": 16},
                "marked": {"source": str(root / "marked.npz"), "features": ["input_ids", "attention_mask"]}}
-    return config_mod.load(overrides={"run": {"seed": 7}, "data": sources[data], "model": model})
+    return config_mod.load(overrides={"run": {"seed": 7}, "data": sources[data], "model": model, "train": train})
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +174,24 @@ def test_dropout_needs_its_forward_on_and_the_seed_offset(root):
     assert plan.stages[1].dropouts_before == 4  # the embeddings' and block 0's
     plan.stages[1].dropouts_before = 0
     assert largest_difference(pipelined_step(plan, folders, batch)[1]) > 1e-3
+
+
+def test_build_artifacts_writes_each_stage_and_the_plan(root):
+    """train.pipeline_stages 2: the whole model's artifacts as with 1 stage, and beside them each
+    stage's and pipeline.json, from which the schedule reads the cut."""
+    model, data = MODELS["gpt"]
+    out = root / "gpt" / "built-p2"
+    build_artifacts.build(config(root, model, data, world_size=2, pipeline_stages=2), root / data / "train", out)
+    built = Artifacts(out)
+    assert all(path.is_file() for path in built.graphs)
+    assert not built.stage(2).folder.exists()
+    for index in range(2):
+        assert all(path.is_file() for path in built.stage(index).graphs), index
+    plan, by_hand = pipeline.Plan.load(built.pipeline_json), staged(root, "gpt", 2)[0]
+    assert plan.tied == by_hand.tied == {"tokens.weight": [0, 1]}
+    assert [(s.input, s.output, s.output_shape, s.features, s.parameters, s.dropouts_before) for s in plan.stages] \
+        == [(s.input, s.output, s.output_shape, s.features, s.parameters, s.dropouts_before) for s in by_hand.stages]
+    assert plan.shape(plan.stages[0].output_shape, {"x": (3, 16)}) == [3, 16, 16]
 
 
 def gpt_base(root: Path):

@@ -8,6 +8,12 @@ graph builder writes it; training, export, quantize and the checkpoint tools rea
     checkpoint            the initial weights and optimizer state, in ONNX Runtime's format
     model.json            inputs, label, outputs, loss, parameters and FLOPs (graphs.describe)
 
+With train.pipeline_stages P > 1 (graphs/pipeline.py), beside those (the whole model's,
+which export and the checkpoint tools read):
+
+    pipeline.json         the cut: each stage's input, output and its shape, features, parameters
+    stage-<s>/            stage s's artifacts, laid out as above, for s in 0 .. P-1
+
 A model over external_data.threshold() has `inference_base.onnx.data` and `checkpoint.data`
 beside them (its weights; external_data.py).
 
@@ -32,8 +38,13 @@ class Artifacts:
         self.optimizer_model = self.folder / "optimizer_model.onnx"
         self.checkpoint = self.folder / "checkpoint"
         self.model_json = self.folder / "model.json"
+        self.pipeline_json = self.folder / "pipeline.json"
         # The three graphs ONNX Runtime's training engine runs.
         self.graphs = (self.training_model, self.eval_model, self.optimizer_model)
+
+    def stage(self, index: int) -> Artifacts:
+        """The artifacts of pipeline stage `index`."""
+        return Artifacts(self.folder / f"stage-{index}")
 
     def description(self) -> dict:
         """model.json, as graphs.describe wrote it."""

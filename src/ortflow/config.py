@@ -260,6 +260,9 @@ def _check_cross_keys(config: Config) -> None:
     if train.world_size % train.pipeline_stages:
         raise ConfigError(f"config key 'train.world_size': {train.world_size} ranks do not divide into "
                           f"train.pipeline_stages={train.pipeline_stages} stages; make it a multiple of it")
+    if train.pipeline_stages > 1 and train.recompute != "none":
+        raise ConfigError(f"config key 'train.recompute': {train.recompute!r} is not applied to pipeline stages yet "
+                          f"(train.pipeline_stages={train.pipeline_stages}); set train.recompute: none")
     if train.nodes > train.world_size:
         raise ConfigError(
             f"config key 'train.nodes': {train.nodes} nodes for train.world_size={train.world_size} ranks; "

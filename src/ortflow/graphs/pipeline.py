@@ -77,6 +77,7 @@ stage that reads it only.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,6 +129,22 @@ class Plan:
         if any(isinstance(d, str) and d not in self.symbols for d in dims):
             raise ModelError(f"pipeline: activation dims {dims} name a dim no input of the model has {self.symbols}")
         return [feature_shapes[self.symbols[d][0]][self.symbols[d][1]] if isinstance(d, str) else d for d in dims]
+
+    def describe(self) -> dict:
+        """The plan as JSON (Artifacts.pipeline_json), without the stages' models: what the
+        schedule reads at training time."""
+        return {"balance": self.balance, "costs": self.costs, "tied": self.tied,
+                "symbols": {name: list(where) for name, where in self.symbols.items()},
+                "stages": [{key: value for key, value in vars(stage).items() if key != "model"}
+                           for stage in self.stages]}
+
+    @classmethod
+    def load(cls, path: Path) -> Plan:
+        """The plan that `describe` wrote to `path` (its stages without their models)."""
+        described = json.loads(Path(path).read_text())
+        return cls([Stage(model=None, **stage) for stage in described["stages"]], described["tied"],
+                   described["costs"], described["balance"],
+                   {name: tuple(where) for name, where in described["symbols"].items()})
 
 
 def weighted_tensors(graph) -> set[str]:
@@ -403,12 +420,15 @@ def upstream_product(output):
 
 
 def build(plan: Plan, trainable: list[str], loss: str, label: dict, optimizer, out: Path, logits) -> list[Path]:
-    """Each stage's artifacts in `out`/stage<s>: its forward model, training, eval and
-    optimizer graphs and initial checkpoint. Returns the folders."""
+    """Each stage's artifacts in `out`/stage-<s> (Artifacts.stage): its forward model, training,
+    eval and optimizer graphs and initial checkpoint; and the plan in `out`/pipeline.json.
+    Returns the stages' folders."""
     folders = []
     last = len(plan.stages) - 1
+    Path(out).mkdir(parents=True, exist_ok=True)
+    Artifacts(out).pipeline_json.write_text(json.dumps(plan.describe(), indent=2) + "\n")
     for stage in plan.stages:
-        folder = Path(out) / f"stage{stage.index}"
+        folder = Artifacts(out).stage(stage.index).folder
         folder.mkdir(parents=True, exist_ok=True)
         external_data.save_model(stage.model, Artifacts(folder).base_model)
         own = [name for name in stage.parameters if name in trainable]

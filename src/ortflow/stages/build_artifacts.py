@@ -21,6 +21,11 @@ graphs and initial checkpoint that ONNX Runtime's training engine runs out.
    `kind: transformers` where the model came from (`transformers`: its class, task,
    and the tensors of a new head drawn from run.seed).
 
+With train.pipeline_stages P > 1, the model is also cut into P stages balanced by their
+parameters, and each stage's graphs and checkpoint are built into `stage-<s>/`, the cut
+into `pipeline.json` (graphs/pipeline.py, artifacts.py); the whole model's stay, for
+model.json, export and the checkpoint tools.
+
 Everything is written to `<out>.tmp` and renamed to `<out>` when complete (atomic.folder).
 """
 
@@ -34,7 +39,7 @@ from .. import atomic
 from ..artifacts import Artifacts
 from ..config import Config
 from ..errors import MissingInputError
-from ..graphs import recompute
+from ..graphs import pipeline, recompute
 from ..graphs.cost import batch_values, eval_bytes, forward_flops, per_sample_values
 from ..graphs.forward_model import base_model, check_interface
 from ..graphs.generate import drop_weights, generate
@@ -67,6 +72,9 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
         blocks = recompute.apply(Artifacts(tmp).training_model, config.train.recompute)
         if blocks:
             log.info("train.recompute: %d block(s) recomputed in the backward (%s ...)", len(blocks), blocks[0].name)
+        if config.train.pipeline_stages > 1:  # from the weights, which drop_weights clears
+            plan = pipeline.cut(base, config.train.pipeline_stages, manifest=manifest)
+            pipeline.build(plan, trainable, loss, manifest["label"], config.train.optimizer, tmp, logits)
         drop_weights(base)
         running_stats = batchnorm.adapt(tmp)
         smoke_step(tmp, train_dir, manifest)
