@@ -71,14 +71,16 @@ def trainable(state) -> list[str]:
     return [name for name, p in state.parameters if p.requires_grad]
 
 
-def seed_random_operators(seed: int, step: int, rank: int, micro_batch: int) -> None:
+def seed_random_operators(seed: int, step: int, rank: int, micro_batch: int, offset: int = 0) -> None:
     """ONNX Runtime's random operators (Dropout) draw from one generator per
     process. Seeded before every forward from (run.seed, step, rank, micro-batch),
     their masks depend only on where training is: a run repeats exactly, a resumed
-    run is bit-identical to one that never stopped, and the ranks drop differently."""
+    run is bit-identical to one that never stopped, and the ranks drop differently.
+    A pipeline stage adds the Dropouts of the stages before it (`offset`): each Dropout
+    call advances the seed by one, so it draws the whole model's masks (graphs/pipeline.py)."""
     import onnxruntime
 
-    onnxruntime.set_seed(int(np.random.SeedSequence([seed, step, rank, micro_batch]).generate_state(1)[0]))
+    onnxruntime.set_seed(int(np.random.SeedSequence([seed, step, rank, micro_batch]).generate_state(1)[0]) + offset)
 
 
 class Sessions:

@@ -1,0 +1,234 @@
+"""The 1F1B schedule of pipeline stages (issue 32; the stages' graphs: graphs/pipeline.py).
+
+The ranks form a grid of P = train.pipeline_stages stages x D = world_size / P copies:
+rank r holds stage r // D as copy r % D. The copies of a stage are neighbouring
+ranks because their all-reduce carries the whole stage's gradients every step,
+the largest traffic, while only one activation per micro-batch crosses between
+stages; with ranks placed in blocks over nodes (mpirun's and Slurm's default), a
+stage's copies share a node and the stages split across nodes (DeepSpeed's pipeline
+topology orders its axes so too). Communicators (`Grid`):
+  - `copies`: the D ranks of this stage, which all-reduce its gradients;
+  - `column`: the P stages of this copy, in stage order: activations go to the next
+    stage and their gradients back to the previous one, point to point;
+  - `tied`: for each set of stages holding the same weights (Plan.tied, GPT-2's
+    token embedding and its head), those stages of this copy, which sum their parts
+    of those weights' gradients.
+
+One optimizer step on a rank (`StageRunner.train_step`), over m = grad_accum_steps
+micro-batches of the copy's part of the global batch (as a rank of a P = 1 run
+with D ranks reads them):
+  1. warm-up: P - 1 - s forwards (stage s); then one forward, one backward until
+     every micro-batch has gone forward; then the backwards left (cool-down). A
+     stage's forward is its eval graph with Dropout on and a zero upstream gradient
+     (`Module` runs forward and backward in one call, so the output to send comes
+     from a forward of its own), its backward its training step on the gradient
+     received, the forward again; the last stage's forward and backward are its
+     training step. Each forward of a micro-batch is seeded as a P = 1 run seeds
+     it, plus the Dropouts before the stage, so that it draws the whole model's masks.
+     Sends are non-blocking and waited for at the end of the step: a blocking send
+     of an activation while the next stage sends a gradient back could wait forever
+     once messages are too large to be buffered.
+  2. the stage's gradients summed over its copies, tied weights' over their stages;
+  3. the global norm from every stage's sum of squares (a tied weight counted
+     once, in its first stage), and the loss from the last stage: one all-reduce
+     over all ranks; then the gradients scaled to the mean and clipped as with P = 1;
+  4. the stage's optimizer step (its own moments; every holder of a tied weight
+     applies the same update to the same weight).
+
+Not here yet: the train stage (`ortflow train` runs the P = 1 Trainer), evaluation,
+checkpoints and resume, train.zero 1 within a stage's copies, the watchdog over
+these communicators, BatchNorm (refused by the cut), and CUDA.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections import deque
+
+import numpy as np
+
+from ..artifacts import Artifacts
+from ..data.shards import ShardReader
+from ..evaluation import feeds as feeds_in_order
+from ..graphs import pipeline
+from . import weight_decay
+from .engine import initial_state, open_sessions, seed_random_operators, threads_per_rank, trainable
+from .gradients import allreduce_in_buckets, gradients, scale_and_clip, sum_of_squares
+from .optimizer import Optimizer
+from .schedule import learning_rate
+from .sharding import Replicated
+
+log = logging.getLogger("ortflow.train")
+
+
+def place(rank: int, world_size: int, stages: int) -> tuple[int, int]:
+    """(stage, copy) of `rank`: the copies of a stage are neighbouring ranks (see the top)."""
+    return divmod(rank, world_size // stages)
+
+
+def warm_up(stage: int, stages: int, micro_batches: int) -> int:
+    """The forwards stage `stage` runs before its first backward: as many as the stages
+    after it, whose backwards it waits for (the last stage none)."""
+    return min(stages - 1 - stage, micro_batches)
+
+
+class Sums:
+    """Sums over one communicator, the interface gradients.py and sharding.py take from a rank's comm."""
+
+    xp = np
+
+    def __init__(self, comm):
+        from mpi4py import MPI
+
+        self.comm, self.in_place = comm, MPI.IN_PLACE
+        self._buckets: dict = {}
+
+    def allreduce_gradients(self, grads: list) -> None:
+        if self.comm.Get_size() > 1:
+            allreduce_in_buckets(grads, np, self.reduce_flat, self._buckets)
+
+    def reduce_flat(self, flat) -> None:
+        self.comm.Allreduce(self.in_place, flat)
+
+
+class Grid:
+    """This rank's stage and copy in the grid of P stages x D copies, and its communicators (see the top)."""
+
+    def __init__(self, world, stages: int, tied: dict[str, list[int]]):
+        from mpi4py import MPI
+
+        self.MPI, self.world, self.stages = MPI, world, stages
+        self.copies_count = world.Get_size() // stages
+        self.stage, self.copy = place(world.Get_rank(), world.Get_size(), stages)
+        self.copies = Sums(world.Split(color=self.stage, key=self.copy))
+        self.column = world.Split(color=self.copy, key=self.stage)  # rank in it = stage
+        # Every rank takes part in each Split, in the same order; the stages outside a group get no communicator.
+        self.tied: dict[tuple[int, ...], Sums] = {}
+        for holders in sorted({tuple(held) for held in tied.values()}):
+            member = self.stage in holders
+            comm = world.Split(color=self.copy if member else MPI.UNDEFINED, key=self.stage)
+            if member:
+                self.tied[holders] = Sums(comm)
+
+
+class StageRunner:
+    """This rank's stage: its Module over its own CheckpointState, its optimizer and weight
+    decay, and the 1F1B step over micro-batches (see the top)."""
+
+    def __init__(self, artifacts: Artifacts, plan: pipeline.Plan, grid: Grid, train_cfg, seed: int, threads: int,
+                 data_label: str):
+        self.plan, self.grid, self.train_cfg, self.seed = plan, grid, train_cfg, seed
+        self.data_label = data_label  # the train split's name of the label
+        self.stage = plan.stages[grid.stage]
+        self.last = grid.stage == grid.stages - 1
+        self.info = artifacts.description()  # the whole model's: its label, loss and embeddings
+        own = artifacts.stage(grid.stage)
+        self.state = initial_state(own)
+        self.module, self.optimizer_step = open_sessions(own, self.state, "cpu", threads, train_cfg.optimizer, np)
+        self.trainable = trainable(self.state)
+        self.optimizer = Optimizer(self.state, Replicated(self.state, self.trainable, grid.copies).pieces,
+                                   train_cfg.optimizer, np)
+        self.decay = weight_decay.for_run(self.state, self.trainable, self.info, train_cfg.optimizer, np)
+        # A tied weight's gradient is summed over its stages; its norm counted in the first of them.
+        self.tied_groups = {holders: [n for n in self.trainable if tuple(plan.tied.get(n, ())) == holders]
+                            for holders in grid.tied}
+        self.counted = [n for n in self.trainable if plan.tied.get(n, [grid.stage])[0] == grid.stage]
+
+    def train_step(self, step: int, batches: list[dict]) -> tuple[float, float]:
+        """Optimizer step `step` over this copy's micro-batches `batches`. Returns the mean loss and the gradient norm before clipping,
+        the same on every rank."""
+        m, cfg = len(batches), self.train_cfg
+        sends: list = []
+        forwarded: deque = deque()  # (micro-batch, its feeds) gone forward, whose backward is due
+        loss_sum = 0.0
+        for micro_batch in range(m + warm_up(self.grid.stage, self.grid.stages, m)):
+            if micro_batch < m:
+                forwarded.append((micro_batch, self.forward(step, micro_batch, batches[micro_batch], sends)))
+            if micro_batch >= warm_up(self.grid.stage, self.grid.stages, m):
+                loss_sum += self.backward(step, *forwarded.popleft(), sends)
+        self.grid.MPI.Request.Waitall(sends)
+        grads = dict(zip(self.trainable, gradients(self.state, self.trainable, np)))
+        self.grid.copies.allreduce_gradients(list(grads.values()))
+        for holders, names in self.tied_groups.items():
+            self.grid.tied[holders].allreduce_gradients([grads[n] for n in names])
+        # The squares once per stage (copy 0's: the copies hold the same sums), the loss from the last stage.
+        squares = sum_of_squares([grads[n] for n in self.counted], np) if self.grid.copy == 0 else 0.0
+        totals = np.array([squares, loss_sum])
+        self.grid.world.Allreduce(self.grid.MPI.IN_PLACE, totals)
+        scale_to_mean = 1.0 / (m * self.grid.copies_count)
+        norm, loss = math.sqrt(totals[0]) * scale_to_mean, float(totals[1]) * scale_to_mean
+        scale_and_clip(list(grads.values()), norm, scale_to_mean, cfg.clip_grad_norm)
+        if math.isfinite(loss) and math.isfinite(norm):  # the same on every rank: both are sums over all of them
+            lr = learning_rate(step, cfg.steps, cfg.optimizer.lr, cfg.lr_schedule)
+            self.optimizer.step(lr, self.optimizer_step, self.decay)
+        self.module.lazy_reset_grad()
+        return loss, norm
+
+    def forward(self, step: int, micro_batch: int, batch: dict, sends: list) -> dict:
+        """Micro-batch `micro_batch` forward: its activation received from the stage before,
+        and (but on the last stage) its output sent to the stage after. Returns its feeds."""
+        stage, shapes = self.stage, {name: value.shape for name, value in batch.items()}
+        fed = dict(batch)
+        if stage.input:
+            fed[stage.input] = self.receive(stage.input, shapes, self.grid.stage - 1, micro_batch)
+        if self.last:
+            return fed
+        upstream = f"{stage.output}{pipeline.UPSTREAM}"
+        fed[upstream] = np.zeros(self.plan.shape(stage.output_shape, shapes), np.float32)
+        self.module.eval()
+        sent = self.run(step, micro_batch, fed | {pipeline.DROPOUT: np.array(True)})[stage.output]
+        sends.append(self.grid.column.Isend(np.ascontiguousarray(sent), dest=self.grid.stage + 1, tag=micro_batch))
+        return fed
+
+    def backward(self, step: int, micro_batch: int, fed: dict, sends: list) -> float:
+        """Micro-batch `micro_batch` backward (the training step): the gradient of the output
+        received from the stage after (but on the last stage), that of the input sent to the
+        stage before (but on the first). Returns the loss on the last stage, else 0."""
+        stage = self.stage
+        if not self.last:
+            fed[f"{stage.output}{pipeline.UPSTREAM}"] = self.receive(
+                stage.output, {name: value.shape for name, value in fed.items()}, self.grid.stage + 1, micro_batch)
+        self.module.train()
+        outputs = self.run(step, micro_batch, fed)
+        if stage.input:
+            sent = np.ascontiguousarray(outputs[f"{stage.input}{pipeline.GRADIENT}"])
+            sends.append(self.grid.column.Isend(sent, dest=self.grid.stage - 1, tag=micro_batch))
+        return float(outputs[self.module.output_names()[0]]) if self.last else 0.0
+
+    def receive(self, activation: str, shapes: dict, source: int, micro_batch: int) -> np.ndarray:
+        """The activation of the stage boundary `activation` (or its gradient: the same shape) from `source`."""
+        boundary = next(s for s in self.plan.stages if s.output == activation)
+        buffer = np.empty(self.plan.shape(boundary.output_shape, shapes), np.float32)
+        self.grid.column.Recv(buffer, source=source, tag=micro_batch)
+        return buffer
+
+    def run(self, step: int, micro_batch: int, fed: dict) -> dict:
+        """The Module (in the mode set) on `fed`, seeded as a P = 1 run's rank seeds the micro-batch
+        (this copy's), plus the Dropouts of the stages before: {output: value}."""
+        seed_random_operators(self.seed, step, self.grid.copy, micro_batch, self.stage.dropouts_before)
+        names = self.module.input_names()
+        outputs = self.module(*feeds_in_order(fed, names, self.info["label"]["name"], self.data_label))
+        return dict(zip(self.module.output_names(), outputs if isinstance(outputs, (list, tuple)) else [outputs]))
+
+
+def train(config, train_data: ShardReader, artifacts: Artifacts, steps: int) -> StageRunner:
+    """`steps` optimizer steps of this rank's stage from its initial weights, the ranks of
+    MPI's world forming the grid of config.train.pipeline_stages stages. Returns the stage,
+    trained, and logs each step's loss and norm on rank 0."""
+    from mpi4py import MPI
+
+    cfg, world = config.train, MPI.COMM_WORLD
+    plan = pipeline.Plan.load(artifacts.pipeline_json)
+    grid = Grid(world, cfg.pipeline_stages, plan.tied)
+    node = world.Split_type(MPI.COMM_TYPE_SHARED)
+    threads = threads_per_rank(node.Get_size(), len(os.sched_getaffinity(0)), os.environ)
+    runner = StageRunner(artifacts, plan, grid, cfg, config.run.seed, threads, train_data.label_name)
+    for step in range(steps):
+        batches = train_data.micro_batches(step, config.run.seed, grid.copy, grid.copies_count,
+                                           cfg.micro_batch_size, cfg.grad_accum_steps)
+        loss, norm = runner.train_step(step, batches)
+        if world.Get_rank() == 0:
+            log.info("step %d: loss %.6f, gradient norm %.6f", step + 1, loss, norm)
+    return runner
