@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import run_on_ranks
-from ortflow import config as config_mod
+from ortflow import cli, config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints import reader
 from ortflow.stages import build_artifacts
@@ -36,6 +36,15 @@ def test_the_copies_of_a_stage_are_neighbouring_ranks():
     assert [place(rank, 6, 3) for rank in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
     assert [warm_up(stage, 3, 4) for stage in range(3)] == [2, 1, 0]
     assert warm_up(0, 4, 2) == 2  # no more forwards than micro-batches
+
+
+def test_the_train_stage_refuses_stages_in_one_line(tmp_path, capsys):
+    """Until it runs the schedule with evaluation and checkpoints (issue 32), before any rank starts."""
+    assert cli.main(["train", "--config-json", json.dumps({"train": {"pipeline_stages": 2}}), "--train", "x",
+                     "--eval", "y", "--artifacts", "z", "--out", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == ("ortflow train: error: config key 'train.pipeline_stages': 2 stages are not "
+                                       "trained by the train stage yet (issue 32); set train.pipeline_stages: 1\n")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +72,7 @@ def pipelined(folder: Path, config, artifacts: Path, train: Path) -> dict[tuple[
     folder.mkdir()
     code = f"""
 import json, numpy as np
-from ortflow import config as config_mod
+from ortflow import cli, config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.artifacts import Artifacts
 from ortflow.data.shards import ShardReader
