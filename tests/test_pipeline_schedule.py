@@ -88,18 +88,14 @@ np.savez({str(folder)!r} + f"/stage-{{runner.grid.stage}}-copy-{{runner.grid.cop
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("copies, accumulated, tolerance", [(1, 1, 0.0), (1, 4, 1e-5), (2, 4, 1e-5)])
-def test_two_stages_train_the_weights_of_one(copies, accumulated, tolerance, built, tmp_path):
+@pytest.mark.parametrize("copies, accumulated", [(1, 1), (1, 4), (2, 4)])
+def test_two_stages_train_the_weights_of_one(copies, accumulated, built, tmp_path):
     """P = 2 x D = copies against P = 1 on D ranks, the same global batch and seed: every
-    parameter of every stage's copy after 20 steps (AdamW, clipped to the global norm) equal
-    to the unpipelined run's with one micro-batch a step, and within 1e-5 with 4 (1F1B's
-    warm-up, steady part and cool-down). Measured: 0, 2.6e-6 (D = 1) and 9.1e-7 (D = 2). With 4,
-    the tied token embedding's gradient is summed in another order: P = 1 adds each
-    micro-batch's two uses, the stages each their own over the micro-batches, then the two
-    sums; the last bits differ, and AdamW makes of the attention's key bias, whose gradient
-    is only rounding (a softmax ignores what it adds to every score), steps of the learning
-    rate's size in another direction: the largest differences are there. (The built-in
-    gpt has no Dropout; the masks' seeding is asserted in tests/test_pipeline.py.)"""
+    parameter of every stage's copy after 20 steps (AdamW, clipped to the global norm), with
+    one micro-batch a step and with 4 (1F1B's warm-up, steady part and cool-down), within
+    1e-6 of the unpipelined run's, the tied token embedding too, held and updated by both
+    stages. Measured: 0 in all three, bit for bit. (The built-in gpt has no Dropout; the masks' seeding is asserted in
+    tests/test_pipeline.py.)"""
     artifacts, train = built
     root = train.parent
     expected = unpipelined(tmp_path / "p1", settings(root, copies, 1, accumulated), artifacts, train)
@@ -115,7 +111,7 @@ def test_two_stages_train_the_weights_of_one(copies, accumulated, tolerance, bui
           f"largest difference {worst:.3g}")
     assert trained == set(Artifacts(artifacts).description()["trainable"])
     assert "tokens.weight" in got[(0, 0)] and "tokens.weight" in got[(1, 0)]  # the head tied to the embedding
-    assert worst <= tolerance
+    assert worst < 1e-6
     # The weights did move: the comparison is not of two untrained models.
     state = engine.initial_state(Artifacts(artifacts))
     initial = gradients.parameters_on_host(state, engine.trainable(state), np)
