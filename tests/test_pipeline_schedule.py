@@ -22,11 +22,17 @@ from ortflow.training.pipeline_schedule import place, warm_up
 STEPS, BATCH = 20, 8  # the global batch of each copy: micro_batch_size x grad_accum_steps
 
 
-def settings(root: Path, world_size: int, stages: int, accumulated: int = 1) -> config_mod.Config:
+MODELS = {
+    "gpt": {"kind": "gpt", "layers": 2, "heads": 2, "width": 8},  # no Dropout, the token embedding tied to the head
+    # transformers' GPT-2 has Dropout 0.1 (embeddings, attention, residuals), and the same tie.
+    "gpt2": {"kind": "torch", "path": "transformers_models:GPT2", "kwargs": {"context": 8, "n_embd": 16}},
+}
+
+
+def settings(root: Path, world_size: int, stages: int, accumulated: int = 1, model: str = "gpt") -> config_mod.Config:
     """The same run at any P: the global batch is micro_batch_size x grad_accum_steps x world_size / P."""
     return config_mod.load(overrides={
-        "run": {"seed": 5}, "data": {"source": str(root / "corpus.txt"), "context": 8},
-        "model": {"kind": "gpt", "layers": 2, "heads": 2, "width": 8},
+        "run": {"seed": 5}, "data": {"source": str(root / "corpus.txt"), "context": 8}, "model": MODELS[model],
         "train": {"world_size": world_size, "pipeline_stages": stages, "steps": STEPS,
                   "micro_batch_size": BATCH // accumulated, "grad_accum_steps": accumulated, "clip_grad_norm": 0.5,
                   "checkpoint_every": STEPS, "eval_every": 1000, "log_every": 1000}})
@@ -48,13 +54,20 @@ def test_the_train_stage_refuses_stages_in_one_line(tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory) -> tuple[Path, Path]:
-    """(the tiny GPT's artifacts built for 2 stages, the train split)."""
+def root(tmp_path_factory) -> Path:
+    """A folder with the train split of a short text."""
     root = tmp_path_factory.mktemp("schedule")
     (root / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
     prepare(settings(root, 2, 2), root / "train", root / "eval")
-    build_artifacts.build(settings(root, 2, 2), root / "train", root / "artifacts")
-    return root / "artifacts", root / "train"
+    return root
+
+
+def built(root: Path, model: str) -> Path:
+    """The artifacts of `model` built for 2 stages (the whole model's with them)."""
+    out = root / model
+    if not out.is_dir():
+        build_artifacts.build(settings(root, 2, 2, model=model), root / "train", out)
+    return out
 
 
 def unpipelined(folder: Path, config, artifacts: Path, train: Path) -> dict:
@@ -88,18 +101,17 @@ np.savez({str(folder)!r} + f"/stage-{{runner.grid.stage}}-copy-{{runner.grid.cop
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("copies, accumulated", [(1, 1), (1, 4), (2, 4)])
-def test_two_stages_train_the_weights_of_one(copies, accumulated, built, tmp_path):
+@pytest.mark.parametrize("model, copies, accumulated", [("gpt", 1, 1), ("gpt", 1, 4), ("gpt", 2, 4), ("gpt2", 1, 4)])
+def test_two_stages_train_the_weights_of_one(model, copies, accumulated, root, tmp_path):
     """P = 2 x D = copies against P = 1 on D ranks, the same global batch and seed: every
     parameter of every stage's copy after 20 steps (AdamW, clipped to the global norm), with
     one micro-batch a step and with 4 (1F1B's warm-up, steady part and cool-down), within
     1e-6 of the unpipelined run's, the tied token embedding too, held and updated by both
-    stages. Measured: 0 in all three, bit for bit. (The built-in gpt has no Dropout; the masks' seeding is asserted in
-    tests/test_pipeline.py.)"""
-    artifacts, train = built
-    root = train.parent
-    expected = unpipelined(tmp_path / "p1", settings(root, copies, 1, accumulated), artifacts, train)
-    got = pipelined(tmp_path / "p2", settings(root, 2 * copies, 2, accumulated), artifacts, train)
+    stages; transformers' GPT-2 with its Dropout on, each stage drawing the whole model's masks.
+    Measured: 0 in all four, bit for bit."""
+    artifacts, train = built(root, model), root / "train"
+    expected = unpipelined(tmp_path / "p1", settings(root, copies, 1, accumulated, model), artifacts, train)
+    got = pipelined(tmp_path / "p2", settings(root, 2 * copies, 2, accumulated, model), artifacts, train)
     assert sorted(got) == [(stage, copy) for stage in range(2) for copy in range(copies)]
     trained = set()
     worst = 0.0
@@ -107,10 +119,11 @@ def test_two_stages_train_the_weights_of_one(copies, accumulated, built, tmp_pat
         for name, values in parameters.items():
             worst = max(worst, float(np.abs(values - expected[name]).max()))
             trained.add(name)
-    print(f"P=2 x D={copies}, {accumulated} micro-batches, against P=1 after {STEPS} steps: "
+    print(f"{model} P=2 x D={copies}, {accumulated} micro-batches, against P=1 after {STEPS} steps: "
           f"largest difference {worst:.3g}")
     assert trained == set(Artifacts(artifacts).description()["trainable"])
-    assert "tokens.weight" in got[(0, 0)] and "tokens.weight" in got[(1, 0)]  # the head tied to the embedding
+    tied = {"gpt": "tokens.weight", "gpt2": "model.transformer.wte.weight"}[model]  # the head tied to the embedding
+    assert tied in got[(0, 0)] and tied in got[(1, 0)]
     assert worst < 1e-6
     # The weights did move: the comparison is not of two untrained models.
     state = engine.initial_state(Artifacts(artifacts))
