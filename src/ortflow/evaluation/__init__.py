@@ -136,11 +136,29 @@ def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, dat
     each rank evaluates its part."""
     module.eval()
     names = module.input_names()
-    classes = class_names(reader, info)
-    entity_tags = bio_tags(classes, reader.manifest["label"]["shape"])
-    totals = np.zeros(3 + 3 * len(classes or []) + (3 if entity_tags else 0))
+    tally = Tally(reader, info, data_label)
     for batch in reader.eval_batches(comm.rank, comm.world_size, batch_size, records):
-        loss, logits = outputs_of(module(*feeds(batch, names, info["label"]["name"], data_label)))
-        totals += batch_totals(loss, logits, batch[data_label], info, len(classes or []), entity_tags)
+        tally.add(batch, module(*feeds(batch, names, info["label"]["name"], data_label)))
     module.train()
-    return eval_results(comm.allreduce_sum(totals), info["task"], classes, entities=bool(entity_tags))
+    return tally.results(comm.allreduce_sum(tally.totals))
+
+
+class Tally:
+    """What an evaluation sums batch by batch (batch_totals), and the results of the sums over
+    every rank: on one rank's Module (evaluate) or through pipeline stages, whose last stage
+    adds (training/pipeline_schedule.py)."""
+
+    def __init__(self, reader: ShardReader, info: dict, data_label: str):
+        self.info, self.data_label = info, data_label
+        self.classes = class_names(reader, info)
+        self.entity_tags = bio_tags(self.classes, reader.manifest["label"]["shape"])
+        self.totals = np.zeros(3 + 3 * len(self.classes or []) + (3 if self.entity_tags else 0))
+
+    def add(self, batch: dict, outputs) -> None:
+        """The eval graph's `outputs` on `batch`."""
+        loss, logits = outputs_of(outputs)
+        self.totals += batch_totals(loss, logits, batch[self.data_label], self.info, len(self.classes or []),
+                                    self.entity_tags)
+
+    def results(self, summed: np.ndarray) -> dict:
+        return eval_results(summed, self.info["task"], self.classes, entities=bool(self.entity_tags))

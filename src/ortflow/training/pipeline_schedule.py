@@ -41,9 +41,13 @@ with D ranks reads them):
   4. the stage's optimizer step (its own moments; every holder of a tied weight
      applies the same update to the same weight).
 
-Not here yet: the train stage (`ortflow train` runs the P = 1 Trainer), evaluation,
-checkpoints and resume, train.zero 1 within a stage's copies, the watchdog over
-these communicators, BatchNorm (refused by the cut), and CUDA.
+An evaluation (`StageRunner.evaluate`) sends each eval batch forward through the stages
+with Dropout off; the last stage adds up the loss and metrics as a P = 1 rank does.
+
+Not here yet: the train stage (it refuses P > 1 until it runs these steps inside the
+Trainer's log, metrics, evaluation periods and early stopping), checkpoints and resume,
+train.zero 1 within a stage's copies, the watchdog over these communicators, BatchNorm
+(refused by the cut), and CUDA.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ import numpy as np
 
 from ..artifacts import Artifacts
 from ..data.shards import ShardReader
-from ..evaluation import feeds as feeds_in_order
+from ..evaluation import Tally, feeds as feeds_in_order
 from ..graphs import pipeline
 from . import weight_decay
 from .engine import initial_state, open_sessions, seed_random_operators, threads_per_rank, trainable
@@ -144,8 +148,8 @@ class StageRunner:
         self.tied_names = [name for names in self.tied_groups.values() for name in names]
 
     def train_step(self, step: int, batches: list[dict]) -> tuple[float, float]:
-        """Optimizer step `step` over this copy's micro-batches `batches`. Returns the mean loss and the gradient norm before clipping,
-        the same on every rank."""
+        """Optimizer step `step` over this copy's micro-batches `batches`. Returns the mean loss
+        and the gradient norm before clipping, the same on every rank."""
         m, cfg = len(batches), self.train_cfg
         sends: list = []
         forwarded: deque = deque()  # (micro-batch, its feeds) gone forward, whose backward is due
@@ -230,9 +234,40 @@ class StageRunner:
         """The Module (in the mode set) on `fed`, seeded as a P = 1 run's rank seeds the micro-batch
         (this copy's), plus the Dropouts of the stages before: {output: value}."""
         seed_random_operators(self.seed, step, self.grid.copy, micro_batch, self.stage.dropouts_before)
-        names = self.module.input_names()
-        outputs = self.module(*feeds_in_order(fed, names, self.info["label"]["name"], self.data_label))
+        return self.named(self.call(fed))
+
+    def named(self, outputs) -> dict:
+        """The Module's `outputs` (in the mode set) by name."""
         return dict(zip(self.module.output_names(), outputs if isinstance(outputs, (list, tuple)) else [outputs]))
+
+    def call(self, fed: dict):
+        """The Module (in the mode set) on the inputs it takes of `fed`: its outputs as it returns them."""
+        names = self.module.input_names()
+        return self.module(*feeds_in_order(fed, names, self.info["label"]["name"], self.data_label))
+
+    def evaluate(self, reader: ShardReader, batch_size: int, records: int | None = None) -> dict:
+        """The eval split (or `records` of it) through the stages with Dropout off, each copy
+        reading the part a P = 1 run's rank of its index reads; the loss and metrics added up
+        on the last stage (evaluation.Tally) and returned on every rank."""
+        stage, tally = self.stage, Tally(reader, self.info, self.data_label)
+        self.module.eval()
+        for batch in reader.eval_batches(self.grid.copy, self.grid.copies_count, batch_size, records):
+            shapes = {name: value.shape for name, value in batch.items()}
+            fed = batch | {pipeline.DROPOUT: np.array(False)}
+            if stage.input:
+                fed[stage.input] = self.receive(stage.input, shapes, self.grid.stage - 1, 0)
+            if self.last:
+                tally.add(batch, self.call(fed))
+                continue
+            fed[f"{stage.output}{pipeline.UPSTREAM}"] = np.zeros(self.plan.shape(stage.output_shape, shapes),
+                                                                  np.float32)
+            sent = self.named(self.call(fed))[stage.output]
+            # Blocking: the stages only send forward here, so no two wait on each other.
+            self.grid.column.Send(np.ascontiguousarray(sent), dest=self.grid.stage + 1, tag=0)
+        self.module.train()
+        totals = tally.totals if self.last else np.zeros_like(tally.totals)
+        self.grid.world.Allreduce(self.grid.MPI.IN_PLACE, totals)
+        return tally.results(totals)
 
 
 def train(config, train_data: ShardReader, artifacts: Artifacts, steps: int) -> StageRunner:
