@@ -1,6 +1,7 @@
 """The 1F1B schedule of pipeline stages (training/pipeline_schedule.py): the ranks' grid
-and the warm-up, and on real MPI ranks the built-in gpt trained 20 steps in P = 2 stages,
-with 1 and 2 copies of each, against the same config in 1 stage (the P = 1 Trainer)."""
+and the warm-up, the train stage's refusal, and on real MPI ranks the built-in gpt trained
+20 steps in 2 stages (1 and 2 copies of each) and 3, and transformers' GPT-2 with Dropout
+in 2, against the same config in 1 stage (the P = 1 Trainer), then evaluated."""
 
 from __future__ import annotations
 
@@ -62,11 +63,11 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
-def built(root: Path, model: str) -> Path:
-    """The artifacts of `model` built for 2 stages (the whole model's with them)."""
-    out = root / model
+def built(root: Path, model: str, stages: int) -> Path:
+    """The artifacts of `model` built for `stages` stages (the whole model's with them)."""
+    out = root / f"{model}-{stages}"
     if not out.is_dir():
-        build_artifacts.build(settings(root, 2, 2, model=model), root / "train", out)
+        build_artifacts.build(settings(root, stages, stages, model=model), root / "train", out)
     return out
 
 
@@ -107,31 +108,35 @@ if runner.grid.world.Get_rank() == 0:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("model, copies, accumulated", [("gpt", 1, 1), ("gpt", 1, 4), ("gpt", 2, 4), ("gpt2", 1, 4)])
-def test_two_stages_train_the_weights_of_one(model, copies, accumulated, root, tmp_path):
-    """P = 2 x D = copies against P = 1 on D ranks, the same global batch and seed: every
+@pytest.mark.parametrize("model, stages, copies, accumulated", [
+    ("gpt", 2, 1, 1), ("gpt", 2, 1, 4), ("gpt", 2, 2, 4), ("gpt2", 2, 1, 4),
+    ("gpt", 3, 1, 4),  # a middle stage, which receives and sends both ways
+])
+def test_stages_train_the_weights_of_one(model, stages, copies, accumulated, root, tmp_path):
+    """P = stages x D = copies against P = 1 on D ranks, the same global batch and seed: every
     parameter of every stage's copy after 20 steps (AdamW, clipped to the global norm), with
     one micro-batch a step and with 4 (1F1B's warm-up, steady part and cool-down), within
-    1e-6 of the unpipelined run's, the tied token embedding too, held and updated by both
-    stages; transformers' GPT-2 with its Dropout on, each stage drawing the whole model's masks.
-    Measured: 0 in all four, bit for bit. Then the eval split through the stages gives the
+    1e-6 of the unpipelined run's, the tied token embedding too, held and updated by the first
+    and last stage; transformers' GPT-2 with its Dropout on, each stage drawing the whole
+    model's masks. Measured: 0 in all five, bit for bit. Then the eval split through the stages gives the
     P = 1 run's last evaluation."""
-    artifacts, train = built(root, model), root / "train"
+    artifacts, train = built(root, model, stages), root / "train"
     expected, expected_eval = unpipelined(tmp_path / "p1", settings(root, copies, 1, accumulated, model), artifacts,
                                           train)
-    got, got_eval = pipelined(tmp_path / "p2", settings(root, 2 * copies, 2, accumulated, model), artifacts, train)
-    assert sorted(got) == [(stage, copy) for stage in range(2) for copy in range(copies)]
+    got, got_eval = pipelined(tmp_path / "pipelined", settings(root, stages * copies, stages, accumulated, model),
+                              artifacts, train)
+    assert sorted(got) == [(stage, copy) for stage in range(stages) for copy in range(copies)]
     trained = set()
     worst = 0.0
     for (stage, copy), parameters in got.items():
         for name, values in parameters.items():
             worst = max(worst, float(np.abs(values - expected[name]).max()))
             trained.add(name)
-    print(f"{model} P=2 x D={copies}, {accumulated} micro-batches, against P=1 after {STEPS} steps: "
+    print(f"{model} P={stages} x D={copies}, {accumulated} micro-batches, against P=1 after {STEPS} steps: "
           f"largest difference {worst:.3g}")
     assert trained == set(Artifacts(artifacts).description()["trainable"])
     tied = {"gpt": "tokens.weight", "gpt2": "model.transformer.wte.weight"}[model]  # the head tied to the embedding
-    assert tied in got[(0, 0)] and tied in got[(1, 0)]
+    assert tied in got[(0, 0)] and tied in got[(stages - 1, 0)]
     assert worst < 1e-6
     assert got_eval == expected_eval  # the same weights and batches: the same loss and metrics
     assert expected_eval["loss"] > 0
