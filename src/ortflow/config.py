@@ -260,9 +260,13 @@ def _check_cross_keys(config: Config) -> None:
     if train.world_size % train.pipeline_stages:
         raise ConfigError(f"config key 'train.world_size': {train.world_size} ranks do not divide into "
                           f"train.pipeline_stages={train.pipeline_stages} stages; make it a multiple of it")
-    if train.pipeline_stages > 1 and train.recompute != "none":
-        raise ConfigError(f"config key 'train.recompute': {train.recompute!r} is not applied to pipeline stages yet "
-                          f"(train.pipeline_stages={train.pipeline_stages}); set train.recompute: none")
+    # What the pipeline stages (training/pipeline_schedule.py) do not do yet, each with the value that works.
+    for key, value, works in (("recompute", train.recompute, "none"), ("zero", train.zero, 0),
+                              ("device", train.device, "cpu"), ("profile_steps", train.profile_steps, None)):
+        if train.pipeline_stages > 1 and value != works:
+            raise ConfigError(f"config key 'train.{key}': {value!r} is not applied to pipeline stages yet "
+                              f"(train.pipeline_stages={train.pipeline_stages}); set train.{key}: "
+                              f"{'null' if works is None else works}")
     if train.nodes > train.world_size:
         raise ConfigError(
             f"config key 'train.nodes': {train.nodes} nodes for train.world_size={train.world_size} ranks; "

@@ -56,16 +56,11 @@ def run(args) -> int:
     if args.world_size:
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, world_size=args.world_size))
     world_size = config.train.world_size
-    if config.train.pipeline_stages > 1:
-        # build_artifacts builds the stages and training/pipeline_schedule.py schedules them, but
-        # evaluation, checkpoints and resume of stages are not there yet (issue 32).
-        raise config_mod.ConfigError(
-            f"config key 'train.pipeline_stages': {config.train.pipeline_stages} stages are not trained by the "
-            "train stage yet (issue 32); set train.pipeline_stages: 1")
     # Cheap checks first: a missing launcher or GPU is reported with its fix
     # in a second, rather than as a hang or a traceback from inside a rank.
     folder = args.out
     model = Artifacts(args.artifacts)
+    check_stages(model, config.train.pipeline_stages)
     # Without model.json the ranks stop at once, naming the missing artifacts.
     description = model.description() if model.model_json.is_file() else None
     raise_if_problems(preflight(config, args.mpi, folder.folder.parent, description))
@@ -107,6 +102,19 @@ def run(args) -> int:
         return 1
     atomic.write_text(folder.finished, json.dumps({"steps": config.train.steps}) + "\n")
     return 0
+
+
+def check_stages(artifacts: Artifacts, stages: int) -> None:
+    """With train.pipeline_stages P > 1, the artifacts are cut into P stages (their pipeline.json).
+    Any artifacts hold the whole model's graphs, which a run with P = 1 trains."""
+    if stages == 1 or not artifacts.model_json.is_file():  # without model.json the ranks name what is missing
+        return
+    built = len(json.loads(artifacts.pipeline_json.read_text())["stages"]) if artifacts.pipeline_json.is_file() else 1
+    if built != stages:
+        raise config_mod.ConfigError(
+            f"config key 'train.pipeline_stages': {stages} stages, but the artifacts {artifacts.folder} are cut into "
+            f"{built} ({artifacts.pipeline_json.name}); rebuild them with train.pipeline_stages: {stages}, or set "
+            f"train.pipeline_stages: {built}")
 
 
 def note_stop_signals() -> list[signal.Signals]:

@@ -53,10 +53,16 @@ def with_parameters(artifacts: Artifacts, whole, xp):
     """The CheckpointState of the artifacts with the parameters of `whole` (a checkpoint's
     TrainingState, checked against the artifacts) copied into its live buffers."""
     state = initial_state(artifacts)
-    names = list(whole.parameters)
+    load_parameters(state, whole, xp)
+    return state
+
+
+def load_parameters(state, whole, xp) -> None:
+    """The parameters of `whole` (a checkpoint's TrainingState) copied into the live buffers of
+    `state`, each of its own: a pipeline stage's state holds some of the whole model's."""
+    names = [name for name, _ in state.parameters]
     for array, value in zip(parameters(state, names, xp), (whole.parameters[name] for name in names)):
         array[...] = xp.asarray(value)
-    return state
 
 
 def initial_state(artifacts: Artifacts):

@@ -44,17 +44,17 @@ with D ranks reads them):
 An evaluation (`StageRunner.evaluate`) sends each eval batch forward through the stages
 with Dropout off; the last stage adds up the loss and metrics as a P = 1 rank does.
 
-Not here yet: the train stage (it refuses P > 1 until it runs these steps inside the
-Trainer's log, metrics, evaluation periods and early stopping), checkpoints and resume,
-train.zero 1 within a stage's copies, the watchdog over these communicators, BatchNorm
-(refused by the cut), and CUDA.
+The train stage runs these steps in training/trainer.py's PipelinedTrainer, inside the
+Trainer's log, metrics, evaluation periods, early stopping, stop requests and checkpoints
+(each rank writes its part of its stage: `checkpoint_slices`). Every wait on another
+rank (a receive, the sends' end, a sum) runs under the watchdog (`watch`), which ends
+the run when it lasts longer than train.collective_timeout_s.
+Not here yet: train.zero 1 within a stage's copies, BatchNorm (refused by the cut), CUDA.
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import os
 from collections import deque
 
 import numpy as np
@@ -64,13 +64,10 @@ from ..data.shards import ShardReader
 from ..evaluation import Tally, feeds as feeds_in_order
 from ..graphs import pipeline
 from . import weight_decay
-from .engine import initial_state, open_sessions, seed_random_operators, threads_per_rank, trainable
-from .gradients import allreduce_in_buckets, gradients, scale_and_clip, sum_of_squares
+from .engine import initial_state, open_sessions, seed_random_operators, trainable
+from .gradients import allreduce_in_buckets, gradients, parameters, scale_and_clip, sum_of_squares
 from .optimizer import Optimizer
-from .schedule import learning_rate
-from .sharding import Replicated
-
-log = logging.getLogger("ortflow.train")
+from .sharding import Replicated, layout_of
 
 
 def place(rank: int, world_size: int, stages: int) -> tuple[int, int]:
@@ -85,14 +82,15 @@ def warm_up(stage: int, stages: int, micro_batches: int) -> int:
 
 
 class Sums:
-    """Sums over one communicator, the interface gradients.py and sharding.py take from a rank's comm."""
+    """Sums over one communicator, the interface gradients.py and sharding.py take from a rank's comm;
+    `what` names it to the watchdog (`watch`)."""
 
     xp = np
 
-    def __init__(self, comm):
+    def __init__(self, comm, watch, what: str):
         from mpi4py import MPI
 
-        self.comm, self.in_place = comm, MPI.IN_PLACE
+        self.comm, self.in_place, self.watch, self.what = comm, MPI.IN_PLACE, watch, what
         self._buckets: dict = {}
 
     def allreduce_gradients(self, grads: list) -> None:
@@ -100,19 +98,22 @@ class Sums:
             allreduce_in_buckets(grads, np, self.reduce_flat, self._buckets)
 
     def reduce_flat(self, flat) -> None:
-        self.comm.Allreduce(self.in_place, flat)
+        with self.watch(self.what):
+            self.comm.Allreduce(self.in_place, flat)
 
 
 class Grid:
-    """This rank's stage and copy in the grid of P stages x D copies, and its communicators (see the top)."""
+    """This rank's stage and copy in the grid of P stages x D copies, and its communicators (see
+    the top). `watch(what)` is the watchdog's scope of a wait on other ranks (comm.Watchdog.collective)."""
 
-    def __init__(self, world, stages: int, tied: dict[str, list[int]]):
+    def __init__(self, world, stages: int, tied: dict[str, list[int]], watch):
         from mpi4py import MPI
 
-        self.MPI, self.world, self.stages = MPI, world, stages
+        self.MPI, self.world, self.stages, self.watch = MPI, world, stages, watch
         self.copies_count = world.Get_size() // stages
         self.stage, self.copy = place(world.Get_rank(), world.Get_size(), stages)
-        self.copies = Sums(world.Split(color=self.stage, key=self.copy))
+        self.copies = Sums(world.Split(color=self.stage, key=self.copy), watch,
+                           f"allreduce(gradients of stage {self.stage})")
         self.column = world.Split(color=self.copy, key=self.stage)  # rank in it = stage
         # Every rank takes part in each Split, in the same order; the stages outside a group get no communicator.
         self.tied: dict[tuple[int, ...], Sums] = {}
@@ -120,7 +121,7 @@ class Grid:
             member = self.stage in holders
             comm = world.Split(color=self.copy if member else MPI.UNDEFINED, key=self.stage)
             if member:
-                self.tied[holders] = Sums(comm)
+                self.tied[holders] = Sums(comm, watch, f"allreduce(tied gradients of stages {list(holders)})")
 
 
 class StageRunner:
@@ -147,9 +148,10 @@ class StageRunner:
         self.counted = [n for n in self.trainable if plan.tied.get(n, [grid.stage])[0] == grid.stage]
         self.tied_names = [name for names in self.tied_groups.values() for name in names]
 
-    def train_step(self, step: int, batches: list[dict]) -> tuple[float, float]:
-        """Optimizer step `step` over this copy's micro-batches `batches`. Returns the mean loss
-        and the gradient norm before clipping, the same on every rank."""
+    def train_step(self, step: int, batches: list[dict], lr: float, votes: list[float]) -> tuple[float, float, list]:
+        """Optimizer step `step` over this copy's micro-batches `batches` at learning rate `lr`.
+        Returns the mean loss, the gradient norm before clipping and every rank's stop `votes`
+        (stop.py) summed, the same on every rank."""
         m, cfg = len(batches), self.train_cfg
         sends: list = []
         forwarded: deque = deque()  # (micro-batch, its feeds) gone forward, whose backward is due
@@ -161,7 +163,8 @@ class StageRunner:
             if micro_batch >= warm_up(self.grid.stage, self.grid.stages, m):
                 loss_sum += self.backward(step, *forwarded.popleft(), sends)
                 self.set_aside(parts)
-        self.grid.MPI.Request.Waitall(sends)
+        with self.grid.watch("the stages' receipt of this step's sends"):
+            self.grid.MPI.Request.Waitall(sends)
         grads = dict(zip(self.trainable, gradients(self.state, self.trainable, np)))
         for holders, names in self.tied_groups.items():
             for name in names:
@@ -172,18 +175,19 @@ class StageRunner:
                     accumulated += part
                 grads[name][...] = accumulated
         self.grid.copies.allreduce_gradients(list(grads.values()))
-        # The squares once per stage (copy 0's: the copies hold the same sums), the loss from the last stage.
+        # The squares once per stage (copy 0's: the copies hold the same sums), the loss from the last
+        # stage, and every rank's stop votes: one all-reduce over all ranks.
         squares = sum_of_squares([grads[n] for n in self.counted], np) if self.grid.copy == 0 else 0.0
-        totals = np.array([squares, loss_sum])
-        self.grid.world.Allreduce(self.grid.MPI.IN_PLACE, totals)
+        totals = np.array([squares, loss_sum, *votes])
+        with self.grid.watch("allreduce(metrics)"):
+            self.grid.world.Allreduce(self.grid.MPI.IN_PLACE, totals)
         scale_to_mean = 1.0 / (m * self.grid.copies_count)
         norm, loss = math.sqrt(totals[0]) * scale_to_mean, float(totals[1]) * scale_to_mean
         scale_and_clip(list(grads.values()), norm, scale_to_mean, cfg.clip_grad_norm)
         if math.isfinite(loss) and math.isfinite(norm):  # the same on every rank: both are sums over all of them
-            lr = learning_rate(step, cfg.steps, cfg.optimizer.lr, cfg.lr_schedule)
             self.optimizer.step(lr, self.optimizer_step, self.decay)
         self.module.lazy_reset_grad()
-        return loss, norm
+        return loss, norm, list(totals[2:])
 
     def forward(self, step: int, micro_batch: int, batch: dict, sends: list) -> dict:
         """Micro-batch `micro_batch` forward: its activation received from the stage before,
@@ -227,7 +231,8 @@ class StageRunner:
         """The activation of the stage boundary `activation` (or its gradient: the same shape) from `source`."""
         boundary = next(s for s in self.plan.stages if s.output == activation)
         buffer = np.empty(self.plan.shape(boundary.output_shape, shapes), np.float32)
-        self.grid.column.Recv(buffer, source=source, tag=micro_batch)
+        with self.grid.watch(f"receive {activation} from stage {source}"):
+            self.grid.column.Recv(buffer, source=source, tag=micro_batch)
         return buffer
 
     def run(self, step: int, micro_batch: int, fed: dict) -> dict:
@@ -266,26 +271,18 @@ class StageRunner:
             self.grid.column.Send(np.ascontiguousarray(sent), dest=self.grid.stage + 1, tag=0)
         self.module.train()
         totals = tally.totals if self.last else np.zeros_like(tally.totals)
-        self.grid.world.Allreduce(self.grid.MPI.IN_PLACE, totals)
+        with self.grid.watch("allreduce(evaluation)"):
+            self.grid.world.Allreduce(self.grid.MPI.IN_PLACE, totals)
         return tally.results(totals)
 
+    def checkpoint_slices(self) -> dict[str, tuple[int, int]]:
+        """What this rank writes of a checkpoint, {parameter: (start, stop)}: its stage's
+        parameters (a tied weight by the first stage that holds it only, so that the shards
+        cover each parameter once) cut over the stage's copies as layout.cut cuts a P = 1
+        run's over its ranks. Read together, the shards are the whole model's state."""
+        names = [name for name, _ in self.state.parameters
+                 if self.plan.tied.get(name, [self.grid.stage])[0] == self.grid.stage]
+        arrays = dict(zip(names, parameters(self.state, names, np)))
+        return layout_of(arrays, self.trainable, len(self.optimizer.moment_names), self.grid.copies_count)[
+            self.grid.copy]
 
-def train(config, train_data: ShardReader, artifacts: Artifacts, steps: int) -> StageRunner:
-    """`steps` optimizer steps of this rank's stage from its initial weights, the ranks of
-    MPI's world forming the grid of config.train.pipeline_stages stages. Returns the stage,
-    trained, and logs each step's loss and norm on rank 0."""
-    from mpi4py import MPI
-
-    cfg, world = config.train, MPI.COMM_WORLD
-    plan = pipeline.Plan.load(artifacts.pipeline_json)
-    grid = Grid(world, cfg.pipeline_stages, plan.tied)
-    node = world.Split_type(MPI.COMM_TYPE_SHARED)
-    threads = threads_per_rank(node.Get_size(), len(os.sched_getaffinity(0)), os.environ)
-    runner = StageRunner(artifacts, plan, grid, cfg, config.run.seed, threads, train_data.label_name)
-    for step in range(steps):
-        batches = train_data.micro_batches(step, config.run.seed, grid.copy, grid.copies_count,
-                                           cfg.micro_batch_size, cfg.grad_accum_steps)
-        loss, norm = runner.train_step(step, batches)
-        if world.Get_rank() == 0:
-            log.info("step %d: loss %.6f, gradient norm %.6f", step + 1, loss, norm)
-    return runner

@@ -17,6 +17,9 @@ Every rank then holds the same parameters, so evaluation is split across ranks
 and checkpoints can be written by all of them. Around the step (Trainer.step):
 the log (metrics.py decides when), evaluation, the checkpoint (checkpointer.py
 decides when), and a stop that a signal asked for (stop.py).
+
+With train.pipeline_stages P > 1, each rank holds one stage of the model instead
+(`PipelinedTrainer`, the 1F1B step of pipeline_schedule.py) in the same loop.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from ..data import baseline as baseline_mod
 from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
+from ..graphs import pipeline
 from ..sessions import quiet_logging
 from ..wording import plural
 from ..checkpoints.checks import MOMENTS
@@ -47,10 +51,13 @@ from . import stop as stop_mod
 from . import weight_decay
 from .best import Best
 from .checkpointer import Checkpointer, live_part
-from .engine import Sessions, initial_state, seed_random_operators, trainable, with_parameters
+from .engine import (
+    Sessions, initial_state, load_parameters, seed_random_operators, threads_per_rank, trainable, with_parameters,
+)
 from .faults import Fault
 from .gradients import parameters, parameters_on_host
 from .optimizer import Optimizer
+from .pipeline_schedule import Grid, StageRunner, place
 from .metrics import Metrics, peak_rss_mb
 from .run_folder import TrainFolder
 from .schedule import is_time, learning_rate
@@ -81,13 +88,32 @@ class Trainer:
         self.baseline = baseline_mod.for_training(eval_data, self.info["loss"])
         self.global_batch = config_mod.global_batch_size(config)
         self.train_data.check_batch(self.global_batch)
+        # The data-parallel copy of the model this rank is, of how many: with P = 1, its rank of all.
+        _, self.copy = place(self.comm.rank, self.comm.world_size, self.train_cfg.pipeline_stages)
+        self.copies = config_mod.data_parallel_size(self.train_cfg)
         self.checkpointer = Checkpointer(folder.checkpoints, self.comm, config)
         resume = self.checkpointer.find_resume(self.train_cfg.resume_from, artifacts.folder)
         self.start_step, self.resumed_from = (resume.step, resume.path) if resume else (0, None)
-        whole = resume_mod.load_state(resume, artifacts.folder) if resume else None
-        self.state = with_parameters(artifacts, whole, self.comm.xp) if whole else initial_state(artifacts)
-        self.sessions = Sessions(artifacts, self.state, self.comm, self.train_cfg, folder.profile,
+        # The whole model's state (any world size and P), checked against the whole model's parameters.
+        self.open_engine(resume_mod.load_state(resume, artifacts.folder) if resume else None)
+        self.metrics = Metrics(folder.tensorboard, self.comm.rank == 0, self.start_step, self.train_cfg,
+                               self.global_batch,
+                               resume_mod.read_history(resume) if resume else None)
+        self.best = Best(self.train_cfg.early_stopping, self.info["task"], self.metrics.history["eval"])
+        self.keep_best = config_mod.export_checkpoint(config) == "best"  # the export will want it
+        self.fault = Fault()
+        self.last_eval: dict = {}
+        self.whole_eval_at: int | None = None  # the step after which the whole eval split was read
+        self.log_start()
+
+    def open_engine(self, whole) -> None:
+        """This rank's engine over the whole model, from the initial weights or those of `whole`
+        (a checkpoint's TrainingState): the live state, ONNX Runtime's sessions, the gradient
+        sums (sharding.py), the optimizer and weight decay, and what the rank writes of a checkpoint."""
+        self.state = with_parameters(self.artifacts, whole, self.comm.xp) if whole else initial_state(self.artifacts)
+        self.sessions = Sessions(self.artifacts, self.state, self.comm, self.train_cfg, self.folder.profile,
                                  self.info.get("running_stats", {}))  # absent from artifacts built before BatchNorm
+        self.threads = self.sessions.threads
         self.input_names = self.sessions.module.input_names()
         self.trainable = trainable(self.state)
         # What each rank writes of a checkpoint, which is also what it owns under train.zero 1.
@@ -100,15 +126,6 @@ class Trainer:
             self.optimizer.load(whole.optimizer, whole.optimizer_states)
         self.decay = weight_decay.for_run(self.state, self.trainable, self.info, self.train_cfg.optimizer,
                                           self.comm.xp)
-        self.metrics = Metrics(folder.tensorboard, self.comm.rank == 0, self.start_step, self.train_cfg,
-                               self.global_batch,
-                               resume_mod.read_history(resume) if resume else None)
-        self.best = Best(self.train_cfg.early_stopping, self.info["task"], self.metrics.history["eval"])
-        self.keep_best = config_mod.export_checkpoint(config) == "best"  # the export will want it
-        self.fault = Fault()
-        self.last_eval: dict = {}
-        self.whole_eval_at: int | None = None  # the step after which the whole eval split was read
-        self.log_start()
 
     def run(self) -> dict:
         """Train from the start step (0, or the checkpoint's) to train.steps, or until
@@ -126,10 +143,9 @@ class Trainer:
     def step(self, step: int) -> None:
         """Optimizer step `step` (0-based), then what is due after it: log, evaluate, checkpoint, stop."""
         started = time.perf_counter()
-        self.sessions.at_step(step)
         self.comm.watchdog.beat(step, "forward")
         lr = learning_rate(step, self.steps, self.train_cfg.optimizer.lr, self.train_cfg.lr_schedule)
-        batches = self.train_data.micro_batches(step, self.seed, self.comm.rank, self.comm.world_size,
+        batches = self.train_data.micro_batches(step, self.seed, self.copy, self.copies,
                                                 self.train_cfg.micro_batch_size, self.train_cfg.grad_accum_steps)
         self.fault.inject(step, self.comm.rank, batches, self.stop_request)
         loss, norm, votes = self.train_step(step, batches, lr)
@@ -157,6 +173,7 @@ class Trainer:
         """Forward, backward, all-reduce and the optimizer step at learning rate `lr`
         (see the top of this file). Returns the mean loss, the gradient norm before
         clipping, and every rank's stop votes summed."""
+        self.sessions.at_step(step)
         module, running_stats = self.sessions.module, self.sessions.running_stats
         scale_to_mean = 1.0 / (self.train_cfg.grad_accum_steps * self.comm.world_size)
         loss_sum = 0.0
@@ -193,10 +210,14 @@ class Trainer:
         self.comm.watchdog.beat(done - 1, "eval")
         bound = self.train_cfg.eval_batches
         records = bound * self.train_cfg.eval_batch_size if bound and not whole else None
-        self.last_eval = evaluate(self.sessions.for_eval(), self.eval_data, self.comm, self.info,
-                                  self.train_cfg.eval_batch_size, self.train_data.label_name, records)
+        self.last_eval = self.evaluation(records)
         self.whole_eval_at = done if whole else None
         self.metrics.eval(done, self.last_eval)
+
+    def evaluation(self, records: int | None) -> dict:
+        """The loss and metrics of the eval split (or its first `records`), split across the ranks."""
+        return evaluate(self.sessions.for_eval(), self.eval_data, self.comm, self.info,
+                        self.train_cfg.eval_batch_size, self.train_data.label_name, records)
 
     def stop(self, reason, votes, done: int) -> None:
         """Every rank agreed to stop (`votes`) and the checkpoint of step `done` is written:
@@ -231,15 +252,19 @@ class Trainer:
         placement = self.comm.placement()  # a collective: every rank takes part
         if self.comm.rank == 0:
             train = self.train_cfg
-            ranks = plural(self.comm.world_size, "rank")
             log.info("%s, global batch %d (%d x %d accumulated x %s), %s, %d threads per rank",
-                     ranks, self.global_batch, train.micro_batch_size, train.grad_accum_steps, ranks,
+                     plural(self.comm.world_size, "rank"), self.global_batch, train.micro_batch_size,
+                     train.grad_accum_steps, self.batch_split(),
                      f"resuming at step {self.start_step} from {self.resumed_from}" if self.resumed_from
                      else "starting at step 0",
-                     self.sessions.threads)
+                     self.threads)
             log.info("ranks per node: %s", placement)
             if train.zero:
                 log.info("%s", self.zero_saving())
+
+    def batch_split(self) -> str:
+        """What splits the global batch, for the log: every rank takes its part."""
+        return plural(self.comm.world_size, "rank")
 
     def zero_saving(self) -> str:
         """What train.zero 1 saves on this rank, measured: the optimizer moments it does
@@ -250,6 +275,46 @@ class Trainer:
         return (f"train.zero 1: the optimizer's moments sharded over {plural(self.comm.world_size, 'rank')}: "
                 f"rank {self.comm.rank} holds {held / 1e6:,.2f} MB of {every / 1e6:,.2f} MB, "
                 f"saving {(every - held) / 1e6:,.2f} MB")
+
+
+class PipelinedTrainer(Trainer):
+    """train.pipeline_stages P > 1: this rank trains one stage of the model (its copy, of
+    D = world_size / P: pipeline_schedule.py's grid), in the Trainer's run. What differs
+    from P = 1 is the engine (pipeline_schedule.StageRunner: the stage's own state, the
+    1F1B step, evaluation through the stages), what the rank writes of a checkpoint (its
+    part of its stage: together the shards hold the whole model once, so merge, export,
+    quantize and resume at any P read them as a P = 1 run's), and the log's first lines.
+    TensorBoard's histograms are those of rank 0's stage, the first."""
+
+    def open_engine(self, whole) -> None:
+        plan = pipeline.Plan.load(self.artifacts.pipeline_json)  # its stages checked by `ortflow train`
+        grid = Grid(self.comm.world, self.train_cfg.pipeline_stages, plan.tied, self.comm.watchdog.collective)
+        self.threads = threads_per_rank(self.comm.local_size, len(os.sched_getaffinity(0)), os.environ)
+        self.runner = StageRunner(self.artifacts, plan, grid, self.train_cfg, self.seed, self.threads,
+                                  self.train_data.label_name)
+        self.state, self.trainable, self.optimizer = self.runner.state, self.runner.trainable, self.runner.optimizer
+        if whole:  # the stage's part of the whole model's state
+            load_parameters(self.state, whole, np)
+            self.optimizer.load(whole.optimizer, whole.optimizer_states)
+        self.slices = self.runner.checkpoint_slices()
+
+    def train_step(self, step: int, batches: list[dict], lr: float) -> tuple[float, float, list[float]]:
+        return self.runner.train_step(step, batches, lr, self.stop_request.votes())
+
+    def evaluation(self, records: int | None) -> dict:
+        return self.runner.evaluate(self.eval_data, self.train_cfg.eval_batch_size, records)
+
+    def batch_split(self) -> str:
+        copies = self.runner.grid.copies_count
+        return f"{copies} {'copy' if copies == 1 else 'copies'} of {plural(self.runner.grid.stages, 'stage')}"
+
+    def log_start(self) -> None:
+        super().log_start()
+        stages = self.comm.allgather((self.runner.grid.stage, len(self.state.parameters)))
+        if self.comm.rank == 0:
+            log.info("pipeline stages: %s", "; ".join(
+                f"rank {rank}: stage {stage} ({plural(held, 'parameter tensor')})"
+                for rank, (stage, held) in enumerate(stages)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         config = config_mod.typed(job["config"])  # as `ortflow train` validated it
         if config.train.device == "cuda":  # before ONNX Runtime loads its CUDA provider
             cuda_libraries.preload()
-        Trainer(config, Path(job["train"]), Path(job["eval"]), Artifacts(job["artifacts"]), folder, stop).run()
+        run = PipelinedTrainer if config.train.pipeline_stages > 1 else Trainer
+        run(config, Path(job["train"]), Path(job["eval"]), Artifacts(job["artifacts"]), folder, stop).run()
         stop.settle()
     except Stopped:
         # Every rank stops here together, without MPI_Abort.
