@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import run_on_ranks
+from conftest import copy_inputs, fault, run_on_ranks, run_snakemake
 from ortflow import cli, config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints import reader
@@ -142,3 +142,83 @@ def test_stages_train_the_weights_of_one(model, stages, copies, accumulated, roo
     state = engine.initial_state(Artifacts(artifacts))
     initial = gradients.parameters_on_host(state, engine.trainable(state), np)
     assert max(float(np.abs(expected[name] - initial[name]).max()) for name in initial) > 1e-2
+
+
+def workflow_config(corpus: Path, name: str, stages: int) -> dict:
+    """The built-in gpt in `stages` stages on as many ranks, 6 steps, evaluated and checkpointed every 3."""
+    return {"run": {"name": name, "seed": 5}, "data": {"source": str(corpus), "context": 8}, "model": MODELS["gpt"],
+            "train": {"world_size": stages, "pipeline_stages": stages, "steps": 6, "micro_batch_size": 4,
+                      "grad_accum_steps": 2, "eval_every": 3, "checkpoint_every": 3, "log_every": 1}}
+
+
+@pytest.fixture(scope="module")
+def workflow(tmp_path_factory) -> tuple[Path, Path, str]:
+    """A Snakemake work folder with the run `staged` (2 stages) trained, merged and exported
+    and the run `whole` (1 stage, the same global batch) trained; their text; what Snakemake
+    printed of the first."""
+    corpus = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    work = tmp_path_factory.mktemp("workflow") / "work"
+    printed = run_snakemake(work, workflow_config(corpus, "staged", 2), "export_model").stdout
+    run_snakemake(work, workflow_config(corpus, "whole", 1), "train")
+    return work, corpus, printed
+
+
+@pytest.mark.e2e
+def test_the_workflow_trains_and_exports_a_model_in_stages(workflow):
+    """Snakemake's train in 2 stages, merge_checkpoint and export_model: the log names each
+    rank's stage, the exported model is there, and metrics.json's evaluations and losses are
+    those of the same run in 1 stage. Measured: equal, bit for bit."""
+    work, _, printed = workflow
+    # Snakemake's summary at the end
+    assert "ortflow: run staged in results/staged\n  model     results/staged/export/model.onnx\n" in printed
+    log = (work / "logs/staged/train.log").read_text()
+    assert "global batch 8 (4 x 2 accumulated x 1 copy of 2 stages)" in log
+    assert "pipeline stages: rank 0: stage 0 (" in log and "; rank 1: stage 1 (" in log
+    assert (work / "results/staged/export/model.onnx").is_file()
+    staged, whole = (json.loads((work / f"results/{name}/train/metrics.json").read_text())
+                     for name in ("staged", "whole"))
+    print("eval in 2 stages:", staged["eval"], "in 1:", whole["eval"])
+    assert len(staged["history"]["eval"]) == 2
+    assert staged["history"]["eval"] == [pytest.approx(entry, abs=1e-6) for entry in whole["history"]["eval"]]
+    losses_and_norms = [[entry[key] for entry in run["history"]["train"] for key in ("loss", "grad_norm")]
+                        for run in (staged, whole)]
+    assert len(losses_and_norms[0]) == 12 and losses_and_norms[0] == pytest.approx(losses_and_norms[1], abs=1e-6)
+
+
+@pytest.mark.e2e
+def test_a_run_resumes_at_another_number_of_stages(workflow, tmp_path):
+    """Each run resumed from the other's checkpoint of step 3 (2 stages from 1, 1 from 2) ends
+    at the other's step 6. Measured: bit for bit."""
+    work, corpus, _ = workflow
+    artifacts, data = work / "results/staged/artifacts", work / "results/staged/data/train"  # artifacts of both Ps
+    for name, stages, other in (("staged", 2, "whole"), ("whole", 1, "staged")):
+        config = workflow_config(corpus, name, stages)
+        config["train"]["resume_from"] = str(work / f"results/{other}/train/checkpoints/step-00000003")
+        checkpoint, _ = trained(tmp_path / name, config_mod.load(overrides=config), artifacts, data)
+        worst = largest_difference(reader.read_checkpoint(checkpoint).state, reader.read_checkpoint(
+            work / f"results/{other}/train/checkpoints/step-00000006").state)
+        print(f"{name} resumed from {other}'s step 3: largest difference at step 6 {worst:.3g}")
+        assert worst < 1e-6
+
+
+@pytest.mark.e2e
+def test_a_stop_signal_stops_the_stages_with_a_checkpoint_and_the_rerun_ends_as_uninterrupted(workflow, tmp_path):
+    """Rank 1 (the last stage) sends SIGTERM to `ortflow train` before step 3 (0-based): every
+    stage finishes step 4, writes its part of its checkpoint and stops; the rerun resumes there
+    and ends with the uninterrupted run's checkpoint. Measured: bit for bit."""
+    source, corpus, _ = workflow
+    work = copy_inputs(source, tmp_path / "work")
+    config = workflow_config(corpus, "staged", 2)
+    stopped = run_snakemake(work, config, "train", "--forcerun", "train", check=False, env=fault(3, 1, "sigterm"))
+    assert stopped.returncode != 0
+    log = (work / "logs/staged/train.log").read_text()
+    assert "stopping after step 4 of 6: SIGUSR1 on" in log
+    assert "ortflow train: stopped by SIGTERM after step 4, with a checkpoint; rerun to resume from it" in log
+    run_snakemake(work, config, "train")
+    assert "resuming at step 4 from results/staged/train/checkpoints/step-00000004" in \
+        (work / "logs/staged/train.log").read_text()
+    worst = largest_difference(*(reader.read_checkpoint(folder / "results/staged/train/checkpoints/step-00000006").state
+                                 for folder in (work, source)))
+    print(f"stopped after step 4 and resumed: largest difference at step 6 {worst:.3g}")
+    assert worst < 1e-6
