@@ -222,3 +222,24 @@ def test_a_stop_signal_stops_the_stages_with_a_checkpoint_and_the_rerun_ends_as_
                                  for folder in (work, source)))
     print(f"stopped after step 4 and resumed: largest difference at step 6 {worst:.3g}")
     assert worst < 1e-6
+
+
+@pytest.mark.e2e
+def test_a_stalled_stage_is_named_by_the_watchdog_and_a_failed_one_ends_the_job(workflow, tmp_path):
+    """Rank 0 (stage 0) stalls before step 3 (0-based): rank 1, waiting for its activation, ends
+    the run after train.collective_timeout_s naming rank 0. Rank 1 fails at step 3: every rank ends."""
+    source, corpus, _ = workflow
+    work = copy_inputs(source, tmp_path / "work")
+    config = workflow_config(corpus, "staged", 2)
+    config["train"]["collective_timeout_s"] = 4
+    stalled = run_snakemake(work, config, "train", "--forcerun", "train", check=False, timeout=180,
+                            env=fault(3, 0, "stall"))
+    assert stalled.returncode != 0
+    log = (work / "logs/staged/train.log").read_text()
+    assert "rank 1: collective receive " in log and "from stage 0 did not finish within " \
+        "train.collective_timeout_s=4s; rank 0 is behind: last seen at step 3 (forward)" in log
+    failed = run_snakemake(work, config, "train", check=False, timeout=180, env=fault(3, 1, "raise"))
+    assert failed.returncode != 0
+    log = (work / "logs/staged/train.log").read_text()
+    assert "injected failure on rank 1 at step 3" in log and "the ranks exited with code" in log
+    assert not (work / "results/staged/train/metrics.json").exists()

@@ -29,8 +29,9 @@ from .gradients import allreduce_in_buckets
 
 log = logging.getLogger("ortflow.train")
 
-# The phases of a step, in order, as ranks report them in their heartbeats.
-PHASES = ("forward", "allreduce", "eval", "checkpoint")
+# The phases of a step, in order, as ranks report them in their heartbeats ("schedule": a
+# pipeline stage's 1F1B step, whose waits on the other stages come before its all-reduce).
+PHASES = ("forward", "schedule", "allreduce", "eval", "checkpoint")
 
 
 class Watchdog:

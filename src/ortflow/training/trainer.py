@@ -299,6 +299,7 @@ class PipelinedTrainer(Trainer):
         self.slices = self.runner.checkpoint_slices()
 
     def train_step(self, step: int, batches: list[dict], lr: float) -> tuple[float, float, list[float]]:
+        self.comm.watchdog.beat(step, "schedule")
         return self.runner.train_step(step, batches, lr, self.stop_request.votes())
 
     def evaluation(self, records: int | None) -> dict:
