@@ -25,6 +25,18 @@ def fmt(value: float, kind: str) -> str:
     }[kind](value)
 
 
+def millions(count: int) -> str:
+    return f"{count / 1e6:.2f}M" if count < 1e8 else f"{count / 1e6:,.0f}M"
+
+
+def lora_trained(description: dict) -> str:
+    """What a LoRA run trains, from build_artifacts' model.json: "LoRA r=8 on c_attn: 0.29M of
+    4.40M parameters trained" (all: the base's and the adapters')."""
+    lora = description["lora"]
+    return (f"LoRA r={lora['r']} on {','.join(lora['targets'])}: {millions(description['trainable_parameters'])} "
+            f"of {millions(description['parameters'])} parameters trained")
+
+
 def read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 

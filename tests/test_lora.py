@@ -1,0 +1,185 @@
+"""`model.lora` (issue 31): peft's LoRA adapters on a tiny GPT-2 (causal-lm) and BERT
+(sequence-classification, whose new head trains in full) of `model.kind: transformers`, and on
+a torch module of the user's (`kind: torch`, tests/transformers_models.py's GPT2).
+
+Each case builds the artifacts, takes STEPS AdamW steps with ONNX Runtime's training API and
+the same steps in torch + peft from the same initial weights (test_hf_families' helpers),
+compares losses and the trained parameters within the layer tests' tolerances, checks that only
+the adapters (and the new head) are trainable, hold optimizer moments and move, then exports:
+one plain ONNX model (no adapter left in it) whose logits are the unmerged torch model's, the
+adapter folder that PeftModel.from_pretrained loads on the base, and the merged model in the
+kind's own format (export_model checks both against the ONNX model's output; this test does
+it again from the files)."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import transformers
+
+from ortflow import config as config_mod
+from ortflow.artifacts import Artifacts
+from ortflow.checkpoints.ort_format import read_ort_checkpoint
+from ortflow.data.shards import ShardReader
+from ortflow.errors import ModelError
+from ortflow.graphs.forward_model import torch_module
+from ortflow.models import hugging_face, lora
+from ortflow.reporting.results import lora_trained
+from ortflow.stages import build_artifacts, export_model
+from ortflow.stages.prepare_data import prepare
+from test_hf_families import FAMILIES, STEPS, differences, train_in_ort, write_data
+from test_torch_layers import LOSS_TOLERANCE, PARAMETER_TOLERANCE, largest
+from torch_reference import train_like_ortflow
+
+# case -> (model section, the family of test_hf_families whose data and tiny model it takes,
+#          the names of the trainable parameters' layers)
+CASES = {
+    "gpt2": ({"kind": "transformers", "task": "causal-lm", "lora": {"r": 4, "alpha": 8}}, "gpt2", ("c_attn",)),
+    "bert": ({"kind": "transformers", "task": "sequence-classification", "lora": {"r": 2, "alpha": 4}}, "bert",
+             ("query", "value", "classifier")),
+    "torch-gpt2": ({"kind": "torch", "path": "transformers_models:GPT2",
+                    "kwargs": {"n_embd": 32, "context": 12, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
+                    "lora": {"r": 4, "alpha": 16, "targets": ["c_attn", "mlp.c_fc"]}}, "gpt2", ("c_attn", "c_fc")),
+}
+
+
+def make_config(case: str, tmp_path, **lora_keys) -> config_mod.Config:
+    model, family, _ = CASES[case]
+    task, make = FAMILIES[family]
+    if model["kind"] == "transformers":
+        torch.manual_seed(0)
+        getattr(transformers, hugging_face.CLASSES[task]).from_config(make()).save_pretrained(tmp_path / "folder")
+        model = {**model, "path": str(tmp_path / "folder")}
+    return config_mod.load(overrides={
+        "run": {"name": case, "seed": 3},
+        "data": {**write_data(family, task, tmp_path), "shards": 1, "eval_fraction": 0.25},
+        "model": {**model, "lora": {**model["lora"], **lora_keys}},
+        "train": {"world_size": 1, "micro_batch_size": 8, "steps": STEPS, "clip_grad_norm": None,
+                  "optimizer": {"lr": 0.01, "weight_decay": 0.0},
+                  "lr_schedule": {"name": "cosine", "warmup_steps": 2}},
+    })
+
+
+def torch_twin(config, manifest: dict, initial: dict):
+    """The module build exported (with peft's adapters) with the initial checkpoint's weights; what
+    the checkpoint lacks is a tied weight or peft's untrained copy of a new head (modules_to_save's
+    original_module), which forward does not read."""
+    model = lora.apply(torch_module(config.model, manifest, "cross_entropy", config.run.seed), config.model.lora)
+    missing, unexpected = model.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()}, strict=False)
+    ties = {p.data_ptr() for n, p in model.state_dict().items() if n in initial}
+    assert not unexpected and all(model.state_dict()[n].data_ptr() in ties or ".original_module." in n
+                                  for n in missing), (missing, unexpected)
+    return model
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lora_trains_the_adapters_like_peft_and_exports_them_merged(case, tmp_path, monkeypatch, caplog):
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+    config = make_config(case, tmp_path)
+    train_dir, eval_dir = tmp_path / "data/train", tmp_path / "data/eval"
+    prepare(config, train_dir, eval_dir)
+    artifacts = Artifacts(tmp_path / "artifacts")
+    with caplog.at_level(logging.INFO, logger="ortflow.build_artifacts"):
+        info = build_artifacts.build(config, train_dir, artifacts.folder)
+    layers = CASES[case][2]
+    # Only the adapters and a new head train; the base weights are frozen parameters of the graphs.
+    assert info["trainable"] and all(".lora_" in n or ".modules_to_save." in n for n in info["trainable"])
+    assert {n.split(".lora_")[0].split(".modules_to_save.")[0].rsplit(".", 1)[-1] for n in info["trainable"]} \
+        == set(layers)
+    assert any(n.endswith(".base_layer.weight") for n in info["frozen"])
+    assert info["trainable_parameters"] < info["parameters"] / 5, info
+    line = lora_trained(info)
+    assert line in caplog.text and line.startswith(f"LoRA r={config.model.lora.r} on "), line
+
+    initial = read_ort_checkpoint(artifacts.checkpoint)
+    assert sorted(n for n, grad in initial.requires_grad.items() if grad) == sorted(info["trainable"])
+    losses = train_in_ort(artifacts, config, train_dir, tmp_path / "checkpoint")
+    state = read_ort_checkpoint(tmp_path / "checkpoint/checkpoint")
+    # AdamW's moments for the adapters alone.
+    assert sorted(state.optimizer_states) == sorted(info["trainable"])
+    assert all(set(moments) == {"momentum0", "momentum1"} for moments in state.optimizer_states.values())
+    trained = dict(state.parameters)
+    frozen_moved = [n for n in info["frozen"] if not np.array_equal(trained[n], initial.parameters[n])]
+    assert not frozen_moved, frozen_moved
+
+    manifest = json.loads((train_dir / "manifest.json").read_text())
+    twin = torch_twin(config, manifest, dict(initial.parameters))
+    torch_losses, torch_trained = train_like_ortflow(twin, config, train_dir)
+    worst = differences(CASES[case][1], trained, torch_trained)
+    print(f"{case}: loss {largest(losses, torch_losses):.2g}, parameters {max(worst.values()):.2g}")
+    assert largest(losses, torch_losses) <= LOSS_TOLERANCE * max(1.0, *torch_losses), (losses, torch_losses)
+    assert max(worst.values()) <= PARAMETER_TOLERANCE, worst
+    assert min(largest(trained[n], initial.parameters[n]) for n in info["trainable"]
+               if ".lora_B." in n) > 100 * PARAMETER_TOLERANCE  # every adapter trained
+
+    export_model.export(config, artifacts.folder, tmp_path / "checkpoint", eval_dir, tmp_path / "model.onnx")
+    exported = onnx.load(str(tmp_path / "model.onnx"))
+    names = [t.name for t in exported.graph.initializer]
+    assert not [n for n in names if ".lora_" in n], names
+    assert not [node.op_type for node in exported.graph.node if any(".lora_" in i for i in node.input)]
+
+    # The merged ONNX model's logits are those of the unmerged torch model with the trained weights.
+    reader = ShardReader(eval_dir)
+    batch = reader.gather(np.arange(8))
+    features = [f["name"] for f in manifest["features"]]
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    onnx_logits = session.run(None, {n: batch[n] for n in features})[0]
+    twin.load_state_dict({k: torch.from_numpy(v) for k, v in trained.items()}, strict=False)
+    twin.eval()
+    with torch.no_grad():
+        unmerged = twin(*(torch.from_numpy(batch[n]) for n in features)).numpy()
+    assert largest(onnx_logits, unmerged) <= 1e-4 * np.abs(unmerged).max(), largest(onnx_logits, unmerged)
+
+    # The adapter folder on the base model, as peft's users load it: no key missing or unexpected,
+    # the same logits.
+    from peft import PeftModel
+
+    adapter = tmp_path / lora.ADAPTER
+    assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == config.model.lora.r
+    if config.model.kind == "transformers":
+        base = getattr(transformers, hugging_face.CLASSES[config.model.task]).from_pretrained(
+            tmp_path / "folder", **({"num_labels": 3, "ignore_mismatched_sizes": True} if case == "bert" else {}),
+            attn_implementation="eager")
+        merged_folder = getattr(transformers, hugging_face.CLASSES[config.model.task]).from_pretrained(
+            tmp_path / "transformers", attn_implementation="eager")
+        call = (lambda m: m(input_ids=torch.from_numpy(batch["x"])).logits.transpose(1, 2)) if case == "gpt2" else (
+            lambda m: m(**{n: torch.from_numpy(batch[n]) for n in features}).logits)
+    else:
+        from transformers_models import GPT2
+
+        torch.manual_seed(config.run.seed)
+        base = GPT2(**config.model.kwargs)
+        merged_folder = GPT2(**config.model.kwargs)
+        from safetensors.torch import load_file
+        merged_folder.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=True)
+        call = lambda m: m(torch.from_numpy(batch["x"]))  # noqa: E731
+    import warnings
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        peft_model = PeftModel.from_pretrained(base, str(adapter))
+    assert not [str(w.message) for w in said if "keys" in str(w.message)]
+    for module in (peft_model, merged_folder):
+        module.eval()
+        with torch.no_grad():
+            logits = call(module).numpy()
+        assert largest(logits, onnx_logits) <= 1e-4 * np.abs(onnx_logits).max(), largest(logits, onnx_logits)
+
+
+@pytest.mark.parametrize("targets, refusal", [
+    (["c_attn", "q_proj"], r"^model.lora.targets: 'q_proj' matches no module of GPT2LMHeadModel \(its layers are "),
+    (["ln_f"], r"^model.lora.targets ln_f: peft cannot adapt a layer they name \(Target module LayerNorm\(.*\); "
+               r"name Linear"),
+])
+def test_lora_refuses_a_target_it_cannot_adapt(targets, refusal, tmp_path):
+    config = make_config("gpt2", tmp_path, targets=targets)
+    prepare(config, tmp_path / "train", tmp_path / "eval")
+    with pytest.raises(ModelError, match=refusal) as error:
+        build_artifacts.build(config, tmp_path / "train", tmp_path / "artifacts")
+    assert "\n" not in str(error.value) and not (tmp_path / "artifacts").exists()
