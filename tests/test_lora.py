@@ -46,6 +46,10 @@ CASES = {
     "torch-gpt2": ({"kind": "torch", "path": "transformers_models:GPT2",
                     "kwargs": {"n_embd": 32, "context": 12, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
                     "lora": {"r": 4, "alpha": 16, "targets": ["c_attn", "mlp.c_fc"]}}, "gpt2", ("c_attn", "c_fc")),
+    # The default targets of the transformers model inside a torch module: GPT-2's c_attn.
+    "torch-gpt2-default": ({"kind": "torch", "path": "transformers_models:GPT2",
+                            "kwargs": {"n_embd": 32, "context": 12, "resid_pdrop": 0.0, "embd_pdrop": 0.0,
+                                       "attn_pdrop": 0.0}, "lora": {}}, "gpt2", ("c_attn",)),
 }
 
 

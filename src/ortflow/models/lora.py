@@ -52,10 +52,12 @@ def in_place_of(module, wrapped):
 
 
 def default_targets(module) -> list[str]:
-    """The family's usual LoRA layers: peft's table by the transformers model_type."""
+    """The family's usual LoRA layers: peft's table by the transformers model_type of the module
+    (or of the first transformers model in it: a kind torch wrapper's)."""
     from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as TABLE
 
-    model_type = getattr(getattr(_inner(module), "config", None), "model_type", None)
+    model_type = next((getattr(m.config, "model_type", None) for m in _inner(module).modules()
+                       if hasattr(m, "config")), None)
     if model_type not in TABLE:
         what = f"a {model_type} model" if model_type else f"{type(_inner(module)).__name__}, no transformers model"
         raise ModelError(f"model.lora.targets: not given, and peft has no default LoRA layers for {what}; name the "
@@ -77,7 +79,11 @@ def apply(module, lora):
     """`module` with LoRA adapters of config `lora` (model.lora) on its target layers, the rest
     frozen: a TaskModel with its Hugging Face model wrapped, any other module wrapped whole
     (a peft PeftModel, which keeps the names of the module's forward arguments)."""
-    from peft import LoraConfig, get_peft_model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise ModelError("model.lora: the peft library is not installed; pip install peft==0.21.2 (as ortflow[dev] "
+                         "does), or set model.lora: null") from None
 
     targets = list(lora.targets) if lora.targets else default_targets(module)
     check_targets(module, targets)
