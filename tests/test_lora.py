@@ -187,3 +187,12 @@ def test_lora_refuses_a_target_it_cannot_adapt(targets, refusal, tmp_path):
     with pytest.raises(ModelError, match=refusal) as error:
         build_artifacts.build(config, tmp_path / "train", tmp_path / "artifacts")
     assert "\n" not in str(error.value) and not (tmp_path / "artifacts").exists()
+
+
+def test_lora_refuses_a_model_that_is_no_torch_module_of_the_users(tmp_path):
+    config = config_mod.load(overrides={"data": {"shards": 1}, "model": {"kind": "mlp", "lora": {}}})
+    prepare(config, tmp_path / "train", tmp_path / "eval")
+    with pytest.raises(ModelError, match=r"^model.lora: LoRA adapts the layers of a torch module of yours or a "
+                                         r"Hugging Face model; model.kind is mlp \(use model.kind torch or "
+                                         r"transformers, or model.lora: null\)$"):
+        build_artifacts.build(config, tmp_path / "train", tmp_path / "artifacts")
