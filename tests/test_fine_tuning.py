@@ -54,6 +54,18 @@ def assert_tokenizer_travels(export: Path) -> dict[str, str]:
     return metadata
 
 
+def animals_and_bert(tmp_path: Path) -> tuple[Path, object, int, Path]:
+    """A work folder with `animals.jsonl` (400 sentences labelled with the animal they mention) and
+    a WordPiece `tokenizer.json` trained on them, and a tiny BERT encoder's folder of that
+    vocabulary: (work folder, the sentences' frame, vocabulary size, BERT folder)."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    frame = animal_texts(400)
+    frame.to_json(workdir / "animals.jsonl", orient="records", lines=True)
+    vocab = train_wordpiece(workdir / "tokenizer.json", 120, list(frame["review"])).get_vocab_size()
+    return workdir, frame, vocab, save_bert(tmp_path / "bert", vocab)
+
+
 @pytest.mark.e2e
 def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path):
     """GPT-2 from its folder by task (`model.kind: transformers`, causal-lm) on Python's
@@ -116,12 +128,7 @@ def test_bert_under_a_new_head_on_jsonl_texts_with_string_labels(tmp_path):
     exported model with its tokenizer classifies raw text well above chance."""
     from tokenizers import Tokenizer
 
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    frame = animal_texts(400)
-    frame.to_json(workdir / "animals.jsonl", orient="records", lines=True)
-    vocab = train_wordpiece(workdir / "tokenizer.json", 120, list(frame["review"])).get_vocab_size()
-    folder = save_bert(tmp_path / "bert", vocab)
+    workdir, frame, vocab, folder = animals_and_bert(tmp_path)
     # The folder holds its tokenizer, as save_pretrained folders do: data.tokenizer is then not needed.
     PreTrainedTokenizerFast(tokenizer_file=str(workdir / "tokenizer.json"), pad_token="[PAD]", unk_token="[UNK]",
                             model_input_names=["input_ids", "token_type_ids", "attention_mask"]).save_pretrained(folder)
@@ -176,12 +183,7 @@ def test_bert_with_lora_through_every_stage(tmp_path):
     folder; the build log and the end-of-run summary say what trained."""
     from ortflow.reporting.results import lora_trained
 
-    workdir = tmp_path / "work"
-    workdir.mkdir()
-    frame = animal_texts(400)
-    frame.to_json(workdir / "animals.jsonl", orient="records", lines=True)
-    vocab = train_wordpiece(workdir / "tokenizer.json", 120, list(frame["review"])).get_vocab_size()
-    folder = save_bert(tmp_path / "bert", vocab)
+    workdir, _, _, folder = animals_and_bert(tmp_path)
     config = {
         "run": {"name": "lora"},
         "data": {"source": "animals.jsonl", "text": "review", "label": "animal", "tokenizer": "tokenizer.json",
