@@ -43,6 +43,12 @@
    must be the exported model's within TOLERANCE before it is renamed into place;
    an earlier run's of another kind is removed. model.onnx is renamed into place
    last, once every check has passed.
+5. With `model.lora` (models/lora.py) the trained adapters are merged into the
+   inference model's weights and their branches cut out of its graph before the
+   checks of 3., which compare it with the eval graph, where they run unmerged;
+   `adapter/` gets the adapters alone (adapter_model.safetensors,
+   adapter_config.json), read back by PeftModel.from_pretrained on the base model
+   and checked like the formats of 4., which hold the merged model.
 """
 
 from __future__ import annotations
@@ -439,16 +445,19 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
     reader = ShardReader(eval_dir, raw=True)
     props |= data_properties(reader.manifest)
     batch = reader.gather(np.arange(min(CHECK_RECORDS, len(reader))))
-    # With LoRA, its adapters are merged into the inference model's weights from the torch module's.
-    trained = trained_torch_module(config, info, reader.manifest, checkpoint_dir)
+    # With LoRA, the torch module's adapters are merged into the inference model's weights; without,
+    # the torch module is built once the training Module is gone, so that the weights are held fewer times.
+    adapted = trained_torch_module(config, info, reader.manifest, checkpoint_dir) if "lora" in info else None
     with atomic.file(out) as tmp:
-        write_inference_model(module, files, info, tmp, out, reader, props, trained if "lora" in info else None)
+        write_inference_model(module, files, info, tmp, out, reader, props, adapted)
         # Standardized from the raw features as the exported model does it: both graphs see the same values.
         expected = eval_graph_outputs(module, info, standardize.apply(batch, reader.standardized), reader.label_name)
         del module  # its weights and gradients: the checks below load the exported model's
         onnx.checker.check_model(str(tmp), full_check=True)
         output = check_outputs(tmp, info, batch, expected, reader.label_name)[:REFERENCE_RECORDS]
         few = {name: array[:REFERENCE_RECORDS] for name, array in batch.items()}
+        trained = adapted if adapted is not None else trained_torch_module(config, info, reader.manifest,
+                                                                           checkpoint_dir)
         check_sequence_lengths(tmp, info, few, output, trained and save_trained.position_limit(trained))
         write_torch_formats(config, trained, info, reader.manifest, standardize.apply(few, reader.standardized),
                             output, out.parent)
