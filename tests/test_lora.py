@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import numpy as np
 import onnx
@@ -196,3 +197,40 @@ def test_lora_refuses_a_model_that_is_no_torch_module_of_the_users(tmp_path):
                                          r"Hugging Face model; model.kind is mlp \(use model.kind torch or "
                                          r"transformers, or model.lora: null\)$"):
         build_artifacts.build(config, tmp_path / "train", tmp_path / "artifacts")
+
+
+def test_lora_checkpoints_hold_the_adapters_moments_and_resume_bit_for_bit(tmp_path):
+    """ortflow's own trainer (one rank, in this process) on the LoRA GPT-2: its checkpoints keep the
+    frozen base weights as non-trainable parameters with no moments, the adapters with theirs; a run
+    resumed from step 2 ends with the bytes of the one that never stopped, and merge_checkpoint
+    gives the same weights and moments."""
+    from dataclasses import replace
+
+    from ortflow.checkpoints import layout, reader
+    from ortflow.stages import merge_checkpoint
+    from ortflow.training.run_folder import TrainFolder
+    from ortflow.training.stop import StopRequest
+    from ortflow.training.trainer import Trainer
+
+    config = make_config("gpt2", tmp_path)
+    config = replace(config, train=replace(config.train, checkpoint_every=2, eval_every=4))
+    prepare(config, tmp_path / "train", tmp_path / "eval")
+    artifacts = Artifacts(tmp_path / "artifacts")
+    info = build_artifacts.build(config, tmp_path / "train", artifacts.folder)
+
+    def final(out):
+        Trainer(config, tmp_path / "train", tmp_path / "eval", artifacts, TrainFolder(out), StopRequest()).run()
+        return reader.read_checkpoint(layout.step_dir(out / "checkpoints", STEPS)).state
+
+    first = final(tmp_path / "run")
+    assert sorted(first.optimizer_states) == sorted(info["trainable"])
+    assert sorted(n for n, grad in first.requires_grad.items() if not grad) == sorted(info["frozen"])
+    shutil.rmtree(layout.step_dir(tmp_path / "run" / "checkpoints", STEPS))
+    resumed = final(tmp_path / "run")
+    for name, array in first.parameters.items():
+        np.testing.assert_array_equal(resumed.parameters[name], array, err_msg=name)
+    merged = read_ort_checkpoint(merge_checkpoint.merge(tmp_path / "run" / "checkpoints", tmp_path / "merged",
+                                                        model=artifacts.folder) / "checkpoint")
+    assert sorted(merged.optimizer_states) == sorted(info["trainable"])
+    for name, array in first.parameters.items():
+        np.testing.assert_array_equal(merged.parameters[name], array, err_msg=name)
