@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import warnings
 
 import numpy as np
 import onnx
@@ -23,6 +24,8 @@ import onnxruntime as ort
 import pytest
 import torch
 import transformers
+from peft import PeftModel
+from safetensors.torch import load_file
 
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
@@ -37,6 +40,7 @@ from ortflow.stages.prepare_data import prepare
 from test_hf_families import FAMILIES, STEPS, differences, train_in_ort, write_data
 from test_torch_layers import LOSS_TOLERANCE, PARAMETER_TOLERANCE, largest
 from torch_reference import train_like_ortflow
+from transformers_models import GPT2
 
 # case -> (model section, the family of test_hf_families whose data and tiny model it takes,
 #          the names of the trainable parameters' layers)
@@ -84,8 +88,7 @@ def torch_twin(config, manifest: dict, initial: dict):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_lora_trains_the_adapters_like_peft_and_exports_them_merged(case, tmp_path, monkeypatch, caplog):
-    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).parent))
+def test_lora_trains_the_adapters_like_peft_and_exports_them_merged(case, tmp_path, caplog):
     config = make_config(case, tmp_path)
     train_dir, eval_dir = tmp_path / "data/train", tmp_path / "data/eval"
     prepare(config, train_dir, eval_dir)
@@ -141,39 +144,41 @@ def test_lora_trains_the_adapters_like_peft_and_exports_them_merged(case, tmp_pa
         unmerged = twin(*(torch.from_numpy(batch[n]) for n in features)).numpy()
     assert largest(onnx_logits, unmerged) <= 1e-4 * np.abs(unmerged).max(), largest(onnx_logits, unmerged)
 
-    # The adapter folder on the base model, as peft's users load it: no key missing or unexpected,
-    # the same logits.
-    from peft import PeftModel
+    check_adapter_and_merged_model(case, config, tmp_path, {n: batch[n] for n in features}, onnx_logits)
 
-    adapter = tmp_path / lora.ADAPTER
+
+def check_adapter_and_merged_model(case: str, config, folder, batch: dict, onnx_logits: np.ndarray) -> None:
+    """export/adapter/ on the base model, as peft's users load it (no key missing or unexpected),
+    and the merged model in the kind's own format give the exported ONNX model's logits on `batch`."""
+    adapter = folder / lora.ADAPTER
     assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert json.loads((adapter / "adapter_config.json").read_text())["r"] == config.model.lora.r
     if config.model.kind == "transformers":
-        base = getattr(transformers, hugging_face.CLASSES[config.model.task]).from_pretrained(
-            tmp_path / "folder", **({"num_labels": 3, "ignore_mismatched_sizes": True} if case == "bert" else {}),
-            attn_implementation="eager")
-        merged_folder = getattr(transformers, hugging_face.CLASSES[config.model.task]).from_pretrained(
-            tmp_path / "transformers", attn_implementation="eager")
-        call = (lambda m: m(input_ids=torch.from_numpy(batch["x"])).logits.transpose(1, 2)) if case == "gpt2" else (
-            lambda m: m(**{n: torch.from_numpy(batch[n]) for n in features}).logits)
+        cls = getattr(transformers, hugging_face.CLASSES[config.model.task])
+        new_head = {"num_labels": 3, "ignore_mismatched_sizes": True} if case == "bert" else {}
+        base = cls.from_pretrained(folder / "folder", **new_head, attn_implementation="eager")
+        merged = cls.from_pretrained(folder / "transformers", attn_implementation="eager")
+        if case == "gpt2":
+            def call(model):
+                return model(input_ids=torch.from_numpy(batch["x"])).logits.transpose(1, 2)
+        else:
+            def call(model):
+                return model(**{name: torch.from_numpy(array) for name, array in batch.items()}).logits
     else:
-        from transformers_models import GPT2
-
         torch.manual_seed(config.run.seed)
-        base = GPT2(**config.model.kwargs)
-        merged_folder = GPT2(**config.model.kwargs)
-        from safetensors.torch import load_file
-        merged_folder.load_state_dict(load_file(tmp_path / "model.safetensors"), strict=True)
-        call = lambda m: m(torch.from_numpy(batch["x"]))  # noqa: E731
-    import warnings
+        base, merged = GPT2(**config.model.kwargs), GPT2(**config.model.kwargs)
+        merged.load_state_dict(load_file(folder / "model.safetensors"), strict=True)
+
+        def call(model):
+            return model(torch.from_numpy(batch["x"]))
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         peft_model = PeftModel.from_pretrained(base, str(adapter))
     assert not [str(w.message) for w in said if "keys" in str(w.message)]
-    for module in (peft_model, merged_folder):
-        module.eval()
+    for model in (peft_model, merged):
+        model.eval()
         with torch.no_grad():
-            logits = call(module).numpy()
+            logits = call(model).numpy()
         assert largest(logits, onnx_logits) <= 1e-4 * np.abs(onnx_logits).max(), largest(logits, onnx_logits)
 
 
