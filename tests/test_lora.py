@@ -48,6 +48,9 @@ CASES = {
     "gpt2": ({"kind": "transformers", "task": "causal-lm", "lora": {"r": 4, "alpha": 8}}, "gpt2", ("c_attn",)),
     "bert": ({"kind": "transformers", "task": "sequence-classification", "lora": {"r": 2, "alpha": 4}}, "bert",
              ("query", "value", "classifier")),
+    # Llama-shaped, as the decoders users fine-tune with LoRA (q_proj, v_proj; grouped-query attention).
+    "llama": ({"kind": "transformers", "task": "causal-lm", "lora": {"r": 4, "alpha": 8}}, "llama",
+              ("q_proj", "v_proj")),
     "torch-gpt2": ({"kind": "torch", "path": "transformers_models:GPT2",
                     "kwargs": {"n_embd": 32, "context": 12, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
                     "lora": {"r": 4, "alpha": 16, "targets": ["c_attn", "mlp.c_fc"]}}, "gpt2", ("c_attn", "c_fc")),
@@ -87,7 +90,9 @@ def torch_twin(config, manifest: dict, initial: dict):
     return model
 
 
-@pytest.mark.parametrize("case", list(CASES))
+# The GPT-2 and BERT by task and the torch module in the fast loop; Llama with the end-to-end tests.
+@pytest.mark.parametrize("case", [pytest.param(case, marks=pytest.mark.e2e) if case == "llama" else case
+                                  for case in CASES])
 def test_lora_trains_the_adapters_like_peft_and_exports_them_merged(case, tmp_path, caplog):
     config = make_config(case, tmp_path)
     train_dir, eval_dir = tmp_path / "data/train", tmp_path / "data/eval"
@@ -158,7 +163,7 @@ def check_adapter_and_merged_model(case: str, config, folder, batch: dict, onnx_
         new_head = {"num_labels": 3, "ignore_mismatched_sizes": True} if case == "bert" else {}
         base = cls.from_pretrained(folder / "folder", **new_head, attn_implementation="eager")
         merged = cls.from_pretrained(folder / "transformers", attn_implementation="eager")
-        if case == "gpt2":
+        if config.model.task == "causal-lm":
             def call(model):
                 return model(input_ids=torch.from_numpy(batch["x"])).logits.transpose(1, 2)
         else:
