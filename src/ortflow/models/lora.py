@@ -125,8 +125,12 @@ def fold(model, module) -> int:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
     outputs = {value.name for value in model.graph.output}
-    for name, layer in adapted_layers(module).items():
-        base = initializers[f"{name}.base_layer.weight"]
+    layers = adapted_layers(module)
+    for name, layer in layers.items():
+        base = initializers.get(f"{name}.base_layer.weight")
+        if base is None:
+            raise ModelError(f"{name}: the exported ONNX model has no initializer {name}.base_layer.weight to merge "
+                             "its LoRA adapters into; export with model.lora: null")
         with torch.no_grad():
             merged = layer.get_base_layer().weight + layer.get_delta_weight(layer.active_adapters[0])
         base.CopyFrom(numpy_helper.from_array(merged.numpy(), base.name))
@@ -146,7 +150,7 @@ def fold(model, module) -> int:
         if add.output[0] in outputs:
             raise ModelError(f"{name}: its LoRA adapters' sum is the model's output; export with model.lora: null")
     drop_unused(model)
-    return len(adapted_layers(module))
+    return len(layers)
 
 
 def drop_unused(model) -> None:
