@@ -7,7 +7,7 @@ wrapper (GPT-2's shape: Dropout on), AdamW. Each measurement runs in a process o
 one thread, its peak RSS its own (VmHWM, reset when it starts); the best step time of the steps after the
 first two is kept (the least disturbed by whatever else the machine runs).
 
-    python bench/bench_recompute.py [--layers 4] [--width 256] [--context 256] [--batch 8] [--steps 6]
+    python bench/bench_recompute.py [--layers 4] [--width 256] [--context 256] [--batch 8] [--steps 6] [--vocab 256]
 """
 
 from __future__ import annotations
@@ -27,12 +27,11 @@ REPO = Path(__file__).resolve().parents[1]
 WARMUP = 2
 # (label, train.recompute, enable_mem_reuse, execution_order)
 ORTFLOW = [
-    ("ortflow, no recompute, ORT's default options", "none", True, "DEFAULT"),
-    ("ortflow, no recompute, mem_reuse off + PRIORITY_BASED", "none", False, "PRIORITY_BASED"),
-    ("ortflow, no recompute, PRIORITY_BASED", "none", True, "PRIORITY_BASED"),
-    ("ortflow, recompute blocks, ORT's default options", "blocks", True, "DEFAULT"),
-    ("ortflow, recompute blocks, PRIORITY_BASED", "blocks", True, "PRIORITY_BASED"),
-    ("ortflow, recompute blocks, mem_reuse off + PRIORITY_BASED", "blocks", False, "PRIORITY_BASED"),
+    (f"ortflow, {name}, {label}", recompute, reuse, order)
+    for name, recompute in (("no recompute", "none"), ("recompute blocks", "blocks"))
+    for label, reuse, order in (("ORT's default options", True, "DEFAULT"), ("mem_reuse off", False, "DEFAULT"),
+                                ("PRIORITY_BASED", True, "PRIORITY_BASED"),
+                                ("mem_reuse off + PRIORITY_BASED", False, "PRIORITY_BASED"))
 ]
 TORCH = [("torch, no checkpointing", False), ("torch, gradient_checkpointing_enable()", True)]
 
@@ -51,7 +50,7 @@ def build(folder: Path, args) -> tuple[Path, Path]:
         "data": {"source": str(text), "context": args.context},
         "model": {"kind": "torch", "path": "transformers_models:GPT2",
                   "kwargs": {"n_layer": args.layers, "n_embd": args.width, "n_head": args.width // 64,
-                             "context": args.context}}})
+                             "context": args.context, "vocab_size": args.vocab}}})
     prepare(config, folder / "train", folder / "eval")
     build_artifacts.build(config, folder / "train", folder / "none")
     shutil.copytree(folder / "none", folder / "blocks")
@@ -59,11 +58,15 @@ def build(folder: Path, args) -> tuple[Path, Path]:
     return folder / "train", folder
 
 
-def peak_rss_mib() -> float:
-    """This process's peak RSS since `reset_peak`: VmHWM (ru_maxrss would carry the parent's
-    peak over fork and exec, and the parent built the artifacts)."""
+def rss_mib(field: str = "VmRSS") -> float:
+    """This process's RSS now (VmRSS) or its peak since `reset_peak` (VmHWM; ru_maxrss would
+    carry the parent's peak over fork and exec, and the parent built the artifacts)."""
     status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
-    return int(status["VmHWM"].split()[0]) / 1024
+    return int(status[field].split()[0]) / 1024
+
+
+def peak_rss_mib() -> float:
+    return rss_mib("VmHWM")
 
 
 def reset_peak() -> None:
@@ -86,7 +89,7 @@ def ortflow_child(artifacts: Path, train: Path, mem_reuse: bool, order: str, bat
     optimizer = Optimizer(str(artifacts / "optimizer_model.onnx"), module)
     reader = ShardReader(train)
     module.train()
-    before = peak_rss_mib()
+    before = rss_mib()
     times, losses = [], []
     for step in range(steps):
         data = reader.gather(np.arange(step * batch, (step + 1) * batch))
@@ -106,19 +109,25 @@ def torch_child(train: Path, checkpointing: bool, args) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = GPT2(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, context=args.context)
+    model = GPT2(n_layer=args.layers, n_embd=args.width, n_head=args.width // 64, context=args.context,
+                 vocab_size=args.vocab)
     if checkpointing:
         model.model.gradient_checkpointing_enable()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # ONNX Runtime's Module and Optimizer hold the gradients and moments before the first step;
+    # torch makes them in it. Made here too, so that what the steps add is comparable.
+    for parameter in model.parameters():
+        parameter.grad = torch.zeros_like(parameter)
+    optimizer.step()
     reader = ShardReader(train)
-    before = peak_rss_mib()
+    before = rss_mib()
     times = []
     for step in range(args.steps):
         data = reader.gather(np.arange(step * args.batch, (step + 1) * args.batch))
         started = time.perf_counter()
         loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(data["x"])), torch.from_numpy(data["y"]))
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=False)
         loss.backward()
         optimizer.step()
         times.append(time.perf_counter() - started)
@@ -140,6 +149,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=256, help="256: bytes; 50257: GPT-2's own")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--child")
     args = parser.parse_args()
@@ -163,10 +173,16 @@ def main() -> None:
                 for label, recompute, reuse, order in ORTFLOW]
         rows += [(label, child(common | {"kind": "torch", "checkpointing": checkpointing}))
                  for label, checkpointing in TORCH]
-    print(f"GPT-2 {args.layers} layers, width {args.width}, context {args.context}, batch {args.batch}, 1 thread")
-    print("| run | peak RSS (MiB) | RSS before the steps (MiB) | step (s) |\n| --- | ---: | ---: | ---: |")
+    print(f"GPT-2 {args.layers} layers, width {args.width}, context {args.context}, vocabulary {args.vocab}, "
+          f"batch {args.batch}, 1 thread")
+    peer = dict(rows)[TORCH[1][0]]
+    print("| run | peak RSS (MiB) | before the steps (MiB) | the steps add (MiB) | step (s) | peak / HF's | step / HF's |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for label, row in rows:
-        print(f"| {label} | {row['peak_rss_mib']:.0f} | {row['rss_before_steps_mib']:.0f} | {row['step_s']:.2f} |")
+        print(f"| {label} | {row['peak_rss_mib']:.0f} | {row['rss_before_steps_mib']:.0f} | "
+              f"{row['peak_rss_mib'] - row['rss_before_steps_mib']:.0f} | {row['step_s']:.2f} | "
+              f"{row['peak_rss_mib'] / peer['peak_rss_mib']:.2f} | {row['step_s'] / peer['step_s']:.2f} |")
+    print("first losses:", {label: row["losses"] for label, row in rows if "losses" in row})
 
 
 if __name__ == "__main__":
