@@ -68,10 +68,12 @@ def built(root: Path, name: str) -> tuple[Path, Path]:
     return kept, recomputed
 
 
-def train(artifacts: Path, train_dir: Path) -> list[tuple[float, np.ndarray]]:
-    """(loss, every gradient) of STEPS AdamW steps on consecutive batches, Dropout seeded per step."""
+def train(artifacts: Path, train_dir: Path, recomputed: bool) -> list[tuple[float, np.ndarray]]:
+    """(loss, every gradient) of STEPS AdamW steps on consecutive batches, Dropout seeded per step,
+    under the session options training gives the graph."""
     state = CheckpointState.load_checkpoint(str(Artifacts(artifacts).checkpoint))
-    module = Module(str(Artifacts(artifacts).training_model), state, None, session_options=training_options())
+    module = Module(str(Artifacts(artifacts).training_model), state, None,
+                    session_options=training_options(recompute=recomputed))
     optimizer = Optimizer(str(Artifacts(artifacts).optimizer_model), module)
     reader, names = ShardReader(train_dir), module.input_names()
     module.train()
@@ -90,7 +92,8 @@ def train(artifacts: Path, train_dir: Path) -> list[tuple[float, np.ndarray]]:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_recompute_trains_as_without_and_keeps_fewer_tensors(name, root):
     kept, recomputed = built(root, name)
-    without, with_recompute = (train(folder, root / MODELS[name][1] / "train") for folder in (kept, recomputed))
+    without, with_recompute = (train(folder, root / MODELS[name][1] / "train", on)
+                               for folder, on in ((kept, False), (recomputed, True)))
     for step, ((loss_a, grad_a), (loss_b, grad_b)) in enumerate(zip(without, with_recompute)):
         assert abs(loss_a - loss_b) <= TOLERANCE, (step, loss_a, loss_b)
         assert np.abs(grad_a - grad_b).max() <= TOLERANCE, step
