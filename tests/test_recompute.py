@@ -122,6 +122,9 @@ def test_model_json_counts_the_activations_recompute_keeps(root):
     without = json.loads(Artifacts(built(root, "gpt")[0]).model_json.read_text())
     assert any(n.name.endswith(recompute.SUFFIX) for n in onnx.load(str(Artifacts(out).training_model)).graph.node)
     assert description["activation_bytes_per_sample"] < 0.6 * without["activation_bytes_per_sample"]
+    # Built without recompute, model.json says what recompute would keep, for preflight's fixes.
+    assert without["activation_bytes_per_sample_recompute_blocks"] == description["activation_bytes_per_sample"]
+    assert "activation_bytes_per_sample_recompute_blocks" not in description
 
 
 @pytest.mark.parametrize("recompute_config, refused", [
