@@ -98,6 +98,7 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
     forward = forward_flops(base, values)
     batch = batch_values(base, values)
     label = manifest["label"]
+    with_blocks = None if blocks else recompute.activation_bytes_with_blocks(training.graph, batch)
     return {
         "kind": kind,
         "task": manifest["task"],
@@ -122,6 +123,9 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
         # the rewritten graph keeps plus the largest block recomputed (graphs/recompute.py).
         "activation_bytes_per_sample": recompute.activation_bytes(training.graph, blocks, batch) if blocks
         else sum(batch.values()),
+        # Without train.recompute, what `blocks` would make it, for preflight's fixes (absent
+        # where recompute is on or the model has no blocks).
+        **({"activation_bytes_per_sample_recompute_blocks": with_blocks} if with_blocks else {}),
         "eval_bytes_per_sample": eval_bytes(base, batch, logits.name),
     }
 
