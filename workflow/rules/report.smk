@@ -33,7 +33,7 @@ rule report_tables:
     input:
         train=rules.train.output.metrics,
         export=rules.quantize_model.output.metrics,
-        artifacts=rules.build_artifacts.output[0],
+        artifacts=ARTIFACTS,
     output:
         summary=captioned("summary.html", "Run"),
         quantization=captioned("quantization.html", "Run"),
