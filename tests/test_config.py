@@ -226,3 +226,21 @@ def test_workflow_refuses_quoted_numbers_but_reads_the_command_line(workdir):
     assert "config key 'train.steps': '20' is not of type 'integer'" in result.stderr
     result = run_snakemake(workdir, {}, "-n", "-p", "train", "--config", "train={steps: 20, optimizer: {lr: 1e-3}}")
     assert '"steps": 20,' in result.stdout and '"lr": 0.001,' in result.stdout  # train's --config-json
+
+
+@pytest.mark.parametrize("name", sorted(path.name for path in (REPO / "config").glob("*.yaml")))
+def test_every_config_file_the_readme_runs_is_valid(name):
+    cfg = config.load(REPO / "config" / name)
+    assert cfg.run.name == ("digits" if name == "config.yaml" else name.removesuffix(".yaml"))
+
+
+def test_the_torch_module_example_gives_the_digits_logits(monkeypatch):
+    """config/digits_cnn.yaml's model, imported as the build imports it (from the folder Snakemake runs in)."""
+    import torch
+
+    from ortflow.models import user
+
+    monkeypatch.chdir(REPO)
+    cfg = config.load(REPO / "config" / "digits_cnn.yaml")
+    module = user.import_torch(cfg.model.path, cfg.model.kwargs)
+    assert module(torch.zeros(3, 64)).shape == (3, 10)

@@ -203,6 +203,21 @@ def test_zero_1_is_offered_when_sharding_the_moments_makes_the_model_fit(monkeyp
     assert preflight.check_memory(small, train).status == preflight.OK
 
 
+def test_recompute_is_offered_with_the_activations_it_saves(monkeypatch):
+    """model.json of a model built without train.recompute says what `blocks` would keep."""
+    model = {**GPT2_124M, "activation_bytes_per_sample_recompute_blocks": 2**28}
+    train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4}}).train
+    recomputed = {**model, "activation_bytes_per_sample": 2**28}
+    room = 2 * sum(preflight.memory_estimate(recomputed, train, 2, 4).values())
+    monkeypatch.setenv(preflight.MEMORY_ENV, str(int(room)))
+    check = preflight.check_memory(model, train)
+    assert check.status == preflight.FAIL
+    assert (f"set train.recompute: blocks (activations of 4 samples 1.0 GiB instead of 4.0 GiB, a step "
+            f"{preflight.RECOMPUTE_STEP_TIME} as long)") in check.fix.split("; or ")
+    # Without the figure (recompute already on, or no blocks) it is not offered.
+    assert "recompute" not in preflight.check_memory(GPT2_124M, train).fix
+
+
 def test_an_evaluation_batch_that_does_not_fit_is_refused_naming_train_eval_batch_size(monkeypatch):
     """GPT-2 124M's evaluation at the default train.eval_batch_size (256 sequences of 128 tokens)
     holds the logits over its 50,257-token vocabulary twice (model.json's eval_bytes_per_sample,

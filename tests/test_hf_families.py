@@ -164,7 +164,8 @@ def train_in_ort(artifacts: Artifacts, config: config_mod.Config, train_dir: Pat
         module.lazy_reset_grad()
         losses.append(loss)
     checkpoint.mkdir()
-    CheckpointState.save_checkpoint(state, str(checkpoint / "checkpoint"))
+    # With the moments, as merge_checkpoint writes a run's.
+    CheckpointState.save_checkpoint(state, str(checkpoint / "checkpoint"), include_optimizer_state=True)
     (checkpoint / "meta.json").write_text(json.dumps({"step": train.steps, "identity_digest": "test"}))
     return losses
 

@@ -68,10 +68,12 @@ def built(root: Path, name: str) -> tuple[Path, Path]:
     return kept, recomputed
 
 
-def train(artifacts: Path, train_dir: Path) -> list[tuple[float, np.ndarray]]:
-    """(loss, every gradient) of STEPS AdamW steps on consecutive batches, Dropout seeded per step."""
+def train(artifacts: Path, train_dir: Path, recomputed: bool) -> list[tuple[float, np.ndarray]]:
+    """(loss, every gradient) of STEPS AdamW steps on consecutive batches, Dropout seeded per step,
+    under the session options training gives the graph."""
     state = CheckpointState.load_checkpoint(str(Artifacts(artifacts).checkpoint))
-    module = Module(str(Artifacts(artifacts).training_model), state, None, session_options=training_options())
+    module = Module(str(Artifacts(artifacts).training_model), state, None,
+                    session_options=training_options(recompute=recomputed))
     optimizer = Optimizer(str(Artifacts(artifacts).optimizer_model), module)
     reader, names = ShardReader(train_dir), module.input_names()
     module.train()
@@ -90,7 +92,8 @@ def train(artifacts: Path, train_dir: Path) -> list[tuple[float, np.ndarray]]:
 @pytest.mark.parametrize("name", list(MODELS))
 def test_recompute_trains_as_without_and_keeps_fewer_tensors(name, root):
     kept, recomputed = built(root, name)
-    without, with_recompute = (train(folder, root / MODELS[name][1] / "train") for folder in (kept, recomputed))
+    without, with_recompute = (train(folder, root / MODELS[name][1] / "train", on)
+                               for folder, on in ((kept, False), (recomputed, True)))
     for step, ((loss_a, grad_a), (loss_b, grad_b)) in enumerate(zip(without, with_recompute)):
         assert abs(loss_a - loss_b) <= TOLERANCE, (step, loss_a, loss_b)
         assert np.abs(grad_a - grad_b).max() <= TOLERANCE, step
@@ -119,6 +122,9 @@ def test_model_json_counts_the_activations_recompute_keeps(root):
     without = json.loads(Artifacts(built(root, "gpt")[0]).model_json.read_text())
     assert any(n.name.endswith(recompute.SUFFIX) for n in onnx.load(str(Artifacts(out).training_model)).graph.node)
     assert description["activation_bytes_per_sample"] < 0.6 * without["activation_bytes_per_sample"]
+    # Built without recompute, model.json says what recompute would keep, for preflight's fixes.
+    assert without["activation_bytes_per_sample_recompute_blocks"] == description["activation_bytes_per_sample"]
+    assert "activation_bytes_per_sample_recompute_blocks" not in description
 
 
 @pytest.mark.parametrize("recompute_config, refused", [
@@ -139,3 +145,28 @@ def test_a_tensor_name_recomputes_that_tensor_alone(root):
     assert name not in recompute.kept_for_backward(graph)
     # Softmax's input is kept instead, and the backward reads the copy.
     assert "/blocks/blocks.0/attn/Where_output_0" in recompute.kept_for_backward(graph)
+
+
+def test_the_trainer_with_recompute_ends_where_it_does_without(root, tmp_path):
+    """The trainer's own sessions (sessions.training_options with recompute: no memory reuse,
+    PRIORITY_BASED) over the rewritten graph of the built-in gpt: after 4 steps the parameters
+    equal those of the run without recomputation."""
+    from dataclasses import replace
+
+    from ortflow.checkpoints import layout, reader
+    from ortflow.training.run_folder import TrainFolder
+    from ortflow.training.stop import StopRequest
+    from ortflow.training.trainer import Trainer
+
+    model, data = MODELS["gpt"]
+    kept, recomputed = built(root, "gpt")
+    final = {}
+    for folder, setting in ((kept, "none"), (recomputed, "blocks")):
+        cfg = config(model, data, root, setting)
+        cfg = replace(cfg, train=replace(cfg.train, steps=4, checkpoint_every=4, eval_every=4, micro_batch_size=8,
+                                                   world_size=1))
+        Trainer(cfg, root / data / "train", root / data / "eval", Artifacts(folder), TrainFolder(tmp_path / setting),
+                StopRequest()).run()
+        final[setting] = reader.read_checkpoint(layout.step_dir(tmp_path / setting / "checkpoints", 4)).state.parameters
+    for name, value in final["none"].items():
+        assert np.abs(final["blocks"][name] - value).max() <= TOLERANCE, name

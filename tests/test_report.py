@@ -205,6 +205,24 @@ def test_summary_of_a_run_with_training_alone_or_nothing(tmp_path):
     assert run_summary(partial, **files_of(partial)).splitlines()[2].endswith(" samples/s on 1 rank")
 
 
+def test_summary_and_report_say_what_lora_trained(tmp_path):
+    """With model.lora, build_artifacts' model.json gives the end-of-run summary's line and the
+    report's rows: the adapters, and the parameters trained against all."""
+    run = tmp_path / "results" / "lora"
+    (run / "artifacts").mkdir(parents=True)
+    description = {"outputs": {"loss": "loss", "logits": "logits", "inference": "logits"}, "parameters": 4_400_000,
+                   "trainable_parameters": 294_912,
+                   "lora": {"r": 8, "alpha": 16, "dropout": 0.05, "targets": ["q_proj", "v_proj"]}}
+    (run / "artifacts" / "model.json").write_text(json.dumps(description))
+    lines = run_summary(run, **files_of(run), artifacts=run / "artifacts").splitlines()
+    assert "  trained   LoRA r=8 on q_proj,v_proj: 0.29M of 4.40M parameters trained (6.70%)" in lines
+    rows = summary_rows(None, None, description)
+    assert ("trainable_parameters", "parameters trained", "0.29M of 4.40M (6.70%)") in rows
+    assert ("lora", "LoRA adapters", "r=8, alpha=16, dropout=0.05 on q_proj, v_proj") in rows
+    del description["lora"]
+    assert [row[0] for row in summary_rows(None, None, description)] == ["trainable_parameters"]
+
+
 def test_summary_shows_the_baseline_and_says_when_the_model_does_not_beat_it(tmp_path):
     run = tmp_path / "results" / "digits"
     (run / "train").mkdir(parents=True)

@@ -31,14 +31,31 @@ def session_options(threads: int | None = None):
     return options
 
 
-def training_options(threads: int | None = None):
+def training_options(threads: int | None = None, recompute: bool = False):
     """`session_options` for a training Module (its training and eval graphs), without ONNX
     Runtime's memory pattern: with a dynamic sequence dimension beside the batch, 1.19.2's
     planner corrupts its arena on the first step (a BERT by task at batch 16 aborted with
     `BFCArena::ChunkFromHandle h < chunks_.size() was false`; the same step runs without
     the pattern, with the same loss). The pattern only pre-plans allocations for shapes
     seen before; no step time changed measurably without it (1.2-1.6 against 1.7-2.5 ms on
-    that BERT, a shared 2-core AMD EPYC)."""
+    that BERT, a shared 2-core AMD EPYC).
+
+    With `recompute` (a graph that train.recompute rewrote), no memory reuse and
+    PRIORITY_BASED execution order, which runs the recomputed blocks late and does not
+    hand a block's freed buffers to tensors that live long. bench/bench_recompute.py, one
+    rank of 4 sequences of 128 tokens, peak RSS in MiB, ORT's defaults / mem_reuse off /
+    PRIORITY_BASED / both: BERT-base 2294 / 2240 / 2290 / 2240, GPT-2 124M 3109 / 3155 /
+    3084 / 3152 (a 4-layer GPT-2 of width 256 at 8 x 256: 541 / - / 516 / 496); the
+    losses are the same bit for bit. Without recompute ORT's defaults stay: the other
+    settings changed BERT-base's peak by at most 16 MiB (2531 with the defaults), took
+    153 MiB off GPT-2 124M's (3371) with mem_reuse off but made its step and BERT's 8 to
+    40% longer, and added 15 MiB on the 4-layer GPT-2 (docs/benchmarks.md, "Activation
+    recomputation")."""
+    import onnxruntime as ort
+
     options = session_options(threads)
     options.enable_mem_pattern = False
+    if recompute:
+        options.enable_mem_reuse = False
+        options.execution_order = ort.ExecutionOrder.PRIORITY_BASED
     return options

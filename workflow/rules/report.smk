@@ -33,6 +33,7 @@ rule report_tables:
     input:
         train=rules.train.output.metrics,
         export=rules.quantize_model.output.metrics,
+        artifacts=ARTIFACTS,
     output:
         summary=captioned("summary.html", "Run"),
         quantization=captioned("quantization.html", "Run"),
@@ -53,4 +54,4 @@ rule report_tables:
     shell:
         "ortflow report tables --config-json {params.config:q} --train-metrics {input.train:q}"
         " --export-metrics {input.export:q} --benchmarks {params.benchmarks:q} --profile {params.profile:q}"
-        " --out {params.out:q} > {log:q} 2>&1"
+        " --model-json {input.artifacts:q}/model.json --out {params.out:q} > {log:q} 2>&1"

@@ -12,27 +12,47 @@ from ..models.torch_export import export_torch
 
 
 def base_model(model, manifest: dict, loss: str, seed: int, path: Path):
-    """Write the forward ONNX model to `path`, with `model.weights` loaded if given;
-    return it, the names of the torch parameters that train (None for an ONNX
-    file: every float initializer) and, for `kind: transformers`, where the model
-    came from (hugging_face.origin; else None). Over external_data.threshold() its initializers go
-    to `inference_base.onnx.data`, and the model returned holds their shapes, not their
-    values (what the checks and model.json read; generate_artifacts reads the file)."""
-    from ..models import hugging_face, user, weights
+    """Write the forward ONNX model to `path`, with `model.weights` loaded if given and
+    `model.lora`'s adapters added after them; return it, the names of the torch parameters
+    that train (None for an ONNX file: every float initializer) and what model.json records
+    of the torch module: for `kind: transformers` where the model came from (`transformers`:
+    hugging_face.origin), with LoRA its adapters (`lora`: r, alpha, dropout, targets). Over
+    external_data.threshold() its initializers go to `inference_base.onnx.data`, and the model
+    returned holds their shapes, not their values (what the checks and model.json read;
+    generate_artifacts reads the file)."""
+    from ..models import hugging_face, lora, user, weights
 
-    pretrained = weights.requested(model)
+    if model.lora is not None and model.kind not in ("torch", "transformers"):
+        raise ModelError(f"model.lora: LoRA adapts the layers of a torch module of yours or a Hugging Face model; "
+                         f"model.kind is {model.kind} (use model.kind torch or transformers, or model.lora: null)")
     if model.kind == "onnx":
         base = user.load_onnx(model.path)
+        pretrained = weights.requested(model)
         if pretrained:
             weights.load_into_onnx(base, pretrained)
         external_data.save_model(base, path)
-        return base, None, None
+        return base, None, {}
+    module = base_torch_module(model, manifest, loss, seed)
+    described = {"transformers": hugging_face.origin(module)} if model.kind == "transformers" else {}
+    if model.lora is not None:
+        module = lora.apply(module, model.lora)
+        described["lora"] = {"r": model.lora.r, "alpha": model.lora.alpha, "dropout": model.lora.dropout,
+                             "targets": module.lora_targets}
+    # As constructed, in training mode: torch.onnx deprecates its `training` argument for the module's own mode.
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    return export_torch(module, manifest, path), trainable, described
+
+
+def base_torch_module(model, manifest: dict, loss: str, seed: int):
+    """The torch module of `model` with `model.weights` loaded: what build_artifacts exports,
+    or with model.lora the base that the adapters go on."""
+    from ..models import weights
+
     module = torch_module(model, manifest, loss, seed)
+    pretrained = weights.requested(model)
     if pretrained:
         weights.load_into_module(module, pretrained)
-    origin = hugging_face.origin(module) if model.kind == "transformers" else None
-    # As constructed, in training mode: torch.onnx deprecates its `training` argument for the module's own mode.
-    return export_torch(module, manifest, path), [n for n, p in module.named_parameters() if p.requires_grad], origin
+    return module
 
 
 def torch_module(model, manifest: dict, loss: str, seed: int):

@@ -161,6 +161,21 @@ def activation_bytes(graph, blocks: list[Block], sizes: dict[str, int]) -> int:
     return kept + max(sum(sizes.get(name, 0) for name in block.recomputed) for block in blocks)
 
 
+def activation_bytes_with_blocks(graph, sizes: dict[str, int]) -> int | None:
+    """What `activation_bytes` would give if `graph` (built without recomputation) had its
+    blocks recomputed (`train.recompute: blocks`), for the memory estimate's list of fixes;
+    None where the model shows no blocks. The rewrite is done on a copy."""
+    import onnx
+
+    copy = onnx.GraphProto()
+    copy.CopyFrom(graph)
+    try:
+        blocks = rewrite(copy, "blocks")
+    except ConfigError:  # no numbered modules in the node names
+        return None
+    return activation_bytes(copy, blocks, sizes) if blocks else None
+
+
 def rewrite(graph, recompute_config) -> list[Block]:
     """`recompute` on a loaded graph. Nodes are told apart by id(): `held` keeps every node's
     Python object alive, so protobuf hands out the same object each time."""

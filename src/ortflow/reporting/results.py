@@ -25,6 +25,21 @@ def fmt(value: float, kind: str) -> str:
     }[kind](value)
 
 
+def count(number: int) -> str:
+    """A count of parameters: 1,123; 0.29M; 4.40M; 1.24B."""
+    if number >= 1e9:
+        return f"{number / 1e9:.2f}B"
+    return f"{number / 1e6:.2f}M" if number >= 1e5 else f"{number:,}"
+
+
+def lora_trained(description: dict) -> str:
+    """What a LoRA run trains, from build_artifacts' model.json: "LoRA r=8 on c_attn: 0.29M of
+    4.40M parameters trained (6.59%)" (of all: the base's and the adapters')."""
+    lora, trained, total = description["lora"], description["trainable_parameters"], description["parameters"]
+    return (f"LoRA r={lora['r']} on {','.join(lora['targets'])}: {count(trained)} of {count(total)} parameters "
+            f"trained ({fmt(trained / total, 'percent')})")
+
+
 def read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..checkpoints.best import chosen
 from ..wording import plural
-from .results import baseline_shown, fmt, not_beaten, quality, read_json, refusal, speedup
+from .results import baseline_shown, fmt, lora_trained, not_beaten, quality, read_json, refusal, speedup
 
 
 def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
@@ -28,11 +28,7 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     description = read_json(Path(artifacts) / "model.json") if artifacts else None
     lines = [f"ortflow: run {results.name} in {results}"]
     outputs = description["outputs"] if description else {}
-    origin = (description or {}).get("transformers")
-    if origin:
-        weights = "weights drawn from run.seed" if origin["weights"] == "run.seed" else "the folder's weights" + (
-            f", a new head drawn from run.seed ({', '.join(origin['new_head'])})" if origin["new_head"] else "")
-        lines.append(f"  fine-tune {origin['class']} ({origin['task']}) from {weights}")
+    lines += model_lines(description or {})
     if "inference" in outputs and outputs["inference"] != outputs["logits"]:
         lines.append(f"  output    {outputs['inference']!r} follows the logits {outputs['logits']!r} (a final Softmax "
                      "or LogSoftmax, kept in the exported model); the loss is computed on the logits")
@@ -72,6 +68,20 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
         lines.append("  nothing trained yet")
     lines.append(f"  report    {shlex.join(report_command(report, reported, targets, run_arguments))}")
     return "\n".join(lines)
+
+
+def model_lines(description: dict) -> list[str]:
+    """What build_artifacts' model.json (`description`) says of the model fine-tuned: a `kind:
+    transformers` model's class, task and weights, and with LoRA what trained."""
+    lines = []
+    origin = description.get("transformers")
+    if origin:
+        weights = "weights drawn from run.seed" if origin["weights"] == "run.seed" else "the folder's weights" + (
+            f", a new head drawn from run.seed ({', '.join(origin['new_head'])})" if origin["new_head"] else "")
+        lines.append(f"  fine-tune {origin['class']} ({origin['task']}) from {weights}")
+    if "lora" in description:
+        lines.append(f"  trained   {lora_trained(description)}")
+    return lines
 
 
 def report_command(report: str | Path, reported: Iterable[str | Path], targets: Iterable[str],

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import atomic
 from ..config import Config, as_dict
-from .results import baseline_shown, fmt, not_beaten, quality, read_json, refusal, speedup
+from .results import baseline_shown, count, fmt, not_beaten, quality, read_json, refusal, speedup
 
 TABLES = ("summary", "quantization", "stages", "profile", "config")
 # The stages in pipeline order, as the rules and their benchmark files are named.
@@ -40,7 +40,9 @@ def table(header: list[str], rows: list[tuple]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def summary_rows(train: dict | None, export: dict | None) -> list[tuple]:
+def summary_rows(train: dict | None, export: dict | None, description: dict | None = None) -> list[tuple]:
+    """The run at a glance: quality, baseline, training; from build_artifacts' model.json
+    (`description`), the parameters trained of all, and with LoRA its adapters."""
     rows = []
     if export:
         name, shown = quality(export["fp32"])
@@ -63,6 +65,14 @@ def summary_rows(train: dict | None, export: dict | None) -> list[tuple]:
             ("samples_per_s", "samples/s (steady state)", fmt(train["samples_per_s"], "rate")),
             ("ranks", "ranks", str(len(train["peak_rss_mb"]))),
         ]
+    if description:
+        trained, total = description["trainable_parameters"], description["parameters"]
+        rows.append(("trainable_parameters", "parameters trained",
+                     f"{count(trained)} of {count(total)} ({fmt(trained / total, 'percent')})"))
+    if description and "lora" in description:
+        lora = description["lora"]
+        rows.append(("lora", "LoRA adapters", f"r={lora['r']}, alpha={lora['alpha']:g}, dropout={lora['dropout']:g} "
+                                              f"on {', '.join(lora['targets'])}"))
     return rows
 
 
@@ -129,15 +139,16 @@ def top_operators(profile_dir: Path, limit: int = TOP_OPERATORS) -> tuple[list[t
 
 
 def write_tables(config: Config, train_metrics: Path, export_metrics: Path, benchmarks: Path,
-                 profile_dir: Path, out_dir: Path) -> None:
+                 profile_dir: Path, out_dir: Path, model_json: Path | None = None) -> None:
     import yaml
 
     train, export = read_json(train_metrics), read_json(export_metrics)
+    description = read_json(model_json) if model_json else None
     classes = class_rows(train)
     per_class = ("<h3>Per class (eval split, last evaluation)</h3>"
                  + table(["class", "eval records", "accuracy", "precision", "recall", "F1"], classes)) if classes else ""
     pages = {
-        "summary": page(f"Run {config.run.name}", table(["", "value"], summary_rows(train, export)) + per_class),
+        "summary": page(f"Run {config.run.name}", table(["", "value"], summary_rows(train, export, description)) + per_class),
         "quantization": page("fp32 versus int8", table(["", "fp32", "int8"], quantization_rows(export))),
         "stages": page("Stages: runtime and memory (Snakemake benchmarks)",
                        table(["stage", "wall time", "peak RSS", "CPU time"], stage_rows(benchmarks))),

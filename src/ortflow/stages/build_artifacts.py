@@ -19,7 +19,8 @@ graphs and initial checkpoint that ONNX Runtime's training engine runs out.
 4. `model.json` describes the inputs, label, outputs, parameters, FLOPs and
    running statistics (`running_stats`: training graph output -> parameter); for
    `kind: transformers` where the model came from (`transformers`: its class, task,
-   and the tensors of a new head drawn from run.seed).
+   and the tensors of a new head drawn from run.seed), and with `model.lora` its
+   adapters (`lora`: r, alpha, dropout and the target layers; models/lora.py).
 
 With train.pipeline_stages P > 1, the model is also cut into P stages balanced by their
 parameters, and each stage's graphs and checkpoint are built into `stage-<s>/`, the cut
@@ -48,6 +49,7 @@ from ..graphs.parameters import embedding_tables, float_initializers, split_para
 from ..graphs.smoke_step import smoke_step
 from ..models import batchnorm, vocabulary
 from ..models.logits import Logits, find as find_logits
+from ..reporting.results import lora_trained
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -61,7 +63,8 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
     model = config.model
     loss = resolve_loss(model.loss, manifest, model.task if model.kind == "transformers" else None)
     with atomic.folder(out) as tmp:
-        base, torch_trainable, origin = base_model(model, manifest, loss, config.run.seed, Artifacts(tmp).base_model)
+        base, torch_trainable, described = base_model(model, manifest, loss, config.run.seed,
+                                                      Artifacts(tmp).base_model)
         check_interface(base, manifest)
         vocabulary.check(base, manifest)
         logits = find_logits(base, loss, manifest)
@@ -80,7 +83,7 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
         smoke_step(tmp, train_dir, manifest)
         description = describe(base, manifest, loss, trainable, frozen, tmp, model.kind, logits, blocks) | {
             "running_stats": running_stats
-        } | ({"transformers": origin} if origin else {})
+        } | described
         Artifacts(tmp).model_json.write_text(json.dumps(description, indent=2) + "\n")
     log.info(
         "%d parameters (%d trainable), %d forward FLOPs per sample -> %s",
@@ -89,6 +92,8 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
         description["flops_per_sample"]["forward"],
         out,
     )
+    if "lora" in description:
+        log.info("%s", lora_trained(description))
     return description
 
 
@@ -101,6 +106,7 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
     forward = forward_flops(base, values)
     batch = batch_values(base, values)
     label = manifest["label"]
+    with_blocks = None if blocks else recompute.activation_bytes_with_blocks(training.graph, batch)
     return {
         "kind": kind,
         "task": manifest["task"],
@@ -125,6 +131,9 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
         # the rewritten graph keeps plus the largest block recomputed (graphs/recompute.py).
         "activation_bytes_per_sample": recompute.activation_bytes(training.graph, blocks, batch) if blocks
         else sum(batch.values()),
+        # Without train.recompute, what `blocks` would make it, for preflight's fixes (absent
+        # where recompute is on or the model has no blocks).
+        **({"activation_bytes_per_sample_recompute_blocks": with_blocks} if with_blocks else {}),
         "eval_bytes_per_sample": eval_bytes(base, batch, logits.name),
     }
 

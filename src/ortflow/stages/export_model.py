@@ -43,6 +43,12 @@
    must be the exported model's within TOLERANCE before it is renamed into place;
    an earlier run's of another kind is removed. model.onnx is renamed into place
    last, once every check has passed.
+5. With `model.lora` (models/lora.py) the trained adapters are merged into the
+   inference model's weights and their branches cut out of its graph before the
+   checks of 3., which compare it with the eval graph, where they run unmerged;
+   `adapter/` gets the adapters alone (adapter_model.safetensors,
+   adapter_config.json), read back by PeftModel.from_pretrained on the base model
+   and checked like the formats of 4., which hold the merged model.
 """
 
 from __future__ import annotations
@@ -63,9 +69,9 @@ from ..data.shards import TOKENIZER
 from ..config import Config
 from ..errors import DataError, MissingInputError, ModelError
 from ..evaluation import feeds, outputs_of
-from ..graphs.forward_model import torch_module
+from ..graphs.forward_model import base_torch_module, torch_module
 from ..inference import inference_session, input_feeds, loss_of, set_metadata
-from ..models import save_trained
+from ..models import lora, save_trained
 from ..models import DECODER_INPUT_IDS
 from ..models.torch_export import SEQUENCE, TARGET_SEQUENCE, add_inputs
 from ..models.user import forward_features
@@ -305,11 +311,13 @@ def check_sequence_lengths(path: Path, info: dict, batch: dict, output: np.ndarr
 
 def trained_torch_module(config: Config, info: dict, manifest: dict, checkpoint_dir: Path):
     """The torch module of a `kind: torch` or `transformers` model, built as build_artifacts built
-    it, with the merged checkpoint's weights; None for other kinds."""
+    it (with model.lora's adapters), with the merged checkpoint's weights; None for other kinds."""
     if config.model.kind not in ("torch", "transformers"):
         return None
     with save_trained.quietly():
         module = torch_module(config.model, manifest, info["loss"], config.run.seed)
+        if "lora" in info:
+            module = lora.apply(module, config.model.lora)
         save_trained.load_trained(module, checkpoint_dir)
     return module.eval()
 
@@ -323,6 +331,10 @@ def write_torch_formats(config: Config, module, info: dict, manifest: dict, batc
     import shutil
 
     kind = config.model.kind
+    if "lora" in info:
+        module = write_adapter(config, module, info, manifest, batch, output, folder)
+    else:
+        shutil.rmtree(folder / lora.ADAPTER, ignore_errors=True)
     if kind != "transformers":
         shutil.rmtree(folder / save_trained.TRANSFORMERS, ignore_errors=True)
     if kind != "torch":
@@ -343,6 +355,22 @@ def write_torch_formats(config: Config, module, info: dict, manifest: dict, batc
                 fresh = torch_module(config.model, manifest, info["loss"], config.run.seed)
             save_trained.read_state_dict(fresh, tmp)
             check_torch_outputs(f"{target} through load_state_dict", fresh, manifest, batch, output)
+
+
+def write_adapter(config: Config, module, info: dict, manifest: dict, batch: dict, output: np.ndarray,
+                  folder: Path):
+    """The LoRA `module`'s adapters alone into `folder`/adapter/ (models/lora.py), read back with
+    PeftModel.from_pretrained on the base model as build_artifacts built it (model.path's,
+    model.weights loaded) and its output on `batch` checked against the exported model's; returns
+    `module` with its adapters merged into its weights, the plain model the other formats hold."""
+    target = folder / lora.ADAPTER
+    with atomic.folder(target) as tmp:
+        lora.save_adapter(module, tmp)
+        with save_trained.quietly():
+            base = base_torch_module(config.model, manifest, info["loss"], config.run.seed)
+            loaded = lora.load_adapter(base, tmp)
+        check_torch_outputs(f"{target} through PeftModel.from_pretrained", loaded, manifest, batch, output)
+    return lora.merge(module)
 
 
 def check_torch_outputs(name: str, module, manifest: dict, batch: dict, output: np.ndarray) -> None:
@@ -366,15 +394,19 @@ def trained_module(artifacts: Artifacts, checkpoint: Path):
                   session_options=training_options())
 
 
-def write_inference_model(module, files: Artifacts, info: dict, tmp: Path, out: Path, reader, props: dict) -> None:
+def write_inference_model(module, files: Artifacts, info: dict, tmp: Path, out: Path, reader, props: dict,
+                          adapted=None) -> None:
     """The module's inference graph into `tmp` (its weights in `<out>.data` over
-    external_data.threshold()), with the data's standardization in front and `props` as metadata."""
+    external_data.threshold()), with the data's standardization in front and `props` as metadata;
+    with LoRA, the trained torch module `adapted`'s adapters merged into its weights (lora.fold)."""
     # ONNX Runtime 1.19 writes the weights of a checkpoint that had external data to `<tmp>.data`,
     # and only when given a relative path.
     with contextlib.chdir(tmp.parent):
         module.export_model_for_inferencing(tmp.name, [inference_output(info)])
     model = external_data.load_model(tmp, f"{out}: the model ONNX Runtime exported")
     external_data.data_file(tmp).unlink(missing_ok=True)  # read in: save_model writes `<out>.data`
+    if adapted is not None:
+        log.info("LoRA: the adapters of %d layers merged into their weights", lora.fold(model, adapted))
     base = external_data.load_model(files.base_model, load_data=False)
     if inference_output(info) != info["outputs"]["logits"]:
         # The eval graph returns the logits; the model's own output keeps the type the model gave it.
@@ -413,15 +445,19 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
     reader = ShardReader(eval_dir, raw=True)
     props |= data_properties(reader.manifest)
     batch = reader.gather(np.arange(min(CHECK_RECORDS, len(reader))))
+    # With LoRA, the torch module's adapters are merged into the inference model's weights; without,
+    # the torch module is built once the training Module is gone, so that the weights are held fewer times.
+    adapted = trained_torch_module(config, info, reader.manifest, checkpoint_dir) if "lora" in info else None
     with atomic.file(out) as tmp:
-        write_inference_model(module, files, info, tmp, out, reader, props)
+        write_inference_model(module, files, info, tmp, out, reader, props, adapted)
         # Standardized from the raw features as the exported model does it: both graphs see the same values.
         expected = eval_graph_outputs(module, info, standardize.apply(batch, reader.standardized), reader.label_name)
         del module  # its weights and gradients: the checks below load the exported model's
         onnx.checker.check_model(str(tmp), full_check=True)
         output = check_outputs(tmp, info, batch, expected, reader.label_name)[:REFERENCE_RECORDS]
         few = {name: array[:REFERENCE_RECORDS] for name, array in batch.items()}
-        trained = trained_torch_module(config, info, reader.manifest, checkpoint_dir)
+        trained = adapted if adapted is not None else trained_torch_module(config, info, reader.manifest,
+                                                                           checkpoint_dir)
         check_sequence_lengths(tmp, info, few, output, trained and save_trained.position_limit(trained))
         write_torch_formats(config, trained, info, reader.manifest, standardize.apply(few, reader.standardized),
                             output, out.parent)

@@ -27,6 +27,7 @@ def add_arguments(parser) -> None:
     tables.add_argument("--export-metrics", type=Path, required=True)
     tables.add_argument("--benchmarks", type=Path, required=True, help="folder of the stages' <rule>.tsv")
     tables.add_argument("--profile", type=Path, required=True, help="train/profile/ (the traces)")
+    tables.add_argument("--model-json", type=Path, help="build_artifacts' model.json (the parameters trained)")
     tables.add_argument("--out", type=Path, required=True, help="folder for the HTML files")
 
 
@@ -40,5 +41,6 @@ def run(args) -> int:
             raise MissingInputError(f"{args.metrics}: no training metrics (run the train stage first)")
         plot_training(metrics, config, args.out)
     else:
-        write_tables(config, args.train_metrics, args.export_metrics, args.benchmarks, args.profile, args.out)
+        write_tables(config, args.train_metrics, args.export_metrics, args.benchmarks, args.profile, args.out,
+                     args.model_json)
     return 0

@@ -27,7 +27,7 @@ def threads_per_rank(local_size: int, affinity: int, environ: dict) -> int:
 
 
 def open_sessions(artifacts: Artifacts, state, device: str, threads: int, optimizer, xp,
-                  profile_prefix: Path | None = None):
+                  profile_prefix: Path | None = None, recompute: bool = False):
     """The Module over `state` and the step of the optimizer `optimizer`
     (train.optimizer; optimizer.py). They can be reopened at any step: parameters and gradients live
     in `state`, the moments in the Trainer's Optimizer, so training goes on bit for
@@ -35,10 +35,11 @@ def open_sessions(artifacts: Artifacts, state, device: str, threads: int, optimi
     they are dropped, into `<prefix>-train_<time>.json` and
     `<prefix>-optimizer_<time>.json`. A traced Module has no eval graph: its
     session would take the same prefix and second as the training graph's, and
-    the two traces would write over each other."""
+    the two traces would write over each other. `recompute`: the training graph was rewritten
+    by train.recompute, whose sessions reuse memory otherwise (sessions.training_options)."""
     from onnxruntime.training.api import Module
 
-    options = training_options(threads)
+    options = training_options(threads, recompute)
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = f"{profile_prefix}-train"
@@ -101,6 +102,7 @@ class Sessions:
         self.threads = threads_per_rank(comm.local_size, len(os.sched_getaffinity(0)), os.environ)
         self.profile_steps, self.profile_dir, self.profiling = train_cfg.profile_steps, profile_dir, False
         self.optimizer_cfg, self.xp = train_cfg.optimizer, comm.xp
+        self.recompute = train_cfg.recompute != "none"
         for old in profile_dir.glob(f"rank{self.rank}-*"):
             old.unlink()
         self.module, self.optimizer_step = self.open()
@@ -124,4 +126,4 @@ class Sessions:
 
     def open(self, profile_prefix: Path | None = None):
         return open_sessions(self.artifacts, self.state, self.device, self.threads, self.optimizer_cfg, self.xp,
-                             profile_prefix)
+                             profile_prefix, self.recompute)

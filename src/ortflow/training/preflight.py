@@ -44,6 +44,10 @@ RANK_RUNTIME_BYTES = 600 * 2**20
 # GPT-2's measured peak, whose step holds more than the estimate names
 # (docs/benchmarks.md, "What fits"). Not a count of copies.
 STATE_COPIES = 2.0
+# A step's time with train.recompute: blocks against without, for the fix that suggests it:
+# 1.32x on BERT-base, 1.51x on a 4-layer GPT-2, within the noise on GPT-2 124M
+# (docs/benchmarks.md, "Activation recomputation"; shared cores).
+RECOMPUTE_STEP_TIME = "1.3 to 1.5x"
 # Checkpoints on disk at once: train.keep_checkpoints, the best one, and the one
 # being written before the oldest is pruned.
 EXTRA_CHECKPOINTS = 2
@@ -322,8 +326,8 @@ def memory_fixes(description: dict, train, world_size: int, available: int) -> l
     """The settings that would fit `world_size` ranks in `available` bytes, each alone; where
     an evaluation batch is the larger part and no smaller one fits alone, each together with
     evaluation batches no larger than a training step's activations."""
-    def fits(ranks: int, micro: int, settings: dict) -> bool:
-        return ranks * sum(memory_estimate(description, settings, ranks, micro).values()) <= available
+    def fits(ranks: int, micro: int, settings: dict, model: dict = description) -> bool:
+        return ranks * sum(memory_estimate(model, settings, ranks, micro).values()) <= available
 
     micro, fixes, also = train.micro_batch_size, [], ""
     # Smaller evaluation batches read the same records: the cheapest fix, where it is one.
@@ -344,6 +348,11 @@ def memory_fixes(description: dict, train, world_size: int, available: int) -> l
     if train.optimizer.name == "adamw" and world_size > 1 and not train.zero \
             and fits(world_size, micro, replace(train, zero=1)):
         fixes.append(f"set {also}train.zero: 1 (each rank keeps 1/world_size of the AdamW moments)")
+    # build_artifacts counts what train.recompute: blocks would keep (absent: no blocks, or recompute on).
+    recomputed = description.get("activation_bytes_per_sample_recompute_blocks")
+    if recomputed and fits(world_size, micro, train, {**description, "activation_bytes_per_sample": recomputed}):
+        fixes.append(f"set {also}train.recompute: blocks (activations of {micro} samples {gib(micro * recomputed)} "
+                     f"instead of {gib(step_bytes)}, a step {RECOMPUTE_STEP_TIME} as long)")
     fewer = next((w for w in range(world_size - 1, 0, -1) if fits(w, micro, train)), None)
     if fewer:
         fixes.append(f"set {also}train.world_size to {fewer}")
