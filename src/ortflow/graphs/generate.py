@@ -40,12 +40,12 @@ def optimizer_block(optimizer):
 
 def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits: Logits) -> None:
     """The graphs of the whole model: `loss` against the data's label, on the logits."""
-    generate_with_loss(base, trainable, frozen, loss_block(loss, label, logits), logits.name, optimizer, out)
+    generate_with_loss(base, trainable, frozen, lambda: loss_block(loss, label, logits), logits.name, optimizer, out)
 
 
-def generate_with_loss(base, requires_grad, frozen, loss, loss_input: str, optimizer, out: Path) -> None:
-    """ONNX Runtime's generate_artifacts on the base model with the onnxblock `loss` on its
-    tensor `loss_input` (which the graphs also return): in memory, or (its weights in
+def generate_with_loss(base, requires_grad, frozen, make_loss, loss_input: str, optimizer, out: Path) -> None:
+    """ONNX Runtime's generate_artifacts on the base model with the onnxblock `make_loss()` on
+    its tensor `loss_input` (which the graphs also return): in memory, or (its weights in
     external data) from its file `out`/inference_base.onnx, which ORT's blocks save again as
     they build, into their working folder: `out`, so that nothing lands where the command runs."""
     import onnx
@@ -63,7 +63,8 @@ def generate_with_loss(base, requires_grad, frozen, loss, loss_input: str, optim
                 source,
                 requires_grad=requires_grad,
                 frozen_params=frozen,
-                loss=loss,
+                # Made here: a block saves its work in the folder current when it is made.
+                loss=make_loss(),
                 optimizer=optimizer_block(optimizer),
                 artifact_directory=out,
                 loss_input_names=[loss_input],

@@ -438,10 +438,11 @@ def build(plan: Plan, trainable: list[str], loss: str, label: dict, optimizer, o
         frozen = [name for name in stage.parameters if name not in trainable]
         requires_grad = own + ([stage.input] if stage.input else [])
         if stage.index == last:
-            block, loss_input = loss_block(loss, label, logits), logits.name
+            make_loss, loss_input = (lambda: loss_block(loss, label, logits)), logits.name
         else:
-            block, loss_input = upstream_product(stage.model.graph.output[0]), stage.output
-        generate_with_loss(stage.model, requires_grad, frozen, block, loss_input, optimizer, folder)
+            output = stage.model.graph.output[0]
+            make_loss, loss_input = (lambda: upstream_product(output)), stage.output
+        generate_with_loss(stage.model, requires_grad, frozen, make_loss, loss_input, optimizer, folder)
         if stage.input:
             expose_input_gradient(Artifacts(folder).training_model, stage.input)
         switchable_dropout(Artifacts(folder).eval_model)
