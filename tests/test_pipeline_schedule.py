@@ -184,6 +184,12 @@ def test_the_workflow_trains_and_exports_a_model_in_stages(workflow):
     losses_and_norms = [[entry[key] for entry in run["history"]["train"] for key in ("loss", "grad_norm")]
                         for run in (staged, whole)]
     assert len(losses_and_norms[0]) == 12 and losses_and_norms[0] == pytest.approx(losses_and_norms[1], abs=1e-6)
+    # Each rank's waits on the other stage over the steps after the first, against 1F1B's
+    # (P - 1) / (m + P - 1) at 2 stages of 2 micro-batches.
+    assert staged["pipeline_bubble"] == pytest.approx(1 / 3)
+    assert len(staged["pipeline_waited_share"]) == 2 and all(0 < w < 1 for w in staged["pipeline_waited_share"])
+    assert "pipeline stages: ranks waited on other stages" in log and "(1F1B's bubble at 2 stages and 2 " in log
+    assert "pipeline_waited_share" not in whole
 
 
 @pytest.mark.e2e

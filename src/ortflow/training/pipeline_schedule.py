@@ -54,7 +54,9 @@ Not here yet: train.zero 1 within a stage's copies, BatchNorm (refused by the cu
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
 from collections import deque
 
 import numpy as np
@@ -147,12 +149,16 @@ class StageRunner:
                             for holders in grid.tied}
         self.counted = [n for n in self.trainable if plan.tied.get(n, [grid.stage])[0] == grid.stage]
         self.tied_names = [name for names in self.tied_groups.values() for name in names]
+        # Per step: (seconds waited on other stages, seconds of the step). See waited_share.
+        self.waits: list[tuple[float, float]] = []
+        self.waited = 0.0
 
     def train_step(self, step: int, batches: list[dict], lr: float, votes: list[float]) -> tuple[float, float, list]:
         """Optimizer step `step` over this copy's micro-batches `batches` at learning rate `lr`.
         Returns the mean loss, the gradient norm before clipping and every rank's stop `votes`
         (stop.py) summed, the same on every rank."""
         m, cfg = len(batches), self.train_cfg
+        started, self.waited = time.perf_counter(), 0.0
         sends: list = []
         forwarded: deque = deque()  # (micro-batch, its feeds) gone forward, whose backward is due
         loss_sum = 0.0
@@ -163,7 +169,7 @@ class StageRunner:
             if micro_batch >= warm_up(self.grid.stage, self.grid.stages, m):
                 loss_sum += self.backward(step, *forwarded.popleft(), sends)
                 self.set_aside(parts)
-        with self.grid.watch("the stages' receipt of this step's sends"):
+        with self.waiting("the stages' receipt of this step's sends"):
             self.grid.MPI.Request.Waitall(sends)
         grads = dict(zip(self.trainable, gradients(self.state, self.trainable, np)))
         for holders, names in self.tied_groups.items():
@@ -179,7 +185,7 @@ class StageRunner:
         # stage, and every rank's stop votes: one all-reduce over all ranks.
         squares = sum_of_squares([grads[n] for n in self.counted], np) if self.grid.copy == 0 else 0.0
         totals = np.array([squares, loss_sum, *votes])
-        with self.grid.watch("allreduce(metrics)"):
+        with self.waiting("allreduce(metrics)"):  # where a stage that ends first waits for the others
             self.grid.world.Allreduce(self.grid.MPI.IN_PLACE, totals)
         scale_to_mean = 1.0 / (m * self.grid.copies_count)
         norm, loss = math.sqrt(totals[0]) * scale_to_mean, float(totals[1]) * scale_to_mean
@@ -187,7 +193,23 @@ class StageRunner:
         if math.isfinite(loss) and math.isfinite(norm):  # the same on every rank: both are sums over all of them
             self.optimizer.step(lr, self.optimizer_step, self.decay)
         self.module.lazy_reset_grad()
+        self.waits.append((self.waited, time.perf_counter() - started))
         return loss, norm, list(totals[2:])
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        """A wait on other stages (the watchdog's scope `what`), its seconds counted in the step's."""
+        started = time.perf_counter()
+        with self.grid.watch(what):
+            yield
+        self.waited += time.perf_counter() - started
+
+    def waited_share(self) -> float | None:
+        """The share of this rank's steps it waited on other stages (the schedule's bubble, and
+        any imbalance between the stages), over the steps after the first (which also warms up
+        ONNX Runtime's sessions): None before a second step."""
+        steady = self.waits[1:]
+        return sum(w for w, _ in steady) / sum(s for _, s in steady) if steady else None
 
     def forward(self, step: int, micro_batch: int, batch: dict, sends: list) -> dict:
         """Micro-batch `micro_batch` forward: its activation received from the stage before,
@@ -231,7 +253,7 @@ class StageRunner:
         """The activation of the stage boundary `activation` (or its gradient: the same shape) from `source`."""
         boundary = next(s for s in self.plan.stages if s.output == activation)
         buffer = np.empty(self.plan.shape(boundary.output_shape, shapes), np.float32)
-        with self.grid.watch(f"receive {activation} from stage {source}"):
+        with self.waiting(f"receive {activation} from stage {source}"):
             self.grid.column.Recv(buffer, source=source, tag=micro_batch)
         return buffer
 

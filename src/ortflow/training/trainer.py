@@ -232,6 +232,10 @@ class Trainer:
         self.metrics.close()
         raise Stopped(reason, done, where)
 
+    def engine_summary(self) -> dict:
+        """What the engine adds to metrics.json (PipelinedTrainer: its stages' waits)."""
+        return {}
+
     def finish(self, done: int) -> dict:
         """The evaluation of the whole eval split after step `done` (unless the last one was
         that: a run resumed at its end, or stopped early, still reports its quality) and metrics.json."""
@@ -239,7 +243,8 @@ class Trainer:
             self.evaluate(done, whole=True)
         flops_per_sample = sum(self.info["flops_per_sample"].values())
         summary = self.metrics.summary(done, flops_per_sample, self.last_eval, self.comm.allgather(peak_rss_mb()))
-        summary.update(best=self.best.describe(), stopped_early=done < self.steps, baseline=self.baseline)
+        summary.update(best=self.best.describe(), stopped_early=done < self.steps, baseline=self.baseline,
+                       **self.engine_summary())
         behind = baseline_mod.not_beaten(self.last_eval, self.baseline)
         if behind and self.comm.rank == 0:
             log.warning("%s", behind)
@@ -304,6 +309,17 @@ class PipelinedTrainer(Trainer):
 
     def evaluation(self, records: int | None) -> dict:
         return self.runner.evaluate(self.eval_data, self.train_cfg.eval_batch_size, records)
+
+    def engine_summary(self) -> dict:
+        """Each rank's share of its steps spent waiting on other stages, against 1F1B's bubble."""
+        waited = self.comm.allgather(self.runner.waited_share())
+        stages, micro_batches = self.runner.grid.stages, self.train_cfg.grad_accum_steps
+        bubble = (stages - 1) / (micro_batches + stages - 1)
+        if self.comm.rank == 0 and None not in waited:
+            log.info("pipeline stages: ranks waited on other stages %s of their steps (1F1B's bubble at %s "
+                     "and %s: %.0f%%)", ", ".join(f"{share:.0%}" for share in waited), plural(stages, "stage"),
+                     plural(micro_batches, "micro-batch"), 100 * bubble)
+        return {"pipeline_waited_share": waited, "pipeline_bubble": bubble}
 
     def batch_split(self) -> str:
         copies = self.runner.grid.copies_count
