@@ -22,9 +22,8 @@ from ortflow.graphs import pipeline
 from ortflow.models.logits import find as find_logits
 from ortflow.sessions import training_options
 from ortflow.stages import build_artifacts
-from ortflow.stages.prepare_data import prepare
 from ortflow.training import engine, gradients
-from test_transformers import marked_sequences
+from test_transformers import prepare_small_sources, small_sources
 
 BATCH, SEED = 8, 11
 MODELS = {
@@ -36,20 +35,14 @@ MODELS = {
 
 
 def config(root: Path, model: dict, data: str, **train) -> config_mod.Config:
-    sources = {"text": {"source": str(root / "corpus.txt"), "context": 16},
-               "marked": {"source": str(root / "marked.npz"), "features": ["input_ids", "attention_mask"]}}
+    sources = small_sources(root)
     return config_mod.load(overrides={"run": {"seed": 7}, "data": sources[data], "model": model, "train": train})
 
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     """The text and token-id data as train splits."""
-    root = tmp_path_factory.mktemp("pipeline")
-    (root / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    marked_sequences(root / "marked.npz", n=200)
-    for data in ("text", "marked"):
-        prepare(config(root, {"kind": "mlp"}, data), root / data / "train", root / data / "eval")
-    return root
+    return prepare_small_sources(tmp_path_factory.mktemp("pipeline"))
 
 
 def whole(root: Path, name: str) -> Path:

@@ -22,9 +22,8 @@ from ortflow.errors import ConfigError
 from ortflow.graphs import recompute
 from ortflow.sessions import training_options
 from ortflow.stages import build_artifacts
-from ortflow.stages.prepare_data import prepare
 from ortflow.training import engine, gradients
-from test_transformers import marked_sequences
+from test_transformers import prepare_small_sources, small_sources
 
 STEPS, BATCH = 20, 8
 # Loss and gradients of each step, recomputed against kept: the brief's bound. Measured: 0 for
@@ -40,8 +39,7 @@ MODELS = {
 
 
 def config(model: dict, data: str, root: Path, recompute_config="none") -> config_mod.Config:
-    sources = {"text": {"source": str(root / "corpus.txt"), "context": 16},
-               "marked": {"source": str(root / "marked.npz"), "features": ["input_ids", "attention_mask"]}}
+    sources = small_sources(root)
     return config_mod.load(overrides={"run": {"seed": 7}, "data": sources[data], "model": model,
                                       "train": {"recompute": recompute_config}})
 
@@ -49,12 +47,7 @@ def config(model: dict, data: str, root: Path, recompute_config="none") -> confi
 @pytest.fixture(scope="module")
 def root(tmp_path_factory) -> Path:
     """The text and token-id data as train splits."""
-    root = tmp_path_factory.mktemp("recompute")
-    (root / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
-    marked_sequences(root / "marked.npz", n=200)
-    for data in ("text", "marked"):
-        prepare(config({"kind": "mlp"}, data, root), root / data / "train", root / data / "eval")
-    return root
+    return prepare_small_sources(tmp_path_factory.mktemp("recompute"))
 
 
 def built(root: Path, name: str) -> tuple[Path, Path]:

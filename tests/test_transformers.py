@@ -173,6 +173,25 @@ def marked_sequences(path: Path, n: int = 800, length: int = 12, vocab: int = 32
     np.savez(path, input_ids=ids.astype(np.int64), attention_mask=mask, y=labels.astype(np.int64))
 
 
+def small_sources(root: Path) -> dict[str, dict]:
+    """The `data` settings of a small text corpus ("text") and of marked_sequences ("marked") in `root`."""
+    return {"text": {"source": str(root / "corpus.txt"), "context": 16},
+            "marked": {"source": str(root / "marked.npz"), "features": ["input_ids", "attention_mask"]}}
+
+
+def prepare_small_sources(root: Path) -> Path:
+    """Both small_sources written into `root` and prepared into root/<text|marked>/{train,eval}."""
+    from ortflow import config as config_mod
+    from ortflow.stages.prepare_data import prepare
+
+    (root / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    marked_sequences(root / "marked.npz", n=200)
+    for data, source in small_sources(root).items():
+        config = config_mod.load(overrides={"run": {"seed": 7}, "data": source, "model": {"kind": "mlp"}})
+        prepare(config, root / data / "train", root / data / "eval")
+    return root
+
+
 @pytest.mark.e2e
 def test_bert_sequence_classification_on_token_ids(tmp_path, monkeypatch):
     """BertForSequenceClassification (2 layers, width 32) with the attention mask
