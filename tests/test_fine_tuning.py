@@ -198,6 +198,9 @@ def test_bert_with_lora_through_every_stage(tmp_path):
     assert info["lora"]["targets"] == ["query", "value"]
     assert lora_trained(info) in (workdir / "logs/lora/build_artifacts.log").read_text()
     assert f"  trained   {lora_trained(info)}" in result.stdout + result.stderr
+    metrics = json.loads((results / "train/metrics.json").read_text())  # what a sweep's comparison shows
+    assert (metrics["trainable_parameters"], metrics["parameters"]) == (info["trainable_parameters"], info["parameters"])
+    assert metrics["trainable_parameters"] < metrics["parameters"] / 10
 
     initial = read_ort_checkpoint(Artifacts(results / "artifacts").checkpoint)
     merged = read_ort_checkpoint(results / "checkpoint/checkpoint")

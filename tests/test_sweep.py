@@ -104,12 +104,14 @@ def test_stages_are_shared_by_the_keys_they_depend_on():
     assert len({sweep.shared(p.config, "artifacts", graph_keys) for p in points}) == 2
 
 
-def fake_point(folder: Path, losses: list[float], exported: bool, baseline: dict | None = None) -> None:
-    """What a point's stages leave: train/metrics.json with these eval losses (and `baseline`), and the exported model."""
+def fake_point(folder: Path, losses: list[float], exported: bool, baseline: dict | None = None,
+               trained: int = 4_400_000) -> None:
+    """What a point's stages leave: train/metrics.json with these eval losses (and `baseline`, and
+    `trained` of its 4.40M parameters trained), and the exported model."""
     history = {"train": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)],
                "eval": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)]}
     metrics = {"steps": 10 * len(losses), "eval": {"loss": losses[-1]}, "wall_time_s": 1.5, "samples_per_s": 100.0,
-               "history": history, "baseline": baseline}
+               "history": history, "baseline": baseline, "parameters": 4_400_000, "trainable_parameters": trained}
     TrainFolder(folder / "train").folder.mkdir(parents=True)
     TrainFolder(folder / "train").metrics.write_text(json.dumps(metrics))
     if exported:
@@ -149,8 +151,8 @@ def test_the_comparison_says_which_attempt_a_resumed_point_timed_and_which_int8_
     monkeypatch.chdir(tmp_path)
     config = sweep_config(grid={"train.optimizer.lr": [0.1, 0.01]})
     folder = Path("results/sweeps/s")
-    for name in ("lr-0.1", "lr-0.01"):
-        fake_point(folder / name, [0.9, 0.5], exported=True)
+    for name, trained in (("lr-0.1", 290_000), ("lr-0.01", 4_400_000)):  # as LoRA and as full fine-tuning
+        fake_point(folder / name, [0.9, 0.5], exported=True, trained=trained)
     resumed = TrainFolder(folder / "lr-0.1" / "train").metrics
     resumed.write_text(json.dumps({**json.loads(resumed.read_text()), "steps_this_attempt": 5}))
     gate = {"metric": "loss", "drop": 36.0, "unit": "%", "max_accuracy_drop": 1.0, "outcome": "refused"}
@@ -160,6 +162,8 @@ def test_the_comparison_says_which_attempt_a_resumed_point_timed_and_which_int8_
     rows = {row["point"]: row for row in comparison(folder)}
     assert (rows["lr-0.1"]["steps"], rows["lr-0.01"]["steps"]) == ("20 (5 in the last attempt)", "20")
     assert rows["lr-0.1"]["wall time (s, last attempt)"] == "1.5" and rows["lr-0.1"]["samples/s (last attempt)"] == "100"
+    assert (rows["lr-0.1"]["parameters trained"], rows["lr-0.01"]["parameters trained"]) == ("0.29M of 4.40M",
+                                                                                            "4.40M of 4.40M")
     assert rows["lr-0.01"]["int8 eval_loss"] == "refused by the gate, +36% loss (export.max_accuracy_drop: 1)"
     assert rows["lr-0.01"]["status"] == "finished" and best["int8_refused"] == ["lr-0.01"]
     assert "  int8 refused by the gate: lr-0.01 (their fp32 models stand" in sweep_comparison.summary(config, best, [])

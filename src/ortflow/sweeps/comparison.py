@@ -23,14 +23,14 @@ EVAL_KEYS = {"eval_loss": "loss", "accuracy": "accuracy", "perplexity": "perplex
 EXPORTED_MODEL = Path("export", "model.onnx")
 EXPORT_METRICS = Path("export", "metrics.json")
 COLUMNS = ("rank", "point", "status", "best", "best_step", "last", "steps", "wall_time_s", "samples_per_s",
-           "fp32_mb", "int8_mb", "int8_metric", "baseline", "beats_baseline")
+           "trained", "fp32_mb", "int8_mb", "int8_metric", "baseline", "beats_baseline")
 
 
 def point_row(point: Point, sweep: dict, failed_stage: str | None = None) -> dict:
     """A point's line of the comparison, from its train/metrics.json and export/metrics.json.
     Its status: `finished` (exported), `trained` (its export not run yet), `failed: <stage>`
     (`failed_stage`: ranked by its training metric when training finished), `not run`."""
-    from ..reporting.results import read_json, refusal  # numpy and ONNX behind them: not for every Snakefile that imports this
+    from ..reporting.results import count, read_json, refusal  # numpy and ONNX behind them: not for every Snakefile
 
     run = results(point.config)
     train = read_json(TrainFolder(run / "train").metrics)
@@ -51,6 +51,9 @@ def point_row(point: Point, sweep: dict, failed_stage: str | None = None) -> dic
     return {**row, "status": status, "best": best[key] if best else None, "best_step": best["step"] if best else None,
             "last": train["eval"].get(key), "steps": train["steps"], "wall_time_s": train["wall_time_s"],
             "samples_per_s": train["samples_per_s"], "steps_this_attempt": train.get("steps_this_attempt"),
+            # Parameters trained of all: a LoRA point trains its adapters alone (runs before this had no counts).
+            "trained": f"{count(train['trainable_parameters'])} of {count(train['parameters'])}"
+            if "parameters" in train else None,
             "fp32_mb": megabytes(export.get("fp32", {}).get("size_bytes")), "int8_mb": megabytes(int8.get("size_bytes")),
             "int8_metric": refusal(export) or int8.get(key), "int8_refused": refusal(export) is not None,
             **beside_baseline(best, key, train.get("baseline")), "history": train["history"]}
@@ -174,7 +177,7 @@ def write_table(rows: list[dict], swept: list[str], sweep: dict, out: Path) -> N
     spread_keys = ["mean", "std"] if sweep["repeats"] > 1 else []
     header = ["rank", "point", *swept, "status", *(f"{k} {metric} over repeats" for k in spread_keys),
               f"best {metric}", "best step", f"last {metric}", "steps",
-              "wall time (s, last attempt)", "samples/s (last attempt)", "fp32 MB", "int8 MB",
+              "wall time (s, last attempt)", "samples/s (last attempt)", "parameters trained", "fp32 MB", "int8 MB",
               f"int8 {sweep['metric']}", f"baseline {sweep['metric']}", "beats baseline"]
     keys = ["rank", "point", *swept, "status", *spread_keys, *COLUMNS[3:]]
     lines = [[cell({**row, "steps": steps_shown(row)}.get(key)) for key in keys] for row in rows]

@@ -244,6 +244,7 @@ class Trainer:
         flops_per_sample = sum(self.info["flops_per_sample"].values())
         summary = self.metrics.summary(done, flops_per_sample, self.last_eval, self.comm.allgather(peak_rss_mb()))
         summary.update(best=self.best.describe(), stopped_early=done < self.steps, baseline=self.baseline,
+                       parameters=self.info["parameters"], trainable_parameters=self.info["trainable_parameters"],
                        **self.engine_summary())
         behind = baseline_mod.not_beaten(self.last_eval, self.baseline)
         if behind and self.comm.rank == 0:
