@@ -27,10 +27,9 @@ def test_defaults_fill_every_section():
         ({"train": {"world_size": 0}}, "config key 'train.world_size': 0 is less than the minimum of 1"),
         ({"train": {"world_size": 3, "pipeline_stages": 2}}, "config key 'train.world_size': 3 ranks do not divide "
                                                             "into train.pipeline_stages=2 stages; make it a multiple"),
-        ({"train": {"pipeline_stages": 2, "recompute": "blocks"}}, "config key 'train.recompute': 'blocks' is not "
-                                                                  "applied to pipeline stages yet"),
-        ({"train": {"pipeline_stages": 2, "zero": 1}}, "config key 'train.zero': 1 is not applied to pipeline stages "
-                                                      "yet (train.pipeline_stages=2); set train.zero: 0"),
+        ({"train": {"pipeline_stages": 2, "device": "cuda"}}, "config key 'train.device': 'cuda' is not applied to "
+                                                             "pipeline stages yet (train.pipeline_stages=2); set "
+                                                             "train.device: cpu"),
         ({"train": {"wrld_size": 2}}, "config section 'train': unknown key(s) wrld_size; allowed keys:"),
         ({"model": {"kind": "rnn"}}, "config key 'model.kind': 'rnn' is not one of 'mlp', 'cnn'"),
         ({"train": {"optimizer": {"lr": "fast"}}}, "config key 'train.optimizer.lr': 'fast' is not of type 'number'"),

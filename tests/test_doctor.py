@@ -188,7 +188,7 @@ def test_a_model_that_does_not_fit_memory_is_refused_with_the_estimate_and_what_
     assert "activations of 4 samples 4.0 GiB" in check.detail and f"available ({preflight.MEMORY_ENV})" in check.detail
     # ZeRO-1 saves less than two samples' activations here, so it is not offered.
     assert check.fix == ("set train.micro_batch_size to 2 (train.grad_accum_steps 2 keeps the batch); "
-                         "or set train.world_size to 1")
+                         f"or {PIPELINE_FIX}; or set train.world_size to 1")
 
 
 def test_zero_1_is_offered_when_sharding_the_moments_makes_the_model_fit(monkeypatch):
@@ -237,7 +237,59 @@ def test_an_evaluation_batch_that_does_not_fit_is_refused_naming_train_eval_batc
     monkeypatch.setenv(preflight.MEMORY_ENV, str(int(room) + 1))
     assert preflight.check_memory(model, train).fix == (
         "set train.eval_batch_size to 27 and train.zero: 1 (each rank keeps 1/world_size of the AdamW moments); "
+        f"or set train.eval_batch_size to 27 and {PIPELINE_FIX[len('set '):]}; "
         "or set train.eval_batch_size to 27 and train.world_size to 1")
+
+
+PIPELINE_FIX = ("set train.pipeline_stages: 2 and train.grad_accum_steps to 2 (the global batch kept; each rank holds "
+                "one of 2 stages: about half of the weights, gradients, moments and a micro-batch's activations)")
+
+
+def test_with_pipeline_stages_a_rank_holds_its_stages_share():
+    """P = 2, the cut's second stage holding 70% of the parameters (GPT-2's tied embedding is
+    held by the first and the last stage): its rank holds 70% of the weights, gradients, moments
+    and a micro-batch's activations of a rank of the unpipelined model, the same runtime, and
+    under train.zero 1 half of those moments (its stage's 2 copies)."""
+    held = [int(0.45 * GPT2_124M["parameters"]), int(0.7 * GPT2_124M["parameters"])]
+    assert preflight.largest_stage(GPT2_124M, 2, held) == (1, held[1] / GPT2_124M["parameters"])
+    assert preflight.largest_stage(GPT2_124M, 4) == (None, 0.25)  # no cut yet: a balanced one
+    assert preflight.largest_stage(GPT2_124M, 4, held) == (None, 0.25)  # a cut into another number of stages
+    assert preflight.largest_stage(GPT2_124M, 1, held) == (0, 1.0)
+    train = config.load(overrides={"train": {"world_size": 4, "pipeline_stages": 2, "micro_batch_size": 4}}).train
+    whole = preflight.memory_estimate(GPT2_124M, replace(train, pipeline_stages=1), 4, 4)
+    stage = preflight.memory_estimate(GPT2_124M, train, 4, 4, 0.7)
+    assert whole.keys() == stage.keys()
+    for part in ("weights", "gradients", "optimizer moments", "activations of 4 samples"):
+        assert stage[part] == pytest.approx(0.7 * whole[part]), part
+    assert stage["runtime"] == whole["runtime"] == preflight.RANK_RUNTIME_BYTES
+    assert stage["weights"] == pytest.approx(preflight.STATE_COPIES * 4 * 0.7 * 124_439_808)
+    sharded = preflight.memory_estimate(GPT2_124M, replace(train, zero=1), 4, 4, 0.7)
+    assert sharded["optimizer moments"] == pytest.approx(stage["optimizer moments"] / 2)
+
+
+def test_the_memory_check_names_the_largest_stage_and_suggests_two_stages(monkeypatch):
+    """A run of 2 ranks that does not fit at 1 stage but fits at 2 is told to cut it into 2
+    (with twice the micro-batches, the same global batch); at 2 stages the check passes, naming
+    the stage its estimate is of: from the cut where it is built, else of a balanced cut."""
+    small = {**GPT2_124M, "activation_bytes_per_sample": 2**20}
+    train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4, "optimizer": {"name": "sgd"}},
+                                   }).train
+    staged = replace(train, pipeline_stages=2, grad_accum_steps=2)
+    half = sum(preflight.memory_estimate(small, staged, 2, 4, 0.5).values())
+    monkeypatch.setenv(preflight.MEMORY_ENV, str(int(2 * half)))
+    check = preflight.check_memory(small, train)
+    assert check.status == preflight.FAIL
+    # SGD: no train.zero to offer; smaller micro-batches do not fit; one rank holding it all does.
+    assert check.fix == f"{PIPELINE_FIX}; or set train.world_size to 1"
+    check = preflight.check_memory(small, staged)
+    assert check.status == preflight.OK
+    assert check.detail.startswith(f"2 rank(s) x about {preflight.gib(half)} (the rank of one of 2 stages of a "
+                                   "balanced cut: 50% of the model's parameters; weights 0.5 GiB, ")
+    assert preflight.gib(half) == "2.0 GiB"
+    held = [int(0.4 * small["parameters"]), int(0.7 * small["parameters"])]
+    check = preflight.check_memory(small, staged, held=held)
+    assert check.status == preflight.FAIL  # the cut's larger stage does not fit where half the model did
+    assert "(the rank of stage 1, the largest of 2: 70% of the model's parameters; weights 0.6 GiB, " in check.detail
 
 
 def test_train_refuses_before_any_rank_starts(tmp_path):

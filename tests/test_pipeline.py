@@ -185,6 +185,12 @@ def test_build_artifacts_writes_each_stage_and_the_plan(root):
     assert [(s.input, s.output, s.output_shape, s.features, s.parameters, s.dropouts_before) for s in plan.stages] \
         == [(s.input, s.output, s.output_shape, s.features, s.parameters, s.dropouts_before) for s in by_hand.stages]
     assert plan.shape(plan.stages[0].output_shape, {"x": (3, 16)}) == [3, 16, 16]
+    # What each stage holds, for the memory estimate: the tied embedding counted in both stages.
+    sizes = {t.name: int(np.prod(t.dims)) for t in gpt_base(root).graph.initializer}
+    held = pipeline.held_by_stages(built)
+    assert held == [sum(sizes[name] for name in s.parameters) for s in plan.stages]
+    assert sum(held) == built.description()["parameters"] + sizes["tokens.weight"]
+    assert pipeline.held_by_stages(Artifacts(whole(root, "gpt"))) is None  # not cut
 
 
 def gpt_base(root: Path):

@@ -15,8 +15,9 @@ import pytest
 from conftest import copy_inputs, fault, run_on_ranks, run_snakemake
 from ortflow import cli, config as config_mod
 from ortflow.artifacts import Artifacts
-from ortflow.checkpoints import reader
+from ortflow.checkpoints import layout, reader
 from ortflow.checkpoints.ort_format import TrainingState, read_ort_checkpoint
+from ortflow.graphs import recompute
 from ortflow.stages import build_artifacts, merge_checkpoint
 from ortflow.stages.prepare_data import prepare
 from ortflow.training import engine, gradients
@@ -32,11 +33,13 @@ MODELS = {
 }
 
 
-def settings(root: Path, world_size: int, stages: int, accumulated: int = 1, model: str = "gpt") -> config_mod.Config:
+def settings(root: Path, world_size: int, stages: int, accumulated: int = 1, model: str = "gpt",
+             zero: int = 0, recompute: str = "none") -> config_mod.Config:
     """The same run at any P: the global batch is micro_batch_size x grad_accum_steps x world_size / P."""
     return config_mod.load(overrides={
         "run": {"seed": 5}, "data": {"source": str(root / "corpus.txt"), "context": 8}, "model": MODELS[model],
-        "train": {"world_size": world_size, "pipeline_stages": stages, "steps": STEPS,
+        "train": {"world_size": world_size, "pipeline_stages": stages, "zero": zero, "recompute": recompute,
+                  "steps": STEPS,
                   "micro_batch_size": BATCH // accumulated, "grad_accum_steps": accumulated, "clip_grad_norm": 0.5,
                   "checkpoint_every": STEPS, "eval_every": 1000, "log_every": 1000}})
 
@@ -77,16 +80,16 @@ def built(root: Path, model: str, stages: int) -> Path:
     return out
 
 
-def trained(folder: Path, config, artifacts: Path, train: Path) -> tuple[Path, dict]:
+def trained(folder: Path, config, artifacts: Path, train: Path) -> tuple[Path, dict, str]:
     """The checkpoint after train.steps steps of the Trainer on its ranks (the rank's entry that `ortflow
-    train` starts), and its evaluation of the whole eval split after them (metrics.json's)."""
+    train` starts), its evaluation of the whole eval split after them (metrics.json's), and the ranks' log."""
     folder.mkdir()
     job = {"config": config_mod.as_dict(config), "train": str(train), "eval": str(train.parent / "eval"),
            "artifacts": str(artifacts), "out": str(folder / "train")}
-    run_on_ranks(folder, f"from ortflow.training import trainer\ntrainer.main([{json.dumps(job)!r}])\n",
-                 config.train.world_size)
+    ranks = run_on_ranks(folder, f"from ortflow.training import trainer\ntrainer.main([{json.dumps(job)!r}])\n",
+                         config.train.world_size)
     return (folder / "train" / "checkpoints" / f"step-{config.train.steps:08d}",
-            json.loads((folder / "train" / "metrics.json").read_text())["eval"])
+            json.loads((folder / "train" / "metrics.json").read_text())["eval"], ranks.stderr)
 
 
 def largest_difference(got: TrainingState, expected: TrainingState) -> float:
@@ -114,10 +117,10 @@ def test_stages_train_the_weights_of_one(model, stages, copies, accumulated, roo
     checkpoints merge_checkpoint makes of both. Measured: 0 in all five, bit for bit. And
     metrics.json's evaluation (through the stages) is the P = 1 run's."""
     artifacts, train = built(root, model, stages), root / "train"
-    expected, expected_eval = trained(tmp_path / "p1", settings(root, copies, 1, accumulated, model), artifacts,
-                                      train)
-    got, got_eval = trained(tmp_path / "pipelined", settings(root, stages * copies, stages, accumulated, model),
-                            artifacts, train)
+    expected, expected_eval, _ = trained(tmp_path / "p1", settings(root, copies, 1, accumulated, model), artifacts,
+                                         train)
+    got, got_eval, _ = trained(tmp_path / "pipelined", settings(root, stages * copies, stages, accumulated, model),
+                               artifacts, train)
     # Every rank wrote its part of its stage; read together (and checked against the whole model), the
     # shards are the whole model's state, each parameter covered once.
     pipelined = reader.read_checkpoint(got, artifacts)
@@ -142,6 +145,68 @@ def test_stages_train_the_weights_of_one(model, stages, copies, accumulated, roo
     state = engine.initial_state(Artifacts(artifacts))
     initial = gradients.parameters_on_host(state, engine.trainable(state), np)
     assert max(float(np.abs(expected[name] - initial[name]).max()) for name in initial) > 1e-2
+
+
+@pytest.mark.e2e
+def test_zero_1_within_a_stage_trains_the_weights_of_one(root, tmp_path):
+    """P = 2 x D = 2 under train.zero 1 (each stage's optimizer moments sharded over its 2
+    copies by sharding.py's ZeRO-1, as at P = 1) against P = 1 on 2 ranks with train.zero 0
+    and 1: every parameter and moment of the checkpoints after 20 steps of 4 micro-batches,
+    and of the whole-model checkpoints merge_checkpoint makes of them, within 1e-6. Measured:
+    9.2e-7 against zero 0 and 4.5e-7 against zero 1, on the attention's key bias, whose
+    gradient is only rounding: the global norm's squares are summed over other parts (each
+    copy's run), and AdamW turns the last bit of the clipping factor into that (at P = 2
+    with zero 0, which sums them as P = 1 does, 0)."""
+    artifacts, train = built(root, "gpt", 2), root / "train"
+    got, got_eval, log = trained(tmp_path / "pipelined", settings(root, 4, 2, 4, zero=1), artifacts, train)
+    # Rank 0 (stage 0's copy 0) holds its run of its stage's moments: what it writes of the checkpoint.
+    _, shard = reader.read_shard(got / layout.shard_name(0, 4))
+    held = sum(array.nbytes for moments in shard.optimizer_states.values() for array in moments.values())
+    state = engine.initial_state(Artifacts(artifacts).stage(0))
+    stage = 2 * sum(array.nbytes for array in gradients.parameters(state, engine.trainable(state), np))
+    assert 0.3 * stage < held < 0.7 * stage
+    assert (f"train.zero 1: the optimizer's moments sharded over 2 ranks: rank 0 holds {held / 1e6:,.2f} MB of "
+            f"{stage / 1e6:,.2f} MB") in log
+    merged_got = read_ort_checkpoint(merge_checkpoint.merge(got, tmp_path / "merged-pipelined", model=artifacts)
+                                     / "checkpoint")
+    for zero in (0, 1):
+        expected, expected_eval, _ = trained(tmp_path / f"p1-zero{zero}", settings(root, 2, 1, 4, zero=zero),
+                                             artifacts, train)
+        worst = largest_difference(reader.read_checkpoint(got, artifacts).state,
+                                   reader.read_checkpoint(expected, artifacts).state)
+        merged = read_ort_checkpoint(merge_checkpoint.merge(expected, tmp_path / f"merged-p1-zero{zero}",
+                                                            model=artifacts) / "checkpoint")
+        assert merged_got.optimizer == merged.optimizer
+        worst_merged = largest_difference(merged_got, merged)
+        print(f"P=2 x D=2 zero 1 against P=1 zero {zero} after {STEPS} steps: largest difference {worst:.3g} in "
+              f"the checkpoints, {worst_merged:.3g} merged")
+        assert worst < 1e-6 and worst_merged < 1e-6
+        assert got_eval == pytest.approx(expected_eval, rel=1e-6)  # perplexity is exp(loss): relative
+
+
+@pytest.mark.e2e
+def test_recompute_within_stages_trains_the_weights_of_one(root, tmp_path):
+    """train.recompute: blocks with P = 2: each stage's own training graph rewritten as the whole
+    model's is (graphs/recompute.py), 20 steps of 4 micro-batches against P = 1 without
+    recomputation: every parameter and moment within 1e-6. Measured: 0."""
+    import onnx
+
+    artifacts, train = root / "gpt-2-recompute", root / "train"
+    build_artifacts.build(settings(root, 2, 2, recompute="blocks"), train, artifacts)
+    # Cut by parameters, the tiny gpt's first stage is its token embedding alone, the second its 2
+    # blocks, whose forward the second stage's backward recomputes.
+    recomputed = [{node.name.split("/")[2] for node in onnx.load(str(Artifacts(artifacts).stage(stage).training_model),
+                                                                 load_external_data=False).graph.node
+                   if node.name.endswith(recompute.SUFFIX) and node.name.startswith("/blocks/")}
+                  for stage in range(2)]
+    assert recomputed == [set(), {"blocks.0", "blocks.1"}]
+    got, got_eval, _ = trained(tmp_path / "pipelined", settings(root, 2, 2, 4, recompute="blocks"), artifacts, train)
+    expected, expected_eval, _ = trained(tmp_path / "p1", settings(root, 1, 1, 4), built(root, "gpt", 2), train)
+    worst = largest_difference(reader.read_checkpoint(got, artifacts).state,
+                               reader.read_checkpoint(expected, artifacts).state)
+    print(f"P=2 with train.recompute: blocks against P=1 without, after {STEPS} steps: largest difference {worst:.3g}")
+    assert worst < 1e-6
+    assert got_eval == pytest.approx(expected_eval, rel=1e-6)
 
 
 def workflow_config(corpus: Path, name: str, stages: int) -> dict:
@@ -201,7 +266,7 @@ def test_a_run_resumes_at_another_number_of_stages(workflow, tmp_path):
     for name, stages, other in (("staged", 2, "whole"), ("whole", 1, "staged")):
         config = workflow_config(corpus, name, stages)
         config["train"]["resume_from"] = str(work / f"results/{other}/train/checkpoints/step-00000003")
-        checkpoint, _ = trained(tmp_path / name, config_mod.load(overrides=config), artifacts, data)
+        checkpoint, _, _ = trained(tmp_path / name, config_mod.load(overrides=config), artifacts, data)
         worst = largest_difference(reader.read_checkpoint(checkpoint).state, reader.read_checkpoint(
             work / f"results/{other}/train/checkpoints/step-00000006").state)
         print(f"{name} resumed from {other}'s step 3: largest difference at step 6 {worst:.3g}")

@@ -261,8 +261,7 @@ def _check_cross_keys(config: Config) -> None:
         raise ConfigError(f"config key 'train.world_size': {train.world_size} ranks do not divide into "
                           f"train.pipeline_stages={train.pipeline_stages} stages; make it a multiple of it")
     # What the pipeline stages (training/pipeline_schedule.py) do not do yet, each with the value that works.
-    for key, value, works in (("recompute", train.recompute, "none"), ("zero", train.zero, 0),
-                              ("device", train.device, "cpu"), ("profile_steps", train.profile_steps, None)):
+    for key, value, works in (("device", train.device, "cpu"), ("profile_steps", train.profile_steps, None)):
         if train.pipeline_stages > 1 and value != works:
             raise ConfigError(f"config key 'train.{key}': {value!r} is not applied to pipeline stages yet "
                               f"(train.pipeline_stages={train.pipeline_stages}); set train.{key}: "

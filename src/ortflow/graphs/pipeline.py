@@ -79,6 +79,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,6 +114,9 @@ class Stage:
     features: list[str]  # the batch's inputs it reads
     parameters: list[str]  # the float initializers it reads
     dropouts_before: int  # Dropout nodes of the stages before it (the seed's offset)
+    # The elements of its parameters, for the memory estimate (training/preflight.py); absent
+    # from a pipeline.json written before it was counted.
+    held: int | None = None
 
 
 @dataclass
@@ -145,6 +149,15 @@ class Plan:
         return cls([Stage(model=None, **stage) for stage in described["stages"]], described["tied"],
                    described["costs"], described["balance"],
                    {name: tuple(where) for name, where in described["symbols"].items()})
+
+
+def held_by_stages(artifacts: Artifacts) -> list[int] | None:
+    """Each stage's parameter elements (Stage.held) in the cut of `artifacts`; None where they
+    are not cut into stages, or their pipeline.json does not count them."""
+    if not artifacts.pipeline_json.is_file():
+        return None
+    held = [stage.held for stage in Plan.load(artifacts.pipeline_json).stages]
+    return None if None in held else held
 
 
 def weighted_tensors(graph) -> set[str]:
@@ -378,7 +391,8 @@ def stage_model(model, nodes: list, index: int, start: str | None, end: str, dro
     stage = onnx.helper.make_model(stage_graph, opset_imports=model.opset_import, ir_version=model.ir_version,
                                    functions=model.functions)
     parameters = [name for name in read if name in initializers and is_float(initializers[name])]
-    return Stage(index, stage, start, end, dims_of(types[end]), features, parameters, dropouts_before)
+    held = sum(math.prod(initializers[name].dims) for name in parameters)
+    return Stage(index, stage, start, end, dims_of(types[end]), features, parameters, dropouts_before, held)
 
 
 def named(candidates: list[tuple[int, str]], shown: int = 12) -> str:

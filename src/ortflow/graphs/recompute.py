@@ -86,11 +86,11 @@ def block_patterns(forward: list) -> list[str]:
     return [max(counts, key=counts.get) + ".*"]
 
 
-def find_blocks(graph, recompute) -> list[Block]:
+def find_blocks(graph, recompute, every_item: bool = True) -> list[Block]:
     """The blocks `recompute` names: `blocks` (found by `block_patterns`), or a list whose
     items are tensor names of the forward (recomputed alone, from their node's inputs) or
     node-name patterns (fnmatch; each distinct shortest path matched is one block).
-    An item that matches nothing is refused."""
+    An item that matches nothing is refused, unless not `every_item` is asked for."""
     forward = forward_nodes(graph)
     items = block_patterns(forward) if recompute == "blocks" else list(recompute)
     producer = {name: node for node in forward for name in node.output}
@@ -109,7 +109,7 @@ def find_blocks(graph, recompute) -> list[Block]:
             used.add(item)
             blocks[item] = Block(item, [producer[item]], {item})
     unmatched = [item for item in items if item not in used]
-    if unmatched:
+    if unmatched and every_item:
         raise ConfigError(f"config key 'train.recompute': {unmatched[0]!r} matches no tensor and no node path of "
                           "the training graph's forward (node names are module paths, e.g. /transformer/h.0)")
     return list(blocks.values())
@@ -139,16 +139,17 @@ def kept_for_backward(graph) -> set[str]:
             for name in node.input if name in computed}
 
 
-def apply(path: Path, recompute_config) -> list[Block]:
+def apply(path: Path, recompute_config, every_item: bool = True) -> list[Block]:
     """Rewrite the training graph at `path` in place (its external data untouched) so that the
     blocks of `recompute_config` (train.recompute) are recomputed in the backward. Returns the
-    blocks ([] for `none`)."""
+    blocks ([] for `none`). `every_item` False: a pipeline stage's graph, which holds those of
+    the whole model's blocks (their names, `recompute_config`) that lie in it, maybe none."""
     import onnx
 
     if recompute_config == "none":
         return []
     model = onnx.load(str(path), load_external_data=False)
-    blocks = rewrite(model.graph, recompute_config)
+    blocks = rewrite(model.graph, recompute_config, every_item)
     onnx.save(model, str(path))
     return blocks
 
@@ -176,14 +177,14 @@ def activation_bytes_with_blocks(graph, sizes: dict[str, int]) -> int | None:
     return activation_bytes(copy, blocks, sizes) if blocks else None
 
 
-def rewrite(graph, recompute_config) -> list[Block]:
+def rewrite(graph, recompute_config, every_item: bool = True) -> list[Block]:
     """`recompute` on a loaded graph. Nodes are told apart by id(): `held` keeps every node's
     Python object alive, so protobuf hands out the same object each time."""
     in_order = topological(list(graph.node))
     del graph.node[:]
     graph.node.extend(in_order)
     held = list(graph.node)
-    blocks = find_blocks(graph, recompute_config)
+    blocks = find_blocks(graph, recompute_config, every_item)
     forward = forward_nodes(graph)
     forward_ids = {id(node) for node in forward}
     backward = [node for node in graph.node if id(node) not in forward_ids]

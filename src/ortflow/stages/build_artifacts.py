@@ -77,7 +77,11 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
             log.info("train.recompute: %d block(s) recomputed in the backward (%s ...)", len(blocks), blocks[0].name)
         if config.train.pipeline_stages > 1:  # from the weights, which drop_weights clears
             plan = pipeline.cut(base, config.train.pipeline_stages, manifest=manifest)
-            pipeline.build(plan, trainable, loss, manifest["label"], config.train.optimizer, tmp, logits)
+            for stage in pipeline.build(plan, trainable, loss, manifest["label"], config.train.optimizer, tmp, logits):
+                # Each stage's own training graph recomputes those of the whole model's blocks it holds.
+                if blocks:
+                    held = recompute.apply(Artifacts(stage).training_model, [b.name for b in blocks], every_item=False)
+                    log.info("train.recompute: %d block(s) recomputed in %s", len(held), stage.name)
         drop_weights(base)
         running_stats = batchnorm.adapt(tmp)
         smoke_step(tmp, train_dir, manifest)

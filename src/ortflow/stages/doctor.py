@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .. import atomic, config as config_mod, cuda_libraries, ort_private
 from ..artifacts import Artifacts
+from ..graphs import pipeline
 from ..errors import OrtflowError
 from ..wording import plural
 from ..training.preflight import (
@@ -283,7 +284,8 @@ def model_checks(args, config: config_mod.Config, world_size: int) -> list[Check
         why = f"skipped: no {model.model_json} (build the artifacts first: snakemake build_artifacts)"
         return [Check("memory", SKIP, why), Check("checkpoint disk", SKIP, why)]
     description, train = model.description(), dataclasses.replace(config.train, world_size=world_size)
-    return [check_memory(description, train), check_checkpoint_disk(description, train, Path("results"))]
+    return [check_memory(description, train, held=pipeline.held_by_stages(model)),
+            check_checkpoint_disk(description, train, Path("results"))]
 
 
 def render(checks: list[Check]) -> str:

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from .. import atomic, config as config_mod
 from ..artifacts import Artifacts
+from ..graphs import pipeline
 from ..launcher import launcher_command, launcher_env
 from ..training.preflight import host_cores, preflight, raise_if_problems
 from ..training.run_folder import TrainFolder
@@ -63,7 +64,7 @@ def run(args) -> int:
     check_stages(model, config.train.pipeline_stages)
     # Without model.json the ranks stop at once, naming the missing artifacts.
     description = model.description() if model.model_json.is_file() else None
-    raise_if_problems(preflight(config, args.mpi, folder.folder.parent, description))
+    raise_if_problems(preflight(config, args.mpi, folder.folder.parent, description, pipeline.held_by_stages(model)))
     append_to_log()
     lock = lock_attempt(folder)
     if lock is None:

@@ -34,12 +34,15 @@ with D ranks reads them):
      parts aside after every backward, leaving zeros to accumulate on). Summed per stage
      first, the last bits differed, and AdamW turned that into differences of 2.6e-6 in 20
      steps on the attention's key bias, whose gradient is only rounding. Then the stage's
-     gradients summed over its copies;
+     gradients summed over its copies by sharding.py, as a P = 1 run sums them over its
+     ranks: all-reduced, or under train.zero 1 reduce-scattered, each copy holding the sum
+     of its run of the stage's parameters (the stage's layout, cut as a P = 1 run's);
   3. the global norm from every stage's sum of squares (a tied weight counted
      once, in its first stage), and the loss from the last stage: one all-reduce
      over all ranks; then the gradients scaled to the mean and clipped as with P = 1;
   4. the stage's optimizer step (its own moments; every holder of a tied weight
-     applies the same update to the same weight).
+     applies the same update to the same weight), over what the copy owns; under
+     train.zero 1 the updated runs are then gathered on every copy of the stage.
 
 An evaluation (`StageRunner.evaluate`) sends each eval batch forward through the stages
 with Dropout off; the last stage adds up the loss and metrics as a P = 1 rank does.
@@ -49,7 +52,7 @@ Trainer's log, metrics, evaluation periods, early stopping, stop requests and ch
 (each rank writes its part of its stage: `checkpoint_slices`). Every wait on another
 rank (a receive, the sends' end, a sum) runs under the watchdog (`watch`), which ends
 the run when it lasts longer than train.collective_timeout_s.
-Not here yet: train.zero 1 within a stage's copies, BatchNorm (refused by the cut), CUDA.
+Not here yet: BatchNorm (refused by the cut), CUDA.
 """
 
 from __future__ import annotations
@@ -62,14 +65,14 @@ from collections import deque
 import numpy as np
 
 from ..artifacts import Artifacts
+from ..checkpoints.checks import MOMENTS
 from ..data.shards import ShardReader
 from ..evaluation import Tally, feeds as feeds_in_order
 from ..graphs import pipeline
-from . import weight_decay
+from . import sharding, weight_decay
 from .engine import initial_state, open_sessions, seed_random_operators, trainable
-from .gradients import allreduce_in_buckets, gradients, parameters, scale_and_clip, sum_of_squares
+from .gradients import allreduce_in_buckets, gradients, scale_and_clip
 from .optimizer import Optimizer
-from .sharding import Replicated, layout_of
 
 
 def place(rank: int, world_size: int, stages: int) -> tuple[int, int]:
@@ -84,24 +87,35 @@ def warm_up(stage: int, stages: int, micro_batches: int) -> int:
 
 
 class Sums:
-    """Sums over one communicator, the interface gradients.py and sharding.py take from a rank's comm;
-    `what` names it to the watchdog (`watch`)."""
+    """Sums over one communicator, the interface gradients.py and sharding.py take from a rank's comm
+    (comm.MPIComm); `group` names its ranks to the watchdog (`watch`)."""
 
     xp = np
 
-    def __init__(self, comm, watch, what: str):
+    def __init__(self, comm, watch, group: str):
         from mpi4py import MPI
 
-        self.comm, self.in_place, self.watch, self.what = comm, MPI.IN_PLACE, watch, what
+        self.comm, self.MPI, self.watch, self.group = comm, MPI, watch, group
+        self.rank, self.world_size = comm.Get_rank(), comm.Get_size()
         self._buckets: dict = {}
 
     def allreduce_gradients(self, grads: list) -> None:
-        if self.comm.Get_size() > 1:
+        if self.world_size > 1:
             allreduce_in_buckets(grads, np, self.reduce_flat, self._buckets)
 
     def reduce_flat(self, flat) -> None:
-        with self.watch(self.what):
-            self.comm.Allreduce(self.in_place, flat)
+        with self.watch(f"allreduce(gradients of {self.group})"):
+            self.comm.Allreduce(self.MPI.IN_PLACE, flat)
+
+    def reduce_scatter_flat(self, flat, mine, counts: list[int]) -> None:
+        """train.zero 1: this rank's run (`counts` elements each, in rank order) of the sum of `flat`, into `mine`."""
+        with self.watch(f"reduce_scatter(gradients of {self.group})"):
+            self.comm.Reduce_scatter(flat, mine, counts, op=self.MPI.SUM)
+
+    def allgather_flat(self, mine, flat, counts: list[int]) -> None:
+        """train.zero 1: every rank's run (this rank's is `mine`) of `counts` elements into `flat`, in rank order."""
+        with self.watch(f"allgather(parameters of {self.group})"):
+            self.comm.Allgatherv(mine, [flat, counts])
 
 
 class Grid:
@@ -114,8 +128,7 @@ class Grid:
         self.MPI, self.world, self.stages, self.watch = MPI, world, stages, watch
         self.copies_count = world.Get_size() // stages
         self.stage, self.copy = place(world.Get_rank(), world.Get_size(), stages)
-        self.copies = Sums(world.Split(color=self.stage, key=self.copy), watch,
-                           f"allreduce(gradients of stage {self.stage})")
+        self.copies = Sums(world.Split(color=self.stage, key=self.copy), watch, f"stage {self.stage}")
         self.column = world.Split(color=self.copy, key=self.stage)  # rank in it = stage
         # Every rank takes part in each Split, in the same order; the stages outside a group get no communicator.
         self.tied: dict[tuple[int, ...], Sums] = {}
@@ -123,7 +136,7 @@ class Grid:
             member = self.stage in holders
             comm = world.Split(color=self.copy if member else MPI.UNDEFINED, key=self.stage)
             if member:
-                self.tied[holders] = Sums(comm, watch, f"allreduce(tied gradients of stages {list(holders)})")
+                self.tied[holders] = Sums(comm, watch, f"the tied weights of stages {list(holders)}")
 
 
 class StageRunner:
@@ -141,8 +154,13 @@ class StageRunner:
         self.state = initial_state(own)
         self.module, self.optimizer_step = open_sessions(own, self.state, "cpu", threads, train_cfg.optimizer, np)
         self.trainable = trainable(self.state)
-        self.optimizer = Optimizer(self.state, Replicated(self.state, self.trainable, grid.copies).pieces,
-                                   train_cfg.optimizer, np)
+        # The stage's parameters cut over its copies as a P = 1 run's are over its ranks: what each
+        # copy steps under train.zero 1 (sharding.py) and, but for the tied weights an earlier stage
+        # writes, what it writes of a checkpoint.
+        self.layout = sharding.layout(self.state, self.trainable, len(MOMENTS[train_cfg.optimizer.name]),
+                                      grid.copies_count, np)
+        self.sharding = sharding.for_run(train_cfg, self.state, self.trainable, grid.copies, self.layout)
+        self.optimizer = Optimizer(self.state, self.sharding.pieces, train_cfg.optimizer, np)
         self.decay = weight_decay.for_run(self.state, self.trainable, self.info, train_cfg.optimizer, np)
         # A tied weight's gradient is summed over its stages; its norm counted in the first of them.
         self.tied_groups = {holders: [n for n in self.trainable if tuple(plan.tied.get(n, ())) == holders]
@@ -171,7 +189,7 @@ class StageRunner:
                 self.set_aside(parts)
         with self.waiting("the stages' receipt of this step's sends"):
             self.grid.MPI.Request.Waitall(sends)
-        grads = dict(zip(self.trainable, gradients(self.state, self.trainable, np)))
+        grads = dict(zip(self.tied_names, gradients(self.state, self.tied_names, np)))
         for holders, names in self.tied_groups.items():
             for name in names:
                 by_micro_batch = np.stack(parts[name])
@@ -180,18 +198,18 @@ class StageRunner:
                 for part in by_micro_batch[1:]:  # as ORT accumulates a P = 1 run's micro-batches
                     accumulated += part
                 grads[name][...] = accumulated
-        self.grid.copies.allreduce_gradients(list(grads.values()))
-        # The squares once per stage (copy 0's: the copies hold the same sums), the loss from the last
-        # stage, and every rank's stop votes: one all-reduce over all ranks.
-        squares = sum_of_squares([grads[n] for n in self.counted], np) if self.grid.copy == 0 else 0.0
-        totals = np.array([squares, loss_sum, *votes])
+        self.sharding.sum_gradients()  # over the stage's copies: all of them, or each copy its run (train.zero 1)
+        # The squares of each stage counted once (sharding.py's share of each copy), the loss from the
+        # last stage, and every rank's stop votes: one all-reduce over all ranks.
+        totals = np.array([self.sharding.share_of_squares(self.counted), loss_sum, *votes])
         with self.waiting("allreduce(metrics)"):  # where a stage that ends first waits for the others
             self.grid.world.Allreduce(self.grid.MPI.IN_PLACE, totals)
         scale_to_mean = 1.0 / (m * self.grid.copies_count)
         norm, loss = math.sqrt(totals[0]) * scale_to_mean, float(totals[1]) * scale_to_mean
-        scale_and_clip(list(grads.values()), norm, scale_to_mean, cfg.clip_grad_norm)
+        scale_and_clip(self.sharding.owned_gradients(), norm, scale_to_mean, cfg.clip_grad_norm)
         if math.isfinite(loss) and math.isfinite(norm):  # the same on every rank: both are sums over all of them
             self.optimizer.step(lr, self.optimizer_step, self.decay)
+            self.sharding.gather()
         self.module.lazy_reset_grad()
         self.waits.append((self.waited, time.perf_counter() - started))
         return loss, norm, list(totals[2:])
@@ -298,13 +316,8 @@ class StageRunner:
         return tally.results(totals)
 
     def checkpoint_slices(self) -> dict[str, tuple[int, int]]:
-        """What this rank writes of a checkpoint, {parameter: (start, stop)}: its stage's
-        parameters (a tied weight by the first stage that holds it only, so that the shards
-        cover each parameter once) cut over the stage's copies as layout.cut cuts a P = 1
-        run's over its ranks. Read together, the shards are the whole model's state."""
-        names = [name for name, _ in self.state.parameters
-                 if self.plan.tied.get(name, [self.grid.stage])[0] == self.grid.stage]
-        arrays = dict(zip(names, parameters(self.state, names, np)))
-        return layout_of(arrays, self.trainable, len(self.optimizer.moment_names), self.grid.copies_count)[
-            self.grid.copy]
-
+        """What this rank writes of a checkpoint, {parameter: (start, stop)}: its part of its
+        stage's parameters (`layout`), but a tied weight only in the first stage that holds it,
+        so that the shards cover each parameter once. Read together, they are the whole model's state."""
+        return {name: piece for name, piece in self.layout[self.grid.copy].items()
+                if self.plan.tied.get(name, [self.grid.stage])[0] == self.grid.stage}

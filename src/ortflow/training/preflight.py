@@ -298,23 +298,44 @@ def available_memory() -> tuple[int, str]:
     return available, where
 
 
-def memory_estimate(description: dict, train, world_size: int, micro_batch: int) -> dict[str, float]:
+def largest_stage(description: dict, stages: int, held: list[int] | None = None) -> tuple[int | None, float]:
+    """(stage, share) of the stage that holds the most of the model's parameters, and its share of
+    them: from the cut's `held` (pipeline.json: each stage's parameter elements, a weight that two
+    stages read counted in both) or, before the artifacts are cut into P stages, (None, 1/P) of a
+    balanced cut."""
+    if stages == 1:
+        return 0, 1.0
+    if not held or len(held) != stages:
+        return None, 1 / stages
+    stage = max(range(len(held)), key=held.__getitem__)
+    return stage, held[stage] / description["parameters"]
+
+
+def memory_estimate(description: dict, train, world_size: int, micro_batch: int,
+                    share: float = 1.0) -> dict[str, float]:
     """A rank's peak memory in bytes, by part, from model.json: float32 weights, their
-    gradients, the optimizer's moments (a 1/world_size share of them with train.zero 1),
-    the larger of the forward pass's activations for a micro-batch and what an evaluation
-    batch of train.eval_batch_size holds (an evaluation runs between steps, never during
-    one), and the runtime."""
-    trainable = description["trainable_parameters"]
+    gradients, the optimizer's moments (with train.zero 1, a 1/D share of them, D = world_size
+    / train.pipeline_stages copies), the larger of the forward pass's activations for a
+    micro-batch and what an evaluation batch of train.eval_batch_size holds (an evaluation
+    runs between steps, never during one), and the runtime.
+    With train.pipeline_stages P > 1, of the rank of a stage holding `share` of the model's
+    parameters (largest_stage): that share of the weights, gradients, moments and of a
+    micro-batch's activations. The micro-batches 1F1B keeps in flight on a stage (up to P - s
+    on stage s) hold no more: a stage's forward runs its eval graph, which keeps no activations,
+    and its training step (forward again, and backward) one micro-batch at a time; what they
+    keep is the activation received at the stage's boundary, one a micro-batch, not counted.
+    An evaluation batch is counted whole: the last stage holds the logits, most of it."""
+    trainable = share * description["trainable_parameters"]
     moments = len(MOMENTS[train.optimizer.name]) * 4 * trainable
     if train.zero == 1:
-        moments /= world_size
-    training = micro_batch * description["activation_bytes_per_sample"]
+        moments /= world_size // train.pipeline_stages
+    training = share * micro_batch * description["activation_bytes_per_sample"]
     # model.json of artifacts built before evaluations were counted has no eval_bytes_per_sample.
     evaluation = train.eval_batch_size * description.get("eval_bytes_per_sample", 0)
     batch = ({f"activations of {micro_batch} samples": training} if training >= evaluation
              else {f"an evaluation batch of {train.eval_batch_size} samples": evaluation})
     return {
-        "weights": STATE_COPIES * 4 * description["parameters"],
+        "weights": STATE_COPIES * 4 * share * description["parameters"],
         "gradients": STATE_COPIES * 4 * trainable,
         "optimizer moments": STATE_COPIES * moments,
         **batch,
@@ -322,18 +343,20 @@ def memory_estimate(description: dict, train, world_size: int, micro_batch: int)
     }
 
 
-def memory_fixes(description: dict, train, world_size: int, available: int) -> list[str]:
-    """The settings that would fit `world_size` ranks in `available` bytes, each alone; where
-    an evaluation batch is the larger part and no smaller one fits alone, each together with
-    evaluation batches no larger than a training step's activations."""
-    def fits(ranks: int, micro: int, settings: dict, model: dict = description) -> bool:
-        return ranks * sum(memory_estimate(model, settings, ranks, micro).values()) <= available
+def memory_fixes(description: dict, train, world_size: int, available: int, share: float = 1.0) -> list[str]:
+    """The settings that would fit `world_size` ranks (of stages whose largest holds `share` of the
+    model) in `available` bytes, each alone; where an evaluation batch is the larger part and no
+    smaller one fits alone, each together with evaluation batches no larger than a training step's
+    activations."""
+    def fits(ranks: int, micro: int, settings, model: dict = description, part: float = share) -> bool:
+        return ranks * sum(memory_estimate(model, settings, ranks, micro, part).values()) <= available
 
     micro, fixes, also = train.micro_batch_size, [], ""
+    stages, copies = train.pipeline_stages, world_size // train.pipeline_stages
     # Smaller evaluation batches read the same records: the cheapest fix, where it is one.
     eval_batch = next((e for e in range(train.eval_batch_size - 1, 0, -1)
                        if fits(world_size, micro, replace(train, eval_batch_size=e))), None)
-    step_bytes = micro * description["activation_bytes_per_sample"]
+    step_bytes = share * micro * description["activation_bytes_per_sample"]
     sample_eval_bytes = description.get("eval_bytes_per_sample", 0)
     if eval_batch:
         fixes.append(f"set train.eval_batch_size to {eval_batch} (an evaluation reads the same records, in smaller "
@@ -345,35 +368,48 @@ def memory_fixes(description: dict, train, world_size: int, available: int) -> l
     if smaller:
         fixes.append(f"set {also}train.micro_batch_size to {smaller} (train.grad_accum_steps {-(-micro // smaller)} "
                      "keeps the batch)")
-    if train.optimizer.name == "adamw" and world_size > 1 and not train.zero \
+    if train.optimizer.name == "adamw" and copies > 1 and not train.zero \
             and fits(world_size, micro, replace(train, zero=1)):
-        fixes.append(f"set {also}train.zero: 1 (each rank keeps 1/world_size of the AdamW moments)")
+        fixes.append(f"set {also}train.zero: 1 (each rank keeps 1/world_size of the AdamW moments)" if stages == 1
+                     else f"set {also}train.zero: 1 (each rank keeps 1/{copies} of its stage's AdamW moments)")
     # build_artifacts counts what train.recompute: blocks would keep (absent: no blocks, or recompute on).
     recomputed = description.get("activation_bytes_per_sample_recompute_blocks")
     if recomputed and fits(world_size, micro, train, {**description, "activation_bytes_per_sample": recomputed}):
-        fixes.append(f"set {also}train.recompute: blocks (activations of {micro} samples {gib(micro * recomputed)} "
-                     f"instead of {gib(step_bytes)}, a step {RECOMPUTE_STEP_TIME} as long)")
-    fewer = next((w for w in range(world_size - 1, 0, -1) if fits(w, micro, train)), None)
+        fixes.append(f"set {also}train.recompute: blocks (activations of {micro} samples "
+                     f"{gib(share * micro * recomputed)} instead of {gib(step_bytes)}, a step {RECOMPUTE_STEP_TIME} "
+                     "as long)")
+    # Each rank one of 2 stages, for a balanced cut; as many more micro-batches keep the global batch.
+    if stages == 1 and world_size % 2 == 0 and fits(world_size, micro, replace(train, pipeline_stages=2), part=0.5):
+        fixes.append(f"set {also}train.pipeline_stages: 2 and train.grad_accum_steps to {2 * train.grad_accum_steps} "
+                     "(the global batch kept; each rank holds one of 2 stages: about half of the weights, gradients, "
+                     "moments and a micro-batch's activations)")
+    fewer = next((w for w in range(world_size - stages, 0, -stages) if fits(w, micro, train)), None)
     if fewer:
         fixes.append(f"set {also}train.world_size to {fewer}")
     return fixes or ["the model does not fit this host's memory at any of these settings: use a host with more"]
 
 
-def check_memory(description: dict, train, launcher: str = "mpirun") -> Check:
-    """Whether train.world_size ranks of this model fit this host's memory."""
+def check_memory(description: dict, train, launcher: str = "mpirun", held: list[int] | None = None) -> Check:
+    """Whether train.world_size ranks of this model fit this host's memory; with train.pipeline_stages
+    P > 1, each as the rank of the largest stage (largest_stage, from the cut's `held` where built)."""
     name = "memory"
     if launcher != "mpirun" or train.device == "cuda":
         why = f"{launcher} places the ranks on Slurm's nodes" if launcher != "mpirun" else "train.device is cuda"
         return Check(name, SKIP, f"skipped: {why}")
-    world_size, micro = train.world_size, train.micro_batch_size
-    parts = memory_estimate(description, train, world_size, micro)
+    world_size, micro, stages = train.world_size, train.micro_batch_size, train.pipeline_stages
+    stage, share = largest_stage(description, stages, held)
+    parts = memory_estimate(description, train, world_size, micro, share)
     available, where = available_memory()
     per_rank = sum(parts.values())
-    detail = (f"{world_size} rank(s) x about {gib(per_rank)} ({', '.join(f'{k} {gib(v)}' for k, v in parts.items())})"
+    rank = "" if stages == 1 else (
+        f"the rank of stage {stage}, the largest of {stages}: {share:.0%} of the model's parameters; "
+        if stage is not None else f"the rank of one of {stages} stages of a balanced cut: {share:.0%} of the model's parameters; ")
+    detail = (f"{world_size} rank(s) x about {gib(per_rank)} "
+              f"({rank}{', '.join(f'{k} {gib(v)}' for k, v in parts.items())})"
               f" = {gib(world_size * per_rank)}; {gib(available)} available ({where})")
     if world_size * per_rank > available:
         return Check(name, FAIL, f"the model does not fit: {detail}",
-                     "; or ".join(memory_fixes(description, train, world_size, available)))
+                     "; or ".join(memory_fixes(description, train, world_size, available, share)))
     return Check(name, OK, detail)
 
 
@@ -399,9 +435,10 @@ def check_checkpoint_disk(description: dict, train, results: Path) -> Check:
 
 
 def preflight(config: Config, launcher: str = "mpirun", results: Path = Path("results"),
-              description: dict | None = None) -> list[Problem]:
+              description: dict | None = None, held: list[int] | None = None) -> list[Problem]:
     """The cheap checks (no ranks started) for a validated config; with model.json's
-    `description`, also whether the model fits memory and its checkpoints the disk."""
+    `description`, also whether the model fits memory (with pipeline stages, the largest's rank;
+    `held`: each stage's parameter elements, pipeline.json's) and its checkpoints the disk."""
     train = config.train
     checks = [
         check_launcher(launcher),
@@ -412,7 +449,7 @@ def preflight(config: Config, launcher: str = "mpirun", results: Path = Path("re
         checks += cuda_checks()
     checks += [check_world_size(train.world_size, train.device, launcher), check_disk(results)]
     if description:
-        checks += [check_memory(description, train, launcher), check_checkpoint_disk(description, train, results)]
+        checks += [check_memory(description, train, launcher, held), check_checkpoint_disk(description, train, results)]
     return [Problem(f"{c.name}: {c.detail}", c.fix, fatal=c.status == FAIL) for c in checks if c.status in (WARN, FAIL)]
 
 

@@ -21,6 +21,11 @@ so only the norm's summation order differs from replication: after 50 steps of a
 tiny GPT at W=2 the parameters differed by 0 (asserted: below 1e-6; tests/test_zero.py). ORT's Module
 still holds every gradient, so what shrinks is the moments: with AdamW, about 3/4
 of the parameters, gradients and moments of an unsharded rank at W=2.
+
+With train.pipeline_stages P > 1, each stage's copies shard its parameters so
+(pipeline_schedule.py), through the parts a step is made of (`sum_gradients`,
+`share_of_squares`, `owned_gradients`, `gather`): the global norm there is summed
+over every stage.
 """
 
 from __future__ import annotations
@@ -58,6 +63,21 @@ class Replicated:
     def average_and_clip(self, scale_to_mean: float, clip: float | None) -> float:
         return average_and_clip(self.comm, gradients(self.state, self.trainable, self.comm.xp), scale_to_mean, clip)
 
+    # The three parts of a step that a pipeline stage (pipeline_schedule.py) interleaves with the
+    # sums of its other communicators, where average_and_clip runs them together.
+    def sum_gradients(self) -> None:
+        """Sum the gradients across the communicator's ranks, in place."""
+        self.comm.allreduce_gradients(gradients(self.state, self.trainable, self.comm.xp))
+
+    def share_of_squares(self, names: list[str]) -> float:
+        """This rank's part of the squared norm of the summed gradients of `names`: all of it on the
+        communicator's first rank and none on the others, which hold the same sums."""
+        return sum_of_squares(gradients(self.state, names, self.comm.xp), self.comm.xp) if self.comm.rank == 0 else 0.0
+
+    def owned_gradients(self) -> list:
+        """The gradients this rank steps: all of them."""
+        return gradients(self.state, self.trainable, self.comm.xp)
+
     def gather(self) -> None:
         """Every rank stepped every parameter: nothing to gather."""
 
@@ -87,6 +107,13 @@ class ZeRO1:
     def average_and_clip(self, scale_to_mean: float, clip: float | None) -> float:
         """Reduce-scatter the gradients; scale this rank's run to the mean and clip it to the
         global norm. Returns the norm before clipping, the same on every rank."""
+        self.sum_gradients()
+        norm = math.sqrt(self.comm.allreduce_sum([self.share_of_squares(self.names)])[0]) * scale_to_mean
+        scale_and_clip(self.owned_gradients(), norm, scale_to_mean, clip)
+        return norm
+
+    def sum_gradients(self) -> None:
+        """Reduce-scatter the gradients: this rank's run of them holds their sum across the communicator."""
         grads = [g.reshape(-1) for g in gradients(self.state, self.names, self.xp)]
         rank = self.comm.rank
         for a, b, counts in self.buckets():
@@ -95,10 +122,16 @@ class ZeRO1:
             self.comm.reduce_scatter_flat(self.whole[:b - a], mine, counts)
             start = max(a, self.bounds[rank])
             unpack(grads, start, start + counts[rank], mine)
-        owned = views(self.state, self.pieces, "grad", self.xp)
-        norm = math.sqrt(self.comm.allreduce_sum([sum_of_squares(owned, self.xp)])[0]) * scale_to_mean
-        scale_and_clip(owned, norm, scale_to_mean, clip)
-        return norm
+
+    def share_of_squares(self, names: list[str]) -> float:
+        """This rank's part of the squared norm of the summed gradients of `names`: that of its run."""
+        wanted = set(names)
+        return sum_of_squares(views(self.state, [p for p in self.pieces if p.name in wanted], "grad", self.xp),
+                              self.xp)
+
+    def owned_gradients(self) -> list:
+        """The gradients this rank steps: its run, as flat slices."""
+        return views(self.state, self.pieces, "grad", self.xp)
 
     def gather(self) -> None:
         """Every rank's updated run into every rank's live parameter buffers."""

@@ -274,11 +274,12 @@ class Trainer:
 
     def zero_saving(self) -> str:
         """What train.zero 1 saves on this rank, measured: the optimizer moments it does
-        not hold, against holding every parameter's (as train.zero 0 does)."""
+        not hold, against holding every parameter's (as train.zero 0 does), of its stage's
+        when pipelined (sharded over the stage's copies)."""
         held = sum(array.nbytes for moment in self.optimizer.moments.values() for array in moment.values())
         every = len(self.optimizer.moment_names) * sum(
             array.nbytes for array in parameters(self.state, self.trainable, self.comm.xp))
-        return (f"train.zero 1: the optimizer's moments sharded over {plural(self.comm.world_size, 'rank')}: "
+        return (f"train.zero 1: the optimizer's moments sharded over {plural(self.copies, 'rank')}: "
                 f"rank {self.comm.rank} holds {held / 1e6:,.2f} MB of {every / 1e6:,.2f} MB, "
                 f"saving {(every - held) / 1e6:,.2f} MB")
 
