@@ -61,12 +61,16 @@ def slurm_args(profile: Path) -> tuple[str, ...]:
     return ("--workflow-profile", str(profile), *SLURM_ARGS[2:])
 
 
+def inputs_of(config: dict, tmp_path_factory) -> Path:
+    """Shards and training artifacts of `config`, made once, locally: only training runs on Slurm."""
+    workdir = tmp_path_factory.mktemp("two-node-inputs")
+    run_snakemake(workdir, config, "build_artifacts")
+    return workdir
+
+
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory) -> Path:
-    """Shards and training artifacts of CONFIG, made once, locally: only training runs on Slurm."""
-    workdir = tmp_path_factory.mktemp("two-node-inputs")
-    run_snakemake(workdir, CONFIG, "build_artifacts")
-    return workdir
+    return inputs_of(CONFIG, tmp_path_factory)
 
 
 def workdir_with_inputs(inputs: Path, workdir: Path) -> Path:
@@ -77,12 +81,17 @@ def workdir_with_inputs(inputs: Path, workdir: Path) -> Path:
     return workdir
 
 
+def run_on_two_nodes(config: dict, inputs: Path, profile: Path, tmp_path_factory):
+    """`train` of `config`, run through `profile`: one job on node1 and node2. Its workdir and Snakemake's result."""
+    workdir = workdir_with_inputs(inputs, tmp_path_factory.mktemp("two-nodes") / "work")
+    result = run_snakemake(workdir, config, "train", *slurm_args(profile))
+    return workdir, result
+
+
 @pytest.fixture(scope="module")
 def two_node_run(slurm_cluster, two_node_profile, inputs, tmp_path_factory):  # noqa: F811
-    """`train` of CONFIG, run once through the profile: one job on node1 and node2."""
-    workdir = workdir_with_inputs(inputs, tmp_path_factory.mktemp("two-nodes") / "work")
-    result = run_snakemake(workdir, CONFIG, "train", *slurm_args(two_node_profile))
-    return workdir, result
+    """`train` of CONFIG, run once through the profile."""
+    return run_on_two_nodes(CONFIG, inputs, two_node_profile, tmp_path_factory)
 
 
 def train_job(workdir: Path) -> tuple[dict, list[dict]]:
@@ -97,22 +106,35 @@ def final_weights(train_dir: Path) -> dict[str, np.ndarray]:
     return reader.load_parameters(resume.latest(train_dir / "checkpoints").path)
 
 
+def largest_difference(got: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> float:
+    """Of any weight between two runs' final weights."""
+    assert got.keys() == expected.keys()
+    return max(float(np.max(np.abs(got[name] - expected[name]))) for name in got)
+
+
 def full_config(overrides: dict) -> dict:
     from ortflow import config as config_mod
 
     return config_mod.as_dict(config_mod.load(overrides=overrides))
 
 
-def test_training_runs_as_one_job_on_two_nodes(two_node_run):
-    workdir, _ = two_node_run
-    # The launcher's `srun` is the job's one parallel step: 4 ranks on both nodes.
+def log_of_one_job_on_both_nodes(workdir: Path, tasks: int) -> str:
+    """The train log of the training job run in `workdir`, once sacct shows that the
+    job completed and that the launcher's `srun` was its one parallel step, of
+    `tasks` ranks on both nodes."""
     job, steps = train_job(workdir)
     assert job["State"] == "COMPLETED", job
     srun_steps = [step for step in steps if re.fullmatch(r"\d+\.\d+", step["JobID"])]
     assert [(s["NTasks"], s["NNodes"], s["NodeList"], s["State"]) for s in srun_steps] == [
-        ("4", "2", "node[1-2]", "COMPLETED")], steps
+        (str(tasks), "2", "node[1-2]", "COMPLETED")], steps
     log = (workdir / "logs/digits/train.log").read_text()
-    assert "srun --mpi=pmix -n 4 " in log, log
+    assert f"srun --mpi=pmix -n {tasks} " in log, log
+    return log
+
+
+def test_training_runs_as_one_job_on_two_nodes(two_node_run):
+    workdir, _ = two_node_run
+    log = log_of_one_job_on_both_nodes(workdir, 4)
     # Each node runs 2 of the ranks, with node-local ranks 0 and 1 (what picks a GPU).
     placement = re.search(r"ranks per node: (.*)", log).group(1)
     assert placement == ("node1: rank 0 (local 0), rank 1 (local 1); "
@@ -129,23 +151,72 @@ def test_shards_written_on_two_nodes_form_one_checkpoint(two_node_run):
     assert json.loads((workdir / TRAIN_DIR / "metrics.json").read_text())["steps"] == 30
 
 
-def test_two_nodes_match_one_rank_with_the_same_global_batch(two_node_run, tmp_path):
-    """The same global batch (32) as 1 rank accumulating 4 micro-batches of 8,
-    on this machine with mpirun: the same weights but for the reduction order."""
-    workdir, _ = two_node_run
-    reference = tmp_path / "train"
+@pytest.fixture(scope="module")
+def one_rank_run(inputs, tmp_path_factory) -> Path:
+    """The global batch of CONFIG (32) as 1 rank accumulating 4 micro-batches of
+    8, on this machine with mpirun: its train folder."""
+    reference = tmp_path_factory.mktemp("one-rank") / "train"
     config = with_train(world_size=1, nodes=1, grad_accum_steps=4)
     subprocess.run(
         [str(BIN / "ortflow"), "train", "--config-json", json.dumps(full_config(config)),
-         "--train", str(workdir / "results/digits/data/train"), "--eval", str(workdir / "results/digits/data/eval"),
-         "--artifacts", str(workdir / "results/digits/artifacts"),
+         "--train", str(inputs / "results/digits/data/train"), "--eval", str(inputs / "results/digits/data/eval"),
+         "--artifacts", str(inputs / "results/digits/artifacts"),
          "--out", str(reference)],
         check=True, capture_output=True, text=True,
     )
-    two_nodes, one_rank = final_weights(workdir / TRAIN_DIR), final_weights(reference)
-    assert two_nodes.keys() == one_rank.keys()
-    difference = max(float(np.max(np.abs(two_nodes[name] - one_rank[name]))) for name in two_nodes)
+    return reference
+
+
+def test_two_nodes_match_one_rank_with_the_same_global_batch(two_node_run, one_rank_run):
+    """The same weights as 1 rank with the same global batch but for the reduction order."""
+    workdir, _ = two_node_run
+    difference = largest_difference(final_weights(workdir / TRAIN_DIR), final_weights(one_rank_run))
     assert difference <= REDUCTION_ORDER_TOLERANCE, difference
+
+
+# ---- pipeline stages, one per node (issue 32)
+
+# 2 stages of 1 copy, one rank on each node: the activations and their
+# gradients cross the network between the stages. The global batch of CONFIG
+# (32) in 4 micro-batches of 8 through the 1F1B schedule, as one_rank_run
+# accumulates them.
+PIPELINED = with_train(world_size=2, pipeline_stages=2, grad_accum_steps=4)
+
+
+@pytest.fixture(scope="module")
+def pipelined_inputs(tmp_path_factory) -> Path:
+    """The artifacts cut into 2 stages (the whole model's beside them)."""
+    return inputs_of(PIPELINED, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def pipelined_run(slurm_cluster, two_node_profile, pipelined_inputs, tmp_path_factory):  # noqa: F811
+    """`train` of PIPELINED, run once through the profile."""
+    return run_on_two_nodes(PIPELINED, pipelined_inputs, two_node_profile, tmp_path_factory)
+
+
+def test_two_stages_train_one_on_each_node_as_one_rank_does(pipelined_run, one_rank_run):
+    """One job of 2 tasks on node1 and node2; the train log's placement and stages
+    together say that stage 0 ran on node1 and stage 1 on node2. The losses,
+    evaluation and final weights are those of 1 rank accumulating the same 4
+    micro-batches without stages (the pipeline's own tests: bit for bit)."""
+    workdir, _ = pipelined_run
+    log = log_of_one_job_on_both_nodes(workdir, 2)
+    assert "global batch 32 (8 x 4 accumulated x 1 copy of 2 stages)" in log, log
+    assert re.search(r"ranks per node: (.*)", log).group(1) == "node1: rank 0 (local 0); node2: rank 1 (local 0)"
+    stages = re.search(r"pipeline stages: (.*)", log).group(1)
+    assert re.fullmatch(r"rank 0: stage 0 \(\d+ parameter tensors?\); rank 1: stage 1 \(\d+ parameter tensors?\)",
+                        stages), stages
+
+    # Every rank wrote its part of its stage; read together, the whole model's weights.
+    difference = largest_difference(final_weights(workdir / TRAIN_DIR), final_weights(one_rank_run))
+    print(f"2 stages on 2 nodes against 1 rank, after 30 steps: largest weight difference {difference:.3g}")
+    assert difference <= REDUCTION_ORDER_TOLERANCE, difference
+    metrics = [json.loads((folder / "metrics.json").read_text()) for folder in (workdir / TRAIN_DIR, one_rank_run)]
+    losses = [[entry["loss"] for entry in run["history"]["train"]] for run in metrics]
+    assert len(losses[0]) == 3 and losses[0] == pytest.approx(losses[1], abs=REDUCTION_ORDER_TOLERANCE), losses
+    evaluations = [(run["eval"]["loss"], run["eval"]["accuracy"]) for run in metrics]
+    assert evaluations[0] == pytest.approx(evaluations[1], abs=REDUCTION_ORDER_TOLERANCE), evaluations
 
 
 # ---- a node fails mid-run
@@ -224,8 +295,7 @@ def test_a_failed_node_ends_the_job_and_the_rerun_on_the_other_resumes(
     log = (workdir / "logs/digits/train.log").read_text()
     assert re.search(r"resuming at step 10 from \S*/checkpoints/step-00000010", log), log
     assert re.search(r"ranks per node: node1: rank 0 \(local 0\), rank 1 \(local 1\)$", log, re.M), log
-    uninterrupted, resumed = final_weights(two_node_run[0] / TRAIN_DIR), final_weights(train_dir)
-    difference = max(float(np.max(np.abs(uninterrupted[n] - resumed[n]))) for n in uninterrupted)
+    difference = largest_difference(final_weights(train_dir), final_weights(two_node_run[0] / TRAIN_DIR))
     assert difference <= REDUCTION_ORDER_TOLERANCE, difference
 
 
@@ -244,10 +314,17 @@ def start_snakemake(workdir: Path, config: dict, profile: Path, *args: str, env:
 # ---- stopped mid-run, as before a time limit or on preemption
 
 
-def test_a_job_stopped_by_a_signal_comes_back_and_resumes(two_node_run, two_node_profile, inputs, tmp_path):
+@pytest.mark.parametrize("config, inputs_fixture, uninterrupted_fixture", [
+    pytest.param(CONFIG, "inputs", "two_node_run", id="P1"),
+    pytest.param(PIPELINED, "pipelined_inputs", "pipelined_run", id="P2"),
+])
+def test_a_job_stopped_by_a_signal_comes_back_and_resumes(
+    config, inputs_fixture, uninterrupted_fixture, two_node_profile, request, tmp_path
+):
     """`scancel --signal=USR1` reaches the ranks as the profile's warning before
     the time limit does (`--signal=USR1@300`: to every task of the job's steps).
-    Rank 2 stalls at step 15 and the signal comes then: the ranks stop after
+    node2's first rank (rank 2 of 4; with 2 pipeline stages rank 1, the second
+    stage) stalls at step 15 and the signal comes then: the ranks stop after
     that step with a checkpoint, the job fails, Snakemake submits it again (the
     profile's `preemptible-retries`) and the second job resumes and finishes, with the
     weights of the uninterrupted run bit for bit. (A real time limit of 1 minute,
@@ -256,11 +333,12 @@ def test_a_job_stopped_by_a_signal_comes_back_and_resumes(two_node_run, two_node
     shipped = yaml.safe_load((PROFILE / "config.yaml").read_text())
     assert shipped["preemptible-rules"] == ["train"] and shipped["preemptible-retries"] >= 1
     assert "--signal=USR1@" in shipped["set-resources"]["train"]["slurm_extra"]
-    workdir = workdir_with_inputs(inputs, tmp_path / "work")
+    workdir = workdir_with_inputs(request.getfixturevalue(inputs_fixture), tmp_path / "work")
     train_dir = workdir / TRAIN_DIR
-    run = start_snakemake(workdir, CONFIG, two_node_profile, env=fault(15, 2, "stall"))
+    stalled = config["train"]["world_size"] // 2  # ranks are placed in blocks: node2's first
+    run = start_snakemake(workdir, config, two_node_profile, env=fault(15, stalled, "stall"))
     try:
-        wait_for("rank 2 at step 15", lambda: heartbeat(train_dir, 2).get("step") == 15)
+        wait_for(f"rank {stalled} at step 15", lambda: heartbeat(train_dir, stalled).get("step") == 15)
         job_id = subprocess.run(["squeue", "-h", "-p", PARTITION, "-t", "RUNNING", "-o", "%i"],
                                 capture_output=True, text=True, check=True).stdout.split()
         assert len(job_id) == 1, job_id
@@ -274,5 +352,6 @@ def test_a_job_stopped_by_a_signal_comes_back_and_resumes(two_node_run, two_node
     assert states == ["FAILED", "COMPLETED"], (states, output[-3000:])
     log = (workdir / "logs/digits/train.log").read_text()
     assert re.search(r"resuming at step 16 from \S*/checkpoints/step-00000016", log), log
-    uninterrupted, resumed = final_weights(two_node_run[0] / TRAIN_DIR), final_weights(train_dir)
+    uninterrupted = final_weights(request.getfixturevalue(uninterrupted_fixture)[0] / TRAIN_DIR)
+    resumed = final_weights(train_dir)
     assert all(np.array_equal(uninterrupted[name], resumed[name]) for name in uninterrupted)
