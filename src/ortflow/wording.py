@@ -4,5 +4,6 @@ from __future__ import annotations
 
 
 def plural(count: int, noun: str) -> str:
-    """`count` and `noun`, with an s unless the count is one."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+    """`count` and `noun`, with an s (es after ch, sh, s, x) unless the count is one."""
+    ending = "es" if noun.endswith(("ch", "sh", "s", "x")) else "s"
+    return f"{count} {noun}{'' if count == 1 else ending}"
