@@ -141,6 +141,8 @@ def pre_process(source: Path, target: Path, skip_symbolic_shape: bool = False, s
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.optimized_model_filepath = str(optimized)
+    # The session only writes the optimized model: no packed copy of the MatMul weights for running it.
+    options.add_session_config_entry("session.disable_prepacking", "1")
     if is_external(source):
         options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
                                          external_data.data_file(optimized).name)
