@@ -73,6 +73,31 @@ def save_model(model, path: Path, name: Path | None = None) -> bool:
     return True
 
 
+def save_graph(model, source: Path, path: Path, name: Path | None = None) -> None:
+    """Write `model`, read from `source` (loaded with load_data=False) and changed in its
+    graph alone, to `path`: its weights stay in the external data file they are in, renamed
+    to `data_file(name or path)` beside `path` with every tensor pointed at it, so that they
+    are never read into memory. A model without external data is saved as save_model does."""
+    import onnx
+
+    if not uses_external_data(model):
+        save_model(model, path, name)
+        return
+    path = Path(path)
+    data = path.with_name(data_file(name or path).name)
+    locations = {entry.value for tensor in model.graph.initializer for entry in tensor.external_data
+                 if entry.key == "location"}
+    if len(locations) != 1:  # ortflow's and ONNX Runtime's writers put every tensor in one file
+        raise ModelError(f"{source}: its initializers are in {len(locations)} external data files "
+                         f"({sorted(locations)}); expected one")
+    (Path(source).parent / locations.pop()).replace(data)
+    for tensor in model.graph.initializer:
+        for entry in tensor.external_data:
+            if entry.key == "location":
+                entry.value = data.name
+    onnx.save(model, str(path))
+
+
 def uses_external_data(model) -> bool:
     from onnx.external_data_helper import uses_external_data as uses
 

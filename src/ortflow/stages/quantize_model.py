@@ -34,8 +34,10 @@ Outputs are written to temporary names and renamed when complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -96,17 +98,14 @@ def calibration_reader(reader, input_names: list[str], batch_size: int, batches:
 
 
 def preprocess(source: Path, target: Path) -> None:
-    """ONNX Runtime's `quant_pre_process`; where its symbolic shape inference
-    cannot run (it raises TypeError on inputs of unknown shape, as some exports
-    at newer opsets have), without it, and at worst the model as it is."""
-    from onnxruntime.quantization.shape_inference import quant_pre_process
-
+    """ONNX Runtime's quantization pre-processing (`quant_pre_process`: symbolic shape
+    inference, ONNX Runtime's basic graph optimizations, ONNX's shape inference); where its
+    symbolic shape inference cannot run (it raises TypeError on inputs of unknown shape, as
+    some exports at newer opsets have), without it, and at worst the model as it is."""
     attempts = [{}, {"skip_symbolic_shape": True}, {"skip_symbolic_shape": True, "skip_onnx_shape": True}]
-    external = {"save_as_external_data": True, "all_tensors_to_one_file": True,
-                "external_data_location": external_data.data_file(target).name} if is_external(source) else {}
     for skip in attempts:
         try:
-            quant_pre_process(str(source), str(target), **skip, **external)
+            pre_process(source, target, **skip)
             return
         except Exception as error:  # ORT's pre-processing fails in many ways; quantization works without it
             log.warning("quantization pre-processing%s failed on %s (%s: %s); retrying without %s",
@@ -114,6 +113,49 @@ def preprocess(source: Path, target: Path) -> None:
                         str(error).strip()[:200], "shape inference" if skip else "symbolic shape inference")
     # As it is, with its external data copied under the name the copy's tensors give it.
     external_data.save_model(external_data.load_model(source), target)
+
+
+def pre_process(source: Path, target: Path, skip_symbolic_shape: bool = False, skip_onnx_shape: bool = False) -> None:
+    """The steps of ONNX Runtime's `quant_pre_process`, each on a file whose weights stay in
+    its external data: `quant_pre_process` reads the weights whole and holds them through
+    every step (on a GPT of 86M parameters, 7.5 times their size at its peak). The steps'
+    files go beside `target` with the source's data file linked there (no copy), since
+    ONNX Runtime and ONNX find a model's external data beside it."""
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime.quantization.quant_utils import add_pre_process_metadata
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    folder = target.parent
+    step, optimized = folder / "pre-process.onnx", folder / "optimized.onnx"
+    linked = folder / external_data.data_file(source).name  # where `step`'s tensors find their data
+    if external_data.data_file(source).is_file():
+        linked.unlink(missing_ok=True)
+        os.link(external_data.data_file(source), linked)
+    graph = external_data.load_model(source, load_data=False)
+    if not skip_symbolic_shape:
+        with contextlib.chdir(source.parent):  # where it finds the data of a tensor whose value it reads
+            graph = SymbolicShapeInference.infer_shapes(graph)
+    onnx.save(graph, str(step))
+    del graph
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = str(optimized)
+    # The session only writes the optimized model: no packed copy of the MatMul weights for running it.
+    options.add_session_config_entry("session.disable_prepacking", "1")
+    if is_external(source):
+        options.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                         external_data.data_file(optimized).name)
+        options.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                         str(external_data.INLINE_BYTES))
+    ort.InferenceSession(str(step), options, providers=["CPUExecutionProvider"])  # writes `optimized`
+    if not skip_onnx_shape:
+        onnx.shape_inference.infer_shapes_path(str(optimized), str(optimized))
+    graph = external_data.load_model(optimized, load_data=False)
+    add_pre_process_metadata(graph)
+    external_data.save_graph(graph, optimized, target)
+    for scratch in (step, optimized, linked):
+        scratch.unlink(missing_ok=True)
 
 
 def unloadable_node(path: Path) -> str | None:
@@ -358,10 +400,10 @@ def quantize(config: Config, model: Path, artifacts: Path, eval_dir: Path, int8:
         if how != "none":
             paths["int8"] = Path(scratch) / "model.int8.onnx"
             quantize_file(model, paths["int8"], how, export_cfg, reader, batch_size)
-            quantized = external_data.load_model(paths["int8"])
+            quantized = external_data.load_model(paths["int8"], load_data=False)  # the graph; weights stay
             source_props = {p.key: p.value for p in onnx.load(str(model), load_external_data=False).metadata_props}
             set_metadata(quantized, {**source_props, "ortflow.quantize": how})
-            external_data.save_model(quantized, paths["int8"], int8)
+            external_data.save_graph(quantized, paths["int8"], paths["int8"], int8)
             del quantized
         timings = latencies(paths, reader)
         for name, path in paths.items():
