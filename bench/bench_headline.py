@@ -20,6 +20,7 @@ them), + peft's LoRA on the same targets with --lora. Each process reports its p
     python bench/bench_headline.py --workdir /tmp/hl-1b --lora --hidden 2048 --layers 16 --intermediate 5632 \
         --heads 32 --stages prepare_data build_artifacts train merge_checkpoint export_model
     python bench/bench_headline.py --workdir /tmp/hl-1b --lora ... --peer-only    # the peer alone, again
+    python bench/bench_headline.py --workdir /tmp/hl-350m ... --force --stages train   # train and the peer again
 
 Step times are medians over all steps (few steps at these sizes, so the first is in them, for
 both). The model's files go to --workdir (several GB).
@@ -161,6 +162,8 @@ def main() -> None:
     parser.add_argument("--eval-fraction", type=float, default=0.002)
     parser.add_argument("--lora", action="store_true", help="model.lora (its defaults) against Trainer + peft")
     parser.add_argument("--stages", nargs="+", choices=STAGES, default=STAGES)
+    parser.add_argument("--force", action="store_true",
+                        help="run --stages again though up to date (train's step time again, back to back with the peer)")
     parser.add_argument("--no-peer", action="store_true")
     parser.add_argument("--peer-only", action="store_true", help="the peer alone, on a workdir that has the data")
     parser.add_argument("--peer-rank", help=argparse.SUPPRESS)  # set by run_peer for torchrun's processes
@@ -176,7 +179,7 @@ def main() -> None:
     print(f"load: {os.getloadavg()}", flush=True)
     rows, train = [], None
     for stage in [] if args.peer_only else args.stages:
-        rows.append(run_stage(args.workdir, configfile, stage, force=False))
+        rows.append(run_stage(args.workdir, configfile, stage, args.force))
         if stage == "build_artifacts":
             info = json.loads((args.workdir / "results/headline/artifacts/model.json").read_text())
             print(f"model: {info['parameters']:,} parameters, {info['parameters'] * 4 / 1e9:.2f} GB float32",
