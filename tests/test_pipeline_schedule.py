@@ -7,6 +7,7 @@ checkpoints the stages write, merged, and the evaluation through the stages."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,10 +18,10 @@ from ortflow import cli, config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints import layout, reader
 from ortflow.checkpoints.ort_format import TrainingState, read_ort_checkpoint
-from ortflow.graphs import recompute
+from ortflow.graphs import pipeline, recompute
 from ortflow.stages import build_artifacts, merge_checkpoint
 from ortflow.stages.prepare_data import prepare
-from ortflow.training import engine, gradients
+from ortflow.training import engine, gradients, preflight
 from ortflow.training.pipeline_schedule import place, warm_up
 
 STEPS, BATCH = 20, 8  # the global batch of each copy: micro_batch_size x grad_accum_steps
@@ -214,24 +215,68 @@ def test_recompute_within_stages_trains_the_weights_of_one(root, tmp_path):
     assert got_eval == pytest.approx(expected_eval, rel=1e-6)
 
 
+# Larger than MODELS["gpt"]: its blocks outweigh the tied embedding, so a cut by parameters halves it.
+WORKFLOW_MODEL = {"kind": "gpt", "layers": 4, "heads": 2, "width": 32}
+
+
 def workflow_config(corpus: Path, name: str, stages: int) -> dict:
     """The built-in gpt in `stages` stages on as many ranks, 6 steps, evaluated and checkpointed every 3."""
-    return {"run": {"name": name, "seed": 5}, "data": {"source": str(corpus), "context": 8}, "model": MODELS["gpt"],
+    return {"run": {"name": name, "seed": 5}, "data": {"source": str(corpus), "context": 8}, "model": WORKFLOW_MODEL,
             "train": {"world_size": stages, "pipeline_stages": stages, "steps": 6, "micro_batch_size": 4,
                       "grad_accum_steps": 2, "eval_every": 3, "checkpoint_every": 3, "log_every": 1}}
 
 
+def between_the_estimates(artifacts: Path, staged: dict) -> int:
+    """Bytes of memory that the run `staged` (2 ranks of 2 stages) fits under the memory estimate
+    and the same 2 ranks in 1 stage (the same global batch) do not: halfway between the two."""
+    description, held = Artifacts(artifacts).description(), pipeline.held_by_stages(Artifacts(artifacts))
+    train = config_mod.load(overrides=staged).train
+    _, share = preflight.largest_stage(description, 2, held)
+    in_stages, whole = (2 * sum(preflight.memory_estimate(description, settings, 2, train.micro_batch_size,
+                                                          part).values())
+                        for settings, part in ((train, share), (one_stage(train), 1.0)))
+    assert in_stages < whole, (in_stages, whole, share)
+    return int(in_stages + whole) // 2
+
+
+def one_stage(train):
+    """`train` (2 stages on 2 ranks) as 2 copies of 1 stage with the same global batch."""
+    return replace(train, pipeline_stages=1, grad_accum_steps=train.grad_accum_steps // 2)
+
+
 @pytest.fixture(scope="module")
-def workflow(tmp_path_factory) -> tuple[Path, Path, str]:
+def workflow(tmp_path_factory) -> tuple[Path, Path, str, int]:
     """A Snakemake work folder with the run `staged` (2 stages) trained, merged and exported
-    and the run `whole` (1 stage, the same global batch) trained; their text; what Snakemake
-    printed of the first."""
+    under a memory cap (ORTFLOW_MEMORY_AVAILABLE) that its 2 ranks fit only in stages, and the
+    run `whole` (1 stage, the same global batch) trained; their text; what Snakemake printed of
+    the first; the cap."""
     corpus = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 20)
     work = tmp_path_factory.mktemp("workflow") / "work"
-    printed = run_snakemake(work, workflow_config(corpus, "staged", 2), "export_model").stdout
+    staged = workflow_config(corpus, "staged", 2)
+    run_snakemake(work, staged, "build_artifacts")
+    cap = between_the_estimates(work / "results/staged/artifacts", staged)
+    printed = run_snakemake(work, staged, "export_model", env={preflight.MEMORY_ENV: str(cap)}).stdout
     run_snakemake(work, workflow_config(corpus, "whole", 1), "train")
-    return work, corpus, printed
+    return work, corpus, printed, cap
+
+
+@pytest.mark.e2e
+def test_a_run_that_fits_only_in_stages_trains_and_is_refused_in_one(workflow, monkeypatch):
+    """Under the cap the fixture's `staged` run trained, merged and exported with, its 2 ranks
+    in 1 stage are refused before any rank starts, told to cut the model into 2 stages; in 2
+    stages the check passes, naming the larger stage."""
+    work, corpus, _, cap = workflow
+    artifacts = Artifacts(work / "results/staged/artifacts")
+    description, train = artifacts.description(), config_mod.load(overrides=workflow_config(corpus, "staged", 2)).train
+    monkeypatch.setenv(preflight.MEMORY_ENV, str(cap))
+    refused = preflight.check_memory(description, one_stage(train))
+    print(refused.detail, refused.fix, sep="\n")
+    assert refused.status == preflight.FAIL
+    assert "set train.pipeline_stages: 2 and train.grad_accum_steps to 2 (the global batch kept" in refused.fix
+    fits = preflight.check_memory(description, train, held=pipeline.held_by_stages(artifacts))
+    assert fits.status == preflight.OK and "(the rank of stage " in fits.detail, fits.detail
+    assert (work / "results/staged/export/model.onnx").is_file()
 
 
 @pytest.mark.e2e
@@ -239,7 +284,7 @@ def test_the_workflow_trains_and_exports_a_model_in_stages(workflow):
     """Snakemake's train in 2 stages, merge_checkpoint and export_model: the log names each
     rank's stage, the exported model is there, and metrics.json's evaluations and losses are
     those of the same run in 1 stage. Measured: equal, bit for bit."""
-    work, _, printed = workflow
+    work, _, printed, _ = workflow
     # Snakemake's summary at the end
     assert "ortflow: run staged in results/staged\n  model     results/staged/export/model.onnx\n" in printed
     log = (work / "logs/staged/train.log").read_text()
@@ -266,7 +311,7 @@ def test_the_workflow_trains_and_exports_a_model_in_stages(workflow):
 def test_a_run_resumes_at_another_number_of_stages(workflow, tmp_path):
     """Each run resumed from the other's checkpoint of step 3 (2 stages from 1, 1 from 2) ends
     at the other's step 6. Measured: bit for bit."""
-    work, corpus, _ = workflow
+    work, corpus, _, _ = workflow
     artifacts, data = work / "results/staged/artifacts", work / "results/staged/data/train"  # artifacts of both Ps
     for name, stages, other in (("staged", 2, "whole"), ("whole", 1, "staged")):
         config = workflow_config(corpus, name, stages)
@@ -283,7 +328,7 @@ def test_a_stop_signal_stops_the_stages_with_a_checkpoint_and_the_rerun_ends_as_
     """Rank 1 (the last stage) sends SIGTERM to `ortflow train` before step 3 (0-based): every
     stage finishes step 4, writes its part of its checkpoint and stops; the rerun resumes there
     and ends with the uninterrupted run's checkpoint. Measured: bit for bit."""
-    source, corpus, _ = workflow
+    source, corpus, _, _ = workflow
     work = copy_inputs(source, tmp_path / "work")
     config = workflow_config(corpus, "staged", 2)
     stopped = run_snakemake(work, config, "train", "--forcerun", "train", check=False, env=fault(3, 1, "sigterm"))
@@ -304,7 +349,7 @@ def test_a_stop_signal_stops_the_stages_with_a_checkpoint_and_the_rerun_ends_as_
 def test_a_stalled_stage_is_named_by_the_watchdog_and_a_failed_one_ends_the_job(workflow, tmp_path):
     """Rank 0 (stage 0) stalls before step 3 (0-based): rank 1, waiting for its activation, ends
     the run after train.collective_timeout_s naming rank 0. Rank 1 fails at step 3: every rank ends."""
-    source, corpus, _ = workflow
+    source, corpus, _, _ = workflow
     work = copy_inputs(source, tmp_path / "work")
     config = workflow_config(corpus, "staged", 2)
     config["train"]["collective_timeout_s"] = 4
