@@ -26,7 +26,7 @@ def test_defaults_fill_every_section():
     [
         ({"train": {"world_size": 0}}, "config key 'train.world_size': 0 is less than the minimum of 1"),
         ({"train": {"world_size": 3, "pipeline_stages": 2}}, "config key 'train.world_size': 3 ranks do not divide "
-                                                            "into train.pipeline_stages=2 stages; make it a multiple"),
+                                                            "into train.pipeline_stages=2 stages; make it a multiple of it"),
         ({"train": {"pipeline_stages": 2, "device": "cuda"}}, "config key 'train.device': 'cuda' is not applied to "
                                                              "pipeline stages yet (train.pipeline_stages=2); set "
                                                              "train.device: cpu"),
@@ -243,3 +243,19 @@ def test_the_torch_module_example_gives_the_digits_logits(monkeypatch):
     cfg = config.load(REPO / "config" / "digits_cnn.yaml")
     module = user.import_torch(cfg.model.path, cfg.model.kwargs)
     assert module(torch.zeros(3, 64)).shape == (3, 10)
+
+
+@pytest.mark.parametrize("train, refusal", [
+    ({"world_size": 3, "pipeline_stages": 2},
+     "config key 'train.world_size': 3 ranks do not divide into train.pipeline_stages=2 stages; make it a multiple of it"),
+    ({"world_size": 2, "pipeline_stages": 2, "device": "cuda"},
+     "config key 'train.device': 'cuda' is not applied to pipeline stages yet (train.pipeline_stages=2); "
+     "set train.device: cpu"),
+    ({"world_size": 2, "pipeline_stages": 2, "profile_steps": [1, 2]},
+     "config key 'train.profile_steps': [1, 2] is not applied to pipeline stages yet (train.pipeline_stages=2); "
+     "set train.profile_steps: null"),
+])
+def test_what_pipeline_stages_do_not_take_is_refused_in_one_line(train, refusal):
+    with pytest.raises(config.ConfigError) as error:
+        config.load(overrides={"train": train})
+    assert str(error.value) == refusal

@@ -263,6 +263,7 @@ def _check_cross_keys(config: Config) -> None:
     # What the pipeline stages (training/pipeline_schedule.py) do not do yet, each with the value that works.
     for key, value, works in (("device", train.device, "cpu"), ("profile_steps", train.profile_steps, None)):
         if train.pipeline_stages > 1 and value != works:
+            value = list(value) if isinstance(value, tuple) else value  # as the user wrote it, not as typed
             raise ConfigError(f"config key 'train.{key}': {value!r} is not applied to pipeline stages yet "
                               f"(train.pipeline_stages={train.pipeline_stages}); set train.{key}: "
                               f"{'null' if works is None else works}")
