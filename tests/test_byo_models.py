@@ -97,7 +97,7 @@ def test_model_zoo_resnet50_is_adapted_then_stops_in_ort_backward(tmp_path):
         assert change in built.stderr, change
     error = built.stderr.strip().splitlines()[-1]
     assert error.startswith("ortflow build-artifacts: error: ONNX Runtime's backward pass fails at its node "
-                            "'AccumulateGrad_r161_grad' (Sum) on a batch of 4 records: "), error
+                            "'AccumulateGrad_r161_grad' (Sum) on a batch of 2 records: "), error
     assert error.endswith("freeze the parameters before that node (model.frozen) or replace the operator it "
                           "differentiates"), error
 

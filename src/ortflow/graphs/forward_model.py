@@ -30,8 +30,7 @@ def base_model(model, manifest: dict, loss: str, seed: int, path: Path):
         pretrained = weights.requested(model)
         if pretrained:
             weights.load_into_onnx(base, pretrained)
-        external_data.save_model(base, path)
-        return base, None, {}
+        return external_data.save_and_reload(base, path), None, {}
     module = base_torch_module(model, manifest, loss, seed)
     described = {"transformers": hugging_face.origin(module)} if model.kind == "transformers" else {}
     if model.lora is not None:

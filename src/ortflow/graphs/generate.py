@@ -56,7 +56,7 @@ def generate_with_loss(base, requires_grad, frozen, make_loss, loss_input: str, 
     # makes the graphs depend on the model alone, byte for byte.
     ort_private.restart_node_names()
     out = out.resolve()  # before the working folder changes
-    source = str(Artifacts(out).base_model) if external_data.uses_external_data(base) else base
+    source = onnx.load(str(Artifacts(out).base_model), load_external_data=False) if external_data.uses_external_data(base) else base
     try:
         with contextlib.chdir(out):
             artifacts.generate_artifacts(

@@ -56,15 +56,15 @@ def export_torch(module, manifest: dict, path: Path):
             training=torch.onnx.TrainingMode.TRAINING,
             do_constant_folding=False,
             dynamo=False,
+            export_params=False,  # the weights are added below, one tensor at a time (weights_as_initializers)
         )
     except torch.onnx.errors.UnsupportedOperatorError as error:
         raise export_fixes.unsupported_operator(error, type(module).__name__, OPSET) from None
     except torch.onnx.errors.SymbolicValueError as error:  # its message goes on with the traced graph
         problem = str(error).splitlines()[0].split("  [Caused by")[0].strip()
         raise ModelError(f"model.path: torch.onnx cannot export {type(module).__name__}: {problem}") from None
-    # A model over 2 GB comes with one external data file per tensor (initializers and Constant
-    # nodes' values), named after it: they are read in and written again as one
-    # (external_data.save_model), or not at all.
+    # A graph over 2 GB (Constant nodes' values) comes with one external data file per tensor, named
+    # after it: they are read in and written again as one (external_data.save_model), or not at all.
     from onnx.external_data_helper import _get_all_tensors
 
     exported = onnx.load(str(path), load_external_data=False)
@@ -74,6 +74,7 @@ def export_torch(module, manifest: dict, path: Path):
         onnx.load_external_data_for_model(exported, str(path.parent))
         for name in scattered:
             (path.parent / name).unlink()
+    weights_as_initializers(exported, module)
     untied = export_fixes.untie_initializers(exported, module)
     if untied:
         log.warning("model.path: %s stayed in eval mode while exported, so torch.onnx merged its parameters and "
@@ -84,8 +85,25 @@ def export_torch(module, manifest: dict, path: Path):
     export_fixes.mark_padding_rows(exported, module)
     batchnorm.restore_buffers(exported, buffers)
     export_fixes.infer_shapes(exported)
-    external_data.save_model(exported, path)
-    return exported
+    return external_data.save_and_reload(exported, path)
+
+
+def weights_as_initializers(model, module) -> None:
+    """The module's parameters and buffers, which torch.onnx.export(export_params=False) leaves
+    as graph inputs named like them, made the model's initializers, copied one tensor at a time.
+    With export_params=True torch's exporter holds the module, its ONNX graph with every weight,
+    that graph serialized and parsed again at once: 4.6 W on an 86M GPT, 2 W this way."""
+    import torch
+
+    state = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers(remove_duplicate=False))
+    weights = [value for value in model.graph.input if value.name in state]
+    inputs = [value for value in model.graph.input if value.name not in state]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    for value in weights:
+        tensor = state[value.name].detach().cpu().contiguous()
+        model.graph.initializer.add(name=value.name, dims=tensor.shape, data_type=value.type.tensor_type.elem_type,
+                                    raw_data=tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def sequence_features(manifest: dict, features: list[dict]) -> list[str]:

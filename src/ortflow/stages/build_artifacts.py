@@ -15,12 +15,12 @@ graphs and initial checkpoint that ONNX Runtime's training engine runs out.
    statistics, and the eval graph normalizes with them (batchnorm.py). With
    `train.recompute`, the training graph is then rewritten so that the blocks'
    forward is computed again in the backward (graphs/recompute.py).
-3. One training step on a few train records proves that the graphs fit the data.
-4. `model.json` describes the inputs, label, outputs, parameters, FLOPs and
+3. `model.json` describes the inputs, label, outputs, parameters, FLOPs and
    running statistics (`running_stats`: training graph output -> parameter); for
    `kind: transformers` where the model came from (`transformers`: its class, task,
    and the tensors of a new head drawn from run.seed), and with `model.lora` its
    adapters (`lora`: r, alpha, dropout and the target layers; models/lora.py).
+4. One training step on a few train records proves that the graphs fit the data.
 
 With train.pipeline_stages P > 1, the model is also cut into P stages balanced by their
 parameters, and each stage's graphs and checkpoint are built into `stage-<s>/`, the cut
@@ -32,6 +32,7 @@ Everything is written to `<out>.tmp` and renamed to `<out>` when complete (atomi
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from pathlib import Path
@@ -55,6 +56,11 @@ log = logging.getLogger("ortflow.build_artifacts")
 
 
 def build(config: Config, train_dir: Path, out: Path) -> dict:
+    # Imported first here, where nothing large is alive: onnxruntime's first import keeps the
+    # traceback of an ImportError it handles (ORTModule's missing torch extensions), and with it
+    # every frame of the import's callers, which held the exported torch module (W) to the end.
+    importlib.import_module("onnxruntime")
+
     train_dir, out = Path(train_dir), Path(out)
     manifest_path = train_dir / "manifest.json"
     if not manifest_path.is_file():
@@ -84,10 +90,12 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
                     log.info("train.recompute: %d block(s) recomputed in %s", len(held), stage.name)
         drop_weights(base)
         running_stats = batchnorm.adapt(tmp)
-        smoke_step(tmp, train_dir, manifest)
         description = describe(base, manifest, loss, trainable, frozen, tmp, model.kind, logits, blocks) | {
             "running_stats": running_stats
         } | described
+        # Last: what ONNX Runtime's step held (the weights, their gradients) stays partly in the
+        # process, and the shape inferences of describe() would come on top of it.
+        smoke_step(tmp, train_dir, manifest)
         Artifacts(tmp).model_json.write_text(json.dumps(description, indent=2) + "\n")
     log.info(
         "%d parameters (%d trainable), %d forward FLOPs per sample -> %s",
