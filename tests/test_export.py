@@ -434,3 +434,26 @@ def test_an_int8_model_larger_than_the_fp32_model_is_reported_and_not_offered(tm
     assert f"WARNING {warning}" in _log(workdir, "quantize_model", "tiny")
     assert f"  warning   {warning}" in result.stdout
     assert f"  model     {model}\n" in result.stdout  # without "(int8: ...)"
+
+
+def test_latency_is_timed_at_a_batch_whose_activations_fit(monkeypatch, caplog):
+    """64 records, or as many as two sessions' activations (model.json's eval_bytes_per_sample)
+    fit in half the memory available; the summary and the report name the batch timed."""
+    from ortflow.reporting.results import speedup
+    from ortflow.reporting.tables import summary_rows
+    from ortflow.stages.quantize_model import latency_batches
+
+    monkeypatch.setenv("ORTFLOW_MEMORY_AVAILABLE", str(4 * 10**9))
+    with caplog.at_level("INFO", logger="ortflow.quantize"):
+        assert latency_batches({"eval_bytes_per_sample": 100 * 10**6}, sessions=2) == (1, 10)
+    assert "latency timed at batch 1 and 10, not 64: 2 session(s) of 100 MB a record in half the 3.7 GiB " \
+           "available (ORTFLOW_MEMORY_AVAILABLE)" in caplog.text
+    assert latency_batches({"eval_bytes_per_sample": 100 * 10**6}, sessions=1) == (1, 20)
+    assert latency_batches({"eval_bytes_per_sample": 10**9}, sessions=2) == (1, 1)
+    assert latency_batches({"eval_bytes_per_sample": 1000}, sessions=2) == (1, 64)
+    assert latency_batches({}, sessions=2) == (1, 64)  # artifacts from before evaluations were counted
+    export = {"quantize": "dynamic",
+              "fp32": {"accuracy": 0.9, "latency_ms": {"b1_p50": 1.0, "b1_p95": 1.0, "b10_p50": 9.0, "b10_p95": 9.0}},
+              "int8": {"accuracy": 0.9, "latency_ms": {"b1_p50": 1.0, "b1_p95": 1.0, "b10_p50": 3.0, "b10_p95": 3.0}}}
+    assert speedup(export) == 3.0
+    assert ("speedup", "int8 speed-up (batch 10, 1 thread)", "3.00x") in summary_rows(None, export)

@@ -81,7 +81,14 @@ def refusal(export: dict | None) -> str | None:
 
 
 def speedup(export: dict) -> float | None:
-    """How many times faster int8 runs than fp32 at batch 64 (median latency)."""
+    """How many times faster int8 runs than fp32 at the larger batch timed (median latency):
+    64 records, or fewer where they would not fit (quantize_model.latency_batches)."""
     if "int8" not in export:
         return None
-    return export["fp32"]["latency_ms"]["b64_p50"] / export["int8"]["latency_ms"]["b64_p50"]
+    key = f"b{large_batch(export)}_p50"
+    return export["fp32"]["latency_ms"][key] / export["int8"]["latency_ms"][key]
+
+
+def large_batch(export: dict) -> int:
+    """The larger batch the latencies were timed at (their keys: b1_p50, b64_p50, ...)."""
+    return max(int(key[1:].split("_")[0]) for key in export["fp32"]["latency_ms"])

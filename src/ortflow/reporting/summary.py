@@ -9,7 +9,8 @@ from pathlib import Path
 
 from ..checkpoints.best import chosen
 from ..wording import plural
-from .results import baseline_shown, fmt, lora_trained, not_beaten, quality, read_json, refusal, speedup
+from .results import (baseline_shown, fmt, large_batch, lora_trained, not_beaten, quality, read_json, refusal,
+                      speedup)
 
 
 def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
@@ -41,7 +42,8 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
         name, shown = quality(export["fp32"])
         line = f"  {name:<9} {shown}"
         if "int8" in export:
-            line += f", int8 {quality(export['int8'])[1]}, int8 speed-up {fmt(speedup(export), 'ratio')} at batch 64"
+            line += (f", int8 {quality(export['int8'])[1]}, int8 speed-up {fmt(speedup(export), 'ratio')} "
+                     f"at batch {large_batch(export)}")
         lines.append(line)
         if refusal(export):
             lines.append(f"  int8      {refusal(export)}: deploy the fp32 model")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import atomic
 from ..config import Config, as_dict
-from .results import baseline_shown, count, fmt, not_beaten, quality, read_json, refusal, speedup
+from .results import baseline_shown, count, fmt, large_batch, not_beaten, quality, read_json, refusal, speedup
 
 TABLES = ("summary", "quantization", "stages", "profile", "config")
 # The stages in pipeline order, as the rules and their benchmark files are named.
@@ -49,7 +49,8 @@ def summary_rows(train: dict | None, export: dict | None, description: dict | No
         rows.append(("fp32", f"{name} (fp32, eval split)", shown))
         if "int8" in export:
             rows.append(("int8", f"{name} (int8, {export['quantize']})", quality(export["int8"])[1]))
-            rows.append(("speedup", "int8 speed-up (batch 64, 1 thread)", fmt(speedup(export), "ratio")))
+            rows.append(("speedup", f"int8 speed-up (batch {large_batch(export)}, 1 thread)",
+                         fmt(speedup(export), "ratio")))
         if refusal(export):
             rows.append(("gate", "int8", refusal(export)))
     elif train:

@@ -12,7 +12,8 @@
 2. Both models are evaluated on the whole eval split (the loss and accuracy or
    perplexity that training reports) and timed on ONE intra-op thread at batch
    1 and 64 (p50 and p95 over interleaved rounds, so that both see the same
-   machine load); sizes are their file sizes.
+   machine load; fewer than 64 where their activations would not fit:
+   `latency_batches`); sizes are their file sizes.
 3. The quality gate: the int8 model may lose at most `export.max_accuracy_drop`
    accuracy points (perplexity, or the loss of a regression model: that many
    percent relative increase). Beyond it the int8 model is refused: the fp32
@@ -52,10 +53,12 @@ from ..errors import ModelError
 from ..evaluation import batch_totals, eval_results
 from ..inference import inference_session, input_feeds, loss_of, set_metadata
 from ..sessions import quiet_logging
+from ..training.preflight import available_memory
 
 log = logging.getLogger("ortflow.quantize")
 
-LATENCY_BATCHES = (1, 64)
+# The batches timed: one record, and LATENCY_BATCH where the activations fit (latency_batches).
+LATENCY_BATCH = 64
 LATENCY_ROUNDS = 20
 LATENCY_RUNS_PER_ROUND = 10
 # A large model gets fewer rounds rather than minutes of timing; never fewer than MIN_ROUNDS.
@@ -252,16 +255,34 @@ def evaluate(path: Path, reader, info: dict, batch_size: int) -> dict:
     return eval_results(totals, info["task"])
 
 
-def latencies(paths: dict[str, Path], reader) -> dict[str, dict]:
-    """{model: {b1_p50, b1_p95, b64_p50, b64_p95}} in ms on one thread, the models timed in turns."""
+def latency_batches(info: dict, sessions: int) -> tuple[int, int]:
+    """(1, LATENCY_BATCH), or a second batch as large as fits: `sessions` sessions timed side by
+    side, each holding what model.json's eval_bytes_per_sample says an evaluation holds per
+    record, within half the memory available (preflight.available_memory: MemAvailable, the
+    cgroup's limit or ORTFLOW_MEMORY_AVAILABLE), the rest for the weights and ONNX Runtime's
+    arenas, which hold more than that ideal node-by-node count."""
+    per_record = sessions * info.get("eval_bytes_per_sample", 0)
+    if not per_record:  # artifacts built before evaluations were counted
+        return 1, LATENCY_BATCH
+    available, where = available_memory()
+    fits = max(1, min(LATENCY_BATCH, int(available / 2 // per_record)))
+    if fits < LATENCY_BATCH:
+        log.info("latency timed at batch 1 and %d, not %d: %d session(s) of %.0f MB a record in half the %.1f GiB "
+                 "available (%s)", fits, LATENCY_BATCH, sessions, per_record / sessions / 1e6, available / 2**30, where)
+    return 1, fits
+
+
+def latencies(paths: dict[str, Path], reader, batches: tuple[int, int]) -> dict[str, dict]:
+    """{model: {b1_p50, b1_p95, b64_p50, b64_p95}} in ms on one thread (64: the second of
+    `batches`), the models timed in turns."""
     sessions = {name: inference_session(path, threads=1) for name, path in paths.items()}
-    indices = np.arange(max(LATENCY_BATCHES)) % len(reader)  # a small eval split repeats records
+    indices = np.arange(max(batches)) % len(reader)  # a small eval split repeats records
     out: dict[str, dict] = {name: {} for name in paths}
-    for size in LATENCY_BATCHES:
+    for size in batches:
         batch = reader.gather(indices[:size])
         feeds = {name: input_feeds(session, batch) for name, session in sessions.items()}
         times: dict[str, list] = {name: [] for name in paths}
-        budget = LATENCY_BUDGET_S / len(LATENCY_BATCHES)
+        budget = LATENCY_BUDGET_S / len(batches)
         started = time.perf_counter()
         for name, session in sessions.items():  # warm-up: allocations, caches
             session.run(None, feeds[name])
@@ -405,7 +426,7 @@ def quantize(config: Config, model: Path, artifacts: Path, eval_dir: Path, int8:
             set_metadata(quantized, {**source_props, "ortflow.quantize": how})
             external_data.save_graph(quantized, paths["int8"], paths["int8"], int8)
             del quantized
-        timings = latencies(paths, reader)
+        timings = latencies(paths, reader, latency_batches(info, len(paths)))
         for name, path in paths.items():
             report[name] = {**evaluate(path, reader, info, batch_size), "latency_ms": timings[name],
                             "size_bytes": external_data.model_bytes(path)}
