@@ -252,6 +252,40 @@ def test_reference_evaluator_failure_warns_and_names_the_operator(tmp_path, capl
     assert "at node 'pick' (operator GatherElements), while ONNX Runtime's eval graph agrees" in caplog.text
 
 
+@pytest.mark.parametrize("gather", [False, True])
+def test_reference_evaluator_reads_weights_in_external_data(tmp_path, caplog, gather):
+    """A model whose weights are in external data: the reference evaluator is fed them as inputs,
+    and agrees, or (GatherElements, as above) names the node where it does not."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from ortflow.stages.export_model import check_reference
+
+    weight = numpy_helper.from_array(np.linspace(-1, 1, 100 * 100, dtype=np.float32).reshape(100, 100), "w")
+    indices = numpy_helper.from_array(np.array([[[5, 70, 99], [0, 1, 2]]], np.int64), "picked")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm")]
+    if gather:
+        nodes += [helper.make_node("GatherElements", ["h", "picked"], ["logits"], name="pick", axis=2)]
+    else:
+        nodes += [helper.make_node("Relu", ["h"], ["logits"], name="relu")]
+    graph = helper.make_graph(nodes, "external", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2, 100])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, None)], [weight, indices])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    model.ir_version = 8
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path), save_as_external_data=True, location="model.onnx.data", size_threshold=1024)
+    assert onnx.load(str(path), load_external_data=False).graph.initializer[0].data_location == TensorProto.EXTERNAL
+    feeds = {"x": np.arange(200, dtype=np.float32).reshape(1, 2, 100) / 200}
+    logits = ort.InferenceSession(str(path)).run(None, feeds)[0]
+    with caplog.at_level("INFO", logger="ortflow.export"):
+        check_reference(path, feeds, logits)
+    if gather:
+        assert "at node 'pick' (operator GatherElements), while ONNX Runtime's eval graph agrees" in caplog.text
+    else:
+        assert "ONNX reference evaluator agrees with ONNX Runtime on 1 records" in caplog.text
+
+
 def write_conv_model(path: Path, shaped_input: bool = True) -> None:
     """x [n, 64] -> 1x8x8 -> Conv 4x3x3 -> Relu -> Flatten -> MatMul -> [n, 10]; the
     input's shape left unknown (valid ONNX) when not `shaped_input`."""

@@ -165,6 +165,31 @@ def check(model, file: Path, where: str) -> None:
                              "again together (onnx.save_model with save_as_external_data=True)")
 
 
+def weights_as_inputs(model, path: Path) -> dict:
+    """The initializers of `model` (read from `path` with load_data=False, `check`ed) that are in
+    external data, each read from the data file into its array and made a graph input: name ->
+    array. For ONNX's reference evaluator, which given the weights in the model holds them twice
+    (the model's bytes and its arrays)."""
+    import numpy as np
+    import onnx
+    from onnx.external_data_helper import uses_external_data as uses
+
+    arrays, kept = {}, []
+    for tensor in model.graph.initializer:
+        if not uses(tensor):
+            kept.append(tensor)
+            continue
+        info = {entry.key: entry.value for entry in tensor.external_data}
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+        arrays[tensor.name] = np.fromfile(Path(path).parent / info["location"], dtype=dtype,
+                                          count=int(np.prod(tensor.dims)), offset=int(info.get("offset", 0))
+                                          ).reshape(tuple(tensor.dims))
+        model.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    return arrays
+
+
 def model_bytes(path: Path) -> int:
     """The size of the model `path` with its external data file, if it has one."""
     data = data_file(path)
