@@ -170,8 +170,8 @@ def weights_as_inputs(model, path: Path) -> dict:
     external data, each read from the data file into its array and made a graph input: name ->
     array. For ONNX's reference evaluator, which given the weights in the model holds them twice
     (the model's bytes and its arrays)."""
-    import numpy as np
     import onnx
+    from onnx import numpy_helper
     from onnx.external_data_helper import uses_external_data as uses
 
     arrays, kept = {}, []
@@ -179,11 +179,7 @@ def weights_as_inputs(model, path: Path) -> dict:
         if not uses(tensor):
             kept.append(tensor)
             continue
-        info = {entry.key: entry.value for entry in tensor.external_data}
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-        arrays[tensor.name] = np.fromfile(Path(path).parent / info["location"], dtype=dtype,
-                                          count=int(np.prod(tensor.dims)), offset=int(info.get("offset", 0))
-                                          ).reshape(tuple(tensor.dims))
+        arrays[tensor.name] = numpy_helper.to_array(tensor, str(Path(path).parent))
         model.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)

@@ -46,8 +46,9 @@ def generate(base, trainable, frozen, loss, label, optimizer, out: Path, logits:
 def generate_with_loss(base, requires_grad, frozen, make_loss, loss_input: str, optimizer, out: Path) -> None:
     """ONNX Runtime's generate_artifacts on the base model with the onnxblock `make_loss()` on
     its tensor `loss_input` (which the graphs also return): in memory, or (its weights in
-    external data) from its file `out`/inference_base.onnx, which ORT's blocks save again as
-    they build, into their working folder: `out`, so that nothing lands where the command runs."""
+    external data) as the graph of `out`/inference_base.onnx with the weights left in their file,
+    which ORT's blocks save again as they build, into their working folder: `out`, so that
+    nothing lands where the command runs."""
     import onnx
     from onnxruntime.training import artifacts
 
@@ -56,7 +57,10 @@ def generate_with_loss(base, requires_grad, frozen, make_loss, loss_input: str, 
     # makes the graphs depend on the model alone, byte for byte.
     ort_private.restart_node_names()
     out = out.resolve()  # before the working folder changes
-    source = onnx.load(str(Artifacts(out).base_model), load_external_data=False) if external_data.uses_external_data(base) else base
+    # Over the threshold, the graph alone: its initializers point at inference_base.onnx.data in `out`, which
+    # ORT then never reads whole (given the file's path, generate_artifacts loads every weight).
+    source = (onnx.load(str(Artifacts(out).base_model), load_external_data=False)
+              if external_data.uses_external_data(base) else base)
     try:
         with contextlib.chdir(out):
             artifacts.generate_artifacts(
