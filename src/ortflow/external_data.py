@@ -179,7 +179,12 @@ def weights_as_inputs(model, path: Path) -> dict:
         if not uses(tensor):
             kept.append(tensor)
             continue
-        arrays[tensor.name] = numpy_helper.to_array(tensor, str(Path(path).parent))
+        # A copy of the tensor reads the bytes: to_array leaves them in the tensor it reads, which
+        # would keep the weights a second time in `model` (protobuf frees them with the message).
+        alone = onnx.TensorProto()
+        alone.CopyFrom(tensor)
+        arrays[tensor.name] = numpy_helper.to_array(alone, str(Path(path).parent))
+        del alone
         model.graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, tensor.dims))
     del model.graph.initializer[:]
     model.graph.initializer.extend(kept)
