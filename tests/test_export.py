@@ -286,6 +286,59 @@ def test_reference_evaluator_reads_weights_in_external_data(tmp_path, caplog, ga
         assert "ONNX reference evaluator agrees with ONNX Runtime on 1 records" in caplog.text
 
 
+@pytest.mark.parametrize("kind", ["gpt", "cnn"])
+def test_inference_graph_is_what_onnx_runtimes_export_writes(kind, tmp_path):
+    """export_model writes the inference graph itself, from the eval graph and the checkpoint's
+    tensors one at a time (graphs/inference_model.py); ONNX Runtime's
+    Module.export_model_for_inferencing, which it replaces, writes the same nodes, initializers,
+    inputs and output, and the two models compute the same logits bit for bit."""
+    import contextlib
+
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+    from onnxruntime.training.api import CheckpointState, Module
+
+    from test_artifacts import build, config
+
+    from ortflow.checkpoints.ort_format import read_ort_checkpoint
+    from ortflow.graphs import inference_model
+    from ortflow.stages.prepare_data import prepare
+
+    text = {"source": str(tmp_path / "corpus.txt"), "context": 8} if kind == "gpt" else {}
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    prepare(config(data=text), tmp_path / "train", tmp_path / "eval")
+    model = {"kind": "gpt", "layers": 2, "heads": 2, "width": 32} if kind == "gpt" else {"kind": "cnn"}
+    artifacts = tmp_path / "artifacts"
+    info = build(tmp_path / "train", artifacts, model)
+    output = info["outputs"]["logits"]
+    module = Module(str(artifacts / "training_model.onnx"), CheckpointState.load_checkpoint(str(artifacts / "checkpoint")),
+                    str(artifacts / "eval_model.onnx"))
+    with contextlib.chdir(tmp_path):
+        module.export_model_for_inferencing("theirs.onnx", [output])
+    ours = inference_model.inference_graph(artifacts / "eval_model.onnx", output)
+    inference_model.add_weights(ours, read_ort_checkpoint(artifacts / "checkpoint").parameters, tmp_path / "ours.onnx",
+                                tmp_path / "ours.onnx")
+    onnx.save(ours, str(tmp_path / "ours.onnx"))
+    theirs = onnx.load(str(tmp_path / "theirs.onnx"))
+
+    def nodes(model):
+        return sorted((node.op_type, node.domain, list(node.input), list(node.output)) for node in model.graph.node)
+
+    def initializers(model):
+        return {tensor.name: numpy_helper.to_array(tensor).tolist() for tensor in model.graph.initializer}
+
+    assert len(ours.graph.node) > 5 and nodes(ours) == nodes(theirs)
+    assert initializers(ours) == initializers(theirs)
+    assert [value.name for value in ours.graph.input] == [value.name for value in theirs.graph.input]
+    assert ours.graph.output == theirs.graph.output
+    batch = ShardReader(tmp_path / "eval").gather(np.arange(4))
+    logits = [ort.InferenceSession(str(tmp_path / name)).run(None, {value.name: batch[value.name] for value in
+                                                                   ours.graph.input})[0]
+              for name in ("ours.onnx", "theirs.onnx")]
+    assert np.array_equal(*logits)
+
+
 def write_conv_model(path: Path, shaped_input: bool = True) -> None:
     """x [n, 64] -> 1x8x8 -> Conv 4x3x3 -> Relu -> Flatten -> MatMul -> [n, 10]; the
     input's shape left unknown (valid ONNX) when not `shaped_input`."""

@@ -110,30 +110,29 @@ def adapted_layers(module) -> dict[str, object]:
     return {name: layer for name, layer in module.named_modules() if isinstance(layer, LoraLayer)}
 
 
-def fold(model, module) -> int:
-    """Merge the adapters of the trained LoRA `module` into the ONNX `model` (the inference
-    graph that ONNX Runtime exported of it): each adapted layer's base weight becomes
-    base + its adapters' product (peft's get_delta_weight, what merge_and_unload adds), and the
-    adapters' branch (their matrices and the nodes from its input's Dropout to the Add that puts
-    it on the base layer's output) is cut out. Returns how many layers were folded."""
+def fold(model, module) -> dict:
+    """Cut the adapters of the trained LoRA `module` out of the ONNX `model` (the inference graph,
+    its parameters still inputs: graphs/inference_model.py) and return what the base weights
+    become: each adapted layer's base + its adapters' product (peft's get_delta_weight, what
+    merge_and_unload adds), name -> array. The adapters' branch (their matrices and the nodes from
+    its input's Dropout to the Add that puts it on the base layer's output) is left unread, for
+    inference_model.prune to remove."""
     import torch
-    from onnx import numpy_helper
 
-    initializers = {tensor.name: tensor for tensor in model.graph.initializer}
+    inputs = {value.name for value in model.graph.input}
     consumers: dict[str, list] = {}
     for node in model.graph.node:
         for name in node.input:
             consumers.setdefault(name, []).append(node)
     outputs = {value.name for value in model.graph.output}
-    layers = adapted_layers(module)
-    for name, layer in layers.items():
-        base = initializers.get(f"{name}.base_layer.weight")
-        if base is None:
-            raise ModelError(f"{name}: the exported ONNX model has no initializer {name}.base_layer.weight to merge "
+    merged = {}
+    for name, layer in adapted_layers(module).items():
+        base = f"{name}.base_layer.weight"
+        if base not in inputs:
+            raise ModelError(f"{name}: the exported ONNX model has no parameter {base} to merge "
                              "its LoRA adapters into; export with model.lora: null")
         with torch.no_grad():
-            merged = layer.get_base_layer().weight + layer.get_delta_weight(layer.active_adapters[0])
-        base.CopyFrom(numpy_helper.from_array(merged.numpy(), base.name))
+            merged[base] = (layer.get_base_layer().weight + layer.get_delta_weight(layer.active_adapters[0])).numpy()
         # From the B matrix along its one consumer each to the Add: there, the base layer's output replaces the sum.
         tensor, chain = f"{name}.lora_B.{layer.active_adapters[0]}.weight", []
         while not chain or chain[-1].op_type != "Add":
@@ -149,31 +148,7 @@ def fold(model, module) -> int:
             node.input[:] = [base_output if value == add.output[0] else value for value in node.input]
         if add.output[0] in outputs:
             raise ModelError(f"{name}: its LoRA adapters' sum is the model's output; export with model.lora: null")
-    drop_unused(model)
-    return len(layers)
-
-
-def drop_unused(model) -> None:
-    """Remove the nodes whose outputs nothing reads (the cut branches), then the initializers none reads."""
-    def reads(node) -> set[str]:  # its inputs, and the outer values its subgraphs (If, Loop) read
-        names = set(node.input)
-        for attribute in node.attribute:
-            for graph in [attribute.g] if attribute.HasField("g") else attribute.graphs:
-                for inner in graph.node:
-                    names |= reads(inner)
-        return names
-
-    needed = {value.name for value in model.graph.output}
-    kept = []
-    for node in reversed(model.graph.node):
-        if any(name in needed for name in node.output):
-            kept.append(node)
-            needed |= reads(node)
-    del model.graph.node[:]
-    model.graph.node.extend(reversed(kept))
-    unused = [tensor for tensor in model.graph.initializer if tensor.name not in needed]
-    for tensor in unused:
-        model.graph.initializer.remove(tensor)
+    return merged
 
 
 def save_adapter(module, folder) -> None:

@@ -1,8 +1,10 @@
 """The export_model stage: the merged checkpoint in, the inference model that a user deploys out.
 
-1. A training Module loaded with the merged checkpoint's weights writes its
-   inference graph (`Module.export_model_for_inferencing`): the forward model
-   with the loss, gradient and optimizer operators stripped, taking the data's
+1. The inference graph (graphs/inference_model.py): the eval graph cut down to
+   the model's output, its parameters made initializers holding the merged
+   checkpoint's weights, written one tensor at a time (what ONNX Runtime's
+   `Module.export_model_for_inferencing` does, holding the weights three times):
+   the forward model with the loss stripped, taking the data's
    features by name and returning the model's output (the logits, or for a
    model that ends in a Softmax its probabilities, as the user's model returned
    them: models/logits.py), with the batch dimension dynamic, and a text model's
@@ -53,7 +55,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 from pathlib import Path
@@ -62,13 +63,14 @@ import numpy as np
 
 from .. import atomic, external_data
 from ..artifacts import Artifacts
-from ..checkpoints.ort_format import TrainingState, ort_state, read_ort_checkpoint
+from ..checkpoints.ort_format import read_ort_checkpoint
 from ..checkpoints.best import chosen
 from ..data import standardize
 from ..data.shards import TOKENIZER
 from ..config import Config
 from ..errors import DataError, MissingInputError, ModelError
 from ..evaluation import feeds, outputs_of
+from ..graphs import inference_model
 from ..graphs.forward_model import base_torch_module, torch_module
 from ..inference import inference_session, input_feeds, loss_of, set_metadata
 from ..models import lora, save_trained
@@ -84,12 +86,12 @@ CHECK_RECORDS = 64
 REFERENCE_RECORDS = 8
 # Allowed: max |actual - expected| <= relative x max |expected| + absolute.
 # Scaled to the outputs because float32 rounding is: the exported model and the
-# eval graph have the same Gemm nodes and weights, yet differ by ~1e-5 on the
-# default config at step 400 (logits up to 24). Measured cause: the inference
-# session pre-packs the constant Gemm weights for MLAS, which then sums the
-# products in another order than the unpacked Gemm of the eval graph, whose
-# weights are trainable inputs (with `session.disable_prepacking` the two agree
-# bit for bit, and the eval graph is the one farther from a float64 product).
+# eval graph have the same nodes and weights, yet an inference session that
+# pre-packs the constant Gemm weights for MLAS sums the products in another order
+# than the eval graph, whose weights are inputs (~1e-5 on the default config at
+# step 400, logits up to 24). The checks' sessions run without pre-packing, which
+# also holds the weights once, and agree bit for bit on the built-in models; ONNX
+# Runtime's graph optimizations may still fuse the constant-weight graph otherwise.
 TOLERANCE = {"relative": 1e-4, "absolute": 1e-6}
 
 
@@ -171,10 +173,19 @@ def compare(name: str, actual: np.ndarray, expected: np.ndarray) -> float:
     return worst
 
 
-def eval_graph_outputs(module, info: dict, eval_batch: dict, data_label: str) -> tuple[float, np.ndarray]:
-    """(loss, logits) of the eval graph on `eval_batch`."""
-    module.eval()
-    return outputs_of(module(*feeds(eval_batch, module.input_names(), info["label"]["name"], data_label)))
+def eval_graph_outputs(files: Artifacts, checkpoint: Path, info: dict, eval_batch: dict,
+                       data_label: str) -> tuple[float, np.ndarray]:
+    """(loss, logits) of the eval graph on `eval_batch` with the merged `checkpoint`'s weights,
+    fed as the training Module's eval step feeds them, as inputs; here to a plain session, from
+    the checkpoint's arrays (views of its file): a Module would hold them a second time."""
+    import onnxruntime as ort
+
+    weights = read_ort_checkpoint(checkpoint).parameters
+    session = ort.InferenceSession(str(files.eval_model), training_options(), providers=["CPUExecutionProvider"])
+    names = [value.name for value in session.get_inputs()]
+    data = [name for name in names if name not in weights]
+    inputs = dict(zip(data, feeds(eval_batch, data, info["label"]["name"], data_label)))
+    return outputs_of(session.run(None, inputs | {name: weights[name] for name in names if name in weights}))
 
 
 def check_outputs(path: Path, info: dict, batch: dict, expected: tuple[float, np.ndarray],
@@ -184,7 +195,7 @@ def check_outputs(path: Path, info: dict, batch: dict, expected: tuple[float, np
     model standardizes itself), then ONNX's reference evaluator, each with the other's weights
     out of memory. Returns the exported model's output on `batch`."""
     names = list(dict.fromkeys([inference_output(info), info["outputs"]["logits"]]))
-    session = inference_session(path, also=tuple(names))
+    session = inference_session(path, also=tuple(names), prepacked=False)
     results = dict(zip(names, session.run(names, input_feeds(session, batch))))
     few = {name: array[:REFERENCE_RECORDS] for name, array in input_feeds(session, batch).items()}
     del session
@@ -289,7 +300,7 @@ def check_sequence_lengths(path: Path, info: dict, batch: dict, output: np.ndarr
     dims = model.graph.output[0].type.tensor_type.shape.dim
     axis = next((i for i, d in enumerate(dims) if d.dim_param in (SEQUENCE, TARGET_SEQUENCE)), None)
     context = batch[sequences[0]].shape[1]
-    session = inference_session(path)
+    session = inference_session(path, prepacked=False)
     lengths = sorted({1, min(2 * context, limit or 2 * context)})
     for length in lengths:
         feeds = input_feeds(session, {name: lengthened(array, length) if name in sequences else array
@@ -385,45 +396,31 @@ def check_torch_outputs(name: str, module, manifest: dict, batch: dict, output: 
     log.info("%s: output on %d eval records within %.3g of the exported model's", name, len(output), worst)
 
 
-def trained_module(artifacts: Artifacts, checkpoint: Path):
-    """The training Module with the merged checkpoint's parameters and nothing export has no
-    use for: no optimizer state (two copies of the weights), and every parameter frozen, so
-    that the Module allocates no gradient buffers (a third copy); its eval graph and the
-    model it exports are the same either way."""
-    from onnxruntime.training.api import Module
-
-    merged = read_ort_checkpoint(checkpoint)
-    frozen = dict.fromkeys(merged.parameters, False)
-    state = ort_state(TrainingState(merged.parameters, frozen, {}, {}, {}, merged.version))
-    # Absolute: ONNX Runtime reads the eval graph again when it exports, from inside the export's folder.
-    return Module(str(artifacts.training_model.resolve()), state, str(artifacts.eval_model.resolve()),
-                  session_options=training_options())
-
-
-def write_inference_model(module, files: Artifacts, info: dict, tmp: Path, out: Path, reader, props: dict,
+def write_inference_model(files: Artifacts, checkpoint: Path, info: dict, tmp: Path, out: Path, reader, props: dict,
                           adapted=None) -> None:
-    """The module's inference graph into `tmp` (its weights in `<out>.data` over
+    """The inference graph (graphs/inference_model.py: the eval graph cut down to the model's output)
+    with the merged `checkpoint`'s weights into `tmp` (in `<out>.data` over
     external_data.threshold()), with the data's standardization in front and `props` as metadata;
     with LoRA, the trained torch module `adapted`'s adapters merged into its weights (lora.fold)."""
-    # ONNX Runtime 1.19 writes the weights of a checkpoint that had external data to `<tmp>.data`,
-    # and only when given a relative path.
-    with contextlib.chdir(tmp.parent):
-        module.export_model_for_inferencing(tmp.name, [inference_output(info)])
-    # Only LoRA changes weights; otherwise the graph alone is read, and the weights that ONNX
-    # Runtime wrote to `<tmp>.data` (over the threshold) stay in that file, renamed to `<out>.data`.
-    model = external_data.load_model(tmp, f"{out}: the model ONNX Runtime exported", load_data=adapted is not None)
+    import onnx
+
+    model = inference_model.inference_graph(files.eval_model, inference_output(info))
+    weights = read_ort_checkpoint(checkpoint).parameters  # views of the checkpoint's files: not read yet
     if adapted is not None:
-        external_data.data_file(tmp).unlink(missing_ok=True)  # read in: save_model writes `<out>.data`
-        log.info("LoRA: the adapters of %d layers merged into their weights", lora.fold(model, adapted))
+        merged = lora.fold(model, adapted)
+        log.info("LoRA: the adapters of %d layers merged into their weights", len(merged))
+        weights |= merged
+    inference_model.add_weights(model, weights, tmp, out)
+    del weights
     base = external_data.load_model(files.base_model, load_data=False)
     if inference_output(info) != info["outputs"]["logits"]:
         # The eval graph returns the logits; the model's own output keeps the type the model gave it.
         model.graph.output[0].CopyFrom(base.graph.output[0])
-    # An input that nothing reads (models/hugging_face.py), which ONNX Runtime's export drops, as the model had it.
+    # An input that nothing reads (models/hugging_face.py), which the cut graph drops, as the model had it.
     add_inputs(model, base.graph.input)
     standardize.prepend(model, reader.standardized)
     set_metadata(model, props)
-    external_data.save_graph(model, tmp, tmp, out)
+    onnx.save(model, str(tmp))
     check_interface(model, info, out)
 
 
@@ -441,7 +438,6 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
     if not meta_path.is_file():
         raise MissingInputError(f"{meta_path}: no merged checkpoint (run the merge_checkpoint rule first)")
     meta = json.loads(meta_path.read_text())
-    module = trained_module(files, checkpoint_dir / "checkpoint")
 
     props = {
         "ortflow.run": config.run.name,
@@ -454,13 +450,13 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
     props |= data_properties(reader.manifest)
     batch = reader.gather(np.arange(min(CHECK_RECORDS, len(reader))))
     # With LoRA, the torch module's adapters are merged into the inference model's weights; without,
-    # the torch module is built once the training Module is gone, so that the weights are held fewer times.
+    # the torch module is built once the ONNX checks' sessions are gone, so that the weights are held fewer times.
     adapted = trained_torch_module(config, info, reader.manifest, checkpoint_dir) if "lora" in info else None
     with atomic.file(out) as tmp:
-        write_inference_model(module, files, info, tmp, out, reader, props, adapted)
+        write_inference_model(files, checkpoint_dir / "checkpoint", info, tmp, out, reader, props, adapted)
         # Standardized from the raw features as the exported model does it: both graphs see the same values.
-        expected = eval_graph_outputs(module, info, standardize.apply(batch, reader.standardized), reader.label_name)
-        del module  # its weights and gradients: the checks below load the exported model's
+        expected = eval_graph_outputs(files, checkpoint_dir / "checkpoint", info,
+                                      standardize.apply(batch, reader.standardized), reader.label_name)
         onnx.checker.check_model(str(tmp), full_check=True)
         output = check_outputs(tmp, info, batch, expected, reader.label_name)[:REFERENCE_RECORDS]
         few = {name: array[:REFERENCE_RECORDS] for name, array in batch.items()}

@@ -166,7 +166,7 @@ def unloadable_node(path: Path) -> str | None:
     import re
 
     try:
-        inference_session(path)
+        inference_session(path, prepacked=False)
     except ort_private.not_implemented_error() as error:
         match = re.search(r"node with name '([^']*)'", str(error))
         if match:
@@ -221,7 +221,7 @@ def quantize_once(source: Path, target: Path, how: str, op_types: list[str], exp
         quantize_dynamic(str(source), str(target), op_types_to_quantize=op_types, per_channel=per_channel,
                          weight_type=QuantType.QInt8, use_external_data_format=external)
         return
-    names = [i.name for i in inference_session(source).get_inputs()]
+    names = [i.name for i in inference_session(source, prepacked=False).get_inputs()]
     batches = export_cfg.calibration_batches
     log.info("calibrating on %d eval batch(es) of up to %d records", min(batches, -(-len(reader) // batch_size)),
              batch_size)
@@ -246,7 +246,7 @@ def is_external(model: Path) -> bool:
 def evaluate(path: Path, reader, info: dict, batch_size: int) -> dict:
     """What training's evaluation reports (`evaluation.eval_results`), for an inference model."""
     logits_name = info["outputs"]["logits"]
-    session = inference_session(path, also=(logits_name,))
+    session = inference_session(path, also=(logits_name,), prepacked=False)
     totals = np.zeros(3)
     for batch in reader.eval_batches(0, 1, batch_size):
         logits = session.run([logits_name], input_feeds(session, batch))[0]
