@@ -200,14 +200,17 @@ def test_user_onnx_model_quantizes_per_channel(user_run):
 
 @pytest.mark.e2e
 def test_400_steps_export_within_the_scaled_tolerance(digits_workdir):
-    """The default config trained longer: its weights grow, and so does the float32
-    rounding between the pre-packed Gemm of the inference model and the eval graph's."""
+    """The default config trained longer: its weights grow. The check's session, without
+    pre-packing, gives the eval graph's logits bit for bit (the same kernels on the same
+    weights); ONNX's reference evaluator sums in another float32 order, by more than the
+    absolute 1e-6 and within the tolerance scaled to the logits."""
     run_snakemake(digits_workdir, {"train": {"steps": 400}}, "export_model")
     log = _log(digits_workdir, "export_model")
     match = re.search(r"logits within ([0-9.e+-]+) of the eval graph's", log)
-    assert match and 0 < float(match.group(1)) <= 1e-3, log
-    allowed = re.search(r"agrees with ONNX Runtime on 8 records: largest difference [0-9.e+-]+ \(allowed: ([0-9.e+-]+)\)", log)
-    assert allowed and float(allowed.group(1)) > 1e-4, log
+    assert match and float(match.group(1)) == 0, log
+    reference = re.search(r"agrees with ONNX Runtime on 8 records: largest difference ([0-9.e+-]+) "
+                          r"\(allowed: ([0-9.e+-]+)\)", log)
+    assert reference and 1e-6 < float(reference.group(1)) <= float(reference.group(2)), log
     assert (_export(digits_workdir) / "model.onnx").is_file()
 
 
