@@ -255,8 +255,9 @@ def evaluate(path: Path, reader, info: dict, batch_size: int) -> dict:
     return eval_results(totals, info["task"])
 
 
-def latency_batches(info: dict, sessions: int) -> tuple[int, int]:
-    """(1, LATENCY_BATCH), or a second batch as large as fits: `sessions` sessions timed side by
+def latency_batches(info: dict, sessions: int) -> tuple[int, ...]:
+    """(1, LATENCY_BATCH), or a second batch as large as fits (none where one record is all that
+    fits, rather than timing batch 1 twice): `sessions` sessions timed side by
     side, each holding what model.json's eval_bytes_per_sample says an evaluation holds per
     record, within half the memory available (preflight.available_memory: MemAvailable, the
     cgroup's limit or ORTFLOW_MEMORY_AVAILABLE), the rest for the weights and ONNX Runtime's
@@ -267,14 +268,15 @@ def latency_batches(info: dict, sessions: int) -> tuple[int, int]:
     available, where = available_memory()
     fits = max(1, min(LATENCY_BATCH, int(available / 2 // per_record)))
     if fits < LATENCY_BATCH:
-        log.info("latency timed at batch 1 and %d, not %d: %d session(s) of %.0f MB a record in half the %.1f GiB "
-                 "available (%s)", fits, LATENCY_BATCH, sessions, per_record / sessions / 1e6, available / 2**30, where)
-    return 1, fits
+        log.info("latency timed at batch 1%s, not %d: %d session(s) of %.0f MB a record in half the %.1f GiB "
+                 "available (%s)", f" and {fits}" if fits > 1 else " alone", LATENCY_BATCH, sessions,
+                 per_record / sessions / 1e6, available / 2**30, where)
+    return (1, fits) if fits > 1 else (1,)
 
 
-def latencies(paths: dict[str, Path], reader, batches: tuple[int, int]) -> dict[str, dict]:
+def latencies(paths: dict[str, Path], reader, batches: tuple[int, ...]) -> dict[str, dict]:
     """{model: {b1_p50, b1_p95, b64_p50, b64_p95}} in ms on one thread (64: the second of
-    `batches`), the models timed in turns."""
+    `batches`, if there is one), the models timed in turns."""
     sessions = {name: inference_session(path, threads=1) for name, path in paths.items()}
     indices = np.arange(max(batches)) % len(reader)  # a small eval split repeats records
     out: dict[str, dict] = {name: {} for name in paths}
