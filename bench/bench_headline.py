@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -139,7 +140,8 @@ def run_peer(args, workdir: Path) -> dict:
     result = subprocess.run(command, capture_output=True, text=True, env=env)
     if result.returncode:
         raise SystemExit(f"the peer failed:\n{result.stderr[-4000:]}")
-    ranks = sorted((json.loads(line[5:]) for line in result.stdout.splitlines() if line.startswith("PEER ")),
+    # The ranks print at once: their lines can run together ("PEER {...}PEER {...}").
+    ranks = sorted((json.loads(found) for found in re.findall(r"PEER (\{[^{}]*\})", result.stdout)),
                    key=lambda rank: rank["rank"])
     return {"peak_rss_mb": [round(rank["peak_rss_mb"]) for rank in ranks],
             "step_time_p50_s": round(max(rank["step_time_p50_s"] for rank in ranks), 2),
