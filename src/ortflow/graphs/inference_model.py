@@ -91,18 +91,18 @@ def add_weights(model, weights: Mapping, path: Path, name: Path) -> None:
 
     prune(model)
     graph = model.graph
-    names = [value.name for value in graph.input if value.name in weights]
+    parameters = [value for value in graph.input if value.name in weights]
     data = Path(path).with_name(external_data.data_file(name).name)
     data.unlink(missing_ok=True)  # onnx appends to the file
-    outside = external_data.initializer_bytes(model) + sum(weights[n].nbytes for n in names) > \
+    outside = external_data.initializer_bytes(model) + sum(weights[v.name].nbytes for v in parameters) > \
         external_data.threshold()
-    for parameter in names:
-        tensor = numpy_helper.from_array(weights[parameter], parameter)
+    for value in parameters:
+        tensor = numpy_helper.from_array(weights[value.name], value.name)
         if outside and len(tensor.raw_data) >= external_data.INLINE_BYTES:
             set_external_data(tensor, data.name)
             save_external_data(tensor, str(data.parent))
             # Cleared before the graph copies it in: its bytes are never in the model's memory.
             tensor.ClearField("raw_data")
         graph.initializer.append(tensor)
-    for value in [value for value in graph.input if value.name in weights]:
+    for value in parameters:
         graph.input.remove(value)
