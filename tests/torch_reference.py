@@ -1,7 +1,7 @@
 """ortflow's training done again in plain single-process PyTorch, to compare with
 (tests/test_train.py, tests/test_torch_layers.py): the same initial weights (the
-build_artifacts checkpoint), the same global batches, torch.optim.AdamW with the
-config's optimizer, clipping to the global gradient norm, ortflow's schedule."""
+build_artifacts checkpoint), the same global batches, torch.optim.AdamW (or SGD without
+momentum) with the config's optimizer, clipping to the global gradient norm, ortflow's schedule."""
 
 from __future__ import annotations
 
@@ -32,11 +32,14 @@ def train_like_ortflow(model: torch.nn.Module, config: dict, train_dir: Path,
                        groups: list[dict] | None = None) -> tuple[list[float], dict]:
     """Train `model` (features in, logits out, cross-entropy) as ortflow trains
     with `config`; return the loss of each step and the final parameters.
-    `groups`: AdamW's parameter groups (each with its weight_decay), by default
+    `groups`: the optimizer's parameter groups (each with its weight_decay), by default
     one group of every parameter with the config's weight decay."""
     train, opt = config.train, config.train.optimizer
-    optimizer = torch.optim.AdamW(groups or model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
-                                  eps=opt.eps, weight_decay=opt.weight_decay)
+    if opt.name == "sgd":
+        optimizer = torch.optim.SGD(groups or model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(groups or model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
+                                      eps=opt.eps, weight_decay=opt.weight_decay)
     reader = ShardReader(train_dir)
     features = [f["name"] for f in reader.manifest["features"]]
     losses = []
