@@ -178,12 +178,12 @@ def decay_groups(module, opt: dict) -> list[dict]:
     none on what train.optimizer.no_decay picks out, embeddings being nn.Embedding tables."""
     import torch
 
-    from ortflow.training.weight_decay import is_excluded
+    from ortflow.models.patterns import matches
 
     embeddings = {f"{name}.weight" for name, layer in module.named_modules() if isinstance(layer, torch.nn.Embedding)}
     groups = {True: [], False: []}
     for name, parameter in module.named_parameters():
-        groups[is_excluded(name, parameter.ndim, embeddings, opt["no_decay"])].append(parameter)
+        groups[matches(name, parameter.ndim, embeddings, opt["no_decay"])].append(parameter)
     return [{"params": groups[False], "weight_decay": opt["weight_decay"]}, {"params": groups[True], "weight_decay": 0.0}]
 
 

@@ -24,7 +24,7 @@ from ortflow.stages.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.stages import build_artifacts
-from ortflow.inference import inference_session
+from ortflow.sessions import inference_session
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 8

@@ -1,6 +1,6 @@
-"""The structure of src/: no import circle (from every module's import statements, also
-the ones inside functions, which hide a circle from Python but not from a reader), and
-no function over 60 lines."""
+"""The structure of src/: no import circle and no import of a higher layer (from every
+module's import statements, also the ones inside functions, which hide a circle from
+Python but not from a reader), and no function over 60 lines."""
 
 from __future__ import annotations
 
@@ -131,44 +131,104 @@ def test_pyflakes_finds_no_undefined_name_or_unused_code():
     assert collect.found == []
 
 
-# The layers of src/ortflow/, lowest first. The foundation is the modules at the top of the
-# package (errors, files, the config, ONNX Runtime's private parts); the libraries are its
-# packages, by concern; stages/ holds the stage commands, one a rule; cli.py runs them.
-FOUNDATION, LIBRARY, STAGE, CLI = range(4)
+# The layers of src/ortflow/, lowest first: a module imports modules of its own layer or of lower
+# ones, never of a higher one (imports inside functions count). A layer names the top-level
+# modules and packages of ortflow in it (a package brings all its modules; `__init__` is ortflow's
+# own, its version). A new one goes in the lowest layer above all it imports (or in a new layer of
+# its own there), below all that imports it: one in no layer fails the test, which says where.
+LAYERS = [
+    # The foundation: errors, files, the config, ONNX Runtime's sessions and private parts.
+    ("__init__", "errors", "wording", "digests", "storage", "atomic", "external_data", "user_files",
+     "sessions", "ort_private", "artifacts", "config", "cuda_libraries", "launcher"),
+    ("checkpoints",),  # ONNX Runtime's checkpoint file and ortflow's sharded checkpoints
+    ("models",),  # models/weights.py reads weights from ONNX Runtime's checkpoint file
+    ("data",),  # the tokenizer and the sources take the models' label conventions (IGNORE_INDEX)
+    ("graphs",),  # build_artifacts' steps: models, the smoke step's shards, ONNX Runtime's checkpoint file
+    ("evaluation",),  # the eval loss and accuracy over data's shards
+    ("inference",),  # the loss of logits, their labels laid out as evaluation does
+    ("training",),  # the ranks' loop: graphs (pipeline stages), evaluation, data, checkpoints
+    ("reporting",),  # a run's results: training's schedule, the best checkpoint, data's baseline
+    ("sweeps",),  # the points' run folders and their comparison, shown as reporting shows a run
+    ("stages",),  # one module a rule; a stage never imports another (STAGES)
+    ("cli",),  # the table of stage commands
+]
+STAGES = "stages"
 
 
-def layer(module: str) -> int:
+def unit(module: str) -> str:
+    """The top-level module or package of its package that `module` is in: `__init__` for the package itself."""
     parts = module.split(".")
-    if module == "ortflow.cli":
-        return CLI
-    if len(parts) == 1:  # the package itself: its version
-        return FOUNDATION
-    if parts[1:2] == ["stages"]:
-        return STAGE
-    return LIBRARY if len(parts) > 2 or (SRC / Path(*parts) / "__init__.py").is_file() else FOUNDATION
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
-def wrong_imports(graph: dict[str, set[str]]) -> list[str]:
-    """`a -> b` for each import that points upward, or from one stage to another."""
-    found = []
-    for module, targets in sorted(graph.items()):
-        for target in sorted(targets):
-            upward = layer(target) > layer(module)
-            between_stages = layer(module) == layer(target) == STAGE
-            if upward or between_stages:
-                found.append(f"{module} -> {target}")
+def layer_of(module: str, layers: list[tuple[str, ...]] = LAYERS) -> int | None:
+    """The index in `layers` of the layer that `module` is in; None for none."""
+    return next((i for i, names in enumerate(layers) if unit(module) in names), None)
+
+
+def unplaced(graph: dict[str, set[str]], layers: list[tuple[str, ...]] = LAYERS) -> list[str]:
+    """A line for each top-level module or package in no layer, saying between which layers it
+    fits, and for each name in `layers` that is no module or package of the graph."""
+    package = next(iter(graph)).split(".")[0]
+    named, units = {name for names in layers for name in names}, {unit(m) for m in graph}
+    found = [f"LAYERS names {package}.{name}, which does not exist" for name in sorted(named - units)]
+    placed = {m: layer_of(m, layers) for m in graph if unit(m) in named}
+    for name in sorted(units - named):
+        inside = {m for m in graph if unit(m) == name}
+        imports = [(placed[t], t) for m in inside for t in graph[m] if t in placed]
+        importers = [(placed[m], m) for m in placed if graph[m] & inside]
+        above = "imports no placed module" if not imports else "imports layer %d (%s)" % max(imports)
+        below = "nothing placed imports it" if not importers else "layer %d imports it (%s)" % min(importers)
+        found.append(f"{package}.{name} is in no layer of LAYERS: it {above}; {below}")
     return found
 
 
-def test_stages_import_libraries_never_another_stage_and_no_library_imports_upward():
+def wrong_imports(graph: dict[str, set[str]], layers: list[tuple[str, ...]] = LAYERS) -> list[str]:
+    """A line for each import of a higher layer's module, and for each from one stage to another
+    (modules in no layer are `unplaced`'s)."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            low, high = layer_of(module, layers), layer_of(target, layers)
+            if low is not None and high is not None and high > low:
+                found.append(f"{module} ({unit(module)}, layer {low}) imports {target} "
+                             f"({unit(target)}, layer {high}), a higher layer")
+            elif unit(module) == unit(target) == STAGES:
+                found.append(f"{module} imports {target}: a stage imports no other stage")
+    return found
+
+
+def test_every_import_in_src_is_of_its_own_layer_or_a_lower_one():
     graph = import_graph(SRC, "ortflow")
-    assert layer("ortflow.stages.train") == STAGE and layer("ortflow.training.trainer") == LIBRARY
-    assert layer("ortflow.config") == FOUNDATION and layer("ortflow.evaluation") == LIBRARY
+    assert "ortflow.data.shards" in graph["ortflow.graphs.smoke_step"]  # imported inside a function
+    assert layer_of("ortflow.errors") < layer_of("ortflow.models.weights") < layer_of("ortflow.stages.train")
+    assert unplaced(graph) == []
     assert wrong_imports(graph) == []
+
+
+def test_an_upward_import_inside_a_function_and_a_package_in_no_layer_are_found(tmp_path):
+    package = tmp_path / "pkg"
+    for sub in ("low", "high", "new"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "base.py").write_text("")
+    (package / "high" / "a.py").write_text("from .. import base\nfrom ..low import b\n")  # downward: allowed
+    (package / "low" / "b.py").write_text("def f():\n    from pkg.high.a import thing\n")  # upward, hidden in f
+    (package / "new" / "c.py").write_text("from ..low import b\n")
+    (package / "high" / "d.py").write_text("from ..new import c\n")
+    layers = [("__init__", "base"), ("low",), ("high",), ("gone",)]
+    graph = import_graph(tmp_path, "pkg")
+    assert unplaced(graph, layers) == [
+        "LAYERS names pkg.gone, which does not exist",
+        "pkg.new is in no layer of LAYERS: it imports layer 1 (pkg.low.b); layer 2 imports it (pkg.high.d)"]
+    assert wrong_imports(graph, layers) == [
+        "pkg.low.b (low, layer 1) imports pkg.high.a (high, layer 2), a higher layer"]
 
 
 def test_an_import_between_stages_and_one_upward_are_found():
     graph = {"ortflow.stages.report": {"ortflow.stages.merge_checkpoint"},
              "ortflow.config": {"ortflow.training.lamb"}, "ortflow.training.lamb": {"ortflow.errors"}}
-    assert wrong_imports(graph) == ["ortflow.config -> ortflow.training.lamb",
-                                    "ortflow.stages.report -> ortflow.stages.merge_checkpoint"]
+    assert wrong_imports(graph) == [
+        "ortflow.config (config, layer 0) imports ortflow.training.lamb (training, layer 7), a higher layer",
+        "ortflow.stages.report imports ortflow.stages.merge_checkpoint: a stage imports no other stage"]

@@ -260,7 +260,7 @@ def test_token_classification_through_the_workflow(tmp_path):
 
     from conftest import run_snakemake
     from ortflow.stages.prepare_data import split_rows
-    from ortflow.inference import inference_session
+    from ortflow.sessions import inference_session
     from text_models import train_wordpiece
     from transformers_models import save_bert
 

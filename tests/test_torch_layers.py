@@ -26,7 +26,7 @@ from ortflow.errors import ModelError
 from ortflow.evaluation import feeds, outputs_of
 from ortflow.training.run_folder import TrainFolder
 from ortflow.models import torch_export
-from ortflow.inference import inference_session
+from ortflow.sessions import inference_session
 from torch_layers import LayerNet, key_bias
 from torch_reference import load_initial, train_like_ortflow, with_weights
 

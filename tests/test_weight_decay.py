@@ -19,6 +19,7 @@ from ortflow.stages.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.stages import build_artifacts
 from ortflow.models import built_in
+from ortflow.models.patterns import matches
 from ortflow.errors import TrainingError
 from ortflow.artifacts import Artifacts
 from ortflow.training import engine, gradients, weight_decay
@@ -26,7 +27,7 @@ from ortflow.training.run_folder import TrainFolder
 from ortflow.training.stop import StopRequest
 from ortflow.training.trainer import Trainer
 from ortflow.training.optimizer import Optimizer, Piece
-from ortflow.training.weight_decay import WeightDecay, is_excluded
+from ortflow.training.weight_decay import WeightDecay
 
 MODEL = {"kind": "gpt", "layers": 1, "heads": 2, "width": 8}
 WEIGHT_DECAY = 0.1
@@ -65,15 +66,15 @@ def test_default_rules_and_name_patterns():
     shapes = {"fc.weight": (4, 3), "fc.bias": (4,), "ln_f.weight": (3,), "wte.weight": (9, 3), "scale": ()}
     default = config_mod.load().train.optimizer.no_decay
     assert default == ("<1d>", "<embedding>")
-    excluded = [n for n, s in shapes.items() if is_excluded(n, len(s), {"wte.weight"}, default)]
+    excluded = [n for n, s in shapes.items() if matches(n, len(s), {"wte.weight"}, default)]
     assert excluded == ["fc.bias", "ln_f.weight", "wte.weight", "scale"]
     # transformers' Trainer's names: a pattern matches a name containing it, ignoring case, with wildcards.
     hf = ["bias", "layernorm.weight"]
-    assert is_excluded("h.0.attn.c_attn.bias", 1, set(), hf)
-    assert is_excluded("embeddings.LayerNorm.weight", 1, set(), hf)
-    assert not is_excluded("h.0.mlp.c_fc.weight", 2, set(), hf)
-    assert is_excluded("blocks.3.norm2.weight", 2, set(), ["blocks.*.norm?"])
-    assert not is_excluded("fc.bias", 1, {"fc.bias"}, [])  # no_decay: [] decays everything, as one torch group
+    assert matches("h.0.attn.c_attn.bias", 1, set(), hf)
+    assert matches("embeddings.LayerNorm.weight", 1, set(), hf)
+    assert not matches("h.0.mlp.c_fc.weight", 2, set(), hf)
+    assert matches("blocks.3.norm2.weight", 2, set(), ["blocks.*.norm?"])
+    assert not matches("fc.bias", 1, {"fc.bias"}, [])  # no_decay: [] decays everything, as one torch group
 
 
 @pytest.mark.parametrize("no_decay, message", [

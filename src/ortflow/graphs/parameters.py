@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from ..errors import ModelError
-from ..models import batchnorm, is_float
+from ..models import batchnorm, is_float, patterns
 
 
 def float_initializers(base) -> dict[str, int]:
@@ -17,10 +17,8 @@ def split_parameters(base, model, torch_trainable: list[str] | None) -> tuple[li
     """(trainable, frozen) parameter names: those `model.trainable` picks if given, else
     the torch module's parameters or the ONNX file's float initializers, minus those
     `model.frozen` picks. Both take train.optimizer.no_decay's patterns and rules
-    (weight_decay.is_excluded); each entry must pick a parameter. BatchNorm's running
+    (models/patterns.py); each entry must pick a parameter. BatchNorm's running
     statistics are float initializers but never train (batchnorm.check_trainable)."""
-    from ..training.weight_decay import is_excluded
-
     parameters = float_initializers(base)
     ndim = {t.name: len(t.dims) for t in base.graph.initializer}
     tables = set(embedding_tables(base, list(parameters)))
@@ -28,14 +26,14 @@ def split_parameters(base, model, torch_trainable: list[str] | None) -> tuple[li
 
     def picked(key: str) -> list[str]:
         for entry in getattr(model, key) or ():
-            matches = [n for n in parameters if is_excluded(n, ndim[n], tables, [entry])]
+            matches = [n for n in parameters if patterns.matches(n, ndim[n], tables, [entry])]
             if not matches:
                 raise ModelError(f"model.{key}: {entry!r} matches none of the model's parameters: "
                                  f"{', '.join(sorted(parameters)[:8])}{', ...' if len(parameters) > 8 else ''} "
                                  f"({len(parameters)} in all; patterns as train.optimizer.no_decay's)")
             if key == "trainable" and all(n in statistics for n in matches):
                 batchnorm.check_trainable(base, matches)
-        return [n for n in parameters if is_excluded(n, ndim[n], tables, getattr(model, key) or ())]
+        return [n for n in parameters if patterns.matches(n, ndim[n], tables, getattr(model, key) or ())]
 
     frozen = set(picked("frozen"))
     if model.trainable is not None:

@@ -10,8 +10,7 @@ import numpy as np
 
 from ..artifacts import Artifacts
 from ..errors import ModelError
-from ..inference import inference_session
-from ..sessions import quiet_logging, training_options
+from ..sessions import inference_session, quiet_logging, training_options
 
 log = logging.getLogger("ortflow.build_artifacts")
 

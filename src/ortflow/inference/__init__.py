@@ -1,53 +1,19 @@
-"""The inference model, as export and quantize use it: an ONNX Runtime session
-of it, its inputs from a batch, the training loss of its logits, and its
-metadata properties."""
+"""The inference model, as export and quantize use it: its inputs from a batch, the
+training loss of its logits, and its metadata properties. Its ONNX Runtime session
+is sessions.py's `inference_session`."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 
-from .. import external_data
 from ..errors import ModelError
 from ..evaluation import label_layout
 from ..models import IGNORE_INDEX
-from ..sessions import session_options
+from ..sessions import inference_session
 
-
-def inference_session(path: Path, threads: int | None = None, also: tuple[str, ...] = (), prepacked: bool = True):
-    """An ONNX Runtime CPU session; `threads` pins the intra-op pool (1 for latency figures).
-    `also` names tensors inside the graph to return besides its outputs (the logits of a
-    model that ends in a Softmax, model.json `outputs`), for `session.run` to ask for.
-    `prepacked=False` holds the weights once, for what checks or measures values, not speed:
-    by default ONNX Runtime keeps its MatMul and Gemm weights a second time, packed for
-    MLAS (a 554M GPT's session: 4.5 GiB, 2.4 without)."""
-    import tempfile
-
-    import onnx
-    import onnxruntime as ort
-
-    options = session_options(threads)
-    if not prepacked:
-        options.add_session_config_entry("session.disable_prepacking", "1")
-
-    def session(model):
-        return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
-
-    if not also:
-        return session(str(path))
-    proto = external_data.load_model(path, load_data=False)  # weights in external data stay in their file
-    outputs = {o.name for o in proto.graph.output}
-    extra = [name for name in also if name not in outputs]
-    if not extra:
-        return session(str(path))
-    proto.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in extra)
-    if not external_data.uses_external_data(proto):
-        return session(proto.SerializeToString())
-    # ONNX Runtime finds external data beside the model file it loads: the changed graph goes beside the original.
-    with tempfile.NamedTemporaryFile(dir=Path(path).parent, suffix=".onnx") as changed:
-        onnx.save(proto, changed.name)
-        return session(changed.name)
+# inference_session is here for stages/export_model.py and stages/quantize_model.py, which import it from
+# this package; new code imports it from ortflow.sessions, and so will they once their code has moved.
+__all__ = ["inference_session", "input_feeds", "loss_of", "set_metadata"]
 
 
 def input_feeds(session, batch: dict) -> dict:

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ModelError
-from ..training.weight_decay import is_excluded
 from ..user_files import CHECKPOINT, weights_files
+from .patterns import matches
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -134,7 +134,7 @@ def plan(request: Request, weights: dict[str, np.ndarray], model: dict[str, tupl
 
     def skipped(name: str, patterns: list[str] = skip) -> bool:
         # Name patterns only (the schema allows no rules such as <1d> here), so no dimensions or embeddings.
-        return is_excluded(name, 0, set(), patterns)
+        return matches(name, 0, set(), patterns)
 
     weights, renaming = _prefixed(request, weights, model, required, skipped)
     for pattern in skip:

@@ -1,7 +1,7 @@
 """Weight decay in two groups, as transformers' Trainer and nanoGPT apply it and as
 torch.optim.AdamW computes it with two parameter groups: `train.optimizer.weight_decay`
 on the decayed parameters, none on those `train.optimizer.no_decay` picks out
-(by default biases, norm scales and shifts, and embeddings).
+(by default biases, norm scales and shifts, and embeddings; its entries: models/patterns.py).
 
 Why training applies it and not ONNX Runtime's optimizer graph: ORT's
 AdamWOptimizer operator has one `weight_decay` attribute for the whole sequence
@@ -31,32 +31,12 @@ tensor's decay, by the same two groups.
 from __future__ import annotations
 
 import logging
-from fnmatch import fnmatchcase
 
 from ..errors import TrainingError
+from ..models.patterns import EMBEDDING, matches
 from .gradients import parameters
 
 log = logging.getLogger("ortflow.train")
-
-# The entries of `train.optimizer.no_decay` that are rules rather than name
-# patterns (anything else is a name pattern; the schema refuses other `<...>`).
-ONE_D = "<1d>"  # fewer than two dimensions: biases, LayerNorm/BatchNorm/RMSNorm scales and shifts (nanoGPT's rule)
-EMBEDDING = "<embedding>"  # the table an embedding lookup reads (an ONNX Gather's data input), whatever its name
-
-
-def is_excluded(name: str, ndim: int, embeddings: set[str], no_decay: list[str]) -> bool:
-    """Does an entry of `no_decay` exempt parameter `name` (of `ndim` dimensions) from weight decay?
-    A name pattern matches a name that contains it, ignoring case, with fnmatch's wildcards
-    (`*`, `?`, `[...]`): `bias` and `LayerNorm.weight` mean what they mean to transformers' Trainer."""
-    def picks(entry: str) -> bool:
-        if entry == ONE_D:
-            return ndim < 2
-        if entry == EMBEDDING:
-            return name in embeddings
-        return fnmatchcase(name.lower(), f"*{entry.lower()}*")
-
-    return any(picks(entry) for entry in no_decay)
-
 
 class WeightDecay:
     """The two groups of one run's trainable parameters, and the decay of each step."""
@@ -67,7 +47,7 @@ class WeightDecay:
         self.weight_decay = optimizer.weight_decay
         self.inside_optimizer = optimizer.name == "lamb"  # LAMB decays inside its trust ratio (lamb.py)
         excluded = {name for name, shape in shapes.items()
-                    if is_excluded(name, len(shape), set(embeddings), optimizer.no_decay)}
+                    if matches(name, len(shape), set(embeddings), optimizer.no_decay)}
         self.decayed = [name for name in shapes if name not in excluded]
         self.not_decayed = [name for name in shapes if name in excluded]
         self.decayed_set = set(self.decayed)
