@@ -259,3 +259,23 @@ def test_what_pipeline_stages_do_not_take_is_refused_in_one_line(train, refusal)
     with pytest.raises(config.ConfigError) as error:
         config.load(overrides={"train": train})
     assert str(error.value) == refusal
+
+
+@pytest.mark.parametrize("model, missing, refusal", [
+    ({"kind": "transformers", "path": "folder"}, "transformers",
+     "config key 'model.kind': model.kind: transformers needs the transformers library, which is not installed: "
+     "pip install 'ortflow[transformers]'"),
+    ({"kind": "torch", "path": "pkg.mod:Net", "lora": {}}, "peft",
+     "config key 'model.lora': model.lora needs the peft library, which is not installed: "
+     "pip install 'ortflow[transformers]'"),
+])
+def test_a_model_whose_library_is_missing_is_refused_naming_the_extra(model, missing, refusal, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == missing else find_spec(name, *a))
+    with pytest.raises(config.ConfigError) as error:
+        config.load(overrides={"model": model})
+    assert str(error.value) == refusal
+    monkeypatch.undo()
+    assert config.load(overrides={"model": model}).model.kind == model["kind"]  # installed: no refusal

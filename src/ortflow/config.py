@@ -254,6 +254,7 @@ def _check_cross_keys(config: Config) -> None:
             f"config key 'model.heads': {model.heads} does not divide model.width={model.width}"
         )
     _check_text_keys(data)
+    _check_libraries(model)
     check_lamb_sharding(train)
     if train.backend == "nccl" and train.device != "cuda":
         raise ConfigError("config key 'train.backend': 'nccl' needs train.device: cuda")
@@ -311,6 +312,20 @@ def earlier_run(config: Config) -> dict | None:
             + ("; it must be another run than this one" if name == run else f"; set model.weights: {expected}")
         )
     return as_dict(earlier)
+
+
+def _check_libraries(model) -> None:
+    """The libraries that `model.kind: transformers` and `model.lora` need, which the package's
+    `transformers` extra installs: said before any stage starts, rather than as an ImportError in one."""
+    from importlib.util import find_spec
+
+    needs = {"model.kind: transformers": ["transformers"] if model.kind == "transformers" else [],
+             "model.lora": ["peft"] if model.lora is not None else []}
+    for key, libraries in needs.items():
+        missing = [name for name in libraries if find_spec(name) is None]
+        if missing:
+            raise ConfigError(f"config key '{key.split(':')[0]}': {key} needs the {missing[0]} library, which is "
+                              "not installed: pip install 'ortflow[transformers]'")
 
 
 def check_lamb_sharding(train) -> None:

@@ -82,8 +82,8 @@ def apply(module, lora):
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
-        raise ModelError("model.lora: the peft library is not installed; pip install peft==0.21.2 (as ortflow[dev] "
-                         "does), or set model.lora: null") from None
+        raise ModelError("model.lora: the peft library is not installed; pip install 'ortflow[transformers]', "
+                         "or set model.lora: null") from None
 
     targets = list(lora.targets) if lora.targets else default_targets(module)
     check_targets(module, targets)
