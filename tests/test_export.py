@@ -215,7 +215,7 @@ def test_400_steps_export_within_the_scaled_tolerance(digits_workdir):
 
 
 def test_scaled_tolerance_names_the_allowance():
-    from ortflow.stages.export_model import ExportError, compare
+    from ortflow.export.checks import ExportError, compare
 
     large = np.array([[100.0, -20.0]], np.float32)
     assert compare("logits", large + np.float32(5e-3), large) == pytest.approx(5e-3, rel=1e-3)  # allowed 0.010001
@@ -233,7 +233,7 @@ def test_reference_evaluator_failure_warns_and_names_the_operator(tmp_path, capl
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from ortflow.stages.export_model import check_reference
+    from ortflow.export.checks import check_reference
 
     indices = numpy_helper.from_array(np.array([[[5, 70, 99], [0, 1, 2]]], np.int64), "picked")
     graph = helper.make_graph(
@@ -263,7 +263,7 @@ def test_reference_evaluator_reads_weights_in_external_data(tmp_path, caplog, ga
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from ortflow.stages.export_model import check_reference
+    from ortflow.export.checks import check_reference
 
     weight = numpy_helper.from_array(np.linspace(-1, 1, 100 * 100, dtype=np.float32).reshape(100, 100), "w")
     indices = numpy_helper.from_array(np.array([[[5, 70, 99], [0, 1, 2]]], np.int64), "picked")

@@ -1,5 +1,5 @@
-"""The inference model, as export and quantize use it: an ONNX Runtime session
-of it, its inputs from a batch, the training loss of its logits, and its
+"""The inference model, as export and quantize use it: its output, an ONNX Runtime
+session of it, its inputs from a batch, the training loss of its logits, and its
 metadata properties."""
 
 from __future__ import annotations
@@ -13,6 +13,12 @@ from ..errors import ModelError
 from ..evaluation import label_layout
 from ..models import IGNORE_INDEX
 from ..sessions import session_options
+
+
+def inference_output(info: dict) -> str:
+    """The inference model's output: the model's own, which is the logits unless the model ends in a Softmax
+    (model.json `outputs`; artifacts built before that distinction have only `logits`)."""
+    return info["outputs"].get("inference", info["outputs"]["logits"])
 
 
 def inference_session(path: Path, threads: int | None = None, also: tuple[str, ...] = (), prepacked: bool = True):
