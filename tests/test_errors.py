@@ -30,7 +30,7 @@ def test_the_expected_failures_share_one_base_and_keep_their_names():
     from ortflow.data.sources import DataError
     from ortflow.export.checks import ExportError
     from ortflow.checkpoints.ort_format import CheckpointError
-    from ortflow.stages.quantize_model import QualityGateError
+    from ortflow.quantization.gate import QualityGateError
     from ortflow.training.comm import DeviceError
     from ortflow.training.trainer import TrainingError
 
