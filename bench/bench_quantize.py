@@ -2,9 +2,9 @@
 
 The default config's model (MLP 64 -> 512 -> 512 -> 10 on the digits' 64 features),
 exported from torch with random weights (latency does not depend on their values),
-quantized as the stage does (`ortflow.stages.quantize_model.quantize_file`: quant_pre_process,
+quantized as the stage does (`ortflow.quantization.quantizer.quantize_file`: quant_pre_process,
 then dynamic int8, per tensor or `--per-channel`), and both models timed by the
-stage's own `ortflow.stages.quantize_model.latencies` (ONE intra-op thread, batch 1 and 64,
+stage's own `ortflow.quantization.measure.latencies` (ONE intra-op thread, batch 1 and 64,
 p50 and p95 over interleaved rounds) on the digits records.
 
     python bench/bench_quantize.py [--per-channel] [--repeats 3]
@@ -60,7 +60,8 @@ def main() -> None:
 
     import onnxruntime
 
-    from ortflow.stages.quantize_model import latencies, quantize_file
+    from ortflow.quantization.measure import latencies
+    from ortflow.quantization.quantizer import quantize_file
     from ortflow.sessions import quiet_logging
 
     quiet_logging()

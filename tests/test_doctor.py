@@ -324,15 +324,15 @@ def test_checkpoints_larger_than_the_free_disk_are_named(tmp_path):
 def test_doctor_checks_the_built_model_or_says_to_build_it(tmp_path, monkeypatch):
     from argparse import Namespace
 
-    from ortflow.stages import doctor
+    from ortflow.diagnosis.config_checks import model_checks
 
     cfg = config.load()
-    missing = doctor.model_checks(Namespace(artifacts=tmp_path), cfg, 2)
+    missing = model_checks(Namespace(artifacts=tmp_path), cfg, 2)
     assert [(c.name, c.status) for c in missing] == [("memory", "skip"), ("checkpoint disk", "skip")]
     assert "build the artifacts first: snakemake build_artifacts" in missing[0].detail
     (tmp_path / "model.json").write_text(json.dumps(GPT2_124M))
     monkeypatch.setenv(preflight.MEMORY_ENV, str(2**30))
-    memory, disk = doctor.model_checks(Namespace(artifacts=tmp_path), cfg, 2)
+    memory, disk = model_checks(Namespace(artifacts=tmp_path), cfg, 2)
     assert memory.status == preflight.FAIL and memory.detail.startswith("the model does not fit: 2 rank(s)")
     assert disk.status == preflight.OK
 

@@ -28,9 +28,9 @@ def test_any_other_exception_keeps_its_traceback(monkeypatch, tmp_path):
 def test_the_expected_failures_share_one_base_and_keep_their_names():
     from ortflow.config import ConfigError
     from ortflow.data.sources import DataError
-    from ortflow.stages.export_model import ExportError
+    from ortflow.export.checks import ExportError
     from ortflow.checkpoints.ort_format import CheckpointError
-    from ortflow.stages.quantize_model import QualityGateError
+    from ortflow.quantization.gate import QualityGateError
     from ortflow.training.comm import DeviceError
     from ortflow.training.trainer import TrainingError
 

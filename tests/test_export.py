@@ -215,7 +215,7 @@ def test_400_steps_export_within_the_scaled_tolerance(digits_workdir):
 
 
 def test_scaled_tolerance_names_the_allowance():
-    from ortflow.stages.export_model import ExportError, compare
+    from ortflow.export.checks import ExportError, compare
 
     large = np.array([[100.0, -20.0]], np.float32)
     assert compare("logits", large + np.float32(5e-3), large) == pytest.approx(5e-3, rel=1e-3)  # allowed 0.010001
@@ -233,7 +233,7 @@ def test_reference_evaluator_failure_warns_and_names_the_operator(tmp_path, capl
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from ortflow.stages.export_model import check_reference
+    from ortflow.export.checks import check_reference
 
     indices = numpy_helper.from_array(np.array([[[5, 70, 99], [0, 1, 2]]], np.int64), "picked")
     graph = helper.make_graph(
@@ -263,7 +263,7 @@ def test_reference_evaluator_reads_weights_in_external_data(tmp_path, caplog, ga
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
-    from ortflow.stages.export_model import check_reference
+    from ortflow.export.checks import check_reference
 
     weight = numpy_helper.from_array(np.linspace(-1, 1, 100 * 100, dtype=np.float32).reshape(100, 100), "w")
     indices = numpy_helper.from_array(np.array([[[5, 70, 99], [0, 1, 2]]], np.int64), "picked")
@@ -373,7 +373,7 @@ def test_dynamic_quantization_keeps_conv_fp32_and_survives_preprocessing(tmp_pat
     import onnx
     import onnxruntime as ort
 
-    from ortflow.stages import quantize_model
+    from ortflow.quantization import quantizer
 
     source = tmp_path / "conv.onnx"
     write_conv_model(source, shaped_input=False)
@@ -381,13 +381,13 @@ def test_dynamic_quantization_keeps_conv_fp32_and_survives_preprocessing(tmp_pat
     fp32 = ort.InferenceSession(str(source)).run(None, {"x": x})[0]
     export_cfg = config_mod.load(overrides={"export": {"per_channel": False}}).export
     auto = config_mod.load(overrides={"export": {"quantize": "auto"}}).export
-    assert quantize_model.method(auto, onnx.load(str(source))) == "static"
+    assert quantizer.method(auto, onnx.load(str(source))) == "static"
     for known in (("Conv",), ()):
-        monkeypatch.setattr(quantize_model, "NO_DYNAMIC_INT8_KERNEL", known)
+        monkeypatch.setattr(quantizer, "NO_DYNAMIC_INT8_KERNEL", known)
         target = tmp_path / f"int8-{len(known)}.onnx"
         caplog.clear()
         with caplog.at_level("INFO", logger="ortflow.quantize"):
-            quantize_model.quantize_file(source, target, "dynamic", export_cfg, None, 16)
+            quantizer.quantize_file(source, target, "dynamic", export_cfg, None, 16)
         ops = {n.op_type for n in onnx.load(str(target)).graph.node}
         assert "Conv" in ops and "ConvInteger" not in ops and "MatMulInteger" in ops, ops
         int8 = ort.InferenceSession(str(target)).run(None, {"x": x})[0]
@@ -405,7 +405,7 @@ def test_dynamic_quantization_keeps_conv_fp32_and_survives_preprocessing(tmp_pat
 PEAK_OF_PREPROCESSING = """
 import sys
 from pathlib import Path
-from ortflow.stages import quantize_model
+from ortflow.quantization.preprocess import preprocess
 import onnxruntime.tools.symbolic_shape_infer, onnxruntime.quantization.quant_utils
 
 def status(key):
@@ -414,7 +414,7 @@ def status(key):
 folder = Path(sys.argv[1])
 open("/proc/self/clear_refs", "w").write("5")
 start = status("VmRSS")
-quantize_model.preprocess(folder / "model.onnx", folder / "scratch" / "preprocessed.onnx")
+preprocess(folder / "model.onnx", folder / "scratch" / "preprocessed.onnx")
 print(status("VmHWM") - start)
 """
 
@@ -458,7 +458,7 @@ def export(**keys):
 
 
 def test_gate_on_a_tiny_eval_split_says_what_one_record_is_worth(caplog):
-    from ortflow.stages.quantize_model import QualityGateError, gate
+    from ortflow.quantization.gate import QualityGateError, gate
 
     report = {"fp32": {"loss": 0.1, "accuracy": 0.95}, "int8": {"loss": 0.2, "accuracy": 0.90}}
     said = (r"is a loss of 5 points, more than export.max_accuracy_drop=1.0 \(one of the 20 eval records is 5 "
@@ -531,7 +531,7 @@ def test_latency_is_timed_at_a_batch_whose_activations_fit(monkeypatch, caplog):
     fit in half the memory available; the summary and the report name the batch timed."""
     from ortflow.reporting.results import speedup
     from ortflow.reporting.tables import summary_rows
-    from ortflow.stages.quantize_model import latency_batches
+    from ortflow.quantization.measure import latency_batches
 
     monkeypatch.setenv("ORTFLOW_MEMORY_AVAILABLE", str(4 * 10**9))
     with caplog.at_level("INFO", logger="ortflow.quantize"):

@@ -30,6 +30,7 @@ from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.evaluation import feeds, outputs_of
 from ortflow.models import hugging_face
+from ortflow.quantization import measure
 from ortflow.stages import build_artifacts, export_model, quantize_model
 from ortflow.stages.prepare_data import prepare
 from ortflow.training.schedule import learning_rate
@@ -236,7 +237,7 @@ def test_family_trains_like_torch_exports_and_quantizes(family, tmp_path, monkey
     assert max(worst.values()) <= PARAMETER_TOLERANCE, worst
     assert max(largest(trained[name], initial[name]) for name in trained) > 100 * PARAMETER_TOLERANCE  # it trained
 
-    monkeypatch.setattr(quantize_model, "LATENCY_BUDGET_S", 0.1)  # timing is not what this test is about
+    monkeypatch.setattr(measure, "LATENCY_BUDGET_S", 0.1)  # timing is not what this test is about
     export_model.export(config, artifacts.folder, tmp_path / "checkpoint", eval_dir, tmp_path / "model.onnx")
     report = quantize_model.quantize(config, tmp_path / "model.onnx", artifacts.folder, eval_dir,
                                      tmp_path / "model.int8.onnx", tmp_path / "metrics.json")

@@ -146,7 +146,10 @@ LAYERS = [
     ("graphs",),  # build_artifacts' steps: models, the smoke step's shards, ONNX Runtime's checkpoint file
     ("evaluation",),  # the eval loss and accuracy over data's shards
     ("inference",),  # the loss of logits, their labels laid out as evaluation does
+    ("export",),  # the inference model, its checks against the eval graph, the torch formats
     ("training",),  # the ranks' loop: graphs (pipeline stages), evaluation, data, checkpoints
+    # int8 with its gate and latency (the machine's memory: training's preflight); doctor's checks
+    ("quantization", "diagnosis"),
     ("reporting",),  # a run's results: training's schedule, the best checkpoint, data's baseline
     ("sweeps",),  # the points' run folders and their comparison, shown as reporting shows a run
     ("stages",),  # one module a rule; a stage never imports another (STAGES)
@@ -229,6 +232,7 @@ def test_an_upward_import_inside_a_function_and_a_package_in_no_layer_are_found(
 def test_an_import_between_stages_and_one_upward_are_found():
     graph = {"ortflow.stages.report": {"ortflow.stages.merge_checkpoint"},
              "ortflow.config": {"ortflow.training.lamb"}, "ortflow.training.lamb": {"ortflow.errors"}}
+    training = LAYERS.index(("training",))
     assert wrong_imports(graph) == [
-        "ortflow.config (config, layer 0) imports ortflow.training.lamb (training, layer 7), a higher layer",
+        f"ortflow.config (config, layer 0) imports ortflow.training.lamb (training, layer {training}), a higher layer",
         "ortflow.stages.report imports ortflow.stages.merge_checkpoint: a stage imports no other stage"]

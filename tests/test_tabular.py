@@ -16,7 +16,7 @@ from conftest import run_snakemake
 from ortflow.data import standardize
 from ortflow.stages.prepare_data import split_rows
 from ortflow.data.shards import ShardReader
-from ortflow.stages.export_model import TOLERANCE
+from ortflow.export.checks import TOLERANCE
 from ortflow.inference import loss_of
 from ortflow.reporting.results import fmt
 from ortflow.reporting.tables import summary_rows

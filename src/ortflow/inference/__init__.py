@@ -1,5 +1,5 @@
-"""The inference model, as export and quantize use it: its inputs from a batch, the
-training loss of its logits, and its metadata properties. Its ONNX Runtime session
+"""The inference model, as export and quantize use it: its output, its inputs from a batch,
+the training loss of its logits, and its metadata properties. Its ONNX Runtime session
 is sessions.py's `inference_session`."""
 
 from __future__ import annotations
@@ -9,11 +9,12 @@ import numpy as np
 from ..errors import ModelError
 from ..evaluation import label_layout
 from ..models import IGNORE_INDEX
-from ..sessions import inference_session
 
-# inference_session is here for stages/export_model.py and stages/quantize_model.py, which import it from
-# this package; new code imports it from ortflow.sessions, and so will they once their code has moved.
-__all__ = ["inference_session", "input_feeds", "loss_of", "set_metadata"]
+
+def inference_output(info: dict) -> str:
+    """The inference model's output: the model's own, which is the logits unless the model ends in a Softmax
+    (model.json `outputs`; artifacts built before that distinction have only `logits`)."""
+    return info["outputs"].get("inference", info["outputs"]["logits"])
 
 
 def input_feeds(session, batch: dict) -> dict:

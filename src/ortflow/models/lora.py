@@ -7,7 +7,7 @@ parameters (graphs/parameters.py): the training graph computes no gradient for t
 optimizer holds moments for the adapters alone. A `kind: transformers` model's new head (the
 tensors its folder lacks, drawn from run.seed) trains in full, as peft's `modules_to_save`.
 
-At export (stages/export_model.py), `merge` folds the trained adapters into the weights
+At export (export/formats.py and export/writer.py), `merge` folds the trained adapters into the weights
 (peft's merge_and_unload) and `fold` does the same to the ONNX model ONNX Runtime exports:
 the merged weights in place of the base ones, the adapters' branches cut out, so the
 inference model is the plain model's graph; `save_adapter` writes the adapters alone

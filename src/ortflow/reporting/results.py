@@ -82,7 +82,7 @@ def refusal(export: dict | None) -> str | None:
 
 def speedup(export: dict) -> float | None:
     """How many times faster int8 runs than fp32 at the larger batch timed (median latency):
-    64 records, or fewer where they would not fit (quantize_model.latency_batches)."""
+    64 records, or fewer where they would not fit (quantization/measure.py's latency_batches)."""
     if "int8" not in export:
         return None
     key = f"b{large_batch(export)}_p50"

@@ -1,56 +1,23 @@
 """The export_model stage: the merged checkpoint in, the inference model that a user deploys out.
 
-1. The inference graph (graphs/inference_model.py): the eval graph cut down to
-   the model's output, its parameters made initializers holding the merged
-   checkpoint's weights, written one tensor at a time (what ONNX Runtime's
-   `Module.export_model_for_inferencing` does, holding the weights three times):
-   the forward model with the loss stripped, taking the data's
-   features by name and returning the model's output (the logits, or for a
-   model that ends in a Softmax its probabilities, as the user's model returned
-   them: models/logits.py), with the batch dimension dynamic, and a text model's
-   sequence dimension where build_artifacts exported it so (models/torch_export.py).
-2. The model's metadata properties record where it came from: `ortflow.run`,
-   `ortflow.step`, `ortflow.identity_digest` (the training identity's sha256:
-   seed, data, model, optimizer, schedule, global batch) and `ortflow.version`;
-   and what its outputs and inputs mean: `ortflow.classes` (the names of classes
-   0..K-1 of a label of strings, as JSON) and, with `data.tokenizer`,
-   `ortflow.tokenizer` and `ortflow.tokenizer_sha256`: the tokenizer that made
-   its token ids, copied beside it (`tokenizer.json`, with the data's truncation
-   and padding), so that the model is usable without the run's folder.
-3. Before it is renamed into place, the model must pass:
-   - `onnx.checker.check_model(full_check=True)` (with shape inference);
-   - on a batch of eval records, its logits (the model's output, or the
-     Softmax's input inside it) equal the eval graph's on the same
-     weights (within TOLERANCE, scaled to the logits: the two graphs differ only
-     in the loss behind the logits), and the loss computed from them (`loss_of`,
-     which quantize_model also uses) equals the eval graph's loss. With
-     `data.standardize` the exported model's first nodes standardize its raw
-     features (data/standardize.py): it is fed the raw features, the eval graph
-     the same records standardized;
-   - ONNX's reference evaluator agrees with ONNX Runtime within TOLERANCE. It is
-     a second opinion, not a gate: where it disagrees (or fails) while the eval
-     graph agrees, the log warns and names the first operator it evaluates
-     differently, and the model is exported;
-   - with a dynamic sequence dimension, at 1 token and at twice data.context (or
-     the most positions the model has) its output has that length and, for a
-     language model, the first positions' logits are those at data.context
-     (check_sequence_lengths).
+1. The inference graph with the merged checkpoint's weights, the data's
+   standardization in front and its metadata properties (export/writer.py): the
+   forward model with the loss stripped, taking the data's features by name and
+   returning the model's output, with the batch dimension dynamic (and a text
+   model's sequence dimension where build_artifacts exported it so). With
+   `model.lora` the trained adapters are merged into its weights.
+2. The metadata properties record where the model came from (the run, the step,
+   the training identity's digest, ortflow's version) and what its outputs and
+   inputs mean (class names, the tokenizer, copied beside it) (export/metadata.py).
+3. Before it is renamed into place, the model must pass (export/checks.py)
+   `onnx.checker.check_model(full_check=True)`; on a batch of eval records, its
+   logits and loss against the eval graph's on the same weights (within
+   TOLERANCE); ONNX's reference evaluator, a second opinion that warns rather
+   than fails; and with a dynamic sequence dimension, other lengths.
 4. For `model.kind: transformers` and `torch`, the trained model in its own
-   framework's format (models/save_trained.py), from the torch module built as
-   build_artifacts built it (graphs/forward_model.torch_module) with the merged
-   checkpoint's weights: `transformers/`, a save_pretrained folder with the
-   tokenizer's files, or `model.safetensors`, the module's state_dict. Each is
-   read back as its users read it (from_pretrained with no missing or unexpected
-   weight, load_state_dict(strict=True)), and that module's output on eval records
-   must be the exported model's within TOLERANCE before it is renamed into place;
-   an earlier run's of another kind is removed. model.onnx is renamed into place
-   last, once every check has passed.
-5. With `model.lora` (models/lora.py) the trained adapters are merged into the
-   inference model's weights and their branches cut out of its graph before the
-   checks of 3., which compare it with the eval graph, where they run unmerged;
-   `adapter/` gets the adapters alone (adapter_model.safetensors,
-   adapter_config.json), read back by PeftModel.from_pretrained on the base model
-   and checked like the formats of 4., which hold the merged model.
+   framework's format, and with `model.lora` its adapters alone, each read back
+   as its users read it and checked against the exported model (export/formats.py).
+   model.onnx is renamed into place last, once every check has passed.
 """
 
 from __future__ import annotations
@@ -63,372 +30,22 @@ import numpy as np
 
 from .. import atomic, external_data
 from ..artifacts import Artifacts
-from ..checkpoints.ort_format import read_ort_checkpoint
-from ..checkpoints.best import chosen
-from ..data import standardize
-from ..data.shards import TOKENIZER
 from ..config import Config
-from ..errors import DataError, MissingInputError, ModelError
-from ..evaluation import feeds, outputs_of
-from ..graphs import inference_model
-from ..graphs.forward_model import base_torch_module, torch_module
-from ..inference import inference_session, input_feeds, loss_of, set_metadata
-from ..models import lora, save_trained
-from ..models import DECODER_INPUT_IDS
-from ..models.torch_export import SEQUENCE, TARGET_SEQUENCE, add_inputs
-from ..models.user import forward_features
-from ..sessions import quiet_logging, training_options
+from ..data import standardize
+from ..errors import MissingInputError
+from ..export import checks, formats, metadata
+from ..export.writer import write_inference_model
+from ..inference import inference_output
+from ..models import save_trained
+from ..sessions import quiet_logging
 
 log = logging.getLogger("ortflow.export")
-
-CHECK_RECORDS = 64
-# The reference evaluator is plain numpy and slow on large models: a few records prove agreement.
-REFERENCE_RECORDS = 8
-# Allowed: max |actual - expected| <= relative x max |expected| + absolute.
-# Scaled to the outputs because float32 rounding is: the exported model and the
-# eval graph have the same nodes and weights, yet an inference session that
-# pre-packs the constant Gemm weights for MLAS sums the products in another order
-# than the eval graph, whose weights are inputs (~1e-5 on the default config at
-# step 400, logits up to 24). The checks' sessions run without pre-packing, which
-# also holds the weights once, and agreed bit for bit on a 554M gpt; ONNX
-# Runtime's graph optimizations may still fuse the constant-weight graph otherwise.
-TOLERANCE = {"relative": 1e-4, "absolute": 1e-6}
-
-
-class ExportError(ModelError):
-    """The exported model fails a check; the message says which and by how much."""
-
-
-def data_properties(manifest: dict) -> dict:
-    """The metadata properties that say what the model's outputs and inputs mean: class names, the tokenizer."""
-    props = {}
-    if manifest.get("classes"):
-        props["ortflow.classes"] = json.dumps(manifest["classes"])
-    if manifest.get("tokenizer"):
-        props["ortflow.tokenizer"] = TOKENIZER
-        props["ortflow.tokenizer_sha256"] = manifest["tokenizer"]["sha256"]
-    return props
-
-
-def copy_tokenizer(eval_dir: Path, manifest: dict, folder: Path) -> None:
-    """The tokenizer of the data (the eval split's TOKENIZER, checked against its
-    manifest) into `folder`, beside the model; an earlier run's removed when there is none."""
-    import hashlib
-
-    target = folder / TOKENIZER
-    if not manifest.get("tokenizer"):
-        target.unlink(missing_ok=True)
-        return
-    source = eval_dir / TOKENIZER
-    content = source.read_bytes() if source.is_file() else b""
-    if hashlib.sha256(content).hexdigest() != manifest["tokenizer"]["sha256"]:
-        raise DataError(f"{source}: missing, or changed since prepare_data wrote it (its sha256 is not the one in "
-                        f"{eval_dir / 'manifest.json'}); rerun prepare_data")
-    atomic.write_bytes(target, content)
-
-
-def inference_output(info: dict) -> str:
-    """The inference model's output: the model's own, which is the logits unless the model ends in a Softmax
-    (model.json `outputs`; artifacts built before that distinction have only `logits`)."""
-    return info["outputs"].get("inference", info["outputs"]["logits"])
-
-
-def check_interface(model, info: dict, where: Path) -> None:
-    """The data's feature names as inputs, the model's output as the one output, a dynamic batch dimension."""
-    expected = sorted(i["name"] for i in info["inputs"])
-    inputs = sorted(i.name for i in model.graph.input)
-    if inputs != expected:
-        raise ExportError(f"{where}: inputs {inputs}, expected the data's features {expected}")
-    outputs = [o.name for o in model.graph.output]
-    if outputs != [inference_output(info)]:
-        raise ExportError(f"{where}: outputs {outputs}, expected [{inference_output(info)!r}]")
-    for value in [*model.graph.input, *model.graph.output]:
-        dims = value.type.tensor_type.shape.dim
-        if dims and not dims[0].dim_param:
-            raise ExportError(
-                f"{where}: {value.name!r} has a fixed batch dimension {dims[0].dim_value}; "
-                "the model must accept any batch size (a dynamic first dimension)"
-            )
-
-
-def difference(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float]:
-    """(largest absolute difference, what TOLERANCE allows for `expected`); NaN
-    or a shape mismatch makes the difference infinite."""
-    expected = np.asarray(expected, dtype=np.float64)
-    allowed = TOLERANCE["relative"] * (float(np.abs(expected).max()) if expected.size else 0.0) + TOLERANCE["absolute"]
-    if np.shape(actual) != expected.shape:
-        return float("inf"), allowed
-    worst = float(np.abs(np.asarray(actual, dtype=np.float64) - expected).max()) if expected.size else 0.0
-    return (worst if worst == worst else float("inf")), allowed
-
-
-def compare(name: str, actual: np.ndarray, expected: np.ndarray) -> float:
-    """The largest absolute difference, after checking it against TOLERANCE."""
-    worst, allowed = difference(actual, expected)
-    if not worst <= allowed:
-        raise ExportError(
-            f"{name}: shapes {list(np.shape(actual))} and {list(np.shape(expected))}, largest difference {worst:.3g} "
-            f"(allowed: {allowed:.3g} = {TOLERANCE['relative']:g} x the largest |value| + {TOLERANCE['absolute']:g})"
-        )
-    return worst
-
-
-def eval_graph_outputs(files: Artifacts, checkpoint: Path, info: dict, eval_batch: dict,
-                       data_label: str) -> tuple[float, np.ndarray]:
-    """(loss, logits) of the eval graph on `eval_batch` with the merged `checkpoint`'s weights,
-    fed as the training Module's eval step feeds them, as inputs; here to a plain session, from
-    the checkpoint's arrays (views of its file): a Module would hold them a second time."""
-    import onnxruntime as ort
-
-    weights = read_ort_checkpoint(checkpoint).parameters
-    session = ort.InferenceSession(str(files.eval_model), training_options(), providers=["CPUExecutionProvider"])
-    names = [value.name for value in session.get_inputs()]
-    data = [name for name in names if name not in weights]
-    inputs = dict(zip(data, feeds(eval_batch, data, info["label"]["name"], data_label)))
-    return outputs_of(session.run(None, inputs | {name: weights[name] for name in names if name in weights}))
-
-
-def check_outputs(path: Path, info: dict, batch: dict, expected: tuple[float, np.ndarray],
-                  data_label: str) -> np.ndarray:
-    """The exported model on `batch` against the eval graph's (loss, logits) on the same
-    weights and records (`expected`, from eval_graph_outputs: standardized where the exported
-    model standardizes itself), then ONNX's reference evaluator, each with the other's weights
-    out of memory. Returns the exported model's output on `batch`."""
-    names = list(dict.fromkeys([inference_output(info), info["outputs"]["logits"]]))
-    session = inference_session(path, also=tuple(names), prepacked=False)
-    results = dict(zip(names, session.run(names, input_feeds(session, batch))))
-    few = {name: array[:REFERENCE_RECORDS] for name, array in input_feeds(session, batch).items()}
-    del session
-    logits = results[info["outputs"]["logits"]]
-    eval_loss, eval_logits = expected
-    worst = compare("exported logits vs the eval graph's", logits, eval_logits)
-    loss = loss_of(logits, batch[data_label], info["loss"])
-    compare("loss from the exported logits vs the eval graph's", np.array(loss), np.array(eval_loss))
-    log.info("%d eval records: logits within %.3g of the eval graph's, loss %.6g (eval graph %.6g)",
-             len(batch[data_label]), worst, loss, eval_loss)
-    check_reference(path, few, results[inference_output(info)][:REFERENCE_RECORDS])
-    return results[inference_output(info)]
-
-
-def check_reference(path: Path, feeds: dict, output: np.ndarray) -> None:
-    """ONNX's reference evaluator against ONNX Runtime's output; a warning naming
-    the operator where it disagrees (onnx 1.17's GatherElements, for one, fails
-    on some shapes that ONNX Runtime evaluates correctly)."""
-    from onnx.reference import ReferenceEvaluator
-
-    model = external_data.load_model(path, load_data=False)
-    # Weights in external data are fed as inputs, read once into arrays (a 554M GPT: 2.2 GB less).
-    weights = external_data.weights_as_inputs(model, path)
-    try:
-        # One record at a time: the evaluator keeps every tensor it computes until its run ends,
-        # which for 8 records of a 86M-parameter GPT was 1.7 GB, five times the weights.
-        evaluator = ReferenceEvaluator(model)
-        computed = [evaluator.run(None, {name: array[i:i + 1] for name, array in feeds.items()} | weights)[0]
-                    for i in range(len(output))]
-        worst, allowed = difference(np.concatenate(computed), output)
-        problem = f"differs from ONNX Runtime by {worst:.3g} (allowed: {allowed:.3g})"
-    except Exception as error:  # any failure of the second opinion is reported, not raised
-        worst, allowed, problem = float("inf"), 0.0, f"fails ({type(error).__name__}: {str(error).strip()[:200]})"
-    if worst <= allowed:
-        log.info("ONNX reference evaluator agrees with ONNX Runtime on %d records: largest difference %.3g "
-                 "(allowed: %.3g)", len(output), worst, allowed)
-        return
-    try:
-        where = first_disagreement(model, feeds | weights)
-    except Exception as error:  # the search is a diagnosis; its own failure must not block the export
-        where = f"a node not singled out ({type(error).__name__}: {str(error).strip()[:100]})"
-    log.warning("ONNX's reference evaluator %s on %d records, at %s, while ONNX Runtime's eval graph agrees with "
-                "the exported model; the model is exported (the reference evaluator is taken to be wrong there)",
-                problem, len(output), where)
-
-
-def first_disagreement(model, feeds: dict) -> str:
-    """'node N (operator Op)': the first node whose outputs ONNX's reference
-    evaluator computes differently from ONNX Runtime, each fed ONNX Runtime's
-    values of the node's inputs."""
-    import onnx
-    import onnxruntime as ort
-    from onnx import numpy_helper
-    from onnx.reference import ReferenceEvaluator
-
-    probe = onnx.ModelProto()
-    probe.CopyFrom(model)
-    known = {o.name for o in probe.graph.output}
-    names = [name for node in probe.graph.node for name in node.output if name and name not in known]
-    probe.graph.output.extend(onnx.helper.make_empty_tensor_value_info(name) for name in names)
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL  # keep every node's output
-    session = ort.InferenceSession(probe.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer} | dict(feeds)
-    values |= dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
-    for node in model.graph.node:
-        where = f"node {node.name or node.output[0]!r} (operator {node.op_type})"
-        try:
-            outputs = ReferenceEvaluator(node).run(None, {name: values[name] for name in node.input if name})
-        except Exception:  # the evaluator fails on this node
-            return where
-        for name, output in zip(node.output, outputs):
-            worst, allowed = difference(output, values[name])
-            if name and not worst <= allowed:
-                return where
-    return "no single node (each agrees on ONNX Runtime's inputs)"
-
-
-def lengthened(tokens: np.ndarray, length: int) -> np.ndarray:
-    """`tokens` [batch, n] repeated along the sequence and cut to [batch, length]."""
-    return np.concatenate([tokens] * -(-length // tokens.shape[1]), axis=1)[:, :length]
-
-
-def check_sequence_lengths(path: Path, info: dict, batch: dict, output: np.ndarray, limit: int | None) -> None:
-    """A text model exported with a dynamic sequence dimension (models/torch_export.py) run on
-    `batch` at 1 token and at twice data.context (or the most positions the model has, `limit`):
-    its output must have that length where the training length's `output` has it and, for a
-    language model (causal: a position sees only those before it), the first positions' scores
-    must be those of the training length's run (for a sequence-to-sequence model, at other
-    lengths of its target, `decoder_input_ids`)."""
-    import onnx
-
-    model = onnx.load(str(path), load_external_data=False)
-    sequences = [v.name for v in model.graph.input
-                 if len(v.type.tensor_type.shape.dim) > 1
-                 and v.type.tensor_type.shape.dim[1].dim_param in (SEQUENCE, TARGET_SEQUENCE)]
-    if not sequences:
-        return
-    # A sequence-to-sequence model reads its whole source at each target position: its target is what
-    # is causal, and what is run at other lengths.
-    sequences = [name for name in sequences if name == DECODER_INPUT_IDS] or sequences
-    dims = model.graph.output[0].type.tensor_type.shape.dim
-    axis = next((i for i, d in enumerate(dims) if d.dim_param in (SEQUENCE, TARGET_SEQUENCE)), None)
-    context = batch[sequences[0]].shape[1]
-    session = inference_session(path, prepacked=False)
-    lengths = sorted({1, min(2 * context, limit or 2 * context)})
-    for length in lengths:
-        feeds = input_feeds(session, {name: lengthened(array, length) if name in sequences else array
-                                      for name, array in batch.items()})
-        try:
-            scores = session.run([model.graph.output[0].name], feeds)[0]
-        except Exception as error:  # ONNX Runtime's own error names the node
-            unknown = "" if limit else (" (the model has no transformers config that gives n_positions or "
-                                        "max_position_embeddings, so it is run at twice data.context)")
-            raise ExportError(f"{path}: the model's sequence dimension is dynamic, but it fails at {length} token(s)"
-                              f"{unknown}, data.context being {context}: {str(error).strip()[:300]}") from None
-        expected = [length if i == axis else size for i, size in enumerate(output.shape)]
-        if list(scores.shape) != expected:
-            raise ExportError(f"{path}: at {length} token(s) its output has shape {list(scores.shape)}, expected "
-                              f"{expected} (at data.context={context}: {list(output.shape)})")
-        if info["task"] == "language_model" and axis is not None:
-            shared = min(length, context)
-            compare(f"the first {shared} position(s)' logits at {length} token(s) vs at data.context={context}",
-                    scores.take(range(shared), axis), output.take(range(shared), axis))
-    log.info("dynamic sequence length: %d eval records at %s token(s) (data.context %d%s) give outputs of that "
-             "length%s", len(output), " and ".join(map(str, lengths)), context,
-             f", positions up to {limit}" if limit else "",
-             ", and the first positions' logits those of data.context" if info["task"] == "language_model" else "")
-
-
-def trained_torch_module(config: Config, info: dict, manifest: dict, checkpoint_dir: Path):
-    """The torch module of a `kind: torch` or `transformers` model, built as build_artifacts built
-    it (with model.lora's adapters), with the merged checkpoint's weights; None for other kinds."""
-    if config.model.kind not in ("torch", "transformers"):
-        return None
-    with save_trained.quietly():
-        module = torch_module(config.model, manifest, info["loss"], config.run.seed)
-        if "lora" in info:
-            module = lora.apply(module, config.model.lora)
-        save_trained.load_trained(module, checkpoint_dir)
-    return module.eval()
-
-
-def write_torch_formats(config: Config, module, info: dict, manifest: dict, batch: dict, output: np.ndarray,
-                        folder: Path) -> None:
-    """Into `folder`, the trained model in its own framework's format (models/save_trained.py):
-    `transformers/` for kind transformers, `model.safetensors` for kind torch, each read back as
-    its users read it and its output on `batch` (standardized features) checked against the exported
-    model's (`output`); an earlier run's of another kind removed."""
-    import shutil
-
-    kind = config.model.kind
-    if "lora" in info:
-        module = write_adapter(config, module, info, manifest, batch, output, folder)
-    else:
-        shutil.rmtree(folder / lora.ADAPTER, ignore_errors=True)
-    if kind != "transformers":
-        shutil.rmtree(folder / save_trained.TRANSFORMERS, ignore_errors=True)
-    if kind != "torch":
-        (folder / save_trained.STATE_DICT).unlink(missing_ok=True)
-    if kind == "transformers":
-        target = folder / save_trained.TRANSFORMERS
-        with atomic.folder(target) as tmp, save_trained.quietly():
-            save_trained.save_pretrained(module, config.model.path, config.data.tokenizer, manifest.get("tokenizer"),
-                                         tmp)
-            loaded = save_trained.from_pretrained(module, tmp)
-            check_torch_outputs(f"{target} through {type(loaded.model).__name__}.from_pretrained", loaded, manifest,
-                                batch, output)
-    elif kind == "torch":
-        target = folder / save_trained.STATE_DICT
-        with atomic.file(target) as tmp:
-            save_trained.save_state_dict(module, tmp)
-            with save_trained.quietly():
-                fresh = torch_module(config.model, manifest, info["loss"], config.run.seed)
-            save_trained.read_state_dict(fresh, tmp)
-            check_torch_outputs(f"{target} through load_state_dict", fresh, manifest, batch, output)
-
-
-def write_adapter(config: Config, module, info: dict, manifest: dict, batch: dict, output: np.ndarray,
-                  folder: Path):
-    """The LoRA `module`'s adapters alone into `folder`/adapter/ (models/lora.py), read back with
-    PeftModel.from_pretrained on the base model as build_artifacts built it (model.path's,
-    model.weights loaded) and its output on `batch` checked against the exported model's; returns
-    `module` with its adapters merged into its weights, the plain model the other formats hold."""
-    target = folder / lora.ADAPTER
-    with atomic.folder(target) as tmp:
-        lora.save_adapter(module, tmp)
-        with save_trained.quietly():
-            base = base_torch_module(config.model, manifest, info["loss"], config.run.seed)
-            loaded = lora.load_adapter(base, tmp)
-        check_torch_outputs(f"{target} through PeftModel.from_pretrained", loaded, manifest, batch, output)
-    return lora.merge(module)
-
-
-def check_torch_outputs(name: str, module, manifest: dict, batch: dict, output: np.ndarray) -> None:
-    worst = compare(f"{name}: its output vs the exported model's",
-                    save_trained.outputs(module, forward_features(module, manifest), batch), output)
-    log.info("%s: output on %d eval records within %.3g of the exported model's", name, len(output), worst)
-
-
-def write_inference_model(files: Artifacts, checkpoint: Path, info: dict, tmp: Path, out: Path, reader, props: dict,
-                          adapted=None) -> None:
-    """The inference graph (graphs/inference_model.py: the eval graph cut down to the model's output)
-    with the merged `checkpoint`'s weights into `tmp` (in `<out>.data` over
-    external_data.threshold()), with the data's standardization in front and `props` as metadata;
-    with LoRA, the trained torch module `adapted`'s adapters merged into its weights (lora.fold)."""
-    import onnx
-
-    model = inference_model.inference_graph(files.eval_model, inference_output(info))
-    weights = read_ort_checkpoint(checkpoint).parameters  # views of the checkpoint's files: not read yet
-    if adapted is not None:
-        merged = lora.fold(model, adapted)
-        log.info("LoRA: the adapters of %d layers merged into their weights", len(merged))
-        weights |= merged
-    inference_model.add_weights(model, weights, tmp, out)
-    del weights
-    base = external_data.load_model(files.base_model, load_data=False)
-    if inference_output(info) != info["outputs"]["logits"]:
-        # The eval graph returns the logits; the model's own output keeps the type the model gave it.
-        model.graph.output[0].CopyFrom(base.graph.output[0])
-    # An input that nothing reads (models/hugging_face.py), which the cut graph drops, as the model had it.
-    add_inputs(model, base.graph.input)
-    standardize.prepend(model, reader.standardized)
-    set_metadata(model, props)
-    onnx.save(model, str(tmp))
-    check_interface(model, info, out)
 
 
 def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path, out: Path) -> dict:
     """Write and check `out` (the inference model); return its metadata properties."""
     import onnx
 
-    from .. import __version__
     from ..data.shards import ShardReader
 
     quiet_logging()
@@ -439,33 +56,26 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
         raise MissingInputError(f"{meta_path}: no merged checkpoint (run the merge_checkpoint rule first)")
     meta = json.loads(meta_path.read_text())
 
-    props = {
-        "ortflow.run": config.run.name,
-        "ortflow.step": meta["step"],
-        "ortflow.checkpoint": chosen(meta),
-        "ortflow.identity_digest": meta["identity_digest"],
-        "ortflow.version": __version__,
-    }
     reader = ShardReader(eval_dir, raw=True)
-    props |= data_properties(reader.manifest)
-    batch = reader.gather(np.arange(min(CHECK_RECORDS, len(reader))))
+    props = metadata.properties(config.run.name, meta, reader.manifest)
+    batch = reader.gather(np.arange(min(checks.CHECK_RECORDS, len(reader))))
     # With LoRA, the torch module's adapters are merged into the inference model's weights; without,
     # the torch module is built once the ONNX checks' sessions are gone, so that the weights are held fewer times.
-    adapted = trained_torch_module(config, info, reader.manifest, checkpoint_dir) if "lora" in info else None
+    adapted = formats.trained_torch_module(config, info, reader.manifest, checkpoint_dir) if "lora" in info else None
     with atomic.file(out) as tmp:
         write_inference_model(files, checkpoint_dir / "checkpoint", info, tmp, out, reader, props, adapted)
         # Standardized from the raw features as the exported model does it: both graphs see the same values.
-        expected = eval_graph_outputs(files, checkpoint_dir / "checkpoint", info,
-                                      standardize.apply(batch, reader.standardized), reader.label_name)
+        expected = checks.eval_graph_outputs(files, checkpoint_dir / "checkpoint", info,
+                                             standardize.apply(batch, reader.standardized), reader.label_name)
         onnx.checker.check_model(str(tmp), full_check=True)
-        output = check_outputs(tmp, info, batch, expected, reader.label_name)[:REFERENCE_RECORDS]
-        few = {name: array[:REFERENCE_RECORDS] for name, array in batch.items()}
-        trained = adapted if adapted is not None else trained_torch_module(config, info, reader.manifest,
-                                                                           checkpoint_dir)
-        check_sequence_lengths(tmp, info, few, output, trained and save_trained.position_limit(trained))
-        write_torch_formats(config, trained, info, reader.manifest, standardize.apply(few, reader.standardized),
-                            output, out.parent)
-        copy_tokenizer(eval_dir, reader.manifest, out.parent)
+        output = checks.check_outputs(tmp, info, batch, expected, reader.label_name)[:checks.REFERENCE_RECORDS]
+        few = {name: array[:checks.REFERENCE_RECORDS] for name, array in batch.items()}
+        trained = adapted if adapted is not None else formats.trained_torch_module(config, info, reader.manifest,
+                                                                                   checkpoint_dir)
+        checks.check_sequence_lengths(tmp, info, few, output, trained and save_trained.position_limit(trained))
+        formats.write_torch_formats(config, trained, info, reader.manifest,
+                                    standardize.apply(few, reader.standardized), output, out.parent)
+        metadata.copy_tokenizer(eval_dir, reader.manifest, out.parent)
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config.run.name, out,
              external_data.model_bytes(out), [i["name"] for i in info["inputs"]], inference_output(info))
     return props
