@@ -179,6 +179,11 @@ def train_in_ort(artifacts: Artifacts, config: config_mod.Config, train_dir: Pat
     return losses
 
 
+def differences(trained: dict, reference: dict) -> dict:
+    """{name: the largest difference of its elements} of every parameter."""
+    return {name: largest(array, reference[name]) for name, array in trained.items()}
+
+
 def torch_twin(config: config_mod.Config, manifest: dict, initial: dict) -> torch.nn.Module:
     """The TaskModel that build exported, with the initial checkpoint's weights (a head
     tied to the embedding is one initializer there, and stays tied here)."""
@@ -228,7 +233,7 @@ def test_family_trains_like_torch_exports_and_quantizes(family, tmp_path, monkey
     implementation = twin.model.config._attn_implementation
     assert implementation == hugging_face.attention(twin.model.config.model_type), implementation
     torch_losses, torch_trained = train_like_ortflow(twin, config, train_dir)
-    worst = {name: largest(array, torch_trained[name]) for name, array in trained.items()}
+    worst = differences(trained, torch_trained)
     print(f"{family} ({implementation}): loss {largest(losses, torch_losses):.2g}, parameters "
           f"{max(worst.values()):.2g} ({max(worst, key=worst.get)})")
     # float32 rounds relative to a value's size: the layer tests' limit is for losses near 1,
