@@ -141,7 +141,7 @@ def main() -> None:
         worker(args)
         return
 
-    from ortflow.stages.train import launcher_command, launcher_env
+    from ortflow.launcher import launcher_command, launcher_env
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         out = Path(tmp)

@@ -18,8 +18,8 @@ import torch
 import batchnorm_models
 from conftest import gate_judged, run_on_ranks, run_snakemake
 from ortflow import config as config_mod
-from ortflow.stages import merge_checkpoint
 from ortflow.checkpoints import layout, reader
+from ortflow.checkpoints.merge import merge
 from ortflow.stages.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
@@ -147,7 +147,7 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
 
     # The export (written from the eval graph, checked against it by export_model.export) is
     # torch's module in eval mode: normalized with the running statistics, no dropout.
-    merged = merge_checkpoint.merge(layout.step_dir(out / "checkpoints", STEPS), tmp_path / "merged")
+    merged = merge(layout.step_dir(out / "checkpoints", STEPS), tmp_path / "merged")
     export_model.export(cfg, artifacts, merged, digits / "eval", tmp_path / "model.onnx")
     batch = ShardReader(digits / "eval").gather(np.arange(64))
     logits = inference_session(tmp_path / "model.onnx").run(None, {"x": batch["x"]})[0]

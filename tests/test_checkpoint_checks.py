@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import opened_paths, outside
-from ortflow.stages import merge_checkpoint
-from ortflow.checkpoints import checks, layout, reader, resume, writer
+from ortflow.checkpoints import checks, layout, reader, resume, summary, writer
 from ortflow.checkpoints.ort_format import CheckpointError, TrainingState, ort_checkpoint_bytes
 
 SHAPES = {"w": (4, 3), "b": (3,)}
@@ -109,8 +108,8 @@ def test_an_intact_checkpoint_passes_every_check(folder, model):
         assert np.array_equal(read.state.parameters[name], expected.parameters[name])
         assert np.array_equal(read.state.optimizer_states[name]["momentum1"], expected.optimizer_states[name]["momentum1"])
     # The model is what --artifacts names: nothing guesses it from the checkpoint's path.
-    assert "not checked against a model" in merge_checkpoint.inspect(folder)
-    report = merge_checkpoint.inspect(folder, model)
+    assert "not checked against a model" in summary.inspect(folder)
+    report = summary.inspect(folder, model)
     assert f"checked against the model {model}: parameter names, shapes, dtypes, trainable flags" in report
 
 

@@ -86,11 +86,11 @@ def test_a_checkpoint_beyond_train_steps_is_not_used(tmp_path, monkeypatch, capl
 def test_a_resharded_checkpoint_keeps_its_history(tmp_path):
     """`ortflow checkpoint reshard` copies history.json (checksummed in the new
     manifest), so that a run resumed from the copy reports the metrics logged before it."""
-    from ortflow.stages import merge_checkpoint
+    from ortflow.checkpoints.reshard import reshard
 
     history = {"train": [{"step": s, "loss": 1.0 / s} for s in (5, 10)], "eval": [{"step": 10, "loss": 0.4}]}
     source = _save(tmp_path / "checkpoints", 10, history)
-    copy = merge_checkpoint.reshard(source, tmp_path / "three", 3)
+    copy = reshard(source, tmp_path / "three", 3)
     manifest = json.loads((copy / layout.MANIFEST).read_text())
     assert manifest["world_size"] == 3 and manifest["history"]["file"] == layout.HISTORY
     found = resume.find_resume(tmp_path, IDENTITY, DIGEST, str(copy), steps=100)

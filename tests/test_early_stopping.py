@@ -168,9 +168,9 @@ def test_export_checkpoint_best_without_early_stopping_picks_the_lowest_eval_los
     meta = json.loads((digits_workdir / "results/digits/checkpoint/meta.json").read_text())
     assert meta["step"] == best_step and meta["chosen"]["value"] == pytest.approx(min(losses))
     # Asked for by hand without a best one recorded: one line saying what to do.
-    from ortflow.stages import merge_checkpoint
+    from ortflow.checkpoints.merge import merge
 
     empty = digits_workdir / "empty"
     empty.mkdir()
     with pytest.raises(CheckpointError, match="no best checkpoint of this run"):
-        merge_checkpoint.merge(empty, digits_workdir / "out", which="best")
+        merge(empty, digits_workdir / "out", which="best")

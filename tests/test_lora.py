@@ -217,7 +217,7 @@ def test_lora_checkpoints_hold_the_adapters_moments_and_resume_bit_for_bit(tmp_p
     from dataclasses import replace
 
     from ortflow.checkpoints import layout, reader
-    from ortflow.stages import merge_checkpoint
+    from ortflow.checkpoints.merge import merge
     from ortflow.training.run_folder import TrainFolder
     from ortflow.training.stop import StopRequest
     from ortflow.training.trainer import Trainer
@@ -239,7 +239,7 @@ def test_lora_checkpoints_hold_the_adapters_moments_and_resume_bit_for_bit(tmp_p
     resumed = final(tmp_path / "run")
     for name, array in first.parameters.items():
         np.testing.assert_array_equal(resumed.parameters[name], array, err_msg=name)
-    merged = read_ort_checkpoint(merge_checkpoint.merge(tmp_path / "run" / "checkpoints", tmp_path / "merged",
+    merged = read_ort_checkpoint(merge(tmp_path / "run" / "checkpoints", tmp_path / "merged",
                                                         model=artifacts.folder) / "checkpoint")
     assert sorted(merged.optimizer_states) == sorted(info["trainable"])
     for name, array in first.parameters.items():

@@ -17,9 +17,10 @@ from conftest import copy_inputs, fault, run_on_ranks, run_snakemake
 from ortflow import cli, config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints import layout, reader
+from ortflow.checkpoints.merge import merge
 from ortflow.checkpoints.ort_format import TrainingState, read_ort_checkpoint
 from ortflow.graphs import pipeline, recompute
-from ortflow.stages import build_artifacts, merge_checkpoint
+from ortflow.stages import build_artifacts
 from ortflow.stages.prepare_data import prepare
 from ortflow.training import engine, gradients, preflight
 from ortflow.training.pipeline_schedule import place, warm_up
@@ -132,7 +133,7 @@ def test_stages_train_the_weights_of_one(model, stages, copies, accumulated, roo
     assert holders and max(holders) < copies  # written by stage 0's ranks only, though the last stage holds it too
     worst = largest_difference(pipelined.state, reader.read_checkpoint(expected, artifacts).state)
     # merge_checkpoint's whole-model checkpoints (ONNX Runtime's format, which export and quantize read).
-    merged = [read_ort_checkpoint(merge_checkpoint.merge(folder, tmp_path / f"merged-{name}", model=artifacts)
+    merged = [read_ort_checkpoint(merge(folder, tmp_path / f"merged-{name}", model=artifacts)
                                   / "checkpoint") for name, folder in (("pipelined", got), ("p1", expected))]
     assert merged[0].optimizer == merged[1].optimizer
     worst_merged = largest_difference(*merged)
@@ -170,14 +171,14 @@ def test_zero_1_within_a_stage_trains_the_weights_of_one(root, tmp_path):
     assert 0.3 * stage < held < 0.7 * stage
     assert (f"train.zero 1: the optimizer's moments sharded over 2 ranks: rank 0 holds {held / 1e6:,.2f} MB of "
             f"{stage / 1e6:,.2f} MB") in log
-    merged_got = read_ort_checkpoint(merge_checkpoint.merge(got, tmp_path / "merged-pipelined", model=artifacts)
+    merged_got = read_ort_checkpoint(merge(got, tmp_path / "merged-pipelined", model=artifacts)
                                      / "checkpoint")
     for zero in (0, 1):
         expected, expected_eval, _ = trained(tmp_path / f"p1-zero{zero}",
                                              settings(root, 2, 1, 4, zero=zero, clip=None), artifacts, train)
         worst = largest_difference(reader.read_checkpoint(got, artifacts).state,
                                    reader.read_checkpoint(expected, artifacts).state)
-        merged = read_ort_checkpoint(merge_checkpoint.merge(expected, tmp_path / f"merged-p1-zero{zero}",
+        merged = read_ort_checkpoint(merge(expected, tmp_path / f"merged-p1-zero{zero}",
                                                             model=artifacts) / "checkpoint")
         assert merged_got.optimizer == merged.optimizer
         worst_merged = largest_difference(merged_got, merged)

@@ -1,5 +1,6 @@
 """The training stage: through the real workflow (mpirun ranks, all-reduce, metrics,
-failures), and the launcher's (ortflow.stages.train, ortflow.launcher) commands and what it does before the ranks start."""
+failures), and the launcher's (ortflow.stages.train, ortflow.launcher) commands and what it does before the ranks start
+(ortflow.training.attempt)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ import pytest
 
 from conftest import fault, run_snakemake
 from ortflow import config as config_mod, launcher
-from ortflow.stages import train
 from ortflow.checkpoints import reader, resume
+from ortflow.training import attempt
 from ortflow.training.run_folder import TrainFolder
 
 SHORT = {"train": {"steps": 30, "log_every": 5, "eval_every": 15, "checkpoint_every": 10}}
@@ -188,7 +189,7 @@ def test_rerun_after_a_finished_run_moves_its_checkpoints_aside(tmp_path, capsys
     folder.tensorboard.mkdir()
     folder.heartbeat.mkdir()
     folder.finished.write_text("{}")
-    train.start_attempt(folder, resume_from=None)
+    attempt.start_attempt(folder, resume_from=None)
     previous = TrainFolder(folder.previous)
     assert (previous.checkpoints / "step-00000300").is_dir() and previous.tensorboard.is_dir()
     assert not folder.checkpoints.exists() and not folder.finished.exists()
@@ -196,22 +197,22 @@ def test_rerun_after_a_finished_run_moves_its_checkpoints_aside(tmp_path, capsys
     assert f"its checkpoints and TensorBoard events are moved to {folder.previous}" in capsys.readouterr().err
     # After an interrupted run, or with train.resume_from, nothing moves.
     folder.checkpoints.mkdir()
-    train.start_attempt(folder, resume_from=None)
+    attempt.start_attempt(folder, resume_from=None)
     folder.finished.write_text("{}")
-    train.start_attempt(folder, resume_from=str(folder.checkpoints))
+    attempt.start_attempt(folder, resume_from=str(folder.checkpoints))
     assert folder.checkpoints.is_dir() and not folder.finished.exists()
 
 
 def test_a_second_live_attempt_is_refused_in_one_line(tmp_path, capsys):
     out = TrainFolder(tmp_path / "train")
-    first = train.lock_attempt(out)
+    first = attempt.lock_attempt(out)
     assert first is not None
-    assert train.lock_attempt(out) is None
+    assert attempt.lock_attempt(out) is None
     error = capsys.readouterr().err
     assert error.count("\n") == 1
     assert f"ortflow train: error: another attempt of this run is still training in {out} (ortflow train pid" in error
     first.close()
-    assert train.lock_attempt(out) is not None
+    assert attempt.lock_attempt(out) is not None
 
 
 # Imported by every Python process that has it on its PYTHONPATH (site's

@@ -16,8 +16,9 @@ import pytest
 
 from conftest import require_e2e
 from ortflow import config as config_mod, launcher
-from ortflow.stages import merge_checkpoint
 from ortflow.checkpoints import layout, reader
+from ortflow.checkpoints.merge import merge
+from ortflow.checkpoints.reshard import reshard
 import test_weight_decay as tiny_gpt
 from test_weight_decay import settings
 
@@ -77,7 +78,7 @@ def test_zero_1_equals_the_unsharded_run_and_its_checkpoints_resume_anywhere(bui
         print(f"resumed at W={ranks} zero {zero}: largest difference to the uninterrupted run {difference:.3g}")
         assert difference <= tolerance, (ranks, zero)
 
-    merged = merge_checkpoint.merge(sharded, tmp_path / "merged", model=artifacts)
+    merged = merge(sharded, tmp_path / "merged", model=artifacts)
     assert largest_difference(reader.load_parameters_file(merged / "checkpoint"), uninterrupted) == 0.0
-    resharded = merge_checkpoint.reshard(sharded / "step-00000055", tmp_path / "resharded", 3, model=artifacts)
+    resharded = reshard(sharded / "step-00000055", tmp_path / "resharded", 3, model=artifacts)
     assert largest_difference(parameters(resharded), uninterrupted) == 0.0

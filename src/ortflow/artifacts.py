@@ -6,7 +6,7 @@ graph builder writes it; training, export, quantize and the checkpoint tools rea
     eval_model.onnx       forward and loss
     optimizer_model.onnx  the optimizer step
     checkpoint            the initial weights and optimizer state, in ONNX Runtime's format
-    model.json            inputs, label, outputs, loss, parameters and FLOPs (graphs.describe)
+    model.json            inputs, label, outputs, loss, parameters and FLOPs (graphs/describe.py)
 
 With train.pipeline_stages P > 1 (graphs/pipeline.py), beside those (the whole model's,
 which export and the checkpoint tools read):
@@ -47,5 +47,5 @@ class Artifacts:
         return Artifacts(self.folder / f"stage-{index}")
 
     def description(self) -> dict:
-        """model.json, as graphs.describe wrote it."""
+        """model.json, as graphs/describe.py wrote it."""
         return json.loads(self.model_json.read_text())

@@ -1,9 +1,11 @@
 """The MPI launcher that starts the ranks: its command line (mpirun or mpiexec
-locally, srun inside a Slurm allocation) and the ranks' environment."""
+locally, srun inside a Slurm allocation), the ranks' environment, and what its
+exit code says."""
 
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 from .errors import ConfigError
@@ -34,3 +36,15 @@ def launcher_env(environ: dict) -> dict:
         for key, value in ROOT_ENV.items():
             env.setdefault(key, value)
     return env
+
+
+def ranks_failed(code: int, launcher: str) -> str:
+    """What the MPI launcher's exit code says. A rank that failed wrote its error above;
+    one killed by a signal (code 128 + its number) wrote nothing, and only the
+    launcher's own message names it."""
+    killer = next((signum for signum in signal.Signals if code == 128 + signum), None)
+    if killer is None:
+        return f"the ranks exited with code {code}; the failing rank's error is above"
+    oom = " (the kernel's out-of-memory killer sends it: see `dmesg`)" if killer == signal.SIGKILL else ""
+    return (f"the ranks exited with code {code}: a rank was killed by {killer.name}{oom}; {launcher}'s message "
+            "above names it")

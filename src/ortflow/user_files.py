@@ -39,7 +39,7 @@ TOKENIZER_FILES = (
     "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model",
     "chat_template.jinja", "chat_template.json",
 )
-CHECKPOINT = "checkpoint"  # the ONNX Runtime file of a merged checkpoint folder (stages/merge_checkpoint.py)
+CHECKPOINT = "checkpoint"  # the ONNX Runtime file of a merged checkpoint folder (checkpoints/merge.py)
 # What a `kind: transformers` model is built from (models/hugging_face.py): the folder's config and its
 # weights in safetensors, whole or sharded by an index; never pytorch_model.bin, a pickle that runs code.
 MODEL_CONFIG, MODEL_WEIGHTS, MODEL_INDEX = "config.json", "model.safetensors", "model.safetensors.index.json"

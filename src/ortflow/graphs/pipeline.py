@@ -87,7 +87,7 @@ import numpy as np
 
 from .. import external_data
 from ..artifacts import Artifacts
-from ..errors import ModelError
+from ..errors import ConfigError, ModelError
 from ..models import is_float
 from ..models.export_fixes import infer_shapes
 from .generate import generate_with_loss
@@ -158,6 +158,19 @@ def held_by_stages(artifacts: Artifacts) -> list[int] | None:
         return None
     held = [stage.held for stage in Plan.load(artifacts.pipeline_json).stages]
     return None if None in held else held
+
+
+def check_stages(artifacts: Artifacts, stages: int) -> None:
+    """With train.pipeline_stages P > 1, the artifacts are cut into P stages (their pipeline.json).
+    Any artifacts hold the whole model's graphs, which a run with P = 1 trains."""
+    if stages == 1 or not artifacts.model_json.is_file():  # without model.json the ranks name what is missing
+        return
+    built = len(json.loads(artifacts.pipeline_json.read_text())["stages"]) if artifacts.pipeline_json.is_file() else 1
+    if built != stages:
+        raise ConfigError(
+            f"config key 'train.pipeline_stages': {stages} stages, but the artifacts {artifacts.folder} are cut into "
+            f"{built} ({artifacts.pipeline_json.name}); rebuild them with train.pipeline_stages: {stages}, or set "
+            f"train.pipeline_stages: {built}")
 
 
 def weighted_tensors(graph) -> set[str]:

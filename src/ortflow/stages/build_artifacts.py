@@ -15,11 +15,12 @@ graphs and initial checkpoint that ONNX Runtime's training engine runs out.
    statistics, and the eval graph normalizes with them (batchnorm.py). With
    `train.recompute`, the training graph is then rewritten so that the blocks'
    forward is computed again in the backward (graphs/recompute.py).
-3. `model.json` describes the inputs, label, outputs, parameters, FLOPs and
-   running statistics (`running_stats`: training graph output -> parameter); for
-   `kind: transformers` where the model came from (`transformers`: its class, task,
-   and the tensors of a new head drawn from run.seed), and with `model.lora` its
-   adapters (`lora`: r, alpha, dropout and the target layers; models/lora.py).
+3. `model.json` describes the inputs, label, outputs, parameters and FLOPs
+   (graphs/describe.py), and the running statistics (`running_stats`: training
+   graph output -> parameter); for `kind: transformers` where the model came from
+   (`transformers`: its class, task, and the tensors of a new head drawn from
+   run.seed), and with `model.lora` its adapters (`lora`: r, alpha, dropout and
+   the target layers; models/lora.py).
 4. One training step on a few train records proves that the graphs fit the data.
 
 With train.pipeline_stages P > 1, the model is also cut into P stages balanced by their
@@ -42,14 +43,14 @@ from ..artifacts import Artifacts
 from ..config import Config
 from ..errors import MissingInputError
 from ..graphs import pipeline, recompute
-from ..graphs.cost import batch_values, eval_bytes, forward_flops, per_sample_values
+from ..graphs.describe import describe
 from ..graphs.forward_model import base_model, check_interface
 from ..graphs.generate import drop_weights, generate
 from ..graphs.loss import resolve_loss
-from ..graphs.parameters import embedding_tables, float_initializers, split_parameters
+from ..graphs.parameters import split_parameters
 from ..graphs.smoke_step import smoke_step
 from ..models import batchnorm, vocabulary
-from ..models.logits import Logits, find as find_logits
+from ..models.logits import find as find_logits
 from ..reporting.results import lora_trained
 
 log = logging.getLogger("ortflow.build_artifacts")
@@ -107,47 +108,6 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
     if "lora" in description:
         log.info("%s", lora_trained(description))
     return description
-
-
-def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logits: Logits, blocks: list) -> dict:
-    import onnx
-
-    training = onnx.load(str(Artifacts(out).training_model), load_external_data=False)
-    sizes = float_initializers(base)
-    values = per_sample_values(base, manifest)
-    forward = forward_flops(base, values)
-    batch = batch_values(base, values)
-    label = manifest["label"]
-    with_blocks = None if blocks else recompute.activation_bytes_with_blocks(training.graph, batch)
-    return {
-        "kind": kind,
-        "task": manifest["task"],
-        "loss": loss,
-        "num_classes": manifest["num_classes"],
-        "inputs": [{"name": f["name"], "dtype": f["dtype"], "shape": ["batch", *f["shape"]]} for f in manifest["features"]],
-        "label": {"name": label["name"], "dtype": label["dtype"], "shape": ["batch", *label["shape"]]},
-        # The graphs return the loss and the logits; the inference model returns the model's own output,
-        # which differs from the logits after a final Softmax (models/logits.py).
-        "outputs": {"loss": training.graph.output[0].name, "logits": logits.name,
-                    "inference": base.graph.output[0].name},
-        "parameters": sum(sizes.values()),
-        "trainable_parameters": sum(sizes[n] for n in trainable),
-        "trainable": trainable,
-        "frozen": frozen,
-        "embeddings": embedding_tables(base, trainable),
-        # Backward is counted as twice the forward (a gradient for the input and
-        # one for the weights per multiply-add), the usual estimate.
-        "flops_per_sample": {"forward": forward, "backward": 2 * forward},
-        # What training keeps for the backward pass at most, the part of a rank's memory that
-        # grows with the micro-batch (preflight.memory_estimate); with train.recompute, what
-        # the rewritten graph keeps plus the largest block recomputed (graphs/recompute.py).
-        "activation_bytes_per_sample": recompute.activation_bytes(training.graph, blocks, batch) if blocks
-        else sum(batch.values()),
-        # Without train.recompute, what `blocks` would make it, for preflight's fixes (absent
-        # where recompute is on or the model has no blocks).
-        **({"activation_bytes_per_sample_recompute_blocks": with_blocks} if with_blocks else {}),
-        "eval_bytes_per_sample": eval_bytes(base, batch, logits.name),
-    }
 
 
 HELP = "export or load the model and build its training, eval and optimizer graphs and initial checkpoint"

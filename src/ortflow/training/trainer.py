@@ -337,8 +337,8 @@ class PipelinedTrainer(Trainer):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """One rank. Its one argument is the JSON that `ortflow train` (stages/train.py, whose
-    command line is the only one) writes: {"config", "train", "eval", "artifacts", "out"}."""
+    """One rank. Its one argument is the JSON that `ortflow train` writes (supervisor.rank_command,
+    the only command line that starts it): {"config", "train", "eval", "artifacts", "out"}."""
     job = json.loads((argv or sys.argv[1:])[0])
     folder = TrainFolder(job["out"])
     stop = StopRequest().install(folder.ready)  # first: a stop during the imports is kept too
