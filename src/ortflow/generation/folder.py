@@ -1,0 +1,98 @@
+"""The generation folder: the decoder with a KV cache and the files its loaders read beside it.
+
+One folder that optimum's ORTModelForCausalLM (`model.onnx`, `config.json` with `use_cache: true`,
+`generation_config.json`, the tokenizer) and onnxruntime-genai (`genai_config.json`, the model
+builder's format) load as they are, and that `generate.Decoder` runs. It is written under a
+temporary name and renamed when complete (atomic.folder), so a failed export leaves nothing half.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from .. import atomic
+from .decoder import CacheLayout, export_decoder
+
+MODEL = "model.onnx"
+GENAI_CONFIG = "genai_config.json"
+# The files of a save_pretrained tokenizer (fast, slow and sentencepiece ones, the chat template).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
+                   "chat_template.json")
+
+
+def export_folder(source: Path, folder: Path) -> CacheLayout:
+    """The save_pretrained causal-LM folder `source` (export/transformers/) as the generation folder
+    `folder`: the export stage's one call."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..models.hugging_face import attention
+    from ..models.save_trained import quietly
+
+    with quietly():
+        kind = AutoConfig.from_pretrained(source, local_files_only=True).model_type
+        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, attn_implementation=attention(kind),
+                                                     dtype="float32")
+    return write_folder(model, Path(source), folder)
+
+
+def write_folder(model, tokenizer_source: Path | None, folder: Path) -> CacheLayout:
+    """The loaded transformers causal LM `model` as the generation folder `folder`, with the tokenizer
+    files of `tokenizer_source` (a save_pretrained folder; None: a model without a tokenizer)."""
+    with atomic.folder(folder) as building:
+        layout = export_decoder(model, building / MODEL)
+        config = model.config
+        config.use_cache = True  # optimum feeds the cache only to a model whose config says it has one
+        config.save_pretrained(building)
+        model.generation_config.save_pretrained(building)
+        for name in TOKENIZER_FILES:
+            if tokenizer_source and (Path(tokenizer_source) / name).is_file():
+                shutil.copy2(Path(tokenizer_source) / name, building / name)
+        atomic.write_text(building / GENAI_CONFIG, json.dumps(genai_config(model, layout), indent=4) + "\n")
+    return layout
+
+
+def genai_config(model, layout: CacheLayout) -> dict:
+    """onnxruntime-genai's genai_config.json for the decoder (the model builder's fields). The search
+    defaults are the model's generation_config's; past and present stay separate buffers
+    (past_present_share_buffer false): the graph concatenates the past with the new keys, it does not
+    write them into a buffer of the context's length."""
+    config, generation = model.config, model.generation_config
+    eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
+    pad = next((value for value in (generation.pad_token_id, config.pad_token_id) if value is not None), eos)
+    names = layout.input_names()
+    return {
+        "model": {
+            "bos_token_id": generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id,
+            "context_length": layout.context_length,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": MODEL,
+                "head_size": layout.head_dim,
+                "hidden_size": config.hidden_size,
+                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                           **({"position_ids": "position_ids"} if "position_ids" in names else {}),
+                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                            "present_value_names": "present.%d.value"},
+                "num_attention_heads": config.num_attention_heads,
+                "num_hidden_layers": layout.layers,
+                "num_key_value_heads": layout.kv_heads,
+            },
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "type": config.model_type,
+            "vocab_size": config.vocab_size,
+        },
+        "search": {
+            "diversity_penalty": 0.0, "do_sample": bool(generation.do_sample), "early_stopping": True,
+            "length_penalty": 1.0, "max_length": layout.context_length, "min_length": 0, "no_repeat_ngram_size": 0,
+            "num_beams": 1, "num_return_sequences": 1, "past_present_share_buffer": False,
+            "repetition_penalty": 1.0,
+            "temperature": generation.temperature if generation.temperature is not None else 1.0,
+            "top_k": generation.top_k if generation.top_k is not None else 50,
+            "top_p": generation.top_p if generation.top_p is not None else 1.0,
+        },
+    }

@@ -1,0 +1,192 @@
+"""Generation from the exported decoder with a KV cache (issue 41; ortflow.generation): greedy
+tokens equal to transformers' `generate(do_sample=False)` token for token and each step's logits
+within 1e-4 relative, for two prompt lengths and a left-padded batch, on the tiny random-weight
+models of tests/test_hf_families.py (2 layers, width 32, bytes), saved with save_pretrained as the
+export stage saves export/transformers/. gpt2 and llama run in the fast loop, the other causal
+families as e2e; a family whose cache has no key/value layout is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from ortflow.errors import DataError, ModelError
+from ortflow.generation import folder as generation_folder
+from ortflow.generation.generate import Decoder, Sampling, generate, steps, warp
+from ortflow.models.hugging_face import attention
+from ortflow.models.save_trained import POSITIONS
+from test_hf_families import FAMILIES
+
+NEW_TOKENS = 64
+POSITIONS_TRIED = 128  # the families' tiny configs have 64 positions: a prompt and 64 new tokens need more
+LOGITS_TOLERANCE = 1e-4  # relative to the step's largest logit
+EOS = 0  # in the byte vocabulary (GPT-2's 50256 is not); the prompts never contain it
+PROMPT_LENGTHS = (5, 24)
+BATCH = (24, 9, 16)  # left-padded to 24
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """torch and ONNX Runtime on one thread each: on 2 shared cores, torch's generate with two
+    threads took from 0.7 to 15 s for the same 64 tokens, with one 0.2 s."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(family: str, root):
+    """The family's tiny causal LM, weights drawn from seed 0, saved as export/transformers/ is;
+    returns the folder and the model read back from it as transformers users read it."""
+    config = FAMILIES[family][1]()
+    for key in POSITIONS:
+        if isinstance(getattr(config, key, None), int):
+            setattr(config, key, POSITIONS_TRIED)
+    config.bos_token_id = config.eos_token_id = EOS
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention(config.model_type))
+    model.generation_config.eos_token_id = model.generation_config.bos_token_id = EOS
+    source = root / "transformers"
+    model.save_pretrained(source)
+    return source, transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+
+
+def prompts(lengths, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 256, length).tolist() for length in lengths]
+
+
+def transformers_greedy(model, batch: list[list[int]], eos: int) -> tuple[list[list[int]], np.ndarray]:
+    """transformers' greedy tokens for the batch (left-padded, cut after each row's eos) and each
+    step's logits [steps, batch, vocab]."""
+    longest = max(map(len, batch))
+    ids = torch.tensor([[EOS] * (longest - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS,
+                             eos_token_id=eos, pad_token_id=EOS, output_logits=True, return_dict_in_generate=True)
+    tokens = []
+    for row in out.sequences[:, longest:].tolist():
+        tokens.append(row[:row.index(eos) + 1] if eos in row else row)
+    return tokens, torch.stack(out.logits).numpy()
+
+
+def compare(decoder: Decoder, model, batch: list[list[int]]) -> None:
+    expected, expected_logits = transformers_greedy(model, batch, min(decoder.eos))
+    logits = []
+    got = generate(decoder, batch, NEW_TOKENS, on_step=lambda step: logits.append(step.logits))
+    assert got == expected
+    logits = np.stack(logits)
+    assert logits.shape == expected_logits.shape
+    for step, (ours, theirs) in enumerate(zip(logits, expected_logits)):
+        error = np.abs(ours - theirs).max() / np.abs(theirs).max()
+        assert error <= LOGITS_TOLERANCE, f"step {step}: logits differ by {error:.2e} relative"
+
+
+def check_family(family: str, tmp_path) -> None:
+    source, model = tiny(family, tmp_path)
+    layout = generation_folder.export_folder(source, tmp_path / "generation")
+    decoder = Decoder(tmp_path / "generation", threads=1)
+    assert (decoder.layers, decoder.kv_heads, decoder.head_dim) == (layout.layers, layout.kv_heads, layout.head_dim)
+    for length in PROMPT_LENGTHS:
+        compare(decoder, model, prompts([length]))
+    compare(decoder, model, prompts(BATCH))
+    # An eos that the first row gives at its 10th step: that row stops there, the others go on.
+    decoder.eos = {generate(decoder, prompts(BATCH), 10)[0][-1]}
+    compare(decoder, model, prompts(BATCH))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_greedy_equals_transformers(family, tmp_path):
+    check_family(family, tmp_path)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", ["gpt-neo", "opt", "mistral", "qwen2", "qwen3", "phi3", "gemma", "falcon"])
+def test_greedy_equals_transformers_in_every_family(family, tmp_path):
+    check_family(family, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    """gpt2's tiny model as export/transformers/ with a tokenizer file, and its generation folder."""
+    root = tmp_path_factory.mktemp("gpt2")
+    source, _ = tiny("gpt2", root)
+    (source / "tokenizer.json").write_text('{"stand-in": "copied, not read"}')
+    generation_folder.export_folder(source, root / "generation")
+    return root / "generation"
+
+
+def test_folder_has_what_optimum_and_genai_read(gpt2_folder):
+    import onnx
+
+    model = onnx.load(str(gpt2_folder / "model.onnx"), load_external_data=False)
+    assert model.ir_version <= 10 and model.opset_import[0].version <= 21  # what ONNX Runtime 1.19.2 loads
+    assert [value.name for value in model.graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
+    logits = model.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in logits] == ["batch", "sequence", 256]
+    assert json.loads((gpt2_folder / "config.json").read_text())["use_cache"] is True
+    assert json.loads((gpt2_folder / "generation_config.json").read_text())["eos_token_id"] == EOS
+    assert (gpt2_folder / "tokenizer.json").read_text() == '{"stand-in": "copied, not read"}'
+    genai = json.loads((gpt2_folder / "genai_config.json").read_text())
+    decoder = genai["model"]["decoder"]
+    assert (decoder["num_hidden_layers"], decoder["num_key_value_heads"], decoder["head_size"]) == (2, 2, 16)
+    assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key"
+    assert decoder["outputs"]["present_value_names"] == "present.%d.value"
+    assert (genai["model"]["context_length"], genai["model"]["eos_token_id"], genai["model"]["type"]) == \
+        (POSITIONS_TRIED, EOS, "gpt2")
+    assert genai["search"]["past_present_share_buffer"] is False
+
+
+def test_prompt_longer_than_positions_refused(gpt2_folder):
+    decoder = Decoder(gpt2_folder, threads=1)
+    with pytest.raises(DataError) as refused:
+        generate(decoder, prompts([100]), 64)
+    assert str(refused.value) == ("generate: a prompt of 100 tokens and max_new_tokens=64 need 164 positions; the "
+                                  "model has 128: shorten the prompt or ask for at most 28 new tokens")
+    with pytest.raises(DataError, match="at least one token"):
+        generate(decoder, [[]], 4)
+
+
+def test_family_without_key_value_cache_refused(tmp_path):
+    config = transformers.MambaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, state_size=4)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ModelError) as refused:
+        generation_folder.write_folder(model, None, tmp_path / "generation")
+    assert "\n" not in str(refused.value)
+    assert str(refused.value).startswith("MambaForCausalLM (mamba) keeps its generation cache as DynamicCache of ")
+    assert str(refused.value).endswith("ortflow cannot export it as a decoder with a KV cache")
+    assert list(tmp_path.iterdir()) == []  # nothing written half
+
+
+def test_warping_equals_transformers_processors():
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    logits = np.random.default_rng(0).normal(size=(3, 256)).astype(np.float32) * 3
+    for temperature, top_k, top_p in [(0.7, 50, 1.0), (1.0, 0, 0.9), (1.3, 20, 0.5), (0.5, 256, 0.3)]:
+        ours = warp(logits, Sampling(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p))
+        theirs = torch.from_numpy(logits)
+        for processor in [TemperatureLogitsWarper(temperature), *([TopKLogitsWarper(top_k)] if top_k else []),
+                          *([TopPLogitsWarper(top_p)] if top_p < 1 else [])]:
+            theirs = processor(None, theirs)
+        theirs = theirs.double().numpy()
+        assert np.array_equal(np.isinf(ours), np.isinf(theirs))
+        assert np.allclose(ours[~np.isinf(ours)], theirs[~np.isinf(theirs)], rtol=1e-6)
+        assert 0 < (~np.isinf(ours)).sum(-1).min()
+
+
+def test_sampling_follows_seed_and_warping(gpt2_folder):
+    decoder = Decoder(gpt2_folder, threads=1)
+    batch = prompts(BATCH)
+    greedy = generate(decoder, batch, 16)
+    assert generate(decoder, batch, 16, Sampling(do_sample=True, top_k=1, seed=3)) == greedy
+    sampled = [generate(decoder, batch, 16, Sampling(do_sample=True, temperature=2.0, seed=seed)) for seed in (1, 1, 2)]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2] and sampled[0] != greedy
+    # streaming: each step's tokens come as they are chosen, one per row
+    streamed = [step.tokens for step in steps(decoder, batch, 16)]
+    assert np.stack(streamed, 1).tolist() == greedy
