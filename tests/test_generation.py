@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from tokenizers import Tokenizer
+
+from ortflow import cli
 
 from ortflow.errors import DataError, ModelError
 from ortflow.generation import folder as generation_folder
@@ -113,10 +116,10 @@ def test_greedy_equals_transformers_in_every_family(family, tmp_path):
 
 @pytest.fixture(scope="module")
 def gpt2_folder(tmp_path_factory):
-    """gpt2's tiny model as export/transformers/ with a tokenizer file, and its generation folder."""
+    """gpt2's tiny model as export/transformers/ without a tokenizer (it reads bytes), and its
+    generation folder."""
     root = tmp_path_factory.mktemp("gpt2")
     source, _ = tiny("gpt2", root)
-    (source / "tokenizer.json").write_text('{"stand-in": "copied, not read"}')
     generation_folder.export_folder(source, root / "generation")
     return root / "generation"
 
@@ -131,7 +134,9 @@ def test_folder_has_what_optimum_and_genai_read(gpt2_folder):
     assert [d.dim_param or d.dim_value for d in logits] == ["batch", "sequence", 256]
     assert json.loads((gpt2_folder / "config.json").read_text())["use_cache"] is True
     assert json.loads((gpt2_folder / "generation_config.json").read_text())["eos_token_id"] == EOS
-    assert (gpt2_folder / "tokenizer.json").read_text() == '{"stand-in": "copied, not read"}'
+    text = "héllo wörld ☃\n\tend"
+    tokenizer = Tokenizer.from_file(str(gpt2_folder / "tokenizer.json"))
+    assert tokenizer.encode(text).ids == list(text.encode()) and tokenizer.decode(list(text.encode())) == text
     genai = json.loads((gpt2_folder / "genai_config.json").read_text())
     decoder = genai["model"]["decoder"]
     assert (decoder["num_hidden_layers"], decoder["num_key_value_heads"], decoder["head_size"]) == (2, 2, 16)
@@ -190,3 +195,26 @@ def test_sampling_follows_seed_and_warping(gpt2_folder):
     # streaming: each step's tokens come as they are chosen, one per row
     streamed = [step.tokens for step in steps(decoder, batch, 16)]
     assert np.stack(streamed, 1).tolist() == greedy
+
+
+def test_tokenizer_files_copied(tmp_path):
+    source, folder = tmp_path / "transformers", tmp_path / "generation"
+    source.mkdir(), folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "model.safetensors"):
+        (source / name).write_text(name)
+    generation_folder.copy_tokenizer(source, folder)
+    assert sorted(path.name for path in folder.iterdir()) == ["chat_template.jinja", "tokenizer.json",
+                                                              "tokenizer_config.json"]
+
+
+def test_cli_streams_what_generate_gives(gpt2_folder, capsys):
+    decoder = Decoder(gpt2_folder, threads=1)
+    expected = [token for token in generate(decoder, [list("hello".encode())], 12)[0] if token not in decoder.eos]
+    command = ["generate", str(gpt2_folder), "--prompt", "hello", "--max-new-tokens", "12", "--threads", "1"]
+    assert cli.main(command) == 0
+    text = Tokenizer.from_file(str(gpt2_folder / "tokenizer.json")).decode(expected)
+    assert capsys.readouterr().out == text + "\n"
+    assert cli.main(["generate", str(gpt2_folder), "--prompt", "x" * 200]) == 1
+    error = capsys.readouterr().err
+    assert error == ("ortflow generate: error: generate: a prompt of 200 tokens leaves no room for a new token in "
+                     "the model's 128 positions; shorten it to at most 127\n")

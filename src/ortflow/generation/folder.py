@@ -13,15 +13,12 @@ import shutil
 from pathlib import Path
 
 from .. import atomic
+from ..user_files import MODEL_CONFIG, TOKENIZER_FILES
 from .decoder import CacheLayout, export_decoder
 
 MODEL = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
-# The files of a save_pretrained tokenizer (fast, slow and sentencepiece ones, the chat template).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model", "chat_template.jinja",
-                   "chat_template.json")
-
+TOKENIZER = "tokenizer.json"  # what `ortflow generate` reads (the tokenizers library's file)
 
 def export_folder(source: Path, folder: Path) -> CacheLayout:
     """The save_pretrained causal-LM folder `source` (export/transformers/) as the generation folder
@@ -47,11 +44,35 @@ def write_folder(model, tokenizer_source: Path | None, folder: Path) -> CacheLay
         config.use_cache = True  # optimum feeds the cache only to a model whose config says it has one
         config.save_pretrained(building)
         model.generation_config.save_pretrained(building)
-        for name in TOKENIZER_FILES:
-            if tokenizer_source and (Path(tokenizer_source) / name).is_file():
-                shutil.copy2(Path(tokenizer_source) / name, building / name)
+        copy_tokenizer(tokenizer_source, building)
         atomic.write_text(building / GENAI_CONFIG, json.dumps(genai_config(model, layout), indent=4) + "\n")
     return layout
+
+
+def copy_tokenizer(source: Path | None, folder: Path) -> None:
+    """The tokenizer files of the save_pretrained folder `source` into `folder`; where it has none
+    (ortflow trained the model on text as bytes), a tokenizer.json that encodes text as its UTF-8
+    bytes, byte b as id b, as ortflow's data does (data/sources.py)."""
+    copied = [name for name in TOKENIZER_FILES
+              if name != MODEL_CONFIG and source and (Path(source) / name).is_file()]
+    for name in copied:
+        shutil.copy2(Path(source) / name, folder / name)
+    if not copied:
+        byte_tokenizer().save_pretrained(str(folder))
+
+
+def byte_tokenizer():
+    """A fast tokenizer of UTF-8 bytes: GPT-2's byte-level pre-tokenizer maps each byte to a printable
+    character, and the vocabulary maps that character to the byte's value; no merges, no special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocabulary = {character: byte for byte, character in bytes_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocabulary, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
 def genai_config(model, layout: CacheLayout) -> dict:

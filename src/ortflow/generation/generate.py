@@ -92,10 +92,13 @@ def check_lengths(decoder: Decoder, prompts: list[list[int]], max_new_tokens: in
     if not prompts or any(len(prompt) == 0 for prompt in prompts):
         raise DataError("generate: every prompt must have at least one token")
     longest = max(len(prompt) for prompt in prompts)
+    if longest >= decoder.context_length:
+        raise DataError(f"generate: a prompt of {longest} tokens leaves no room for a new token in the model's "
+                        f"{decoder.context_length} positions; shorten it to at most {decoder.context_length - 1}")
     if longest + max_new_tokens > decoder.context_length:
         raise DataError(f"generate: a prompt of {longest} tokens and max_new_tokens={max_new_tokens} need "
                         f"{longest + max_new_tokens} positions; the model has {decoder.context_length}: shorten the "
-                        f"prompt or ask for at most {max(decoder.context_length - longest, 0)} new tokens")
+                        f"prompt or ask for at most {decoder.context_length - longest} new tokens")
 
 
 def warp(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
