@@ -218,3 +218,16 @@ def test_cli_streams_what_generate_gives(gpt2_folder, capsys):
     error = capsys.readouterr().err
     assert error == ("ortflow generate: error: generate: a prompt of 200 tokens leaves no room for a new token in "
                      "the model's 128 positions; shorten it to at most 127\n")
+
+
+def test_external_data_folder_generates_the_same(gpt2_folder, tmp_path, monkeypatch):
+    """A decoder whose weights go to model.onnx.data (a model over external_data's threshold, here 0
+    bytes) loads from its folder and gives the same tokens."""
+    monkeypatch.setenv("ORTFLOW_EXTERNAL_DATA_BYTES", "0")
+    source, _ = tiny("gpt2", tmp_path)
+    generation_folder.export_folder(source, tmp_path / "generation")
+    assert (tmp_path / "generation" / "model.onnx.data").stat().st_size > (tmp_path / "generation" /
+                                                                            "model.onnx").stat().st_size
+    batch = prompts(BATCH)
+    assert generate(Decoder(tmp_path / "generation", threads=1), batch, 16) == \
+        generate(Decoder(gpt2_folder, threads=1), batch, 16)

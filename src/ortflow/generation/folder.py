@@ -18,6 +18,11 @@ from .decoder import CacheLayout, export_decoder
 
 MODEL = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
+# The language-model types onnxruntime-genai knows by name (its src/models/model_type.h, ModelType::IsLLM,
+# read in 2026); any other decoder of the standard inputs and outputs it runs as its generic "decoder".
+GENAI_TYPES = {"chatglm", "ernie4_5", "gemma", "gemma2", "gemma3_text", "gpt2", "gptoss", "granite", "internlm2",
+               "llama", "mistral", "nemotron", "olmo", "phi", "phimoe", "phi3", "phi3small", "qwen2", "qwen3",
+               "smollm3"}
 TOKENIZER = "tokenizer.json"  # what `ortflow generate` reads (the tokenizers library's file)
 
 def export_folder(source: Path, folder: Path) -> CacheLayout:
@@ -104,7 +109,7 @@ def genai_config(model, layout: CacheLayout) -> dict:
             },
             "eos_token_id": eos,
             "pad_token_id": pad,
-            "type": config.model_type,
+            "type": config.model_type if config.model_type in GENAI_TYPES else "decoder",
             "vocab_size": config.vocab_size,
         },
         "search": {
