@@ -8,6 +8,7 @@ temporary name and renamed when complete (atomic.folder), so a failed export lea
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -45,7 +46,7 @@ def write_folder(model, tokenizer_source: Path | None, folder: Path) -> CacheLay
     files of `tokenizer_source` (a save_pretrained folder; None: a model without a tokenizer)."""
     with atomic.folder(folder) as building:
         layout = export_decoder(model, building / MODEL)
-        config = model.config
+        config = copy.deepcopy(model.config)  # the caller's model keeps its own
         config.use_cache = True  # optimum feeds the cache only to a model whose config says it has one
         config.save_pretrained(building)
         model.generation_config.save_pretrained(building)
