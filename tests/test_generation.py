@@ -19,6 +19,7 @@ from ortflow import cli
 
 from ortflow.errors import DataError, ModelError
 from ortflow.generation import folder as generation_folder
+from ortflow.generation.check import check_generation
 from ortflow.generation.generate import Decoder, Sampling, generate, steps, warp
 from ortflow.models.hugging_face import attention
 from ortflow.models.save_trained import POSITIONS
@@ -63,44 +64,18 @@ def prompts(lengths, seed: int = 1) -> list[list[int]]:
     return [rng.integers(1, 256, length).tolist() for length in lengths]
 
 
-def transformers_greedy(model, batch: list[list[int]], eos: int) -> tuple[list[list[int]], np.ndarray]:
-    """transformers' greedy tokens for the batch (left-padded, cut after each row's eos) and each
-    step's logits [steps, batch, vocab]."""
-    longest = max(map(len, batch))
-    ids = torch.tensor([[EOS] * (longest - len(p)) + p for p in batch])
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in batch])
-    with torch.no_grad():
-        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS,
-                             eos_token_id=eos, pad_token_id=EOS, output_logits=True, return_dict_in_generate=True)
-    tokens = []
-    for row in out.sequences[:, longest:].tolist():
-        tokens.append(row[:row.index(eos) + 1] if eos in row else row)
-    return tokens, torch.stack(out.logits).numpy()
-
-
-def compare(decoder: Decoder, model, batch: list[list[int]]) -> None:
-    expected, expected_logits = transformers_greedy(model, batch, min(decoder.eos))
-    logits = []
-    got = generate(decoder, batch, NEW_TOKENS, on_step=lambda step: logits.append(step.logits))
-    assert got == expected
-    logits = np.stack(logits)
-    assert logits.shape == expected_logits.shape
-    for step, (ours, theirs) in enumerate(zip(logits, expected_logits)):
-        error = np.abs(ours - theirs).max() / np.abs(theirs).max()
-        assert error <= LOGITS_TOLERANCE, f"step {step}: logits differ by {error:.2e} relative"
-
-
 def check_family(family: str, tmp_path) -> None:
     source, model = tiny(family, tmp_path)
     layout = generation_folder.export_folder(source, tmp_path / "generation")
     decoder = Decoder(tmp_path / "generation", threads=1)
     assert (decoder.layers, decoder.kv_heads, decoder.head_dim) == (layout.layers, layout.kv_heads, layout.head_dim)
-    for length in PROMPT_LENGTHS:
-        compare(decoder, model, prompts([length]))
-    compare(decoder, model, prompts(BATCH))
+    for batch in [prompts([PROMPT_LENGTHS[0]]), prompts([PROMPT_LENGTHS[1]]), prompts(BATCH)]:
+        agreement = check_generation(model, decoder, batch, NEW_TOKENS, relative=LOGITS_TOLERANCE, absolute=0.0)
+        assert agreement.steps == NEW_TOKENS and agreement.largest_error <= LOGITS_TOLERANCE
     # An eos that the first row gives at its 10th step: that row stops there, the others go on.
     decoder.eos = {generate(decoder, prompts(BATCH), 10)[0][-1]}
-    compare(decoder, model, prompts(BATCH))
+    assert generate(decoder, prompts(BATCH), NEW_TOKENS)[0][-1] in decoder.eos
+    check_generation(model, decoder, prompts(BATCH), NEW_TOKENS, relative=LOGITS_TOLERANCE, absolute=0.0)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -231,3 +206,17 @@ def test_external_data_folder_generates_the_same(gpt2_folder, tmp_path, monkeypa
     batch = prompts(BATCH)
     assert generate(Decoder(tmp_path / "generation", threads=1), batch, 16) == \
         generate(Decoder(gpt2_folder, threads=1), batch, 16)
+
+
+def test_check_refuses_another_model(gpt2_folder, tmp_path):
+    """The check fails on a decoder that is not the model's: a token apart, or logits beyond the tolerance."""
+    _, model = tiny("gpt2", tmp_path)
+    decoder = Decoder(gpt2_folder, threads=1)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.001)  # the tied embedding too: every logit moves a little
+    with pytest.raises(ModelError, match=r"^generation check: step 0's logits differ from transformers' by "):
+        check_generation(model, decoder, prompts(BATCH), 8, relative=LOGITS_TOLERANCE, absolute=0.0)
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.normal_()
+    with pytest.raises(ModelError, match=r"^generation check: prompt \d's greedy tokens part from transformers' "):
+        check_generation(model, decoder, prompts(BATCH), 8, relative=LOGITS_TOLERANCE, absolute=0.0)

@@ -9,5 +9,6 @@ on it in ONNX Runtime 1.19.2 (this project's runtime) equal to transformers' `ge
   onnxruntime-genai's layout (input and output names, one graph for prompt and decode steps);
 - `folder`: the folder around it: `model.onnx`, `config.json`, `generation_config.json`, the
   tokenizer files and onnxruntime-genai's `genai_config.json`;
-- `generate`: greedy and sampled generation on such a folder in numpy and ONNX Runtime.
+- `generate`: greedy and sampled generation on such a folder in numpy and ONNX Runtime;
+- `check`: that generation against transformers' `generate` on the model it came from.
 """
