@@ -19,7 +19,7 @@ from ortflow import cli
 
 from ortflow.errors import DataError, ModelError
 from ortflow.generation import folder as generation_folder
-from ortflow.generation.check import check_generation
+from ortflow.generation.check import GenerationCheck, check_generation
 from ortflow.generation.generate import Decoder, Sampling, generate, steps, warp
 from ortflow.models.hugging_face import attention
 from ortflow.models.save_trained import POSITIONS
@@ -64,18 +64,23 @@ def prompts(lengths, seed: int = 1) -> list[list[int]]:
     return [rng.integers(1, 256, length).tolist() for length in lengths]
 
 
+def strict(batch: list[list[int]], new_tokens: int = NEW_TOKENS) -> GenerationCheck:
+    return GenerationCheck(batch, new_tokens, relative=LOGITS_TOLERANCE, absolute=0.0)
+
+
 def check_family(family: str, tmp_path) -> None:
     source, model = tiny(family, tmp_path)
-    layout = generation_folder.export_folder(source, tmp_path / "generation")
+    batches = [prompts([PROMPT_LENGTHS[0]]), prompts([PROMPT_LENGTHS[1]]), prompts(BATCH)]
+    layout, agreement = generation_folder.export_folder(source, tmp_path / "generation", strict(batches[0]))
     decoder = Decoder(tmp_path / "generation", threads=1)
     assert (decoder.layers, decoder.kv_heads, decoder.head_dim) == (layout.layers, layout.kv_heads, layout.head_dim)
-    for batch in [prompts([PROMPT_LENGTHS[0]]), prompts([PROMPT_LENGTHS[1]]), prompts(BATCH)]:
-        agreement = check_generation(model, decoder, batch, NEW_TOKENS, relative=LOGITS_TOLERANCE, absolute=0.0)
-        assert agreement.steps == NEW_TOKENS and agreement.largest_error <= LOGITS_TOLERANCE
+    agreements = [agreement, *(check_generation(model, decoder, strict(batch)) for batch in batches[1:])]
+    assert [agreement.steps for agreement in agreements] == [NEW_TOKENS] * len(batches)
+    assert max(agreement.largest_error for agreement in agreements) <= LOGITS_TOLERANCE
     # An eos that the first row gives at its 10th step: that row stops there, the others go on.
     decoder.eos = {generate(decoder, prompts(BATCH), 10)[0][-1]}
     assert generate(decoder, prompts(BATCH), NEW_TOKENS)[0][-1] in decoder.eos
-    check_generation(model, decoder, prompts(BATCH), NEW_TOKENS, relative=LOGITS_TOLERANCE, absolute=0.0)
+    check_generation(model, decoder, strict(prompts(BATCH)))
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
@@ -215,8 +220,13 @@ def test_check_refuses_another_model(gpt2_folder, tmp_path):
     with torch.no_grad():
         model.lm_head.weight.mul_(1.001)  # the tied embedding too: every logit moves a little
     with pytest.raises(ModelError, match=r"^generation check: step 0's logits differ from transformers' by "):
-        check_generation(model, decoder, prompts(BATCH), 8, relative=LOGITS_TOLERANCE, absolute=0.0)
+        check_generation(model, decoder, strict(prompts(BATCH), 8))
     with torch.no_grad():
         model.transformer.h[0].mlp.c_fc.weight.normal_()
     with pytest.raises(ModelError, match=r"^generation check: prompt \d's greedy tokens part from transformers' "):
-        check_generation(model, decoder, prompts(BATCH), 8, relative=LOGITS_TOLERANCE, absolute=0.0)
+        check_generation(model, decoder, strict(prompts(BATCH), 8))
+    # refused by the export itself, the folder is not written
+    with pytest.raises(ModelError, match=r"^generation check: step 0's logits differ"):
+        impossible = GenerationCheck(prompts([4]), 2, relative=-1.0, absolute=0.0)
+        generation_folder.write_folder(model, None, tmp_path / "generation", impossible)
+    assert not (tmp_path / "generation").exists()

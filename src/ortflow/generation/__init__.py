@@ -12,3 +12,8 @@ on it in ONNX Runtime 1.19.2 (this project's runtime) equal to transformers' `ge
 - `generate`: greedy and sampled generation on such a folder in numpy and ONNX Runtime;
 - `check`: that generation against transformers' `generate` on the model it came from.
 """
+
+# The generation folder's files that its readers find by name (folder.py writes them).
+MODEL = "model.onnx"
+GENAI_CONFIG = "genai_config.json"
+TOKENIZER = "tokenizer.json"  # what `ortflow generate` reads (the tokenizers library's file)

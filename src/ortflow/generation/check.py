@@ -17,6 +17,16 @@ from .generate import Decoder, generate, left_padded
 
 
 @dataclass(frozen=True)
+class GenerationCheck:
+    """What to compare: greedy generation of max_new_tokens for the batch of `prompts` (token ids), each
+    step's logits within `relative` x transformers' largest |logit| + `absolute` (the export's tolerance)."""
+    prompts: list[list[int]]
+    max_new_tokens: int
+    relative: float
+    absolute: float
+
+
+@dataclass(frozen=True)
 class Agreement:
     steps: int  # the greedy steps compared
     largest_error: float  # the largest |difference| of a step's logits over the largest |logit| of transformers'
@@ -40,14 +50,13 @@ def transformers_greedy(model, decoder: Decoder, prompts: list[list[int]],
     return tokens, torch.stack(out.logits).numpy()
 
 
-def check_generation(model, decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, *,
-                     relative: float, absolute: float) -> Agreement:
-    """Greedy generation of `prompts` on `decoder` against transformers' on `model` (the torch causal
-    LM the decoder was exported from): refused in one line where a token differs or a step's logits
-    differ by more than `relative` x transformers' largest |logit| + `absolute`."""
-    expected, expected_logits = transformers_greedy(model, decoder, prompts, max_new_tokens)
+def check_generation(model, decoder: Decoder, check: GenerationCheck) -> Agreement:
+    """Greedy generation on `decoder` against transformers' on `model` (the torch causal LM the decoder
+    was exported from), as `check` asks: refused in one line where a token differs or a step's logits
+    differ by more than the tolerance."""
+    expected, expected_logits = transformers_greedy(model, decoder, check.prompts, check.max_new_tokens)
     logits = []
-    got = generate(decoder, prompts, max_new_tokens, on_step=lambda step: logits.append(step.logits))
+    got = generate(decoder, check.prompts, check.max_new_tokens, on_step=lambda step: logits.append(step.logits))
     for row, (ours, theirs) in enumerate(zip(got, expected)):
         if ours != theirs:
             step = next((at for at, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
@@ -57,8 +66,8 @@ def check_generation(model, decoder: Decoder, prompts: list[list[int]], max_new_
     for step, (ours, theirs) in enumerate(zip(logits, expected_logits)):
         scale = float(np.abs(theirs).max())
         difference = float(np.abs(ours - theirs).max())
-        if not difference <= relative * scale + absolute:  # NaN fails too
+        if not difference <= check.relative * scale + check.absolute:  # NaN fails too
             raise ModelError(f"generation check: step {step}'s logits differ from transformers' by {difference:.3g} "
-                             f"(allowed: {relative:g} x the largest |logit| {scale:.3g} + {absolute:g})")
+                             f"(allowed: {check.relative:g} x the largest |logit| {scale:.3g} + {check.absolute:g})")
         errors.append(difference / scale if scale else difference)
     return Agreement(steps=len(logits), largest_error=max(errors, default=0.0))

@@ -15,20 +15,21 @@ from pathlib import Path
 
 from .. import atomic
 from ..user_files import MODEL_CONFIG, TOKENIZER_FILES
+from . import GENAI_CONFIG, MODEL
+from .check import Agreement, GenerationCheck, check_generation
 from .decoder import CacheLayout, export_decoder
+from .generate import Decoder
 
-MODEL = "model.onnx"
-GENAI_CONFIG = "genai_config.json"
 # The language-model types onnxruntime-genai knows by name (its src/models/model_type.h, ModelType::IsLLM,
 # read in 2026); any other decoder of the standard inputs and outputs it runs as its generic "decoder".
 GENAI_TYPES = {"chatglm", "ernie4_5", "gemma", "gemma2", "gemma3_text", "gpt2", "gptoss", "granite", "internlm2",
                "llama", "mistral", "nemotron", "olmo", "phi", "phimoe", "phi3", "phi3small", "qwen2", "qwen3",
                "smollm3"}
-TOKENIZER = "tokenizer.json"  # what `ortflow generate` reads (the tokenizers library's file)
 
-def export_folder(source: Path, folder: Path) -> CacheLayout:
+def export_folder(source: Path, folder: Path,
+                  check: GenerationCheck | None = None) -> tuple[CacheLayout, Agreement | None]:
     """The save_pretrained causal-LM folder `source` (export/transformers/) as the generation folder
-    `folder`: the export stage's one call."""
+    `folder`, checked (`check`) before it is in place: the export stage's one call."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..models.hugging_face import attention
@@ -38,12 +39,15 @@ def export_folder(source: Path, folder: Path) -> CacheLayout:
         kind = AutoConfig.from_pretrained(source, local_files_only=True).model_type
         model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, attn_implementation=attention(kind),
                                                      dtype="float32")
-    return write_folder(model, Path(source), folder)
+    return write_folder(model, Path(source), folder, check)
 
 
-def write_folder(model, tokenizer_source: Path | None, folder: Path) -> CacheLayout:
+def write_folder(model, tokenizer_source: Path | None, folder: Path,
+                 check: GenerationCheck | None = None) -> tuple[CacheLayout, Agreement | None]:
     """The loaded transformers causal LM `model` as the generation folder `folder`, with the tokenizer
-    files of `tokenizer_source` (a save_pretrained folder; None: a model without a tokenizer)."""
+    files of `tokenizer_source` (a save_pretrained folder; None: a model without a tokenizer). With
+    `check`, the folder's greedy generation must be `model`'s (check.check_generation) before the
+    folder is renamed into place; its agreement is returned."""
     with atomic.folder(folder) as building:
         layout = export_decoder(model, building / MODEL)
         config = copy.deepcopy(model.config)  # the caller's model keeps its own
@@ -52,7 +56,8 @@ def write_folder(model, tokenizer_source: Path | None, folder: Path) -> CacheLay
         model.generation_config.save_pretrained(building)
         copy_tokenizer(tokenizer_source, building)
         atomic.write_text(building / GENAI_CONFIG, json.dumps(genai_config(model, layout), indent=4) + "\n")
-    return layout
+        agreement = check_generation(model, Decoder(building), check) if check else None
+    return layout, agreement
 
 
 def copy_tokenizer(source: Path | None, folder: Path) -> None:

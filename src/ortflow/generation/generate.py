@@ -22,7 +22,7 @@ import numpy as np
 
 from ..errors import DataError, ModelError
 from ..sessions import session_options
-from .folder import GENAI_CONFIG
+from . import GENAI_CONFIG
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ def read_prompts(args) -> list[str]:
 def load_tokenizer(folder: Path):
     from tokenizers import Tokenizer
 
-    from ..generation.folder import TOKENIZER
+    from ..generation import TOKENIZER
 
     if not (folder / TOKENIZER).is_file():
         raise ModelError(f"{folder}: no {TOKENIZER}, so prompts cannot be turned into token ids "
