@@ -230,3 +230,22 @@ def test_check_refuses_another_model(gpt2_folder, tmp_path):
         impossible = GenerationCheck(prompts([4]), 2, relative=-1.0, absolute=0.0)
         generation_folder.write_folder(model, None, tmp_path / "generation", impossible)
     assert not (tmp_path / "generation").exists()
+
+
+def test_cli_samples_with_the_models_defaults(gpt2_folder, capsys):
+    """--do-sample without --top-k takes the folder's (genai_config's search, from generation_config):
+    top_k 1 there makes sampling greedy."""
+    decoder = Decoder(gpt2_folder, threads=1)
+    greedy = Tokenizer.from_file(str(gpt2_folder / "tokenizer.json")).decode(
+        [token for token in generate(decoder, [list(b"hello")], 12)[0] if token not in decoder.eos])
+    command = ["generate", str(gpt2_folder), "--prompt", "hello", "--max-new-tokens", "12", "--do-sample",
+               "--temperature", "5", "--seed", "0"]
+    assert cli.main(command) == 0
+    assert capsys.readouterr().out != greedy + "\n"
+    genai = json.loads((gpt2_folder / "genai_config.json").read_text())
+    (gpt2_folder / "genai_config.json").write_text(json.dumps({**genai, "search": {**genai["search"], "top_k": 1}}))
+    try:
+        assert cli.main(command) == 0
+    finally:
+        (gpt2_folder / "genai_config.json").write_text(json.dumps(genai))
+    assert capsys.readouterr().out == greedy + "\n"

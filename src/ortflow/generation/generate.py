@@ -51,7 +51,9 @@ class Decoder:
         folder = Path(folder)
         if not (folder / GENAI_CONFIG).is_file():
             raise ModelError(f"{folder}: no {GENAI_CONFIG}; not a generation folder (ortflow's export writes one)")
-        config = json.loads((folder / GENAI_CONFIG).read_text())["model"]
+        whole = json.loads((folder / GENAI_CONFIG).read_text())
+        config = whole["model"]
+        self.search = whole["search"]  # the model's generation_config's sampling defaults
         decoder = config["decoder"]
         self.layers, self.kv_heads, self.head_dim = (decoder["num_hidden_layers"], decoder["num_key_value_heads"],
                                                      decoder["head_size"])

@@ -24,9 +24,10 @@ def add_arguments(parser) -> None:
     prompt.add_argument("--prompts", type=Path, help="a text file of prompts, one a line (empty lines skipped)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of the most likely token (greedy)")
-    parser.add_argument("--temperature", type=float, default=1.0, help="with --do-sample (default 1.0)")
-    parser.add_argument("--top-k", type=int, default=50, help="with --do-sample: the k most likely tokens (default 50)")
-    parser.add_argument("--top-p", type=float, default=1.0, help="with --do-sample: nucleus mass (default 1.0: off)")
+    # Without them, the model's generation_config's values (genai_config.json's search), as generate takes them.
+    parser.add_argument("--temperature", type=float, help="with --do-sample (default: the model's)")
+    parser.add_argument("--top-k", type=int, help="with --do-sample: the k most likely tokens (default: the model's)")
+    parser.add_argument("--top-p", type=float, help="with --do-sample: nucleus mass (default: the model's)")
     parser.add_argument("--seed", type=int, help="with --do-sample: the random generator's seed")
     parser.add_argument("--threads", type=int, help="ONNX Runtime's intra-op threads (default: one a core)")
 
@@ -73,7 +74,9 @@ def run(args) -> int:
     prompts = read_prompts(args)
     tokenizer = load_tokenizer(args.folder)
     decoder = Decoder(args.folder, args.threads)
-    sampling = Sampling(args.do_sample, args.temperature, args.top_k, args.top_p, args.seed)
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    sampling = Sampling(args.do_sample, seed=args.seed,
+                        **{key: decoder.search[key] if value is None else value for key, value in given.items()})
     out = sys.stdout
 
     def write(text: str) -> None:
