@@ -147,6 +147,7 @@ LAYERS = [
     ("evaluation",),  # the eval loss and accuracy over data's shards
     ("inference",),  # the loss of logits, their labels laid out as evaluation does
     ("export",),  # the inference model, its checks against the eval graph, the torch formats
+    ("generation",),  # a causal LM's decoder with a KV cache, its folder, generation from it
     ("training",),  # the ranks' loop: graphs (pipeline stages), evaluation, data, checkpoints
     # int8 with its gate and latency (the machine's memory: training's preflight); doctor's checks
     ("quantization", "diagnosis"),

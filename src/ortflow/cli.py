@@ -26,6 +26,7 @@ COMMANDS = {
     "train": "ortflow.stages.train",
     "export-model": "ortflow.stages.export_model",
     "quantize-model": "ortflow.stages.quantize_model",
+    "generate": "ortflow.stages.generate",
     "checkpoint": "ortflow.stages.merge_checkpoint",
     "report": "ortflow.stages.report",
     "sweep": "ortflow.stages.sweep",

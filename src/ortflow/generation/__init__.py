@@ -1,0 +1,19 @@
+"""Generation from a fine-tuned causal LM in ONNX Runtime, with a KV cache (issue 41).
+
+ortflow's scoring export (`export/model.onnx`) takes a whole window and has no cache, so
+generating n tokens with it re-runs the prefix n times, and no serving tool loads it. This
+package gives the decoder and folder that ONNX Runtime's serving tools read, and generation
+on it in ONNX Runtime 1.19.2 (this project's runtime) equal to transformers' `generate`:
+
+- `decoder`: the torch causal LM as an ONNX decoder with a KV cache, in optimum's and
+  onnxruntime-genai's layout (input and output names, one graph for prompt and decode steps);
+- `folder`: the folder around it: `model.onnx`, `config.json`, `generation_config.json`, the
+  tokenizer files and onnxruntime-genai's `genai_config.json`;
+- `generate`: greedy and sampled generation on such a folder in numpy and ONNX Runtime;
+- `check`: that generation against transformers' `generate` on the model it came from.
+"""
+
+# The generation folder's files that its readers find by name (folder.py writes them).
+MODEL = "model.onnx"
+GENAI_CONFIG = "genai_config.json"
+TOKENIZER = "tokenizer.json"  # what `ortflow generate` reads (the tokenizers library's file)

@@ -1,0 +1,73 @@
+"""The generation folder's decoder checked against transformers' `generate` on the same model.
+
+What the export promises (issue 41): greedy tokens from the ONNX decoder in ONNX Runtime equal to
+`generate(do_sample=False)` on export/transformers/ token for token, and each step's logits within
+the export check's tolerance. The export stage runs it on eval prompts before it renames the folder
+into place, as it reads export/transformers/ back before it renames that (models/save_trained.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import ModelError
+from .generate import Decoder, generate, left_padded
+
+
+@dataclass(frozen=True)
+class GenerationCheck:
+    """What to compare: greedy generation of max_new_tokens for the batch of `prompts` (token ids), each
+    step's logits within `relative` x transformers' largest |logit| + `absolute` (the export's tolerance)."""
+    prompts: list[list[int]]
+    max_new_tokens: int
+    relative: float
+    absolute: float
+
+
+@dataclass(frozen=True)
+class Agreement:
+    steps: int  # the greedy steps compared
+    largest_error: float  # the largest |difference| of a step's logits over the largest |logit| of transformers'
+
+
+def transformers_greedy(model, decoder: Decoder, prompts: list[list[int]],
+                        max_new_tokens: int) -> tuple[list[list[int]], np.ndarray]:
+    """transformers' greedy tokens for the batch, padded on the left as the decoder pads it and cut
+    after each row's end-of-sequence token, and each step's logits [steps, batch, vocab]."""
+    import torch
+
+    ids, mask = left_padded(prompts, decoder.pad)
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=sorted(decoder.eos) or None,
+                             pad_token_id=decoder.pad, output_logits=True, return_dict_in_generate=True)
+    tokens = []
+    for row in out.sequences[:, ids.shape[1]:].tolist():
+        end = next((at for at, token in enumerate(row) if token in decoder.eos), len(row) - 1)
+        tokens.append(row[:end + 1])
+    return tokens, torch.stack(out.logits).numpy()
+
+
+def check_generation(model, decoder: Decoder, check: GenerationCheck) -> Agreement:
+    """Greedy generation on `decoder` against transformers' on `model` (the torch causal LM the decoder
+    was exported from), as `check` asks: refused in one line where a token differs or a step's logits
+    differ by more than the tolerance."""
+    expected, expected_logits = transformers_greedy(model, decoder, check.prompts, check.max_new_tokens)
+    logits = []
+    got = generate(decoder, check.prompts, check.max_new_tokens, on_step=lambda step: logits.append(step.logits))
+    for row, (ours, theirs) in enumerate(zip(got, expected)):
+        if ours != theirs:
+            step = next((at for at, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+            raise ModelError(f"generation check: prompt {row}'s greedy tokens part from transformers' generate at "
+                             f"step {step} ({ours[step:step + 3]}... against {theirs[step:step + 3]}...)")
+    errors = []
+    for step, (ours, theirs) in enumerate(zip(logits, expected_logits)):
+        scale = float(np.abs(theirs).max())
+        difference = float(np.abs(ours - theirs).max())
+        if not difference <= check.relative * scale + check.absolute:  # NaN fails too
+            raise ModelError(f"generation check: step {step}'s logits differ from transformers' by {difference:.3g} "
+                             f"(allowed: {check.relative:g} x the largest |logit| {scale:.3g} + {check.absolute:g})")
+        errors.append(difference / scale if scale else difference)
+    return Agreement(steps=len(logits), largest_error=max(errors, default=0.0))

@@ -1,0 +1,130 @@
+"""The generation folder: the decoder with a KV cache and the files its loaders read beside it.
+
+One folder that optimum's ORTModelForCausalLM (`model.onnx`, `config.json` with `use_cache: true`,
+`generation_config.json`, the tokenizer) and onnxruntime-genai (`genai_config.json`, the model
+builder's format) load as they are, and that `generate.Decoder` runs. It is written under a
+temporary name and renamed when complete (atomic.folder), so a failed export leaves nothing half.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shutil
+from pathlib import Path
+
+from .. import atomic
+from ..user_files import MODEL_CONFIG, TOKENIZER_FILES
+from . import GENAI_CONFIG, MODEL
+from .check import Agreement, GenerationCheck, check_generation
+from .decoder import CacheLayout, export_decoder
+from .generate import Decoder
+
+# The language-model types onnxruntime-genai knows by name (its src/models/model_type.h, ModelType::IsLLM,
+# read in 2026); any other decoder of the standard inputs and outputs it runs as its generic "decoder".
+GENAI_TYPES = {"chatglm", "ernie4_5", "gemma", "gemma2", "gemma3_text", "gpt2", "gptoss", "granite", "internlm2",
+               "llama", "mistral", "nemotron", "olmo", "phi", "phimoe", "phi3", "phi3small", "qwen2", "qwen3",
+               "smollm3"}
+
+def export_folder(source: Path, folder: Path,
+                  check: GenerationCheck | None = None) -> tuple[CacheLayout, Agreement | None]:
+    """The save_pretrained causal-LM folder `source` (export/transformers/) as the generation folder
+    `folder`, checked (`check`) before it is in place: the export stage's one call."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..models.hugging_face import attention
+    from ..models.save_trained import quietly
+
+    with quietly():
+        kind = AutoConfig.from_pretrained(source, local_files_only=True).model_type
+        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, attn_implementation=attention(kind),
+                                                     dtype="float32")
+    return write_folder(model, Path(source), folder, check)
+
+
+def write_folder(model, tokenizer_source: Path | None, folder: Path,
+                 check: GenerationCheck | None = None) -> tuple[CacheLayout, Agreement | None]:
+    """The loaded transformers causal LM `model` as the generation folder `folder`, with the tokenizer
+    files of `tokenizer_source` (a save_pretrained folder; None: a model without a tokenizer). With
+    `check`, the folder's greedy generation must be `model`'s (check.check_generation) before the
+    folder is renamed into place; its agreement is returned."""
+    with atomic.folder(folder) as building:
+        layout = export_decoder(model, building / MODEL)
+        config = copy.deepcopy(model.config)  # the caller's model keeps its own
+        config.use_cache = True  # optimum feeds the cache only to a model whose config says it has one
+        config.save_pretrained(building)
+        model.generation_config.save_pretrained(building)
+        copy_tokenizer(tokenizer_source, building)
+        atomic.write_text(building / GENAI_CONFIG, json.dumps(genai_config(model, layout), indent=4) + "\n")
+        agreement = check_generation(model, Decoder(building), check) if check else None
+    return layout, agreement
+
+
+def copy_tokenizer(source: Path | None, folder: Path) -> None:
+    """The tokenizer files of the save_pretrained folder `source` into `folder`; where it has none
+    (ortflow trained the model on text as bytes), a tokenizer.json that encodes text as its UTF-8
+    bytes, byte b as id b, as ortflow's data does (data/sources.py)."""
+    copied = [name for name in TOKENIZER_FILES
+              if name != MODEL_CONFIG and source and (Path(source) / name).is_file()]
+    for name in copied:
+        shutil.copy2(Path(source) / name, folder / name)
+    if not copied:
+        byte_tokenizer().save_pretrained(str(folder))
+
+
+def byte_tokenizer():
+    """A fast tokenizer of UTF-8 bytes: GPT-2's byte-level pre-tokenizer maps each byte to a printable
+    character, and the vocabulary maps that character to the byte's value; no merges, no special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    vocabulary = {character: byte for byte, character in bytes_to_unicode().items()}
+    tokenizer = Tokenizer(models.BPE(vocab=vocabulary, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def genai_config(model, layout: CacheLayout) -> dict:
+    """onnxruntime-genai's genai_config.json for the decoder (the model builder's fields). The search
+    defaults are the model's generation_config's; past and present stay separate buffers
+    (past_present_share_buffer false): the graph concatenates the past with the new keys, it does not
+    write them into a buffer of the context's length."""
+    config, generation = model.config, model.generation_config
+    eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
+    pad = next((value for value in (generation.pad_token_id, config.pad_token_id) if value is not None), eos)
+    names = layout.input_names()
+    return {
+        "model": {
+            "bos_token_id": generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id,
+            "context_length": layout.context_length,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": MODEL,
+                "head_size": layout.head_dim,
+                "hidden_size": config.hidden_size,
+                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                           **({"position_ids": "position_ids"} if "position_ids" in names else {}),
+                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                            "present_value_names": "present.%d.value"},
+                "num_attention_heads": config.num_attention_heads,
+                "num_hidden_layers": layout.layers,
+                "num_key_value_heads": layout.kv_heads,
+            },
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "type": config.model_type if config.model_type in GENAI_TYPES else "decoder",
+            "vocab_size": config.vocab_size,
+        },
+        "search": {
+            "diversity_penalty": 0.0, "do_sample": bool(generation.do_sample), "early_stopping": True,
+            "length_penalty": 1.0, "max_length": layout.context_length, "min_length": 0, "no_repeat_ngram_size": 0,
+            "num_beams": 1, "num_return_sequences": 1, "past_present_share_buffer": False,
+            "repetition_penalty": 1.0,
+            "temperature": generation.temperature if generation.temperature is not None else 1.0,
+            "top_k": generation.top_k if generation.top_k is not None else 50,
+            "top_p": generation.top_p if generation.top_p is not None else 1.0,
+        },
+    }

@@ -1,0 +1,99 @@
+"""`ortflow generate`: text from an exported generation folder (generation/folder.py), streamed.
+
+The folder's tokenizer.json (the tokenizers library's file; a byte-level one for a model trained
+on bytes) turns each prompt into ids and the generated ids back into text; the decoder runs in
+ONNX Runtime (generation/generate.py). Each prompt's continuation is printed as its tokens come,
+then a newline; with a file of prompts (one a line), the prompts run one after another.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from ..errors import DataError, ModelError
+
+HELP = "generate text from an exported decoder folder (export/generation), streaming the tokens"
+REPLACEMENT = "\ufffd"  # what decoding gives for the first bytes of a character whose last bytes are to come
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("folder", type=Path, help="the generation folder, e.g. results/<run>/export/generation")
+    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="the text to continue")
+    prompt.add_argument("--prompts", type=Path, help="a text file of prompts, one a line (empty lines skipped)")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    parser.add_argument("--do-sample", action="store_true", help="sample instead of the most likely token (greedy)")
+    # Without them, the model's generation_config's values (genai_config.json's search), as generate takes them.
+    parser.add_argument("--temperature", type=float, help="with --do-sample (default: the model's)")
+    parser.add_argument("--top-k", type=int, help="with --do-sample: the k most likely tokens (default: the model's)")
+    parser.add_argument("--top-p", type=float, help="with --do-sample: nucleus mass (default: the model's)")
+    parser.add_argument("--seed", type=int, help="with --do-sample: the random generator's seed")
+    parser.add_argument("--threads", type=int, help="ONNX Runtime's intra-op threads (default: one a core)")
+
+
+def read_prompts(args) -> list[str]:
+    if args.prompt is not None:
+        return [args.prompt]
+    try:
+        lines = args.prompts.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as error:
+        raise DataError(f"--prompts {args.prompts}: cannot be read as UTF-8 text ({error})") from None
+    prompts = [line for line in lines if line.strip()]
+    if not prompts:
+        raise DataError(f"--prompts {args.prompts}: no prompt in it (one a line)")
+    return prompts
+
+
+def load_tokenizer(folder: Path):
+    from tokenizers import Tokenizer
+
+    from ..generation import TOKENIZER
+
+    if not (folder / TOKENIZER).is_file():
+        raise ModelError(f"{folder}: no {TOKENIZER}, so prompts cannot be turned into token ids "
+                         "(ortflow's export writes one beside the decoder)")
+    return Tokenizer.from_file(str(folder / TOKENIZER))
+
+
+def stream(tokenizer, write, ids: list[int], shown: str, last: bool = False) -> str:
+    """Write the text of `ids` beyond what is `shown` (a byte-level tokenizer's text only grows at its
+    end), except, until the `last` call, a character still missing bytes; returns what is shown now."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if text.endswith(REPLACEMENT) and not last:
+        return shown
+    write(text[len(shown):])
+    return text
+
+
+def run(args) -> int:
+    from ..generation.generate import Decoder, Sampling, generate
+
+    if args.max_new_tokens < 1:
+        raise DataError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
+    prompts = read_prompts(args)
+    tokenizer = load_tokenizer(args.folder)
+    decoder = Decoder(args.folder, args.threads)
+    given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
+    sampling = Sampling(args.do_sample, seed=args.seed,
+                        **{key: decoder.search[key] if value is None else value for key, value in given.items()})
+    out = sys.stdout
+
+    def write(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    for prompt in prompts:
+        ids, shown = [], ""
+
+        def on_step(step) -> None:
+            nonlocal shown
+            token = int(step.tokens[0])
+            if token not in decoder.eos:
+                ids.append(token)
+                shown = stream(tokenizer, write, ids, shown)
+
+        generate(decoder, [tokenizer.encode(prompt).ids], args.max_new_tokens, sampling, on_step)
+        stream(tokenizer, write, ids, shown, last=True)
+        write("\n")
+    return 0

@@ -1,0 +1,251 @@
+"""Generation from the exported decoder with a KV cache (issue 41; ortflow.generation): greedy
+tokens equal to transformers' `generate(do_sample=False)` token for token and each step's logits
+within 1e-4 relative, for two prompt lengths and a left-padded batch, on the tiny random-weight
+models of tests/test_hf_families.py (2 layers, width 32, bytes), saved with save_pretrained as the
+export stage saves export/transformers/. gpt2 and llama run in the fast loop, the other causal
+families as e2e; a family whose cache has no key/value layout is refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer
+
+from ortflow import cli
+
+from ortflow.errors import DataError, ModelError
+from ortflow.generation import folder as generation_folder
+from ortflow.generation.check import GenerationCheck, check_generation
+from ortflow.generation.generate import Decoder, Sampling, generate, steps, warp
+from ortflow.models.hugging_face import attention
+from ortflow.models.save_trained import POSITIONS
+from test_hf_families import FAMILIES
+
+NEW_TOKENS = 64
+POSITIONS_TRIED = 128  # the families' tiny configs have 64 positions: a prompt and 64 new tokens need more
+LOGITS_TOLERANCE = 1e-4  # relative to the step's largest logit
+EOS = 0  # in the byte vocabulary (GPT-2's 50256 is not); the prompts never contain it
+PROMPT_LENGTHS = (5, 24)
+BATCH = (24, 9, 16)  # left-padded to 24
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """torch and ONNX Runtime on one thread each: on 2 shared cores, torch's generate with two
+    threads took from 0.7 to 15 s for the same 64 tokens, with one 0.2 s."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny(family: str, root):
+    """The family's tiny causal LM, weights drawn from seed 0, saved as export/transformers/ is;
+    returns the folder and the model read back from it as transformers users read it."""
+    config = FAMILIES[family][1]()
+    for key in POSITIONS:
+        if isinstance(getattr(config, key, None), int):
+            setattr(config, key, POSITIONS_TRIED)
+    config.bos_token_id = config.eos_token_id = EOS
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention(config.model_type))
+    model.generation_config.eos_token_id = model.generation_config.bos_token_id = EOS
+    source = root / "transformers"
+    model.save_pretrained(source)
+    return source, transformers.AutoModelForCausalLM.from_pretrained(source).eval()
+
+
+def prompts(lengths, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 256, length).tolist() for length in lengths]
+
+
+def strict(batch: list[list[int]], new_tokens: int = NEW_TOKENS) -> GenerationCheck:
+    return GenerationCheck(batch, new_tokens, relative=LOGITS_TOLERANCE, absolute=0.0)
+
+
+def check_family(family: str, tmp_path) -> None:
+    source, model = tiny(family, tmp_path)
+    batches = [prompts([PROMPT_LENGTHS[0]]), prompts([PROMPT_LENGTHS[1]]), prompts(BATCH)]
+    layout, agreement = generation_folder.export_folder(source, tmp_path / "generation", strict(batches[0]))
+    decoder = Decoder(tmp_path / "generation", threads=1)
+    assert (decoder.layers, decoder.kv_heads, decoder.head_dim) == (layout.layers, layout.kv_heads, layout.head_dim)
+    agreements = [agreement, *(check_generation(model, decoder, strict(batch)) for batch in batches[1:])]
+    assert [agreement.steps for agreement in agreements] == [NEW_TOKENS] * len(batches)
+    assert max(agreement.largest_error for agreement in agreements) <= LOGITS_TOLERANCE
+    # An eos that the first row gives at its 10th step: that row stops there, the others go on.
+    decoder.eos = {generate(decoder, prompts(BATCH), 10)[0][-1]}
+    assert generate(decoder, prompts(BATCH), NEW_TOKENS)[0][-1] in decoder.eos
+    check_generation(model, decoder, strict(prompts(BATCH)))
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_greedy_equals_transformers(family, tmp_path):
+    check_family(family, tmp_path)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("family", ["gpt-neo", "opt", "mistral", "qwen2", "qwen3", "phi3", "gemma", "falcon"])
+def test_greedy_equals_transformers_in_every_family(family, tmp_path):
+    check_family(family, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    """gpt2's tiny model as export/transformers/ without a tokenizer (it reads bytes), and its
+    generation folder."""
+    root = tmp_path_factory.mktemp("gpt2")
+    source, _ = tiny("gpt2", root)
+    generation_folder.export_folder(source, root / "generation")
+    return root / "generation"
+
+
+def test_folder_has_what_optimum_and_genai_read(gpt2_folder):
+    import onnx
+
+    model = onnx.load(str(gpt2_folder / "model.onnx"), load_external_data=False)
+    assert model.ir_version <= 10 and model.opset_import[0].version <= 21  # what ONNX Runtime 1.19.2 loads
+    assert [value.name for value in model.graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
+    logits = model.graph.output[0].type.tensor_type.shape.dim
+    assert [d.dim_param or d.dim_value for d in logits] == ["batch", "sequence", 256]
+    assert json.loads((gpt2_folder / "config.json").read_text())["use_cache"] is True
+    assert json.loads((gpt2_folder / "generation_config.json").read_text())["eos_token_id"] == EOS
+    text = "héllo wörld ☃\n\tend"
+    tokenizer = Tokenizer.from_file(str(gpt2_folder / "tokenizer.json"))
+    assert tokenizer.encode(text).ids == list(text.encode()) and tokenizer.decode(list(text.encode())) == text
+    genai = json.loads((gpt2_folder / "genai_config.json").read_text())
+    decoder = genai["model"]["decoder"]
+    assert (decoder["num_hidden_layers"], decoder["num_key_value_heads"], decoder["head_size"]) == (2, 2, 16)
+    assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key"
+    assert decoder["outputs"]["present_value_names"] == "present.%d.value"
+    assert (genai["model"]["context_length"], genai["model"]["eos_token_id"], genai["model"]["type"]) == \
+        (POSITIONS_TRIED, EOS, "gpt2")
+    assert genai["search"]["past_present_share_buffer"] is False
+
+
+def test_prompt_longer_than_positions_refused(gpt2_folder):
+    decoder = Decoder(gpt2_folder, threads=1)
+    with pytest.raises(DataError) as refused:
+        generate(decoder, prompts([100]), 64)
+    assert str(refused.value) == ("generate: a prompt of 100 tokens and max_new_tokens=64 need 164 positions; the "
+                                  "model has 128: shorten the prompt or ask for at most 28 new tokens")
+    with pytest.raises(DataError, match="at least one token"):
+        generate(decoder, [[]], 4)
+
+
+def test_family_without_key_value_cache_refused(tmp_path):
+    config = transformers.MambaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, state_size=4)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with pytest.raises(ModelError) as refused:
+        generation_folder.write_folder(model, None, tmp_path / "generation")
+    assert "\n" not in str(refused.value)
+    assert str(refused.value).startswith("MambaForCausalLM (mamba) keeps its generation cache as DynamicCache of ")
+    assert str(refused.value).endswith("ortflow cannot export it as a decoder with a KV cache")
+    assert list(tmp_path.iterdir()) == []  # nothing written half
+
+
+def test_warping_equals_transformers_processors():
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+
+    logits = np.random.default_rng(0).normal(size=(3, 256)).astype(np.float32) * 3
+    for temperature, top_k, top_p in [(0.7, 50, 1.0), (1.0, 0, 0.9), (1.3, 20, 0.5), (0.5, 256, 0.3)]:
+        ours = warp(logits, Sampling(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p))
+        theirs = torch.from_numpy(logits)
+        for processor in [TemperatureLogitsWarper(temperature), *([TopKLogitsWarper(top_k)] if top_k else []),
+                          *([TopPLogitsWarper(top_p)] if top_p < 1 else [])]:
+            theirs = processor(None, theirs)
+        theirs = theirs.double().numpy()
+        assert np.array_equal(np.isinf(ours), np.isinf(theirs))
+        assert np.allclose(ours[~np.isinf(ours)], theirs[~np.isinf(theirs)], rtol=1e-6)
+        assert 0 < (~np.isinf(ours)).sum(-1).min()
+
+
+def test_sampling_follows_seed_and_warping(gpt2_folder):
+    decoder = Decoder(gpt2_folder, threads=1)
+    batch = prompts(BATCH)
+    greedy = generate(decoder, batch, 16)
+    assert generate(decoder, batch, 16, Sampling(do_sample=True, top_k=1, seed=3)) == greedy
+    sampled = [generate(decoder, batch, 16, Sampling(do_sample=True, temperature=2.0, seed=seed)) for seed in (1, 1, 2)]
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2] and sampled[0] != greedy
+    # streaming: each step's tokens come as they are chosen, one per row
+    streamed = [step.tokens for step in steps(decoder, batch, 16)]
+    assert np.stack(streamed, 1).tolist() == greedy
+
+
+def test_tokenizer_files_copied(tmp_path):
+    source, folder = tmp_path / "transformers", tmp_path / "generation"
+    source.mkdir(), folder.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json", "model.safetensors"):
+        (source / name).write_text(name)
+    generation_folder.copy_tokenizer(source, folder)
+    assert sorted(path.name for path in folder.iterdir()) == ["chat_template.jinja", "tokenizer.json",
+                                                              "tokenizer_config.json"]
+
+
+def test_cli_streams_what_generate_gives(gpt2_folder, capsys):
+    decoder = Decoder(gpt2_folder, threads=1)
+    expected = [token for token in generate(decoder, [list("hello".encode())], 12)[0] if token not in decoder.eos]
+    command = ["generate", str(gpt2_folder), "--prompt", "hello", "--max-new-tokens", "12", "--threads", "1"]
+    assert cli.main(command) == 0
+    text = Tokenizer.from_file(str(gpt2_folder / "tokenizer.json")).decode(expected)
+    assert capsys.readouterr().out == text + "\n"
+    assert cli.main(["generate", str(gpt2_folder), "--prompt", "x" * 200]) == 1
+    error = capsys.readouterr().err
+    assert error == ("ortflow generate: error: generate: a prompt of 200 tokens leaves no room for a new token in "
+                     "the model's 128 positions; shorten it to at most 127\n")
+
+
+def test_external_data_folder_generates_the_same(gpt2_folder, tmp_path, monkeypatch):
+    """A decoder whose weights go to model.onnx.data (a model over external_data's threshold, here 0
+    bytes) loads from its folder and gives the same tokens."""
+    monkeypatch.setenv("ORTFLOW_EXTERNAL_DATA_BYTES", "0")
+    source, _ = tiny("gpt2", tmp_path)
+    generation_folder.export_folder(source, tmp_path / "generation")
+    assert (tmp_path / "generation" / "model.onnx.data").stat().st_size > (tmp_path / "generation" /
+                                                                            "model.onnx").stat().st_size
+    batch = prompts(BATCH)
+    assert generate(Decoder(tmp_path / "generation", threads=1), batch, 16) == \
+        generate(Decoder(gpt2_folder, threads=1), batch, 16)
+
+
+def test_check_refuses_another_model(gpt2_folder, tmp_path):
+    """The check fails on a decoder that is not the model's: a token apart, or logits beyond the tolerance."""
+    _, model = tiny("gpt2", tmp_path)
+    decoder = Decoder(gpt2_folder, threads=1)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.001)  # the tied embedding too: every logit moves a little
+    with pytest.raises(ModelError, match=r"^generation check: step 0's logits differ from transformers' by "):
+        check_generation(model, decoder, strict(prompts(BATCH), 8))
+    with torch.no_grad():
+        model.transformer.h[0].mlp.c_fc.weight.normal_()
+    with pytest.raises(ModelError, match=r"^generation check: prompt \d's greedy tokens part from transformers' "):
+        check_generation(model, decoder, strict(prompts(BATCH), 8))
+    # refused by the export itself, the folder is not written
+    with pytest.raises(ModelError, match=r"^generation check: step 0's logits differ"):
+        impossible = GenerationCheck(prompts([4]), 2, relative=-1.0, absolute=0.0)
+        generation_folder.write_folder(model, None, tmp_path / "generation", impossible)
+    assert not (tmp_path / "generation").exists()
+
+
+def test_cli_samples_with_the_models_defaults(gpt2_folder, capsys):
+    """--do-sample without --top-k takes the folder's (genai_config's search, from generation_config):
+    top_k 1 there makes sampling greedy."""
+    decoder = Decoder(gpt2_folder, threads=1)
+    greedy = Tokenizer.from_file(str(gpt2_folder / "tokenizer.json")).decode(
+        [token for token in generate(decoder, [list(b"hello")], 12)[0] if token not in decoder.eos])
+    command = ["generate", str(gpt2_folder), "--prompt", "hello", "--max-new-tokens", "12", "--do-sample",
+               "--temperature", "5", "--seed", "0"]
+    assert cli.main(command) == 0
+    assert capsys.readouterr().out != greedy + "\n"
+    genai = json.loads((gpt2_folder / "genai_config.json").read_text())
+    (gpt2_folder / "genai_config.json").write_text(json.dumps({**genai, "search": {**genai["search"], "top_k": 1}}))
+    try:
+        assert cli.main(command) == 0
+    finally:
+        (gpt2_folder / "genai_config.json").write_text(json.dumps(genai))
+    assert capsys.readouterr().out == greedy + "\n"
