@@ -140,6 +140,7 @@ LAYERS = [
     # The foundation: errors, files, the config, ONNX Runtime's sessions and private parts.
     ("__init__", "errors", "wording", "digests", "storage", "atomic", "external_data", "user_files",
      "sessions", "ort_private", "artifacts", "config", "cuda_libraries", "launcher"),
+    ("kernels",),  # ortflow's own ONNX Runtime operators, compiled at first use
     ("checkpoints",),  # ONNX Runtime's checkpoint file and ortflow's sharded checkpoints
     ("models",),  # models/weights.py reads weights from ONNX Runtime's checkpoint file
     ("data",),  # the tokenizer and the sources take the models' label conventions (IGNORE_INDEX)
