@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import run_snakemake
-from ortflow import config, cuda_libraries
+from ortflow import config, cuda_libraries, machine
 from ortflow.training import preflight
 
 REQUIRED = [
@@ -181,11 +181,11 @@ def rank_bytes(train, world_size: int, micro: int) -> float:
 def test_a_model_that_does_not_fit_memory_is_refused_with_the_estimate_and_what_fits(monkeypatch):
     train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4}}).train
     # Room for two ranks at a micro-batch of 2, not 4.
-    monkeypatch.setenv(preflight.MEMORY_ENV, str(int(2 * rank_bytes(train, 2, 2))))
+    monkeypatch.setenv(machine.MEMORY_ENV, str(int(2 * rank_bytes(train, 2, 2))))
     check = preflight.check_memory(GPT2_124M, train)
     assert check.status == preflight.FAIL
     assert check.detail.startswith("the model does not fit: 2 rank(s) x about ")
-    assert "activations of 4 samples 4.0 GiB" in check.detail and f"available ({preflight.MEMORY_ENV})" in check.detail
+    assert "activations of 4 samples 4.0 GiB" in check.detail and f"available ({machine.MEMORY_ENV})" in check.detail
     # ZeRO-1 saves less than two samples' activations here, so it is not offered.
     assert check.fix == ("set train.micro_batch_size to 2 (train.grad_accum_steps 2 keeps the batch); "
                          f"or {PIPELINE_FIX}; or set train.world_size to 1")
@@ -195,11 +195,11 @@ def test_zero_1_is_offered_when_sharding_the_moments_makes_the_model_fit(monkeyp
     small = {**GPT2_124M, "activation_bytes_per_sample": 2**20}
     train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4}}).train
     sharded = sum(preflight.memory_estimate(small, replace(train, zero=1), 2, 4).values())
-    monkeypatch.setenv(preflight.MEMORY_ENV, str(int(2 * sharded)))
+    monkeypatch.setenv(machine.MEMORY_ENV, str(int(2 * sharded)))
     check = preflight.check_memory(small, train)
     assert check.status == preflight.FAIL
     assert check.fix.startswith("set train.zero: 1 (each rank keeps 1/world_size of the AdamW moments)")
-    monkeypatch.setenv(preflight.MEMORY_ENV, str(10**12))
+    monkeypatch.setenv(machine.MEMORY_ENV, str(10**12))
     assert preflight.check_memory(small, train).status == preflight.OK
 
 
@@ -209,7 +209,7 @@ def test_recompute_is_offered_with_the_activations_it_saves(monkeypatch):
     train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4}}).train
     recomputed = {**model, "activation_bytes_per_sample": 2**28}
     room = 2 * sum(preflight.memory_estimate(recomputed, train, 2, 4).values())
-    monkeypatch.setenv(preflight.MEMORY_ENV, str(int(room)))
+    monkeypatch.setenv(machine.MEMORY_ENV, str(int(room)))
     check = preflight.check_memory(model, train)
     assert check.status == preflight.FAIL
     assert (f"set train.recompute: blocks (activations of 4 samples 1.0 GiB instead of 4.0 GiB, a step "
@@ -226,7 +226,7 @@ def test_an_evaluation_batch_that_does_not_fit_is_refused_naming_train_eval_batc
     train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4}}).train
     assert train.eval_batch_size == 256
     room = 2 * sum(preflight.memory_estimate(model, replace(train, eval_batch_size=64), 2, 4).values())
-    monkeypatch.setenv(preflight.MEMORY_ENV, str(int(room) + 1))
+    monkeypatch.setenv(machine.MEMORY_ENV, str(int(room) + 1))
     check = preflight.check_memory(model, train)
     assert check.status == preflight.FAIL
     assert "an evaluation batch of 256 samples 18.4 GiB" in check.detail
@@ -234,7 +234,7 @@ def test_an_evaluation_batch_that_does_not_fit_is_refused_naming_train_eval_batc
     # Where no smaller evaluation batch fits alone, each fix comes with evaluation batches no larger
     # than a step's activations (4 x 2**29 bytes: 27 samples).
     room = 2 * sum(preflight.memory_estimate(model, replace(train, eval_batch_size=27, zero=1), 2, 4).values())
-    monkeypatch.setenv(preflight.MEMORY_ENV, str(int(room) + 1))
+    monkeypatch.setenv(machine.MEMORY_ENV, str(int(room) + 1))
     assert preflight.check_memory(model, train).fix == (
         "set train.eval_batch_size to 27 and train.zero: 1 (each rank keeps 1/world_size of the AdamW moments); "
         f"or set train.eval_batch_size to 27 and {PIPELINE_FIX[len('set '):]}; "
@@ -276,16 +276,16 @@ def test_the_memory_check_names_the_largest_stage_and_suggests_two_stages(monkey
                                    }).train
     staged = replace(train, pipeline_stages=2, grad_accum_steps=2)
     half = sum(preflight.memory_estimate(small, staged, 2, 4, 0.5).values())
-    monkeypatch.setenv(preflight.MEMORY_ENV, str(int(2 * half)))
+    monkeypatch.setenv(machine.MEMORY_ENV, str(int(2 * half)))
     check = preflight.check_memory(small, train)
     assert check.status == preflight.FAIL
     # SGD: no train.zero to offer; smaller micro-batches do not fit; one rank holding it all does.
     assert check.fix == f"{PIPELINE_FIX}; or set train.world_size to 1"
     check = preflight.check_memory(small, staged)
     assert check.status == preflight.OK
-    assert check.detail.startswith(f"2 rank(s) x about {preflight.gib(half)} (the rank of one of 2 stages of a "
+    assert check.detail.startswith(f"2 rank(s) x about {machine.gib(half)} (the rank of one of 2 stages of a "
                                    "balanced cut: 50% of the model's parameters; weights 0.5 GiB, ")
-    assert preflight.gib(half) == "2.0 GiB"
+    assert machine.gib(half) == "2.0 GiB"
     held = [int(0.4 * small["parameters"]), int(0.7 * small["parameters"])]
     check = preflight.check_memory(small, staged, held=held)
     assert check.status == preflight.FAIL  # the cut's larger stage does not fit where half the model did
@@ -297,7 +297,7 @@ def test_train_refuses_before_any_rank_starts(tmp_path):
     artifacts = tmp_path / "artifacts"
     artifacts.mkdir()
     (artifacts / "model.json").write_text(json.dumps(GPT2_124M))
-    env = dict(os.environ, **{preflight.MEMORY_ENV: str(2**30)})
+    env = dict(os.environ, **{machine.MEMORY_ENV: str(2**30)})
     result = subprocess.run(
         [sys.executable, "-m", "ortflow.cli", "train", "--config-json", json.dumps({"train": {"micro_batch_size": 4}}),
          "--train", str(tmp_path / "train"), "--eval", str(tmp_path / "eval"), "--artifacts", str(artifacts),
@@ -331,20 +331,20 @@ def test_doctor_checks_the_built_model_or_says_to_build_it(tmp_path, monkeypatch
     assert [(c.name, c.status) for c in missing] == [("memory", "skip"), ("checkpoint disk", "skip")]
     assert "build the artifacts first: snakemake build_artifacts" in missing[0].detail
     (tmp_path / "model.json").write_text(json.dumps(GPT2_124M))
-    monkeypatch.setenv(preflight.MEMORY_ENV, str(2**30))
+    monkeypatch.setenv(machine.MEMORY_ENV, str(2**30))
     memory, disk = model_checks(Namespace(artifacts=tmp_path), cfg, 2)
     assert memory.status == preflight.FAIL and memory.detail.startswith("the model does not fit: 2 rank(s)")
     assert disk.status == preflight.OK
 
 
 def test_available_memory_is_the_hosts_unless_the_environment_says(monkeypatch):
-    monkeypatch.delenv(preflight.MEMORY_ENV, raising=False)
-    available, where = preflight.available_memory()
+    monkeypatch.delenv(machine.MEMORY_ENV, raising=False)
+    available, where = machine.available_memory()
     total = int(next(line for line in open("/proc/meminfo") if line.startswith("MemTotal:")).split()[1]) * 1024
     assert 0 < available <= total and where in ("MemAvailable", "the cgroup's memory.max")
-    monkeypatch.setenv(preflight.MEMORY_ENV, "12345")
-    assert preflight.available_memory() == (12345, preflight.MEMORY_ENV)
-    monkeypatch.setenv(preflight.MEMORY_ENV, "12G")
+    monkeypatch.setenv(machine.MEMORY_ENV, "12345")
+    assert machine.available_memory() == (12345, machine.MEMORY_ENV)
+    monkeypatch.setenv(machine.MEMORY_ENV, "12G")
     with pytest.raises(preflight.PreflightError, match=r"ORTFLOW_MEMORY_AVAILABLE='12G' is not a number of bytes; "
                                                        r"set it to bytes \(12884901888 for 12 GiB\)"):
-        preflight.available_memory()
+        machine.available_memory()

@@ -172,6 +172,24 @@ def test_a_folder_with_only_its_config_is_drawn_from_the_seed(tmp_path, monkeypa
     assert sorted(first) == sorted(second) and all(bits(first[n]) == bits(second[n]) for n in first)
 
 
+def test_a_config_only_model_too_large_for_memory_is_refused_before_allocating(tmp_path):
+    """vocab_size: 2000000000 in a folder of only a config.json (512 GB of embedding): refused from the
+    config on the meta device, naming the key, not by torch's allocator once build_artifacts allocates."""
+    import transformers
+
+    from ortflow.models.hugging_face import pretrained
+
+    transformers.LlamaConfig(vocab_size=2_000_000_000, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=96).save_pretrained(tmp_path / "llama")
+    with pytest.raises(ModelError) as refusal:
+        pretrained(tmp_path / "llama", "causal-lm", {})
+    assert str(refusal.value).startswith(
+        f"model.path: {tmp_path / 'llama' / 'config.json'} describes a model of 256,000,")
+    assert "GiB in float32, more than the " in str(refusal.value)
+    assert str(refusal.value).endswith("its largest tensor, model.embed_tokens.weight [2000000000, 64], is from "
+                                       "vocab_size: 2000000000, hidden_size: 64")
+
+
 def test_folders_that_would_run_code_or_read_elsewhere_are_refused(tmp_path):
     folder = tmp_path / "bert"
     BertForSequenceClassification(BertConfig(vocab_size=32, hidden_size=8, num_hidden_layers=1,

@@ -139,7 +139,7 @@ def test_pyflakes_finds_no_undefined_name_or_unused_code():
 LAYERS = [
     # The foundation: errors, files, the config, ONNX Runtime's sessions and private parts.
     ("__init__", "errors", "wording", "digests", "storage", "atomic", "external_data", "user_files",
-     "sessions", "ort_private", "artifacts", "config", "cuda_libraries", "launcher"),
+     "sessions", "ort_private", "artifacts", "config", "cuda_libraries", "launcher", "machine"),
     ("kernels",),  # ortflow's own ONNX Runtime operators, compiled at first use
     ("checkpoints",),  # ONNX Runtime's checkpoint file and ortflow's sharded checkpoints
     ("models",),  # models/weights.py reads weights from ONNX Runtime's checkpoint file
@@ -149,9 +149,9 @@ LAYERS = [
     ("inference",),  # the loss of logits, their labels laid out as evaluation does
     ("export",),  # the inference model, its checks against the eval graph, the torch formats
     ("generation",),  # a causal LM's decoder with a KV cache, its folder, generation from it
+    ("quantization",),  # int8 with its gate and latency
     ("training",),  # the ranks' loop: graphs (pipeline stages), evaluation, data, checkpoints
-    # int8 with its gate and latency (the machine's memory: training's preflight); doctor's checks
-    ("quantization", "diagnosis"),
+    ("diagnosis",),  # doctor's checks, from training's preflight and communicator
     ("reporting",),  # a run's results: training's schedule, the best checkpoint, data's baseline
     ("sweeps",),  # the points' run folders and their comparison, shown as reporting shows a run
     ("stages",),  # one module a rule; a stage never imports another (STAGES)

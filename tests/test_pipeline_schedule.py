@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import copy_inputs, fault, run_on_ranks, run_snakemake
-from ortflow import cli, config as config_mod
+from ortflow import cli, config as config_mod, machine
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints import layout, reader
 from ortflow.checkpoints.merge import merge
@@ -257,7 +257,7 @@ def workflow(tmp_path_factory) -> tuple[Path, Path, str, int]:
     staged = workflow_config(corpus, "staged", 2)
     run_snakemake(work, staged, "build_artifacts")
     cap = between_the_estimates(work / "results/staged/artifacts", staged)
-    printed = run_snakemake(work, staged, "export_model", env={preflight.MEMORY_ENV: str(cap)}).stdout
+    printed = run_snakemake(work, staged, "export_model", env={machine.MEMORY_ENV: str(cap)}).stdout
     run_snakemake(work, workflow_config(corpus, "whole", 1), "train")
     return work, corpus, printed, cap
 
@@ -270,7 +270,7 @@ def test_a_run_that_fits_only_in_stages_trains_and_is_refused_in_one(workflow, m
     work, corpus, _, cap = workflow
     artifacts = Artifacts(work / "results/staged/artifacts")
     description, train = artifacts.description(), config_mod.load(overrides=workflow_config(corpus, "staged", 2)).train
-    monkeypatch.setenv(preflight.MEMORY_ENV, str(cap))
+    monkeypatch.setenv(machine.MEMORY_ENV, str(cap))
     refused = preflight.check_memory(description, one_stage(train))
     print(refused.detail, refused.fix, sep="\n")
     assert refused.status == preflight.FAIL

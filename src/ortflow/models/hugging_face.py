@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelError
+from ..machine import available_memory, gib
 from . import DECODER_INPUT_IDS
 from ..user_files import MODEL_CONFIG, MODEL_KEY, model_files
 
@@ -167,6 +168,7 @@ def pretrained(folder: Path, task: str, manifest: dict):
     try:
         if not weights:
             log.info("%s: %s has no weights; %s drawn from run.seed", MODEL_KEY, folder, type(config).__name__)
+            check_fits(cls, config, folder)
             module = cls.from_config(config, attn_implementation=attention(config.model_type), dtype=torch.float32)
         else:
             module, info = cls.from_pretrained(
@@ -178,11 +180,31 @@ def pretrained(folder: Path, task: str, manifest: dict):
             if new:
                 log.warning("%s: %s has no %s head of %d outputs, the data's: %d tensor(s) drawn from run.seed: %s",
                             MODEL_KEY, folder, task, config.num_labels, len(new), ", ".join(new[:6]))
+    except ModelError:  # check_fits' refusal, a ValueError too
+        raise
     except ValueError as error:  # a config of no class for this task ("Unrecognized configuration class ...")
         reason = str(error).strip().splitlines()[0][:300]
         raise ModelError(f"{MODEL_KEY}: {folder} ({config.model_type}) has no {CLASSES[task]} model for model.task "
                          f"{task!r} ({reason})") from None
     return module.train()
+
+
+def check_fits(cls, config, folder: Path) -> None:
+    """A model drawn from its config alone (no weight files bound its size) refused before its weights are
+    allocated when they alone, in float32, exceed the memory available (machine.available_memory): counted on
+    the meta device, which allocates nothing, and said with the config keys that give its largest tensor."""
+    with torch.device("meta"):
+        meta = cls.from_config(config)
+    parameters = sum(p.numel() for p in meta.parameters())
+    available, where = available_memory()
+    if 4 * parameters <= available:
+        return
+    name, largest = max(meta.named_parameters(), key=lambda item: item[1].numel())
+    keys = [f"{key}: {value}" for key, value in config.to_dict().items()
+            if type(value) is int and value > 1 and value in largest.shape]
+    raise ModelError(f"{MODEL_KEY}: {folder / MODEL_CONFIG} describes a model of {parameters:,} parameters, "
+                     f"{gib(4 * parameters)} in float32, more than the {gib(available)} available ({where}); "
+                     f"its largest tensor, {name} {list(largest.shape)}, is from {', '.join(keys) or 'its config'}")
 
 
 class TaskModel(torch.nn.Module):

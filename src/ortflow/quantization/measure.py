@@ -15,8 +15,8 @@ import numpy as np
 
 from ..evaluation import batch_totals, eval_results
 from ..inference import input_feeds, loss_of
+from ..machine import available_memory
 from ..sessions import inference_session
-from ..training.preflight import available_memory
 
 log = logging.getLogger("ortflow.quantize")
 
@@ -45,7 +45,7 @@ def latency_batches(info: dict, sessions: int) -> tuple[int, ...]:
     """(1, LATENCY_BATCH), or a second batch as large as fits (none where one record is all that
     fits, rather than timing batch 1 twice): `sessions` sessions timed side by
     side, each holding what model.json's eval_bytes_per_sample says an evaluation holds per
-    record, within half the memory available (preflight.available_memory: MemAvailable, the
+    record, within half the memory available (machine.available_memory: MemAvailable, the
     cgroup's limit or ORTFLOW_MEMORY_AVAILABLE), the rest for the weights and ONNX Runtime's
     arenas, which hold more than that ideal node-by-node count."""
     per_record = sessions * info.get("eval_bytes_per_sample", 0)

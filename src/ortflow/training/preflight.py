@@ -19,6 +19,7 @@ from .. import cuda_libraries
 from ..checkpoints.checks import MOMENTS
 from ..config import Config
 from ..errors import PreflightError
+from ..machine import available_memory, gib
 from ..wording import plural
 
 log = logging.getLogger("ortflow.preflight")
@@ -32,9 +33,6 @@ MAX_RANKS_PER_CORE = 4
 # first, and warn below the second.
 MIN_FREE_BYTES = 200 * 2**20
 LOW_FREE_BYTES = 2 * 2**30
-# The memory a rank may use, in bytes, instead of what the host reports (MemAvailable,
-# or the cgroup's limit): for a host whose memory other jobs share, and for tests.
-MEMORY_ENV = "ORTFLOW_MEMORY_AVAILABLE"
 # A training rank's memory beyond the model: Python, numpy, ONNX Runtime's
 # sessions and arenas. Calibrated with bench/bench_train.py --stages (docs/benchmarks.md).
 RANK_RUNTIME_BYTES = 600 * 2**20
@@ -270,32 +268,6 @@ def check_disk(results: Path) -> Check:
     if free < LOW_FREE_BYTES:
         return Check("free disk", WARN, detail, "checkpoints and models may not fit; delete old results/<run>/ folders")
     return Check("free disk", OK, detail)
-
-
-def gib(size: float) -> str:
-    return f"{size / 2**30:.1f} GiB"
-
-
-def available_memory() -> tuple[int, str]:
-    """(bytes the ranks may use, where that figure comes from): MEMORY_ENV if set,
-    else the smaller of MemAvailable and what the cgroup's limit leaves."""
-    if os.environ.get(MEMORY_ENV):
-        value = os.environ[MEMORY_ENV]
-        if not value.isdecimal():  # isdigit() would pass '²', which int() refuses
-            raise PreflightError(f"{MEMORY_ENV}={value!r} is not a number of bytes; set it to bytes "
-                                 f"({12 * 2**30} for 12 GiB) or unset it to use this host's available memory")
-        return int(value), MEMORY_ENV
-    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
-    available, where = int(meminfo["MemAvailable"].split()[0]) * 1024, "MemAvailable"
-    cgroup = Path("/sys/fs/cgroup")
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        left = int(limit) - int((cgroup / "memory.current").read_text()) if limit != "max" else available
-        if left < available:
-            available, where = left, "the cgroup's memory.max"
-    except (OSError, ValueError):  # no cgroup v2 memory controller: MemAvailable is all there is
-        pass
-    return available, where
 
 
 def largest_stage(description: dict, stages: int, held: list[int] | None = None) -> tuple[int | None, float]:
