@@ -17,7 +17,8 @@ from typing import Any
 import jsonschema
 import yaml
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from .sections import SECTIONS, Config
 
 # Where the workflow keeps its config, relative to the folder the commands run
 # in, as Snakemake reads the Snakefile's `configfile:` (config.load's default).
@@ -28,8 +29,9 @@ SCHEMA = "config.schema.yaml"
 
 
 def schema_file():
-    """The schema file, found through importlib.resources, wherever ortflow is installed."""
-    return resources.files(__package__) / SCHEMA
+    """The schema file, found through importlib.resources, wherever ortflow is installed
+    (beside this package, in ortflow's own folder)."""
+    return resources.files("ortflow") / SCHEMA
 
 
 @functools.cache
@@ -208,7 +210,7 @@ def _default_tokenizer(config: dict) -> None:
     """A `kind: transformers` model's data.tokenizer, for text, is its folder's own tokenizer when
     the config names none and the folder has one; without one, text is read as bytes.
     Its model.task seq2seq makes data.task seq2seq."""
-    from .user_files import TOKENIZER_FILES
+    from ..user_files import TOKENIZER_FILES
 
     model, data = config["model"], config["data"]
     if model["kind"] == "transformers" and model["task"] == "seq2seq" and data["task"] == "auto":
@@ -467,8 +469,8 @@ def by_content(section: dict) -> dict:
     """`section` with each value that names a file replaced by `sha256:<digest>` of the file,
     and a folder of CHECKED_KEYS (a save_pretrained tokenizer, model.weights' merged
     checkpoint of an earlier run) by the digest of the digests of the files read from it."""
-    from . import user_files
-    from .digests import sha256_file
+    from .. import user_files
+    from ..digests import sha256_file
 
     checked = dict(CHECKED_KEYS)
     if section.get("kind") != "transformers":  # model.path is a folder for kind transformers only
@@ -487,29 +489,14 @@ def by_content(section: dict) -> dict:
 
 # --- the typed config ------------------------------------------------------------------------------
 # After `validate`, code reads the config as frozen dataclasses, one per section of the schema
-# (`config.train.optimizer.lr`), made from the schema itself: it stays the one source of the keys.
-# A list becomes a tuple and a free-form mapping (model.kwargs, sweep.grid) a read-only one.
-
-
-@functools.cache
-def _section_class(path: str) -> type:
-    """The frozen dataclass of the schema's section at dotted `path` ("" for the whole config)."""
-    node = _schema()
-    for part in filter(None, path.split(".")):
-        node = node["properties"][part]
-    name = "".join(part.title() for part in path.split(".")) or "Config"
-    cls = dataclasses.make_dataclass(name, [(key, Any) for key in node["properties"]], frozen=True)
-    cls.__doc__ = f"config section '{path}': {node.get('description', '')}".strip() if path else \
-        "The validated run configuration, one frozen dataclass a section (config.schema.yaml)."
-    cls.__module__ = __name__
-    return cls
+# (`config.train.optimizer.lr`), generated from the schema into sections.py: it stays the one source
+# of the keys. A list becomes a tuple and a free-form mapping (model.kwargs, sweep.grid) a read-only one.
 
 
 def _frozen(value: Any, schema: dict, path: str) -> Any:
     if isinstance(value, dict) and "properties" in schema:
-        cls = _section_class(path)
-        return cls(**{key: _frozen(value[key], sub, f"{path}.{key}".lstrip("."))
-                      for key, sub in schema["properties"].items()})
+        return SECTIONS[path](**{key: _frozen(value[key], sub, f"{path}.{key}".lstrip("."))
+                                 for key, sub in schema["properties"].items()})
     if isinstance(value, dict):
         return types.MappingProxyType({key: _frozen(item, {}, "") for key, item in value.items()})
     if isinstance(value, list):
@@ -532,5 +519,3 @@ def as_dict(value: Any) -> Any:
         return [as_dict(item) for item in value]
     return value
 
-
-Config = _section_class("")
