@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import _schema
+from .schema import read_schema
 
 SECTIONS_FILE = Path(__file__).with_name("sections.py")
 COMMAND = "python -m ortflow.config.generate"
@@ -69,7 +69,7 @@ def section(node: dict, path: str, classes: dict[str, tuple[str, str]]) -> str:
 def source() -> str:
     """The text of sections.py for the schema as it is now."""
     classes: dict[str, tuple[str, str]] = {}
-    section(_schema(), "", classes)
+    section(read_schema(), "", classes)
     table = "".join(f"    {json.dumps(path)}: {name},\n" for name, (path, _) in classes.items())
     return (HEADER + "".join(text for _, text in classes.values())
             + "\n\n# Each section's class by its dotted path (\"\" for the whole config), for `typed`.\n"

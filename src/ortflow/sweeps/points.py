@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError, _merge, expand_dotted, pick, read_value, validate
+from ..config import ConfigError, expand_dotted, merge, pick, read_value, validate
 from ..digests import digest
 from ..training.run_folder import TrainFolder
 
@@ -168,7 +168,7 @@ def point_config(config: dict, name: str, values: dict) -> dict:
     """The base config with the point's values, as the run of point `name` of the sweep."""
     base = copy.deepcopy(config)
     base["sweep"] = {"name": config["sweep"]["name"], "point": name}
-    merged = _merge(base, expand_dotted(values))
+    merged = merge(base, expand_dotted(values))
     merged["run"]["name"] = f"{config['sweep']['name']}.{name}"
     try:
         return validate(merged)
