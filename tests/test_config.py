@@ -319,3 +319,21 @@ def test_a_type_checker_finds_a_misspelled_key(tmp_path):
     assert result.stdout.splitlines() == [
         'uses.py:5: error: Incompatible return value type (got "float", expected "str")  [return-value]',
         'uses.py:9: error: "Train" has no attribute "optimzer"; maybe "optimizer"?  [attr-defined]'], result.stderr
+
+
+def test_replace_sets_dotted_keys_and_validates_them_together():
+    base = config.load(overrides={"model": {"lora": {"r": 4}}, "train": {"world_size": 2}})
+    changed = config.replace(base, {"train.optimizer.lr": "1e-2", "train.world_size": 4, "train.pipeline_stages": 2,
+                                    "model.lora": {"alpha": 2}})
+    assert changed.train.optimizer.lr == 0.01  # read as a config file's value is
+    assert (changed.train.world_size, changed.train.pipeline_stages) == (4, 2)  # one change needs the other
+    assert (changed.model.lora.alpha, changed.model.lora.r) == (2, 8)  # a section given whole replaces the section
+    assert base.train.optimizer.lr == 0.003 and isinstance(changed, config.Config)
+    with pytest.raises(config.ConfigError, match="^config section 'train': unknown key[(]s[)] optimzer; allowed"):
+        config.replace(base, {"train.optimzer.lr": 0.1})
+    with pytest.raises(config.ConfigError, match="^config key 'train.optimizer.lr': -1 is less than or equal"):
+        config.replace(base, {"train.optimizer.lr": -1})
+    with pytest.raises(config.ConfigError, match="^config key 'train.steps.x': 'steps' is not a section$"):
+        config.replace(base, {"train.steps.x": 1})
+    with pytest.raises(config.ConfigError, match="^config key 'train.world_size': 3 ranks do not divide"):
+        config.replace(base, {"train.world_size": 3, "train.pipeline_stages": 2})

@@ -1,10 +1,12 @@
 """A config from where a command finds it: a YAML file with overrides, a stage's --config or
---config-json, the earlier run's config that model.weights_config names."""
+--config-json, the earlier run's config that model.weights_config names; and a config with some
+keys changed (a sweep's point), validated as loading validates."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -37,6 +39,24 @@ def load(path: str | Path | None = None, overrides: dict | None = None) -> Confi
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {path}: expected a mapping of sections, got {type(raw).__name__}")
     return typed(validate(merge(expand_dotted(raw), expand_dotted(overrides or {}))))
+
+
+def replace(config: Config, changes: dict[str, Any]) -> Config:
+    """`config` with each dotted key of `changes` set to its value (`{"train.optimizer.lr": 0.01}`),
+    validated as `load` validates it, the rules between keys included: all the changes at once,
+    since one may need another (pipeline stages that divide the world size). A section given
+    whole replaces the section, its left-out keys taking their defaults. A misspelled key or a
+    wrong value is refused naming it."""
+    data = as_dict(config)
+    for key, value in changes.items():
+        *sections, name = key.split(".")
+        node = data
+        for part in sections:
+            node = node.setdefault(part, {})  # an unknown section: refused by `validate`, naming it
+            if not isinstance(node, dict):
+                raise ConfigError(f"config key '{key}': '{part}' is not a section")
+        node[name] = as_dict(value)
+    return typed(validate(data))
 
 
 def add_config_arguments(parser) -> None:
