@@ -36,7 +36,7 @@ rule all:
 
 # A sweep's points and their comparison; the default target is then `sweep`
 # (here, after `all`: the last default target wins, but not one from an include).
-if ortflow_sweep.is_sweep(config):
+if ortflow_sweep.is_sweep(CONFIG):
 
     include: "workflow/rules/sweep_common.smk"
     include: "workflow/rules/sweep.smk"
@@ -55,10 +55,10 @@ onsuccess:
     from ortflow.reporting.summary import run_summary
     from ortflow.sweeps import comparison
 
-    if ortflow_sweep.is_sweep(config):
+    if ortflow_sweep.is_sweep(CONFIG):
         best = read_json(Path(rules.sweep_compare.output.best))
         if best:  # not when the targets stopped before the comparison
-            print(comparison.summary(config, best, run_arguments()))
+            print(comparison.summary(CONFIG, best, run_arguments()))
         return
     summary = run_summary(
         RESULTS,
@@ -85,9 +85,9 @@ onerror:
     failed = [(job.rule.name, list(job.log)) for job in workflow.scheduler.failed]
     print(stage_failures(failed), file=sys.stderr)
     # With --keep-going the points that finished are compared, the failed ones marked.
-    if ortflow_sweep.is_sweep(config):
-        best = comparison.compare(config, [rule for rule, _ in failed])
-        print(comparison.summary(config, best, run_arguments()), file=sys.stderr)
+    if ortflow_sweep.is_sweep(CONFIG):
+        best = comparison.compare(CONFIG, [rule for rule, _ in failed])
+        print(comparison.summary(CONFIG, best, run_arguments()), file=sys.stderr)
 
 
 # A run that starts from an earlier run's merged checkpoint (model.weights:

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -279,3 +280,60 @@ def test_a_model_whose_library_is_missing_is_refused_naming_the_extra(model, mis
     assert str(error.value) == refusal
     monkeypatch.undo()
     assert config.load(overrides={"model": model}).model.kind == model["kind"]  # installed: no refusal
+
+
+def test_the_typed_sections_are_what_the_schema_gives():
+    """sections.py is generated from the schema: a key added, renamed or retyped there without
+    running the generator fails here, naming the command."""
+    from ortflow.config import generate
+
+    assert generate.SECTIONS_FILE.read_text() == generate.source(), \
+        f"src/ortflow/config/sections.py is not what config.schema.yaml gives: run `{generate.COMMAND}`"
+
+
+def test_a_misspelled_attribute_fails_when_read_set_or_replaced():
+    cfg = config.load()
+    with pytest.raises(AttributeError, match="'Train' object has no attribute 'optimzer'"):
+        cfg.train.optimzer
+    # Frozen, with no __dict__ to hold a new attribute (slots); Python 3.11's frozen __setattr__ of a
+    # slots class raises TypeError for a name that is no field (its super() names the class before slots).
+    with pytest.raises((AttributeError, TypeError)):
+        cfg.train.optimzer = cfg.train.optimizer
+    with pytest.raises(TypeError, match="world_sise"):
+        dataclasses.replace(cfg.train, world_sise=1)
+    assert not hasattr(cfg.train, "__dict__")
+
+
+def test_a_type_checker_finds_a_misspelled_key(tmp_path):
+    """With the schema's types, mypy finds `config.train.optimzer` before anything runs,
+    and the whole chain of a correct key is typed to the end (`lr` a float)."""
+    pytest.importorskip("mypy")
+    (tmp_path / "uses.py").write_text(
+        "from ortflow.config import Config\n\n\n"
+        "def good(config: Config) -> str:\n    return config.train.optimizer.lr\n\n\n"
+        "def bad(config: Config) -> float:\n    return config.train.optimzer.lr\n")
+    result = subprocess.run([sys.executable, "-m", "mypy", "--ignore-missing-imports", "--follow-imports=silent",
+                             "--cache-dir", str(tmp_path / "cache"), "--no-error-summary", "uses.py"],
+                            cwd=tmp_path, capture_output=True, text=True,
+                            env={**os.environ, "MYPYPATH": str(REPO / "src")})
+    assert result.stdout.splitlines() == [
+        'uses.py:5: error: Incompatible return value type (got "float", expected "str")  [return-value]',
+        'uses.py:9: error: "Train" has no attribute "optimzer"; maybe "optimizer"?  [attr-defined]'], result.stderr
+
+
+def test_replace_sets_dotted_keys_and_validates_them_together():
+    base = config.load(overrides={"model": {"lora": {"r": 4}}, "train": {"world_size": 2}})
+    changed = config.replace(base, {"train.optimizer.lr": "1e-2", "train.world_size": 4, "train.pipeline_stages": 2,
+                                    "model.lora": {"alpha": 2}})
+    assert changed.train.optimizer.lr == 0.01  # read as a config file's value is
+    assert (changed.train.world_size, changed.train.pipeline_stages) == (4, 2)  # one change needs the other
+    assert (changed.model.lora.alpha, changed.model.lora.r) == (2, 8)  # a section given whole replaces the section
+    assert base.train.optimizer.lr == 0.003 and isinstance(changed, config.Config)
+    with pytest.raises(config.ConfigError, match="^config section 'train': unknown key[(]s[)] optimzer; allowed"):
+        config.replace(base, {"train.optimzer.lr": 0.1})
+    with pytest.raises(config.ConfigError, match="^config key 'train.optimizer.lr': -1 is less than or equal"):
+        config.replace(base, {"train.optimizer.lr": -1})
+    with pytest.raises(config.ConfigError, match="^config key 'train.steps.x': 'steps' is not a section$"):
+        config.replace(base, {"train.steps.x": 1})
+    with pytest.raises(config.ConfigError, match="^config key 'train.world_size': 3 ranks do not divide"):
+        config.replace(base, {"train.world_size": 3, "train.pipeline_stages": 2})

@@ -19,8 +19,12 @@ from ortflow.errors import ConfigError
 from ortflow.training.run_folder import TrainFolder
 
 
-def sweep_config(**section) -> dict:
-    return ortflow_config.validate({"sweep": {"name": "s", **section}})
+def validated(config: dict) -> ortflow_config.Config:
+    return ortflow_config.typed(ortflow_config.validate(config))
+
+
+def sweep_config(**section) -> ortflow_config.Config:
+    return validated({"sweep": {"name": "s", **section}})
 
 
 def test_a_grid_makes_every_combination_named_by_its_values():
@@ -28,9 +32,9 @@ def test_a_grid_makes_every_combination_named_by_its_values():
     points = sweep.points(config)
     assert [p.name for p in points] == ["micro_batch_size-16_lr-0.01", "micro_batch_size-16_lr-0.001",
                                         "micro_batch_size-32_lr-0.01", "micro_batch_size-32_lr-0.001"]
-    assert points[3].config["train"]["optimizer"]["lr"] == 0.001
-    assert points[3].config["train"]["micro_batch_size"] == 32
-    assert points[3].config["sweep"]["point"] == "micro_batch_size-32_lr-0.001"
+    assert points[3].config.train.optimizer.lr == 0.001
+    assert points[3].config.train.micro_batch_size == 32
+    assert points[3].config.sweep.point == "micro_batch_size-32_lr-0.001"
     assert sweep.results(points[3].config) == Path("results/sweeps/s/micro_batch_size-32_lr-0.001")
 
 
@@ -71,10 +75,9 @@ def test_random_draws_are_seeded_and_adding_draws_keeps_the_earlier_ones():
 
 
 def test_repeats_train_each_point_with_the_next_seeds_on_one_split():
-    config = ortflow_config.validate({"run": {"seed": 5}, "sweep": {"grid": {"train.optimizer.lr": [0.01]},
-                                                                     "repeats": 2}})
+    config = validated({"run": {"seed": 5}, "sweep": {"grid": {"train.optimizer.lr": [0.01]}, "repeats": 2}})
     points = sweep.points(config)
-    assert [(p.name, p.config["run"]["seed"], p.config["data"]["split_seed"]) for p in points] == [
+    assert [(p.name, p.config.run.seed, p.config.data.split_seed) for p in points] == [
         ("lr-0.01_seed-5", 5, 5), ("lr-0.01_seed-6", 6, 5)]
     # Their data stage is one: the split is drawn once, and both repeats are scored on its eval records.
     assert len({sweep.shared(p.config, "data", ("data",)) for p in points}) == 1
@@ -91,7 +94,7 @@ def test_a_bad_key_or_value_names_the_point_and_the_key(grid, message):
 
 
 def test_only_a_config_with_points_is_a_sweep():
-    assert not sweep.is_sweep(ortflow_config.validate({}))
+    assert not sweep.is_sweep(validated({}))
     assert sweep.is_sweep(sweep_config(grid={"train.optimizer.lr": [0.1]}))
     point = sweep.points(sweep_config(grid={"train.optimizer.lr": [0.1]}))[0]
     assert not sweep.is_sweep(point.config)
@@ -171,7 +174,7 @@ def test_the_comparison_says_which_attempt_a_resumed_point_timed_and_which_int8_
 
 def test_repeats_are_ranked_by_their_points_mean(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    config = ortflow_config.validate({"run": {"seed": 1}, "sweep": {
+    config = validated({"run": {"seed": 1}, "sweep": {
         "name": "s", "grid": {"train.optimizer.lr": [0.1, 0.01]}, "repeats": 3}})
     folder = Path("results/sweeps/s")
     # lr-0.1 has the single best repeat (0.2), lr-0.01 the better mean (0.4 against 0.5); predicting the
@@ -326,7 +329,7 @@ def test_repeats_share_one_split_and_are_compared_by_their_mean_and_std(workdir)
 def test_a_refused_int8_keeps_the_sweep_green_and_a_failed_stage_is_named_and_ranked_by_training(workdir):
     # One point's gate refuses every int8 model, the other's passes every one: certain on any CPU.
     gated = {**GRID, "sweep": {"name": "gate", "grid": {"export.max_accuracy_drop": [-1000.0, 100.0]}}}
-    refused, passed = (p.name for p in sweep.points(ortflow_config.validate(gated)))
+    refused, passed = (p.name for p in sweep.points(validated(gated)))
     result = run_snakemake(workdir, gated, "sweep_compare")
     folder = workdir / "results" / "sweeps" / "gate"
     rows = {row["point"]: row for row in comparison(folder)}
@@ -363,7 +366,7 @@ def test_halving_needs_a_constant_schedule_and_a_budget_below_the_steps():
     with pytest.raises(ConfigError, match="^sweep point 'lr-0.1': config key 'sweep.halving.steps' needs "
                                           "train.lr_schedule.name: constant, not 'cosine'"):
         sweep.points(sweep_config(grid={"train.optimizer.lr": [0.1]}, halving={"steps": 10}))
-    config = ortflow_config.validate({**HALVING, "sweep": {**HALVING["sweep"], "halving": {"steps": 20}}})
+    config = validated({**HALVING, "sweep": {**HALVING["sweep"], "halving": {"steps": 20}}})
     with pytest.raises(ConfigError, match=r"'sweep.halving.steps': 20 is not below train.steps=20"):
         sweep.points(config)
 
@@ -388,7 +391,7 @@ def test_halving_stops_the_weak_points_and_its_survivors_go_on_bit_for_bit(workd
 
     # A survivor against the same config trained to the end without the stop.
     survivor = halving["survivors"][0]
-    (point,) = [p for p in sweep.points(ortflow_config.validate(HALVING)) if p.name == survivor]
+    (point,) = [p for p in sweep.points(validated(HALVING)) if p.name == survivor]
     reference = {"run": {"name": "reference"}, "train": {**HALVING["train"], "optimizer": {
         "lr": point.values["train.optimizer.lr"]}}, "model": HALVING["model"]}
     run_snakemake(workdir, reference, "export_model")

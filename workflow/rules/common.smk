@@ -47,8 +47,8 @@ except OrtflowError as error:
 
 RUN = CONFIG.run.name
 # A sweep's point (sweep.point, set by workflow/rules/sweep.smk) lives in its sweep's folder.
-RESULTS = str(ortflow_sweep.results(config))
-LOGS = str(ortflow_sweep.logs(config))
+RESULTS = str(ortflow_sweep.results(CONFIG))
+LOGS = str(ortflow_sweep.logs(CONFIG))
 # The training folder's layout is ortflow's (src/ortflow/training/run_folder.py).
 TRAIN = TrainFolder(f"{RESULTS}/train")
 
@@ -93,9 +93,9 @@ DOCTOR_KEYS = ("train",)
 # named by the digest of the keys it depends on, and runs once for the points
 # whose keys are equal (workflow/rules/sweep.smk).
 if CONFIG.sweep.point:
-    DATA = str(ortflow_sweep.shared(config, "data", DATA_KEYS))
+    DATA = str(ortflow_sweep.shared(CONFIG, "data", DATA_KEYS))
     ARTIFACTS = str(
-        ortflow_sweep.shared(config, "artifacts", DATA_KEYS + ARTIFACTS_KEYS)
+        ortflow_sweep.shared(CONFIG, "artifacts", DATA_KEYS + ARTIFACTS_KEYS)
     )
 else:
     DATA = f"{RESULTS}/data"

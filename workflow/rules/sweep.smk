@@ -5,10 +5,10 @@
 # shared/ folder, named by the keys they depend on: the first point with those
 # keys makes them, the others use its rules' outputs.
 try:
-    SWEEP_POINTS = ortflow_sweep.points(config)
+    SWEEP_POINTS = ortflow_sweep.points(CONFIG)
 except ortflow_config.ConfigError as error:
     raise WorkflowError(f"invalid configuration:\n{error}")
-SWEEP = ortflow_sweep.folder(config)
+SWEEP = ortflow_sweep.folder(CONFIG)
 SWEEP_LOGS = ortflow_sweep.SWEEP_LOGS / CONFIG.sweep.name
 # The comparison and halving read every section of the config.
 SWEEP_KEYS = ("run", "data", "model", "train", "export", "sweep")
@@ -31,7 +31,7 @@ for point_module, _config in SWEEP_RUNS.items():
         snakefile:
             "../../Snakefile"
         config:
-            _config
+            ortflow_config.as_dict(_config)
 
     _data = ortflow_sweep.shared(_config, "data", DATA_KEYS)
     _artifacts = ortflow_sweep.shared(

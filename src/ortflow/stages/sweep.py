@@ -23,16 +23,16 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..config import as_dict, load_config
+    from ..config import load_config
 
-    config = as_dict(load_config(args))  # the points' configs are made from it as data (`points`)
+    config = load_config(args)
     if args.action == "halve":
         kept = survivors(config)
-        record = {"steps": config["sweep"]["halving"]["steps"], "survivors": kept,
+        record = {"steps": config.sweep.halving.steps, "survivors": kept,
                   "stopped": [p.name for p in points(config) if p.name not in kept]}
         with atomic.file(folder(config) / HALVING) as temporary:
             temporary.write_text(json.dumps(record, indent=2))
-        print(f"sweep {config['sweep']['name']!r}: {', '.join(kept)} go on; {', '.join(record['stopped'])} stop")
+        print(f"sweep {config.sweep.name!r}: {', '.join(kept)} go on; {', '.join(record['stopped'])} stop")
         return 0
     print(summary(config, compare(config), []))
     return 0

@@ -14,6 +14,8 @@ import statistics
 from pathlib import Path
 
 from .. import atomic
+from ..config import Config
+from ..config.sections import Sweep
 from ..training.run_folder import TrainFolder
 from .points import SWEEP_LOGS, Point, folder, format_value, goal, point_name, points, results, rule_prefix
 
@@ -26,7 +28,7 @@ COLUMNS = ("rank", "point", "status", "best", "best_step", "last", "steps", "wal
            "trained", "fp32_mb", "int8_mb", "int8_metric", "baseline", "beats_baseline")
 
 
-def point_row(point: Point, sweep: dict, failed_stage: str | None = None) -> dict:
+def point_row(point: Point, sweep: Sweep, failed_stage: str | None = None) -> dict:
     """A point's line of the comparison, from its train/metrics.json and export/metrics.json.
     Its status: `finished` (exported), `trained` (its export not run yet), `failed: <stage>`
     (`failed_stage`: ranked by its training metric when training finished), `not run`."""
@@ -40,7 +42,7 @@ def point_row(point: Point, sweep: dict, failed_stage: str | None = None) -> dic
     failed = f"failed: {failed_stage}" if failed_stage else None
     if train is None:
         return {**row, "status": failed or "not run"}
-    key = EVAL_KEYS[sweep["metric"]]
+    key = EVAL_KEYS[sweep.metric]
     evals = [e for e in train["history"]["eval"] if e.get(key) is not None]
     pick = max if goal(sweep) == "max" else min
     best = pick(evals, key=lambda e: e[key]) if evals else None
@@ -92,12 +94,12 @@ def megabytes(size: int | None) -> float | None:
     return None if size is None else size / 1e6
 
 
-def ranked(rows: list[dict], sweep: dict) -> list[dict]:
+def ranked(rows: list[dict], sweep: Sweep) -> list[dict]:
     """Trained points by their best metric (best first; those that halving stopped after them),
     then failed ones; each gets its rank. With sweep.repeats, the points are ranked by the
     `mean` of their repeats' best metric (a point's repeats together), which each row gets
     with its `std`."""
-    if sweep["repeats"] > 1:
+    if sweep.repeats > 1:
         bests = {}
         for row in rows:
             if row.get("best") is not None:
@@ -116,25 +118,25 @@ def spread(values: list[float]) -> dict:
             "std": statistics.stdev(values) if len(values) > 1 else None}
 
 
-def survivors(config: dict) -> list[str]:
+def survivors(config: Config) -> list[str]:
     """With sweep.halving: the points that go on after the first budget, by the metric at
     their best evaluation so far (halving.keep of them, at least one); a failed one never."""
-    sweep = config["sweep"]
+    sweep = config.sweep
     every = points(config)
     first = [point_row(Point(p.name, p.values, p.first), sweep) for p in every]
     ranked_first = [row["point"] for row in ranked(first, sweep) if row.get("best") is not None]
-    return ranked_first[:max(1, math.ceil(len(every) * sweep["halving"]["keep"]))]
+    return ranked_first[:max(1, math.ceil(len(every) * sweep.halving.keep))]
 
 
-def compare(config: dict, failed_rules: list[str] = ()) -> dict | None:
+def compare(config: Config, failed_rules: list[str] = ()) -> dict | None:
     """Write results/sweeps/<name>/: the table, the plots and best/; return the best
     point's record (None when no point finished). `failed_rules`: the rules of the jobs
     that failed in this `snakemake` (its onerror), which name each failed point's stage."""
-    sweep, out = config["sweep"], folder(config)
+    sweep, out = config.sweep, folder(config)
     every = points(config)
     swept = list(every[0].values)
     failed = failed_stages(every, failed_rules)
-    kept = survivors(config) if sweep["halving"]["steps"] else [p.name for p in every]
+    kept = survivors(config) if sweep.halving.steps else [p.name for p in every]
     rows = ranked([point_row(p, sweep, failed.get(p.name)) if p.name in kept
                    else stopped(point_row(Point(p.name, p.values, p.first), sweep, failed.get(p.name)))
                    for p in every], sweep)
@@ -143,7 +145,7 @@ def compare(config: dict, failed_rules: list[str] = ()) -> dict | None:
     best = next((row for row in rows if row["status"] == "finished"), None)
     if best is None:
         return None
-    record = {"point": best["point"], "metric": sweep["metric"], "goal": goal(sweep), "value": best["best"],
+    record = {"point": best["point"], "metric": sweep.metric, "goal": goal(sweep), "value": best["best"],
               "step": best["best_step"], "mean": best.get("mean"), "std": best.get("std"),
               "baseline": best.get("baseline"), "beats_baseline": best.get("beats_baseline"),
               "model": str(out / "best" / "model.onnx"),
@@ -169,16 +171,16 @@ def steps_shown(row: dict):
     return steps if this_attempt is None or this_attempt == steps else f"{steps} ({this_attempt} in the last attempt)"
 
 
-def write_table(rows: list[dict], swept: list[str], sweep: dict, out: Path) -> None:
+def write_table(rows: list[dict], swept: list[str], sweep: Sweep, out: Path) -> None:
     """comparison.tsv (to read or load) and comparison.html (for Snakemake's report): the same cells."""
-    metric = f"{sweep['metric']} ({goal(sweep)})"
+    metric = f"{sweep.metric} ({goal(sweep)})"
     # With repeats, each point's mean and std over them, which rank it, before each repeat's own figures.
     # A resumed point's metrics.json times its last attempt only: the headers and its steps say so.
-    spread_keys = ["mean", "std"] if sweep["repeats"] > 1 else []
+    spread_keys = ["mean", "std"] if sweep.repeats > 1 else []
     header = ["rank", "point", *swept, "status", *(f"{k} {metric} over repeats" for k in spread_keys),
               f"best {metric}", "best step", f"last {metric}", "steps",
               "wall time (s, last attempt)", "samples/s (last attempt)", "parameters trained", "fp32 MB", "int8 MB",
-              f"int8 {sweep['metric']}", f"baseline {sweep['metric']}", "beats baseline"]
+              f"int8 {sweep.metric}", f"baseline {sweep.metric}", "beats baseline"]
     keys = ["rank", "point", *swept, "status", *spread_keys, *COLUMNS[3:]]
     lines = [[cell({**row, "steps": steps_shown(row)}.get(key)) for key in keys] for row in rows]
     with atomic.file(out / "comparison.tsv") as temporary:
@@ -190,14 +192,14 @@ def write_table(rows: list[dict], swept: list[str], sweep: dict, out: Path) -> N
                    + "".join(f"<td>{html.escape(c)}</td>" for c in line) + "</tr>" for row, line in zip(rows, lines))
     style = ("body{font-family:sans-serif;margin:1.5em} table{border-collapse:collapse}"
              "td,th{border:1px solid #ccc;padding:4px 10px} tr.failed{color:#a00} tr.not-run{color:#888}")
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>Sweep {html.escape(sweep['name'])}</title>"
-            f"<style>{style}</style></head><body><h2>Sweep {html.escape(sweep['name'])}: every point, best first"
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>Sweep {html.escape(sweep.name)}</title>"
+            f"<style>{style}</style></head><body><h2>Sweep {html.escape(sweep.name)}: every point, best first"
             f"</h2><table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></body></html>")
     with atomic.file(out / "comparison.html") as temporary:
         temporary.write_text(page)
 
 
-def plot_comparison(rows: list[dict], swept: list[str], sweep: dict, out: Path) -> None:
+def plot_comparison(rows: list[dict], swept: list[str], sweep: Sweep, out: Path) -> None:
     """curves.png: train loss and the eval metric of every point over the steps;
     by_key.png: each point's best metric against each swept key."""
     import matplotlib
@@ -207,7 +209,7 @@ def plot_comparison(rows: list[dict], swept: list[str], sweep: dict, out: Path) 
 
     from ..reporting.plots import save
 
-    key = EVAL_KEYS[sweep["metric"]]
+    key = EVAL_KEYS[sweep.metric]
     finished = [row for row in rows if "history" in row]  # those that trained
     figure, (loss_axes, metric_axes) = plt.subplots(1, 2, figsize=(11, 4))
     for row in finished:
@@ -215,7 +217,7 @@ def plot_comparison(rows: list[dict], swept: list[str], sweep: dict, out: Path) 
         loss_axes.plot([r["step"] for r in train], [r["loss"] for r in train], label=row["point"])
         metric_axes.plot([e["step"] for e in evals], [e[key] for e in evals], marker="o", label=row["point"])
     loss_axes.set(xlabel="optimizer step", ylabel="train loss", title="Train loss")
-    metric_axes.set(xlabel="optimizer step", ylabel=sweep["metric"], title=f"{sweep['metric']} on the eval split")
+    metric_axes.set(xlabel="optimizer step", ylabel=sweep.metric, title=f"{sweep.metric} on the eval split")
     if finished:
         metric_axes.legend(fontsize="small")
     save(figure, out / "curves.png")
@@ -233,14 +235,14 @@ def plot_comparison(rows: list[dict], swept: list[str], sweep: dict, out: Path) 
                   [finished[i]["best"] for i in order], "o")
         if numeric and values and min(values) > 0 and max(values) >= 10 * min(values):
             axis.set_xscale("log")
-        axis.set(xlabel=name, ylabel=f"best {sweep['metric']}", title=f"{sweep['metric']} by {name}")
+        axis.set(xlabel=name, ylabel=f"best {sweep.metric}", title=f"{sweep.metric} by {name}")
     save(figure, out / "by_key.png")
 
 
-def summary(config: dict, best: dict | None, arguments: list[str]) -> str:
+def summary(config: Config, best: dict | None, arguments: list[str]) -> str:
     """The lines `snakemake` prints at the end of a sweep: the best point, where everything is,
     and the command that writes the HTML report (`arguments`: those that chose this sweep)."""
-    out, name = folder(config), config["sweep"]["name"]
+    out, name = folder(config), config.sweep.name
     if best is None:
         return f"sweep {name!r}: no point finished training; the table: {out / 'comparison.tsv'}"
     lines = [f"sweep {name!r}: best point {best['point']} ({best['metric']} {best['value']:.6g}, {best['goal']}, "
@@ -262,9 +264,9 @@ def summary(config: dict, best: dict | None, arguments: list[str]) -> str:
     return "\n".join(lines)
 
 
-def over_repeats(config: dict, best: dict) -> str:
+def over_repeats(config: Config, best: dict) -> str:
     """`; mean 0.41 (std 0.02) over its repeats`: what ranked the best point, with sweep.repeats."""
-    if config["sweep"]["repeats"] == 1:
+    if config.sweep.repeats == 1:
         return ""
     std = "n/a" if best["std"] is None else f"{best['std']:.3g}"
     return f"; mean {best['mean']:.6g} (std {std}) over its repeats"

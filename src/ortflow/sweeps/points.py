@@ -7,14 +7,14 @@ The Snakefile imports this module: it imports nothing heavy at its top."""
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ConfigError, _merge, expand_dotted, pick, read_value, validate
+from ..config import Config, ConfigError, as_dict, pick, read_value, replace
+from ..config.sections import Halving, Random, Sweep
 from ..digests import digest
 from ..training.run_folder import TrainFolder
 
@@ -28,36 +28,36 @@ HALVING = "halving.json"
 class Point:
     name: str  # readable and stable: from the point's values alone (micro_batch_size-16_lr-0.001)
     values: dict  # dotted config key -> this point's value
-    config: dict  # the validated config of the point's run
-    first: dict | None = None  # with sweep.halving: the config of its run to the first budget
+    config: Config  # the validated config of the point's run
+    first: Config | None = None  # with sweep.halving: the config of its run to the first budget
 
 
-def is_sweep(config: dict) -> bool:
+def is_sweep(config: Config) -> bool:
     """Whether `config` asks for a sweep (a grid or random points), rather than being one run."""
-    sweep = config["sweep"]
-    return not sweep["point"] and bool(sweep["grid"] or sweep["random"]["points"])
+    sweep = config.sweep
+    return not sweep.point and bool(sweep.grid or sweep.random.points)
 
 
-def folder(config: dict) -> Path:
+def folder(config: Config) -> Path:
     """results/sweeps/<name>: the comparison, and a folder per point."""
-    return SWEEPS / config["sweep"]["name"]
+    return SWEEPS / config.sweep.name
 
 
-def results(config: dict) -> Path:
+def results(config: Config) -> Path:
     """A run's folder: results/<run.name>, or results/sweeps/<sweep>/<point> for a sweep's point."""
-    point = config["sweep"]["point"]
-    return folder(config) / point if point else Path("results", config["run"]["name"])
+    point = config.sweep.point
+    return folder(config) / point if point else Path("results", config.run.name)
 
 
-def logs(config: dict) -> Path:
-    point = config["sweep"]["point"]
-    return SWEEP_LOGS / config["sweep"]["name"] / point if point else Path("logs", config["run"]["name"])
+def logs(config: Config) -> Path:
+    point = config.sweep.point
+    return SWEEP_LOGS / config.sweep.name / point if point else Path("logs", config.run.name)
 
 
-def shared(config: dict, stage: str, keys) -> Path:
+def shared(config: Config, stage: str, keys) -> Path:
     """The folder of a stage that a sweep's points share: named by the config keys it
     depends on (`data-<digest>`), so that the points whose keys are equal find it made."""
-    return folder(config) / "shared" / f"{stage}-{digest(pick(config, keys))[:12]}"
+    return folder(config) / "shared" / f"{stage}-{digest(pick(as_dict(config), keys))[:12]}"
 
 
 def rule_prefix(point: Point) -> str:
@@ -65,74 +65,71 @@ def rule_prefix(point: Point) -> str:
     return "point_" + re.sub(r"\W", "_", point.name)
 
 
-def goal(sweep: dict) -> str:
-    if sweep["goal"] != "auto":
-        return sweep["goal"]
-    return "max" if sweep["metric"] == "accuracy" else "min"
+def goal(sweep: Sweep) -> str:
+    if sweep.goal != "auto":
+        return sweep.goal
+    return "max" if sweep.metric == "accuracy" else "min"
 
 
-def points(config: dict) -> list[Point]:
+def points(config: Config) -> list[Point]:
     """Every point of the sweep, each config validated: a bad key or value
     names the point and the key, before any job runs."""
-    sweep = config["sweep"]
-    for key in [*sweep["grid"], *sweep["random"]["ranges"]]:
+    sweep = config.sweep
+    for key in [*sweep.grid, *sweep.random.ranges]:
         if key == "run.name" or key.split(".")[0] == "sweep":
             raise ConfigError(f"config key 'sweep': '{key}' cannot be swept (the sweep names each point's run)")
     combinations = [{}]
     # Keys in sorted order, here and in the draws: the names and the draws do not depend on the
     # order the keys are written in (the rules pass the config as JSON with sorted keys).
-    for key, values in sorted(sweep["grid"].items()):
+    # The values as written (a list a list, as the comparison's columns show them), not as typed.
+    for key, values in sorted(as_dict(sweep.grid).items()):
         combinations = [{**c, key: value} for c in combinations for value in values]
-    draws = random_draws(sweep["random"])
+    draws = random_draws(sweep.random)
     # Each value as the point's config will read it, so that its name and its column say the
     # same (YAML gives `1e-3` as text, the config reads it as 0.001).
     chosen = [{key: read_value(key, value) for key, value in sorted({**c, **d}.items())}
               for c in combinations for d in draws]
-    if sweep["repeats"] > 1:
-        seed = config["run"]["seed"]
-        chosen = [{**c, "run.seed": seed + r} for c in chosen for r in range(sweep["repeats"])]
+    if sweep.repeats > 1:
+        seed = config.run.seed
+        chosen = [{**c, "run.seed": seed + r} for c in chosen for r in range(sweep.repeats)]
     named = {point_name(values): values for values in chosen}
     if len(named) < len(chosen):
         raise ConfigError("config key 'sweep': two points have the same values; list each value once")
     chosen = [Point(name, values, point_config(config, name, values)) for name, values in named.items()]
-    return [halved(point, sweep["halving"]) for point in chosen] if sweep["halving"]["steps"] else chosen
+    return [halved(point, sweep.halving) for point in chosen] if sweep.halving.steps else chosen
 
 
-def halved(point: Point, halving: dict) -> Point:
+def halved(point: Point, halving: Halving) -> Point:
     """`point` with the run to the first budget of steps (its name `<point>.steps-<budget>`), from
     whose last checkpoint the point's own run goes on when the point is kept (train.resume_from)."""
-    budget, train = halving["steps"], point.config["train"]
-    if train["lr_schedule"]["name"] != "constant":
+    budget, train, run = halving.steps, point.config.train, point.config.run
+    if train.lr_schedule.name != "constant":
         raise ConfigError(f"sweep point {point.name!r}: config key 'sweep.halving.steps' needs "
-                          f"train.lr_schedule.name: constant, not {train['lr_schedule']['name']!r} (a decaying "
+                          f"train.lr_schedule.name: constant, not {train.lr_schedule.name!r} (a decaying "
                           "schedule spreads over train.steps: the first budget would train differently)")
-    if budget >= train["steps"]:
+    if budget >= train.steps:
         raise ConfigError(f"sweep point {point.name!r}: config key 'sweep.halving.steps': {budget} is not below "
-                          f"train.steps={train['steps']}")
+                          f"train.steps={train.steps}")
     from ..checkpoints.layout import step_dir  # numpy and ONNX: not for every Snakefile that imports this
 
-    first = copy.deepcopy(point.config)
-    first["sweep"]["point"] = f"{point.name}.steps-{budget}"
-    first["run"]["name"] += f".steps-{budget}"
-    first["train"]["steps"] = budget
-    final = copy.deepcopy(point.config)
-    final["train"]["resume_from"] = str(step_dir(TrainFolder(results(first) / "train").checkpoints, budget))
-    return Point(point.name, point.values, final, first)
+    first = replace(point.config, {"sweep.point": f"{point.name}.steps-{budget}",
+                                   "run.name": f"{run.name}.steps-{budget}", "train.steps": budget})
+    resume = step_dir(TrainFolder(results(first) / "train").checkpoints, budget)
+    return Point(point.name, point.values, replace(point.config, {"train.resume_from": str(resume)}), first)
 
 
-
-
-def random_draws(random_search: dict) -> list[dict]:
+def random_draws(random_search: Random) -> list[dict]:
     """random.points draws from random.ranges with random.seed, one value per range (by key):
     adding draws keeps the earlier ones. Floats keep 4 significant digits,
     so that the name shows the value trained."""
-    if not random_search["points"]:
+    if not random_search.points:
         return [{}]
-    generator = random.Random(random_search["seed"])
+    generator = random.Random(random_search.seed)
+    ranges = as_dict(random_search.ranges)  # a choice's values as written, as the grid's
     draws = []
-    for _ in range(random_search["points"]):
+    for _ in range(random_search.points):
         draw = {}
-        for key, ((kind, bounds),) in ((k, tuple(r.items())) for k, r in sorted(random_search["ranges"].items())):
+        for key, ((kind, bounds),) in ((k, tuple(r.items())) for k, r in sorted(ranges.items())):
             if kind == "choice":
                 draw[key] = generator.choice(bounds)
                 continue
@@ -164,13 +161,11 @@ def format_value(value) -> str:
     return str(value)
 
 
-def point_config(config: dict, name: str, values: dict) -> dict:
-    """The base config with the point's values, as the run of point `name` of the sweep."""
-    base = copy.deepcopy(config)
-    base["sweep"] = {"name": config["sweep"]["name"], "point": name}
-    merged = _merge(base, expand_dotted(values))
-    merged["run"]["name"] = f"{config['sweep']['name']}.{name}"
+def point_config(config: Config, name: str, values: dict) -> Config:
+    """The base config with the point's values, as the run of point `name` of the sweep: its own
+    sweep section says only which point it is."""
+    sweep = config.sweep.name
     try:
-        return validate(merged)
+        return replace(config, {"sweep": {"name": sweep, "point": name}, **values, "run.name": f"{sweep}.{name}"})
     except ConfigError as error:
         raise ConfigError(f"sweep point {name!r}: {error}") from None

@@ -20,7 +20,7 @@ For each parameter tensor x with gradient g, at the 1-based update count t:
 - Gradient clipping: the operator's `max_norm_clip` scales the gradients down to a
   global norm; ortflow already does that after the all-reduce (train.clip_grad_norm,
   gradients.py), so this step takes the clipped gradients.
-- eps: the TrainingRunner's 1e-6 by default (config.py resolves train.optimizer.eps).
+- eps: the TrainingRunner's 1e-6 by default (config/rules.py resolves train.optimizer.eps).
 - The operator leaves an element whose direction is not finite unchanged; here, as in
   ortflow's AdamW, a non-finite gradient propagates.
 
@@ -37,7 +37,7 @@ implementation for LambOptimizer(1) node"), so ortflow computes it with the arra
 module of the parameters (`xp`: numpy, or cupy on a GPU), in place: the parameters
 and both moments are updated in the arrays passed in, with one scratch array the size
 of the current tensor. The step needs each whole tensor (its norms); it cannot run on
-the slices of tensors that ZeRO-1 gives a rank (config.py refuses train.zero: 1 with lamb).
+the slices of tensors that ZeRO-1 gives a rank (config/rules.py refuses train.zero: 1 with lamb).
 """
 
 from __future__ import annotations
