@@ -207,3 +207,41 @@ def test_an_arrow_folder_that_is_not_a_datasets_folder_is_refused(tmp_path):
     with pytest.raises(DataError, match=r"arrows is a directory, not a file \(it holds Arrow files\), nor a "
                                         r"folder written by datasets' save_to_disk: it has neither dataset_dict.json"):
         prepare(config, tmp_path / "data/train", tmp_path / "data/eval")
+
+
+@pytest.mark.e2e  # 18 s: with test_hf_families' slower families, out of the fast loop
+def test_a_tiny_chat_model_trains_on_the_assistant_turns_as_torch_does(tmp_path):
+    """A Llama-shaped folder with a chat template, fine-tuned on a messages jsonl: ONNX Runtime's steps
+    and torch's on the same batches give the same assistant-only loss and weights (the layer tests'
+    tolerance), as tests/test_hf_families.py compares every family."""
+    rng = np.random.default_rng(0)
+    words = CHAT_WORDS[8:]
+    rows = [{"messages": [{"role": "user", "content": " ".join(rng.choice(words, rng.integers(2, 6)))},
+                          {"role": "assistant", "content": " ".join(rng.choice(words, rng.integers(1, 5)))}]}
+            for _ in range(40)]
+    folder = chat_tokenizer(tmp_path / "model")
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+        vocab_size=len(CHAT_WORDS), max_position_embeddings=64, attention_dropout=0.0)).save_pretrained(folder)
+    config = config_mod.load(overrides={
+        "run": {"name": "chat", "seed": 3},
+        "data": {"source": str(write_jsonl(tmp_path / "chats.jsonl", rows)), "tokenizer": str(folder),
+                 "context": 16, "shards": 1, "eval_fraction": 0.25},
+        "model": {"kind": "transformers", "path": str(folder), "task": "causal-lm"},
+        "train": {"world_size": 1, "micro_batch_size": 8, "steps": 4, "clip_grad_norm": None,
+                  "optimizer": {"name": "sgd", "lr": 0.1, "weight_decay": 0.0},
+                  "lr_schedule": {"name": "cosine", "warmup_steps": 2}}})
+    train_dir = tmp_path / "data/train"
+    prepare(config, train_dir, tmp_path / "data/eval")
+    artifacts = Artifacts(tmp_path / "artifacts")
+    build_artifacts.build(config, train_dir, artifacts.folder)
+    initial = dict(read_ort_checkpoint(artifacts.checkpoint).parameters)
+    losses = train_in_ort(artifacts, config, train_dir, tmp_path / "checkpoint")
+    trained = dict(read_ort_checkpoint(tmp_path / "checkpoint/checkpoint").parameters)
+    manifest = json.loads((train_dir / "manifest.json").read_text())
+    torch_losses, torch_trained = train_like_ortflow(torch_twin(config, manifest, initial), config, train_dir)
+    worst = differences(trained, torch_trained)
+    assert largest(losses, torch_losses) <= LOSS_TOLERANCE * max(1.0, *torch_losses), (losses, torch_losses)
+    assert max(worst.values()) <= PARAMETER_TOLERANCE, worst
+    assert max(largest(trained[name], initial[name]) for name in trained) > 100 * PARAMETER_TOLERANCE
