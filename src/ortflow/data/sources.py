@@ -3,7 +3,9 @@
 Built in: `digits` (scikit-learn's 8x8 handwritten digits, shipped inside its
 package) and `text` (a language-model corpus; by default Python's own
 documentation from `pydoc_data`). Bring your own: .csv, .parquet, .jsonl, .npz,
-.h5/.hdf5, .txt.
+.h5/.hdf5, .txt, or a folder written by `datasets`' save_to_disk. Rows of chats,
+prompt-completion pairs or documents (data.format) become a causal LM's
+examples (examples.py).
 
 Text is bytes (vocabulary 256), or with `data.tokenizer` token ids
 (tokenizer.py); either way cut into windows of `data.context` whose label is the

@@ -13,7 +13,8 @@ Two uses:
   text is split into documents at blank lines (`"\\n\\n"`, as `datasets`' text
   loader reads `sample_by="paragraph"`), read and encoded in batches, each
   document followed by the end-of-text token; the stream goes to a scratch file,
-  not memory, and sources.py cuts it into windows as it cuts bytes;
+  not memory, and sources.py cuts it into windows as it cuts bytes (the
+  documents of a column, examples.py, go the same way: `document_tokens`);
 - text columns (`data.text`, `encode_columns`): one text or a pair per row
   becomes `input_ids`, `attention_mask` (and `token_type_ids` where the
   tokenizer gives them), truncated and padded to `data.context`; the JSON then
