@@ -19,8 +19,8 @@ from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.data.shards import ShardReader
 from ortflow.errors import DataError
-from ortflow.models import IGNORE_INDEX
-from ortflow.stages import build_artifacts
+from ortflow.models import IGNORE_INDEX, save_trained
+from ortflow.stages import build_artifacts, export_model
 from ortflow.stages.prepare_data import prepare
 from test_hf_families import differences, torch_twin, train_in_ort
 from test_torch_layers import LOSS_TOLERANCE, PARAMETER_TOLERANCE, largest
@@ -210,10 +210,11 @@ def test_an_arrow_folder_that_is_not_a_datasets_folder_is_refused(tmp_path):
 
 
 @pytest.mark.e2e  # 18 s: with test_hf_families' slower families, out of the fast loop
-def test_a_tiny_chat_model_trains_on_the_assistant_turns_as_torch_does(tmp_path):
+def test_a_tiny_chat_model_trains_on_the_assistant_turns_as_torch_does_and_exports(tmp_path):
     """A Llama-shaped folder with a chat template, fine-tuned on a messages jsonl: ONNX Runtime's steps
     and torch's on the same batches give the same assistant-only loss and weights (the layer tests'
-    tolerance), as tests/test_hf_families.py compares every family."""
+    tolerance), as tests/test_hf_families.py compares every family; the exported transformers folder
+    renders chats with the template of the config, which the training rendered them with."""
     rng = np.random.default_rng(0)
     words = CHAT_WORDS[8:]
     rows = [{"messages": [{"role": "user", "content": " ".join(rng.choice(words, rng.integers(2, 6)))},
@@ -227,7 +228,7 @@ def test_a_tiny_chat_model_trains_on_the_assistant_turns_as_torch_does(tmp_path)
     config = config_mod.load(overrides={
         "run": {"name": "chat", "seed": 3},
         "data": {"source": str(write_jsonl(tmp_path / "chats.jsonl", rows)), "tokenizer": str(folder),
-                 "context": 16, "shards": 1, "eval_fraction": 0.25},
+                 "context": 16, "shards": 1, "eval_fraction": 0.25, "chat_template": MARKED_TEMPLATE},
         "model": {"kind": "transformers", "path": str(folder), "task": "causal-lm"},
         "train": {"world_size": 1, "micro_batch_size": 8, "steps": 4, "clip_grad_norm": None,
                   "optimizer": {"name": "sgd", "lr": 0.1, "weight_decay": 0.0},
@@ -245,3 +246,8 @@ def test_a_tiny_chat_model_trains_on_the_assistant_turns_as_torch_does(tmp_path)
     assert largest(losses, torch_losses) <= LOSS_TOLERANCE * max(1.0, *torch_losses), (losses, torch_losses)
     assert max(worst.values()) <= PARAMETER_TOLERANCE, worst
     assert max(largest(trained[name], initial[name]) for name in trained) > 100 * PARAMETER_TOLERANCE
+
+    export_model.export(config, artifacts.folder, tmp_path / "checkpoint", tmp_path / "data/eval",
+                        tmp_path / "model.onnx")
+    exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / save_trained.TRANSFORMERS))
+    assert exported.chat_template == MARKED_TEMPLATE

@@ -222,7 +222,7 @@ class Renderer:
     def _open_chat(self) -> None:
         """The chat template, at the first chat: prompt-completion pairs of texts need none."""
         self.chat = _chat_tokenizer(self.tokenizer, self.data.chat_template)
-        self.template = self.chat.chat_template
+        self.template = self.tokenizer.chat_template = self.chat.chat_template
         self.marked = bool(GENERATION.search(self.template))
 
     def columns(self) -> list[str]:

@@ -66,6 +66,7 @@ class Tokenizer:
     type_ids: bool  # whether it gives token_type_ids (a BERT-style pair template)
     input: str | None = None  # the data's input that holds its ids, once it has encoded them
     loaded: object | None = None  # a folder's transformers tokenizer: its chat template and special tokens
+    chat_template: str | None = None  # the template that rendered chats (examples.py), to render the model's prompts
     text: list[str] | None = None  # the text columns it encoded (data.text), if any
 
     def token_id(self, token: str) -> int:
@@ -74,7 +75,8 @@ class Tokenizer:
     def describe(self) -> dict:
         """What the shards' manifest records of it, beside the file's name and sha256."""
         return {"source": self.source, "vocab_size": self.vocab_size, "eos_token": self.eos_token,
-                "pad_token": self.pad_token, "input": self.input, "text": self.text}
+                "pad_token": self.pad_token, "input": self.input, "text": self.text} | (
+                    {"chat_template": self.chat_template} if self.chat_template else {})
 
     def to_json(self) -> str:
         return self.backend.to_str()
