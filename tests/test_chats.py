@@ -17,6 +17,7 @@ import transformers
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
+from ortflow.data import examples
 from ortflow.data.shards import ShardReader
 from ortflow.errors import DataError
 from ortflow.models import IGNORE_INDEX, save_trained
@@ -89,6 +90,8 @@ def test_loss_on_all_and_a_template_of_the_config(tmp_path):
     (tmp_path / "template.jinja").write_text(CHAT_TEMPLATE)
     train, _, _ = prepared(tmp_path, source=str(source), tokenizer=str(folder), loss_on="all",
                            chat_template=str(tmp_path / "template.jinja"))
+    assert examples.template_file(str(tmp_path / "template.jinja")) == tmp_path / "template.jinja"  # an input
+    assert examples.template_file(CHAT_TEMPLATE) is None
     length = int(train["attention_mask"][0].sum())
     assert (train["y"][0, :length - 1] == train["input_ids"][0, 1:length]).all()
     assert (train["y"][0, length - 1:] == IGNORE_INDEX).all()
@@ -141,6 +144,9 @@ def test_a_datasets_folder_keeps_its_splits(tmp_path):
     assert len(train["y"]) == 6 and len(evaluation["y"]) == 2
     assert [CHAT_WORDS[i] for i in evaluation["y"][0] if i != IGNORE_INDEX] == ["fine", "thanks", "</s>"]
     assert manifest["source"]["examples"]["splits"] == {"train": 6, "eval": 2}
+    # Snakemake's inputs of prepare_data (workflow/rules/common.smk): editing a split reruns it
+    assert {Path(file).parent.name for file in examples.source_files(str(tmp_path / "hub"))
+            if file.endswith(".arrow")} == {"train", "validation"}
 
 
 def test_too_long_examples_are_truncated_or_dropped_and_counted(tmp_path):

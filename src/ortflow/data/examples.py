@@ -326,8 +326,8 @@ def _chat_tokenizer(tokenizer: tokenizers.Tokenizer, template: str | None):
         chat = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, eos_token=tokenizer.eos_token,
                                        pad_token=tokenizer.pad_token)
     if template:
-        path = Path(template)
-        chat.chat_template = path.read_text(encoding="utf-8") if "{" not in template and path.is_file() else template
+        file = template_file(template)
+        chat.chat_template = file.read_text(encoding="utf-8") if file else template
         if "{" not in chat.chat_template:
             raise DataError(f"data.chat_template: {template!r} is neither a file nor a Jinja template")
     if not getattr(chat, "chat_template", None):
@@ -403,3 +403,14 @@ def _record(ids: list[int], loss: list[bool], where: str, data, counts: Counts, 
     counts.examples += 1
     counts.loss_tokens += kept
     return record
+
+
+def template_file(template: str | None) -> Path | None:
+    """The file that `data.chat_template` names, if it names one: a Jinja template has a '{', a path none."""
+    return Path(template) if template and "{" not in template and Path(template).is_file() else None
+
+
+def source_files(source: str) -> list[str]:
+    """The files of `data.source`: a datasets folder's (its Arrow files and descriptions), else the file."""
+    path = Path(source)
+    return sorted(str(file) for file in path.rglob("*") if file.is_file()) if path.is_dir() else [source]
