@@ -149,6 +149,36 @@ def test_a_datasets_folder_keeps_its_splits(tmp_path):
             if file.endswith(".arrow")} == {"train", "validation"}
 
 
+def test_chats_of_parquet_and_of_a_datasets_folder_are_those_of_jsonl(tmp_path):
+    import datasets
+    import pandas as pd
+
+    folder = chat_tokenizer(tmp_path / "tokenizer")
+    rows = [{"messages": CHAT}, {"messages": CHAT[1:3]}] * 3
+    pd.DataFrame(rows).to_parquet(tmp_path / "chats.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "hub"))
+    jsonl, _, _ = prepared(tmp_path / "jsonl", source=str(write_jsonl(tmp_path / "chats.jsonl", rows)),
+                           tokenizer=str(folder))
+    for source in ("chats.parquet", "hub"):
+        other, _, _ = prepared(tmp_path / f"out-{source}", source=str(tmp_path / source), tokenizer=str(folder))
+        assert all((jsonl[name] == other[name]).all() for name in jsonl), source
+
+
+def test_documents_of_a_datasets_folder_keep_its_splits(tmp_path):
+    import datasets
+
+    folder = chat_tokenizer(tmp_path / "tokenizer")
+    train, evaluation = ["hi there how are you fine thanks"] * 6, ["what is two plus two four"] * 3
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": train}),
+                          "test": datasets.Dataset.from_dict({"text": evaluation})}).save_to_disk(str(tmp_path / "hub"))
+    windows, held_out, _ = prepared(tmp_path, source=str(tmp_path / "hub"), tokenizer=str(folder), context=8,
+                                    format="documents")
+    # 6 x 8 train tokens (7 words and </s>) and 3 x 6 eval tokens: windows of 8 tokens and the next one
+    assert len(windows["y"]) == (6 * 8 - 1) // 8 and len(held_out["y"]) == (3 * 6 - 1) // 8
+    words = {CHAT_WORDS.index(word) for word in "what is two plus four".split()}
+    assert not words & set(windows["x"].ravel()) and set(held_out["x"][:, 1:].ravel()) <= words | {1}
+
+
 def test_too_long_examples_are_truncated_or_dropped_and_counted(tmp_path):
     folder = chat_tokenizer(tmp_path / "tokenizer")
     rows = [{"messages": CHAT}] * 4 + [{"messages": CHAT[1:3]}] * 4  # 18 and 8 tokens
