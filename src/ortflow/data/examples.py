@@ -254,20 +254,18 @@ class Renderer:
         return messages
 
     def _render(self, where: str, row: int, messages: list[dict], prompt: bool = False) -> str:
+        return self._apply(where, row, messages, tokenize=False, add_generation_prompt=prompt)
+
+    def _apply(self, where: str, row: int, messages: list[dict], **options):
         try:
-            return self.chat.apply_chat_template(messages, tokenize=False, add_generation_prompt=prompt)
+            return self.chat.apply_chat_template(messages, **options)
         except Exception as error:  # jinja2's TemplateError, or what the template raises itself
             raise DataError(f"{where}: row {row}: the chat template fails to render it "
                             f"({type(error).__name__}: {str(error).strip()[:200]})") from None
 
     def _chat(self, where: str, row: int, messages: list[dict]) -> tuple[list[int], list[bool]]:
         if self.marked:  # the template marks the assistant's tokens itself
-            try:
-                out = self.chat.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                                    return_assistant_tokens_mask=True)
-            except Exception as error:  # as in _render
-                raise DataError(f"{where}: row {row}: the chat template fails to render it "
-                                f"({type(error).__name__}: {str(error).strip()[:200]})") from None
+            out = self._apply(where, row, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
         text = self._render(where, row, messages)
         spans = [self._turn(where, row, messages[:i], messages[:i + 1], text)
