@@ -179,6 +179,15 @@ def test_documents_of_a_datasets_folder_keep_its_splits(tmp_path):
     assert not words & set(windows["x"].ravel()) and set(held_out["x"][:, 1:].ravel()) <= words | {1}
 
 
+def test_auto_finds_the_format_by_the_columns_but_text_columns_stay_a_table():
+    def found(columns: list[str], **data) -> str:
+        return examples.format_of(config_mod.load(overrides={"data": data}).data, columns)
+
+    assert found(["messages", "id"]) == "messages" and found(["prompt", "completion"]) == "prompt-completion"
+    assert found(["prompt", "completion", "y"], text="prompt") == "table" and found(["text", "y"]) == "table"
+    assert found(["text"], format="documents") == "documents"
+
+
 def test_too_long_examples_are_truncated_or_dropped_and_counted(tmp_path):
     folder = chat_tokenizer(tmp_path / "tokenizer")
     rows = [{"messages": CHAT}] * 4 + [{"messages": CHAT[1:3]}] * 4  # 18 and 8 tokens

@@ -166,9 +166,12 @@ def _arrow_rows(where: str, dataset) -> Rows:
 
 
 def format_of(data, columns: list[str]) -> str:
-    """`data.format`, `auto` resolved from the columns: `table` for today's tables."""
+    """`data.format`, `auto` resolved from the columns: `table` for today's tables, and for text columns
+    (data.text) of a classifier or a sequence-to-sequence model, whatever other columns the rows have."""
     if data.format != "auto":
         return data.format
+    if data.text:
+        return "table"
     if data.messages in columns:
         return "messages"
     if data.prompt in columns and data.completion in columns:
