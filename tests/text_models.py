@@ -67,3 +67,31 @@ class TextBag(nn.Module):
         weights = attention_mask.unsqueeze(-1).float()
         embedded = (self.tokens(input_ids) + self.types(token_type_ids)) * weights
         return self.head(embedded.sum(dim=1) / weights.sum(dim=1).clamp(min=1.0))
+
+
+CHAT_WORDS = ["<s>", "</s>", "<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>", "<|tool|>"] + [
+    "hi", "there", "how", "are", "you", "fine", "ok", "thanks", "be", "brief", "what", "is", "two", "plus", "four",
+    "yes", "no", "a", "b", "c"]
+# Each turn: its role's token, its words, and </s> after an assistant's; the generation prompt opens one.
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} "
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }} {% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|> {% endif %}")
+# The same rendering with the assistant's tokens marked, as transformers' return_assistant_tokens_mask reads them.
+MARKED_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|> {% if m['role'] == 'assistant' %}"
+                   "{% generation %}{{ m['content'] }} {{ eos_token }}{% endgeneration %} {% else %}"
+                   "{{ m['content'] }} {% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}")
+
+
+def chat_tokenizer(folder: Path, template: str | None = CHAT_TEMPLATE) -> Path:
+    """A word-level tokenizer of CHAT_WORDS (one id a word, split at spaces) saved with save_pretrained
+    into `folder`, its chat template `template` (None: none): small enough to read ids by eye."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(CHAT_WORDS)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                                        pad_token="<pad>", unk_token="<unk>")
+    tokenizer.chat_template = template
+    tokenizer.save_pretrained(str(folder))
+    return folder

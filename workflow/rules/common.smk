@@ -5,6 +5,7 @@ from pathlib import Path
 from ortflow import config as ortflow_config
 from ortflow.sweeps import points as ortflow_sweep
 from ortflow import user_files
+from ortflow.data import examples as ortflow_examples
 from ortflow.errors import OrtflowError
 from ortflow.training.run_folder import TrainFolder
 
@@ -107,13 +108,23 @@ DATA_EVAL = f"{DATA}/eval"
 def data_files(wildcards):
     """The user's data file and tokenizer, if any: editing them reruns
     prepare_data, and a missing one stops the run before any job, naming it.
-    A save_pretrained tokenizer folder counts by the tokenizer files read from it."""
+    A save_pretrained tokenizer folder counts by the tokenizer files read from it,
+    a datasets folder by its files, data.chat_template by its file if it names one."""
     data = CONFIG.data
     if data.source == "text":
         files = [data.text_path] if data.text_path else []
     else:
-        files = [] if data.source == "digits" else [data.source]
-    return files + [str(file) for file in TOKENIZER_FILES]
+        files = (
+            []
+            if data.source == "digits"
+            else ortflow_examples.source_files(data.source)
+        )
+    template = ortflow_examples.template_file(data.chat_template)
+    return (
+        files
+        + [str(file) for file in TOKENIZER_FILES]
+        + ([str(template)] if template else [])
+    )
 
 
 def model_files(wildcards):

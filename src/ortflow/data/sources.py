@@ -3,7 +3,9 @@
 Built in: `digits` (scikit-learn's 8x8 handwritten digits, shipped inside its
 package) and `text` (a language-model corpus; by default Python's own
 documentation from `pydoc_data`). Bring your own: .csv, .parquet, .jsonl, .npz,
-.h5/.hdf5, .txt.
+.h5/.hdf5, .txt, or a folder written by `datasets`' save_to_disk. Rows of chats,
+prompt-completion pairs or documents (data.format) become a causal LM's
+examples (examples.py).
 
 Text is bytes (vocabulary 256), or with `data.tokenizer` token ids
 (tokenizer.py); either way cut into windows of `data.context` whose label is the
@@ -32,7 +34,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..models import DECODER_INPUT_IDS, IGNORE_INDEX
-from . import tokenizer as tokenizers
+from . import examples, tokenizer as tokenizers
 
 FRAME_SUFFIXES = (".csv", ".parquet", ".jsonl")  # read by pandas; the only ones with text columns (data.text)
 TABULAR_SUFFIXES = FRAME_SUFFIXES + (".npz", ".h5", ".hdf5")
@@ -54,6 +56,8 @@ class Dataset:
     num_classes: int | None = None  # classification: classes; language_model: vocabulary size
     classes: list[str] | None = None  # the names of classes 0..K-1 of a label of strings or bools
     tokenizer: tokenizers.Tokenizer | None = None  # data.tokenizer, which made the token ids
+    split: tuple[np.ndarray, np.ndarray] | None = None  # (train rows, eval rows) of a source with its own splits
+    counts: dict | None = None  # examples.Counts of chats and prompt-completion pairs: for the manifest
 
     def __len__(self) -> int:
         return len(self.label)
@@ -69,6 +73,8 @@ def load(data, scratch: Path | None = None) -> Dataset:
     elif source == "text":
         path = Path(data.text_path) if data.text_path else None
         dataset = _text(data, "data.text_path", path, scratch)
+    elif (dataset := _examples(data, Path(source), scratch)) is not None:
+        pass
     else:
         path = Path(source)
         suffix = path.suffix.lower()
@@ -106,6 +112,54 @@ def load(data, scratch: Path | None = None) -> Dataset:
             f"data.label {dataset.label_name!r} is also the name of an input "
             f"({', '.join(dataset.features)}); give the label another name"
         )
+    return dataset
+
+
+def _examples(data, path: Path, scratch: Path | None) -> Dataset | None:
+    """A language model's examples (examples.py) of a .jsonl, .parquet or datasets folder whose rows are
+    chats, prompt-completion pairs or documents (data.format); None for a table (or no such source)."""
+    if not (examples.is_rows(path) and path.exists()):
+        return None
+    splits = examples.open_rows(path)
+    fmt = examples.format_of(data, next(iter(splits.values())).columns)
+    if fmt == "table":
+        if path.is_dir():
+            raise DataError(f"data.source: the datasets folder {path} has columns "
+                            f"{', '.join(next(iter(splits.values())).columns)}: no {data.messages!r} (data.messages), "
+                            f"nor {data.prompt!r} and {data.completion!r} (data.prompt, data.completion); a column "
+                            "of documents is data.format: documents with data.text")
+        return None
+    if not data.tokenizer:
+        raise DataError(f"data.source {path}: {fmt} rows are tokenized: set data.tokenizer")
+    if isinstance(data.text, list):
+        raise DataError(f"data.text: {fmt} rows read one column of text, not {len(data.text)}")
+    tokenizer = tokenizers.load(data.tokenizer)
+    if fmt == "documents":
+        return _column_documents(data, splits, tokenizer, scratch)
+    features, labels, counts, split = examples.encode(data, tokenizer, splits, fmt, scratch)
+    return Dataset(features, labels, data.label, "language_model", tokenizer.vocab_size, tokenizer=tokenizer,
+                   split=split, counts=counts.describe())
+
+
+def _column_documents(data, splits: dict, tokenizer: tokenizers.Tokenizer, scratch: Path | None) -> Dataset:
+    """The documents of the data.text column (`text` by default), encoded as a .txt file's are and cut into
+    windows; a source's own train and eval splits each give their own windows (the one across both is left out)."""
+    column = data.text or "text"
+    progress = tokenizers.Progress(", ".join(rows.where for rows in splits.values()), 0, "documents", 1)
+
+    def counted(rows):
+        for document in examples.documents(rows, column):
+            progress.done += 1
+            yield document
+
+    tokens, counts = tokenizers.document_tokens(tokenizer, [counted(rows) for rows in splits.values()], progress,
+                                                scratch)
+    dataset = _language_model(tokens, data, tokenizer.vocab_size, "tokens", tokenizer)
+    if "train" in splits:
+        # Window i holds tokens [i * context, i * context + context]: those of the train split end before
+        # its last token, those of the eval split start at or after it (an end-of-text token).
+        context, train = data.context, counts[0]
+        dataset.split = (np.arange((train - 1) // context), np.arange(-(-(train - 1) // context), len(dataset)))
     return dataset
 
 

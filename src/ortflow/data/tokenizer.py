@@ -13,7 +13,8 @@ Two uses:
   text is split into documents at blank lines (`"\\n\\n"`, as `datasets`' text
   loader reads `sample_by="paragraph"`), read and encoded in batches, each
   document followed by the end-of-text token; the stream goes to a scratch file,
-  not memory, and sources.py cuts it into windows as it cuts bytes;
+  not memory, and sources.py cuts it into windows as it cuts bytes (the
+  documents of a column, examples.py, go the same way: `document_tokens`);
 - text columns (`data.text`, `encode_columns`): one text or a pair per row
   becomes `input_ids`, `attention_mask` (and `token_type_ids` where the
   tokenizer gives them), truncated and padded to `data.context`; the JSON then
@@ -64,6 +65,8 @@ class Tokenizer:
     pad_token: str | None
     type_ids: bool  # whether it gives token_type_ids (a BERT-style pair template)
     input: str | None = None  # the data's input that holds its ids, once it has encoded them
+    loaded: object | None = None  # a folder's transformers tokenizer: its chat template and special tokens
+    chat_template: str | None = None  # the template that rendered chats (examples.py), to render the model's prompts
     text: list[str] | None = None  # the text columns it encoded (data.text), if any
 
     def token_id(self, token: str) -> int:
@@ -72,7 +75,8 @@ class Tokenizer:
     def describe(self) -> dict:
         """What the shards' manifest records of it, beside the file's name and sha256."""
         return {"source": self.source, "vocab_size": self.vocab_size, "eos_token": self.eos_token,
-                "pad_token": self.pad_token, "input": self.input, "text": self.text}
+                "pad_token": self.pad_token, "input": self.input, "text": self.text} | (
+                    {"chat_template": self.chat_template} if self.chat_template else {})
 
     def to_json(self) -> str:
         return self.backend.to_str()
@@ -126,7 +130,9 @@ def _from_folder(where: Path, path: str) -> Tokenizer:
     eos = own(loaded.eos_token) or _first_known(backend, EOS_TOKENS)
     pad = own(loaded.pad_token) or _first_known(backend, PAD_TOKENS)
     # A copy: the settings below are ortflow's, not the loaded tokenizer's.
-    return _finish(Backend.from_str(backend.to_str()), path, eos, pad, TOKEN_TYPE_IDS in loaded.model_input_names)
+    tokenizer = _finish(Backend.from_str(backend.to_str()), path, eos, pad, TOKEN_TYPE_IDS in loaded.model_input_names)
+    tokenizer.loaded = loaded
+    return tokenizer
 
 
 def _finish(backend, path: str, eos: str | None, pad: str | None, type_ids: bool) -> Tokenizer:
@@ -198,21 +204,22 @@ class Progress:
         if final or now - self.shown >= PROGRESS_SECONDS:
             self.shown = now
             shown = ",.1f" if self.scale > 1 else ",.0f"
-            log.info("tokenized %s: %s of %s %s (%.0f%%), %s tokens, %s tokens/s", self.what,
-                     format(self.done / self.scale, shown), format(self.total / self.scale, shown), self.unit,
-                     100 * self.done / max(self.total, 1), f"{self.tokens:,}",
-                     f"{self.tokens / max(now - self.started, 1e-9):,.0f}")
+            # A total of 0 is unknown (rows of a JSON Lines file are not counted ahead).
+            of = f" of {format(self.total / self.scale, shown)} {self.unit} ({100 * self.done / self.total:.0f}%)" \
+                if self.total else f" {self.unit}"
+            log.info("tokenized %s: %s%s, %s tokens, %s tokens/s", self.what, format(self.done / self.scale, shown),
+                     of, f"{self.tokens:,}", f"{self.tokens / max(now - self.started, 1e-9):,.0f}")
 
 
-def token_stream(tokenizer: Tokenizer, chunks: Iterable[str], out, progress: Progress) -> int:
-    """Encode the documents of `chunks`, each followed by the end-of-text token,
+def token_stream(tokenizer: Tokenizer, texts: Iterable[str], out, progress: Progress) -> int:
+    """Encode the documents `texts`, each followed by the end-of-text token,
     and append their ids (int64) to the binary file `out`; the number of tokens."""
     if tokenizer.eos_token is None:
         raise DataError(f"data.tokenizer: {tokenizer.source} has no end-of-text token to put between documents "
                         f"(none of {', '.join(EOS_TOKENS)}); add one as a special token (e.g. "
                         "special_tokens=['<|endoftext|>'] when training it)")
     eos = tokenizer.token_id(tokenizer.eos_token)
-    log.info("data.tokenizer %s: vocabulary %d, documents split at blank lines, each followed by %r (id %d)",
+    log.info("data.tokenizer %s: vocabulary %d, documents each followed by %r (id %d)",
              tokenizer.source, tokenizer.vocab_size, tokenizer.eos_token, eos)
     batch: list[str] = []
     size = total = 0
@@ -225,7 +232,7 @@ def token_stream(tokenizer: Tokenizer, chunks: Iterable[str], out, progress: Pro
         batch.clear()
         return len(ids)
 
-    for document in documents(chunks):
+    for document in texts:
         batch.append(document)
         size += len(document)
         if size >= BATCH_CHARS:
@@ -248,13 +255,22 @@ def language_model_tokens(tokenizer: Tokenizer, text: str | None, path: Path | N
         progress = Progress("the text", len(text.encode("utf-8")))
         progress.done = progress.total
         chunks = [text]
+    return document_tokens(tokenizer, [documents(chunks)], progress, scratch)[0]
+
+
+def document_tokens(tokenizer: Tokenizer, streams: list[Iterable[str]], progress: Progress,
+                    scratch: Path | None) -> tuple[np.ndarray, list[int]]:
+    """The token ids of the documents of `streams` (each followed by the end-of-text
+    token), one stream after the other, as a read-only int64 array mapped from a
+    scratch file in `scratch` (removed when the array is gone); and how many tokens
+    each stream gave (a datasets folder's train and eval splits, examples.py)."""
     with tempfile.TemporaryFile(dir=scratch, prefix="ortflow-tokens-") as out:
-        count = token_stream(tokenizer, chunks, out, progress)
+        counts = [token_stream(tokenizer, texts, out, progress) for texts in streams]
         out.flush()
-        if count == 0:
-            return np.zeros(0, dtype=np.int64)
+        if sum(counts) == 0:
+            return np.zeros(0, dtype=np.int64), counts
         # The mapping keeps the (already unlinked) file alive after it is closed.
-        return np.memmap(out, dtype=np.int64, mode="r", shape=(count,))
+        return np.memmap(out, dtype=np.int64, mode="r", shape=(sum(counts),)), counts
 
 
 # --- text columns ------------------------------------------------------------------------------------

@@ -98,7 +98,8 @@ def save_pretrained(task_model, model_path: str, tokenizer: str | None, describe
     """The TaskModel's AutoModelFor<task> into `folder` (save_pretrained, safetensors), its cache
     turned back on as the model's folder `model_path` has it, with data.tokenizer (`tokenizer`; its
     manifest entry `described`) beside it: a save_pretrained folder re-saved through AutoTokenizer,
-    a tokenizer.json file as a PreTrainedTokenizerFast with the data's eos and padding tokens."""
+    a tokenizer.json file as a PreTrainedTokenizerFast with the data's eos and padding tokens; either
+    with the chat template that rendered the data's chats, if any."""
     from .hugging_face import load_config
 
     hf = task_model.model
@@ -111,13 +112,16 @@ def save_pretrained(task_model, model_path: str, tokenizer: str | None, describe
         return
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+    described = described or {}
     if Path(tokenizer).is_dir():
-        AutoTokenizer.from_pretrained(tokenizer, local_files_only=True, trust_remote_code=False).save_pretrained(
-            str(folder))
-        return
-    special = {key: (described or {}).get(key) for key in ("eos_token", "pad_token")}
-    PreTrainedTokenizerFast(tokenizer_file=tokenizer, **{k: v for k, v in special.items() if v}).save_pretrained(
-        str(folder))
+        saved = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True, trust_remote_code=False)
+    else:
+        special = {key: described.get(key) for key in ("eos_token", "pad_token")}
+        saved = PreTrainedTokenizerFast(tokenizer_file=tokenizer, **{k: v for k, v in special.items() if v})
+    # The template that rendered the training chats (data.chat_template wins over the folder's): the
+    # model answers prompts rendered as it learned them.
+    saved.chat_template = described.get("chat_template") or saved.chat_template
+    saved.save_pretrained(str(folder))
 
 
 def from_pretrained(task_model, folder: Path):

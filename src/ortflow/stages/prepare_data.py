@@ -53,7 +53,16 @@ def prepare(config: config_mod.Config, train_dir: Path, eval_dir: Path) -> dict:
     # disk, in a folder that exists: bad data leaves nothing behind), not held in memory.
     scratch = next(folder for folder in Path(train_dir).absolute().parents if folder.is_dir())
     dataset = sources.load(data, scratch)
-    train_rows, eval_rows = split_rows(len(dataset), data.eval_fraction, data.split_seed)
+    if dataset.split:
+        train_rows, eval_rows = dataset.split
+        if len(train_rows) == 0 or len(eval_rows) == 0:
+            raise sources.DataError(f"data.source {data.source!r}: its {'eval' if len(train_rows) else 'train'} "
+                                    "split has no records")
+        log.info("data.source %s: its own train and eval splits, %d and %d records", data.source, len(train_rows),
+                 len(eval_rows))
+    else:
+        train_rows, eval_rows = split_rows(len(dataset), data.eval_fraction, data.split_seed)
+    source = {"data": config_mod.as_dict(data)} | ({"examples": dataset.counts} if dataset.counts else {})
     check_eval_classes(dataset, train_rows, eval_rows, f"data.source {data.source!r}")
     stats = {}
     if data.standardize:
@@ -64,7 +73,7 @@ def prepare(config: config_mod.Config, train_dir: Path, eval_dir: Path) -> dict:
     manifests = {}
     for split, rows, out in (("train", train_rows, train_dir), ("eval", eval_rows, eval_dir)):
         manifests[split] = write_split(dataset, rows, Path(out), split, data.shards,
-                                       {"data": config_mod.as_dict(data)}, stats)
+                                       source, stats)
         log.info(
             "%s: %d records in %d shards of %d-byte records -> %s",
             split,

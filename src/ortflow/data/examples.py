@@ -1,0 +1,417 @@
+"""A causal language model's examples from rows: chats, prompt-completion pairs, documents in a column.
+
+The rows come from a .jsonl or .parquet file or from a folder written by `datasets`' `save_to_disk`
+(`open_rows`), read a batch at a time: a folder's train and validation (or test) splits are kept as
+the train and eval splits. `data.format` says what a row holds (`auto`: a `data.messages` column is a
+chat, `data.prompt` and `data.completion` columns a prompt-completion pair):
+- `messages`: a list of {role, content}, rendered with the chat template (`data.chat_template`, else
+  the tokenizer folder's own) as transformers' `apply_chat_template` renders it, and tokenized as it
+  tokenizes the rendering (no special tokens added: the template writes them);
+- `prompt-completion`: two texts, tokenized each and followed by the end-of-text token, or two lists
+  of messages (conversational), the completion's turns rendered after the prompt's;
+- `documents`: a text column (`data.text`, default `text`) whose rows are documents, encoded as a
+  .txt file's are (tokenizer.document_tokens) and cut into windows by sources.py.
+
+A chat or a pair is one example of at most `data.context` tokens: the input ids, an attention mask
+(0 on the padding) and the labels, the ids shifted by one as the windows of text are, IGNORE_INDEX
+where the next token is not in the loss: by default (`data.loss_on: assistant`) only the assistant
+turns (TRL's `assistant_only_loss`) or the completion are, with `all` every token. Which tokens are
+the assistant's: the template's own `{% generation %}` marks (transformers' assistant mask), else the
+text that each assistant turn adds to the rendering of the turns before it with the generation
+prompt (as TRL finds them). A longer example is truncated or dropped (`data.too_long`), and both
+are counted. Examples go to a scratch file, not memory, as a tokenized text's stream does.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..errors import DataError
+from ..models import IGNORE_INDEX
+from . import tokenizer as tokenizers
+
+log = logging.getLogger("ortflow.prepare_data")
+
+ROLES = ("system", "user", "assistant")
+READ_ROWS = 1024  # rows read (and rendered) per batch
+DATASET_DICT = "dataset_dict.json"  # save_to_disk of a DatasetDict
+DATASET_FILES = ("dataset_info.json", "state.json")  # save_to_disk of a Dataset
+EVAL_SPLITS = ("validation", "test")  # a datasets folder's eval split, the first present
+GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' mark of the assistant's tokens
+FIELDS = 3  # input ids, attention mask, labels: an example's arrays in the scratch file
+
+
+@dataclass
+class Rows:
+    where: str  # the file, or the folder and split, that row numbers refer to
+    columns: list[str]
+    batches: Callable[[], Iterator[list[dict]]]  # the rows in order, READ_ROWS at a time
+
+
+@dataclass
+class Counts:
+    """What the log and the manifest say of the examples."""
+    examples: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    loss_tokens: int = 0
+    splits: dict = field(default_factory=dict)  # split -> examples, of a source with its own splits
+
+    def describe(self) -> dict:
+        return {"examples": self.examples, "truncated": self.truncated, "dropped": self.dropped,
+                "loss_tokens": self.loss_tokens, "splits": self.splits}
+
+
+def is_rows(path: Path) -> bool:
+    """Whether `data.source` may hold examples of this module: a .jsonl or .parquet file, or a folder."""
+    return path.is_dir() or path.suffix.lower() in (".jsonl", ".parquet")
+
+
+def open_rows(path: Path) -> dict[str, Rows]:
+    """The rows of `path`: {"all": rows} of a file or a single datasets split, else {"train", "eval"}."""
+    if path.is_dir():
+        return _datasets_folder(path)
+    if path.suffix.lower() == ".jsonl":
+        return {"all": _jsonl_rows(path)}
+    return {"all": _parquet_rows(path)}
+
+
+def _jsonl_rows(path: Path) -> Rows:
+    def first() -> list[str]:
+        """The first row's columns; none if it is no JSON object, for pandas to say why (sources.py)."""
+        with open(path, encoding="utf-8", errors="replace") as lines:
+            try:
+                value = json.loads(next(filter(str.strip, lines), "{}"))
+            except json.JSONDecodeError:
+                return []
+        return list(value) if isinstance(value, dict) else []
+
+    def batches() -> Iterator[list[dict]]:
+        batch = []
+        with open(path, encoding="utf-8") as lines:
+            for row, line in enumerate(filter(str.strip, lines)):
+                batch.append(_json_row(path, row, line))
+                if len(batch) == READ_ROWS:
+                    yield batch
+                    batch = []
+        if batch:
+            yield batch
+
+    return Rows(str(path), first(), batches)
+
+
+def _json_row(path: Path, row: int, line: str) -> dict:
+    try:
+        value = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise DataError(f"{path}: row {row} is not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise DataError(f"{path}: row {row} is a JSON {type(value).__name__}, not an object of named columns")
+    return value
+
+
+def _parquet_rows(path: Path) -> Rows:
+    import pyarrow.parquet as pq
+
+    try:
+        names = pq.ParquetFile(path).schema_arrow.names
+    except Exception as error:  # pyarrow's ArrowInvalid, OSError, ... with the reason
+        raise DataError(f"{path}: not a Parquet file ({str(error).strip()[:200]})") from None
+
+    def batches() -> Iterator[list[dict]]:
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=READ_ROWS):
+            yield batch.to_pylist()
+
+    return Rows(str(path), names, batches)
+
+
+def _datasets_folder(path: Path) -> dict[str, Rows]:
+    if not (path / DATASET_DICT).is_file() and not all((path / name).is_file() for name in DATASET_FILES):
+        arrow = " (it holds Arrow files)" if any(path.glob("*.arrow")) else ""
+        raise DataError(f"data.source: {path} is a directory, not a file{arrow}, nor a folder written by datasets' "
+                        f"save_to_disk: it has neither {DATASET_DICT} nor {' and '.join(DATASET_FILES)}")
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as error:  # datasets raises FileNotFoundError, ValueError, ... with the reason
+        raise DataError(f"data.source: datasets cannot load the folder {path} "
+                        f"({str(error).strip().splitlines()[0][:200]})") from None
+    if not isinstance(loaded, datasets.DatasetDict):
+        return {"all": _arrow_rows(str(path), loaded)}
+    evaluation = next((name for name in EVAL_SPLITS if name in loaded), None)
+    if "train" in loaded and evaluation:
+        return {"train": _arrow_rows(f"{path} (split train)", loaded["train"]),
+                "eval": _arrow_rows(f"{path} (split {evaluation})", loaded[evaluation])}
+    name = "train" if "train" in loaded else next(iter(loaded))
+    log.info("data.source %s: no train and validation/test splits (%s): split %r is split by data.eval_fraction",
+             path, ", ".join(loaded), name)
+    return {"all": _arrow_rows(f"{path} (split {name})", loaded[name])}
+
+
+def _arrow_rows(where: str, dataset) -> Rows:
+    def batches() -> Iterator[list[dict]]:
+        for columns in dataset.iter(batch_size=READ_ROWS):  # Arrow memory-mapped, a batch at a time
+            yield [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+    return Rows(where, list(dataset.column_names), batches)
+
+
+def format_of(data, columns: list[str]) -> str:
+    """`data.format`, `auto` resolved from the columns: `table` for today's tables, and for text columns
+    (data.text) of a classifier or a sequence-to-sequence model, whatever other columns the rows have."""
+    if data.format != "auto":
+        return data.format
+    if data.text:
+        return "table"
+    if data.messages in columns:
+        return "messages"
+    if data.prompt in columns and data.completion in columns:
+        return "prompt-completion"
+    return "table"
+
+
+def documents(rows: Rows, column: str) -> Iterator[str]:
+    """The documents of the text column `column`, one a row."""
+    _require(rows, [column], "data.text")
+    for start, row, values in _numbered(rows):
+        text = values.get(column)
+        if not isinstance(text, str):
+            raise DataError(f"{rows.where}: row {start + row}: column {column!r} holds "
+                            f"{type(text).__name__}, not a document's text")
+        yield text
+
+
+def _numbered(rows: Rows) -> Iterator[tuple[int, int, dict]]:
+    """(the batch's first row number, the row's place in it, the row) of each row."""
+    start = 0
+    for batch in rows.batches():
+        for row, values in enumerate(batch):
+            yield start, row, values
+        start += len(batch)
+
+
+def _require(rows: Rows, columns: list[str], keys: str) -> None:
+    missing = [column for column in columns if column not in rows.columns]
+    if missing:
+        raise DataError(f"{rows.where}: column(s) {', '.join(missing)} not found; the rows have columns "
+                        f"{', '.join(rows.columns) or 'none'} (set {keys}, or data.format)")
+
+
+# --- chats and prompt-completion pairs ------------------------------------------------------------------
+
+
+class Renderer:
+    """Rows of a chat or prompt-completion format -> (token ids, whether each is in the loss)."""
+
+    def __init__(self, data, tokenizer: tokenizers.Tokenizer, fmt: str):
+        self.data, self.tokenizer, self.format = data, tokenizer, fmt
+        self.eos = tokenizer.token_id(tokenizer.eos_token) if tokenizer.eos_token else None
+        self.chat = None
+        if fmt == "messages":
+            self._open_chat()
+        if fmt == "prompt-completion" and self.eos is None:
+            raise DataError(f"data.tokenizer: {tokenizer.source} has no end-of-text token to end a completion "
+                            f"with (none of {', '.join(tokenizers.EOS_TOKENS)})")
+
+    def _open_chat(self) -> None:
+        """The chat template, at the first chat: prompt-completion pairs of texts need none."""
+        self.chat = _chat_tokenizer(self.tokenizer, self.data.chat_template)
+        self.template = self.tokenizer.chat_template = self.chat.chat_template
+        self.marked = bool(GENERATION.search(self.template))
+
+    def columns(self) -> list[str]:
+        return [self.data.messages] if self.format == "messages" else [self.data.prompt, self.data.completion]
+
+    def example(self, where: str, row: int, values: dict) -> tuple[list[int], list[bool]]:
+        if self.format == "messages":
+            ids, loss = self._chat(where, row, self._messages(where, row, values, self.data.messages))
+        else:
+            ids, loss = self._pair(where, row, values)
+        return ids, [True] * len(ids) if self.data.loss_on == "all" else loss
+
+    def _messages(self, where: str, row: int, values: dict, column: str) -> list[dict]:
+        """The row's messages, checked: a list of {role, content} of roles the template takes."""
+        if column not in values:
+            raise DataError(f"{where}: row {row} has no column {column!r} (it has {', '.join(values) or 'none'})")
+        messages = values[column]
+        shape = isinstance(messages, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)
+        if not shape or not messages:
+            raise DataError(f"{where}: row {row}: column {column!r} is not a list of messages "
+                            f"{{\"role\": ..., \"content\": ...}} with text contents (got {str(messages)[:100]})")
+        for message in messages:
+            # A template that names a role (a tool's, say) renders it; any other it would drop or garble.
+            if message["role"] not in ROLES and message["role"] not in self.template:
+                raise DataError(f"{where}: row {row}: role {message['role']!r} is none of {', '.join(ROLES)} and "
+                                "the chat template does not name it")
+        return messages
+
+    def _render(self, where: str, row: int, messages: list[dict], prompt: bool = False) -> str:
+        return self._apply(where, row, messages, tokenize=False, add_generation_prompt=prompt)
+
+    def _apply(self, where: str, row: int, messages: list[dict], **options):
+        try:
+            return self.chat.apply_chat_template(messages, **options)
+        except Exception as error:  # jinja2's TemplateError, or what the template raises itself
+            raise DataError(f"{where}: row {row}: the chat template fails to render it "
+                            f"({type(error).__name__}: {str(error).strip()[:200]})") from None
+
+    def _chat(self, where: str, row: int, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        if self.marked:  # the template marks the assistant's tokens itself
+            out = self._apply(where, row, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+            return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
+        text = self._render(where, row, messages)
+        spans = [self._turn(where, row, messages[:i], messages[:i + 1], text)
+                 for i, message in enumerate(messages) if message["role"] == "assistant"]
+        return self._tokens(text, spans)
+
+    def _turn(self, where: str, row: int, before: list[dict], upto: list[dict], text: str) -> tuple[int, int]:
+        """The characters of `text` that the last turn of `upto` adds to `before` with its generation prompt."""
+        prefix, turn = self._render(where, row, before, prompt=True), self._render(where, row, upto)
+        if not (turn.startswith(prefix) and text.startswith(turn)):
+            raise DataError(f"{where}: row {row}: the chat template renders the turns before an assistant turn "
+                            "otherwise than as the start of the chat, so its tokens cannot be told apart; mark "
+                            "them with {% generation %} ... {% endgeneration %} in data.chat_template, or "
+                            "set data.loss_on: all")
+        return len(prefix), len(turn)
+
+    def _tokens(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+        """`text` tokenized as apply_chat_template tokenizes it, each token in the loss if it starts in a span."""
+        encoding = self.tokenizer.backend.encode(text, add_special_tokens=False)
+        loss = [any(begin <= start < end for begin, end in spans) for start, _ in encoding.offsets]
+        return list(encoding.ids), loss
+
+    def _pair(self, where: str, row: int, values: dict) -> tuple[list[int], list[bool]]:
+        prompt_key, completion_key = self.data.prompt, self.data.completion
+        missing = [key for key in (prompt_key, completion_key) if key not in values]
+        if missing:
+            raise DataError(f"{where}: row {row} has no column {', '.join(map(repr, missing))} (it has "
+                            f"{', '.join(values) or 'none'})")
+        if isinstance(values[prompt_key], list):  # conversational: the completion's turns after the prompt's
+            if self.chat is None:
+                self._open_chat()
+            prompt = self._messages(where, row, values, prompt_key)
+            completion = self._messages(where, row, values, completion_key)
+            text = self._render(where, row, prompt + completion)
+            ids, loss = self._tokens(text, [self._turn(where, row, prompt, prompt + completion, text)])
+        else:
+            texts = [values[prompt_key], values[completion_key]]
+            if not all(isinstance(text, str) for text in texts):
+                raise DataError(f"{where}: row {row}: {prompt_key!r} and {completion_key!r} are "
+                                f"{type(texts[0]).__name__} and {type(texts[1]).__name__}; give two texts or two "
+                                "lists of messages")
+            first, second = self.tokenizer.backend.encode_batch_fast(texts, add_special_tokens=False)
+            ids, loss = first.ids + second.ids, [False] * len(first.ids) + [True] * len(second.ids)
+        if not ids or ids[-1] != self.eos:  # the model learns to stop after a completion
+            ids, loss = ids + [self.eos], loss + [True]
+        return ids, loss
+
+
+def _chat_tokenizer(tokenizer: tokenizers.Tokenizer, template: str | None):
+    """The transformers tokenizer that renders chats: the folder's (its special tokens, which templates
+    name), or one around a tokenizer.json; `template` (data.chat_template) replaces its own."""
+    chat = tokenizer.loaded
+    if chat is None:
+        from transformers import PreTrainedTokenizerFast
+
+        chat = PreTrainedTokenizerFast(tokenizer_object=tokenizer.backend, eos_token=tokenizer.eos_token,
+                                       pad_token=tokenizer.pad_token)
+    if template:
+        file = template_file(template)
+        chat.chat_template = file.read_text(encoding="utf-8") if file else template
+        if "{" not in chat.chat_template:
+            raise DataError(f"data.chat_template: {template!r} is neither a file nor a Jinja template")
+    if not getattr(chat, "chat_template", None):
+        raise DataError(f"data.tokenizer: {tokenizer.source} has no chat template to render the messages with: "
+                        "give one in data.chat_template (a file or the template itself), or use a tokenizer "
+                        "folder whose tokenizer_config.json has a chat_template")
+    return chat
+
+
+def encode(data, tokenizer: tokenizers.Tokenizer, splits: dict[str, Rows], fmt: str, scratch: Path | None):
+    """The examples of the rows of `splits` in format `fmt`: ({input_ids, attention_mask}, labels), each
+    [examples, data.context] int64 mapped from a scratch file in `scratch`; the Counts; and (train rows,
+    eval rows) of a source with its own splits, else None."""
+    renderer = Renderer(data, tokenizer, fmt)
+    pad = tokenizer.pad_token or tokenizer.eos_token
+    if pad is None:
+        raise DataError(f"data.tokenizer: {tokenizer.source} has neither a padding nor an end-of-text token to pad "
+                        f"short examples with (none of {', '.join(tokenizers.PAD_TOKENS + tokenizers.EOS_TOKENS)})")
+    tokenizer.pad_token, tokenizer.input = pad, tokenizers.INPUT_IDS  # what the manifest records
+    counts = Counts()
+    with tempfile.TemporaryFile(dir=scratch, prefix="ortflow-examples-") as out:
+        for name, rows in splits.items():
+            _require(rows, renderer.columns(), "data.messages, or data.prompt and data.completion")
+            before = counts.examples
+            progress = tokenizers.Progress(rows.where, 0, "rows", 1)
+            for start, row, values in _numbered(rows):
+                ids, loss = renderer.example(rows.where, start + row, values)
+                record = _record(ids, loss, f"{rows.where}: row {start + row}", data, counts, tokenizer.token_id(pad))
+                if record is not None:
+                    record.tofile(out)
+                progress.done = start + row + 1
+                progress.update(len(ids))
+            progress.update(0, final=True)
+            counts.splits[name] = counts.examples - before
+        out.flush()
+        if counts.examples == 0:
+            raise DataError(f"data.source {data.source!r}: no example left (data.too_long: drop dropped all "
+                            f"{counts.dropped}, longer than data.context={data.context} tokens)")
+        # The mapping keeps the (already unlinked) file alive after it is closed.
+        mapped = np.memmap(out, dtype=np.int64, mode="r", shape=(counts.examples, FIELDS, data.context))
+    log.info("%s: %d examples, %d truncated and %d dropped (longer than data.context=%d tokens, data.too_long: "
+             "%s); %d tokens in the loss (data.loss_on: %s)", fmt, counts.examples, counts.truncated, counts.dropped,
+             data.context, data.too_long, counts.loss_tokens, data.loss_on)
+    split = None
+    if "train" in counts.splits:
+        train = counts.splits["train"]
+        split = (np.arange(train), np.arange(train, counts.examples))
+    features = {tokenizers.INPUT_IDS: mapped[:, 0], tokenizers.ATTENTION_MASK: mapped[:, 1]}
+    return features, mapped[:, 2], counts, split
+
+
+def _record(ids: list[int], loss: list[bool], where: str, data, counts: Counts, pad: int) -> np.ndarray | None:
+    """An example's input ids, attention mask and labels, [FIELDS, data.context], truncated or None when
+    dropped (data.too_long): the labels are the ids shifted by one (the next token, as the windows of a
+    text are), IGNORE_INDEX where that token is not in the loss or is padding."""
+    context = data.context
+    truncated = len(ids) > context
+    if truncated and data.too_long == "drop":
+        counts.dropped += 1
+        return None
+    counts.truncated += truncated
+    ids, loss = np.asarray(ids[:context], dtype=np.int64), np.asarray(loss[:context], dtype=bool)
+    record = np.full((FIELDS, context), IGNORE_INDEX, dtype=np.int64)
+    record[0], record[1] = pad, 0
+    record[0, :len(ids)], record[1, :len(ids)] = ids, 1
+    record[2, :len(ids) - 1] = np.where(loss[1:], ids[1:], IGNORE_INDEX)
+    kept = int((record[2] != IGNORE_INDEX).sum())
+    if not kept:
+        learned = "its assistant turns (or completion)"
+        raise DataError(f"{where}: {learned} are empty after truncation to data.context={context} tokens; raise "
+                        "data.context, or set data.too_long: drop" if truncated else
+                        f"{where}: nothing to learn: {learned} have no token (data.loss_on: all trains on every token)")
+    counts.examples += 1
+    counts.loss_tokens += kept
+    return record
+
+
+def template_file(template: str | None) -> Path | None:
+    """The file that `data.chat_template` names, if it names one: a Jinja template has a '{', a path none."""
+    return Path(template) if template and "{" not in template and Path(template).is_file() else None
+
+
+def source_files(source: str) -> list[str]:
+    """The files of `data.source`: a datasets folder's (its Arrow files and descriptions), else the file."""
+    path = Path(source)
+    return sorted(str(file) for file in path.rglob("*") if file.is_file()) if path.is_dir() else [source]
