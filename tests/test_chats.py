@@ -34,13 +34,6 @@ CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "
         {"role": "assistant", "content": "four"}]
 
 
-@pytest.fixture(autouse=True)
-def rows_take_a_tokenizer(monkeypatch):
-    """The config's cross-key rule that data.tokenizer goes with data.text or a text file predates these
-    sources; until config.py takes them (its restructuring is under way), the tests leave it out."""
-    monkeypatch.setattr(config_mod, "_check_text_keys", lambda data: None)
-
-
 def write_jsonl(path: Path, rows: list) -> Path:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
@@ -181,7 +174,8 @@ def test_documents_of_a_datasets_folder_keep_its_splits(tmp_path):
 
 def test_auto_finds_the_format_by_the_columns_but_text_columns_stay_a_table():
     def found(columns: list[str], **data) -> str:
-        return examples.format_of(config_mod.load(overrides={"data": data}).data, columns)
+        rows = {"source": "rows.jsonl", "tokenizer": "tokenizer.json"}
+        return examples.format_of(config_mod.load(overrides={"data": rows | data}).data, columns)
 
     assert found(["messages", "id"]) == "messages" and found(["prompt", "completion"]) == "prompt-completion"
     assert found(["prompt", "completion", "y"], text="prompt") == "table" and found(["text", "y"]) == "table"

@@ -337,3 +337,25 @@ def test_replace_sets_dotted_keys_and_validates_them_together():
         config.replace(base, {"train.steps.x": 1})
     with pytest.raises(config.ConfigError, match="^config key 'train.world_size': 3 ranks do not divide"):
         config.replace(base, {"train.world_size": 3, "train.pipeline_stages": 2})
+
+
+@pytest.mark.parametrize("data, refusal", [
+    ({"source": "chats.jsonl", "format": "messages"},
+     "config key 'data.format': needs data.tokenizer (a tokenizer.json file or a save_pretrained folder) to turn "
+     "the text into token ids"),
+    ({"source": "rows.csv", "format": "prompt-completion", "tokenizer": "tokenizer.json"},
+     "config key 'data.format': prompt-completion rows are read from a .jsonl or .parquet file or a datasets "
+     "folder (save_to_disk), not data.source='rows.csv'"),
+    ({"source": "docs.jsonl", "format": "documents", "text": ["a", "b"], "tokenizer": "tokenizer.json"},
+     "config key 'data.text': data.format documents reads one column of documents, got ['a', 'b']"),
+    ({"source": "digits", "tokenizer": "tokenizer.json"},
+     "config key 'data.tokenizer': tokenizes text, data.source 'text' or a .txt file, the columns named by "
+     "data.text, or the rows of a .jsonl, .parquet or datasets folder; data.source='digits' has none of them "
+     "(set data.text)"),
+])
+def test_rows_of_examples_take_a_tokenizer_and_a_file_of_rows(data, refusal):
+    with pytest.raises(config.ConfigError) as error:
+        config.load(overrides={"data": data})
+    assert str(error.value) == refusal
+    assert config.load(overrides={"data": {"source": "chats.jsonl", "tokenizer": "tokenizer.json"}}).data.format \
+        == "auto"  # rows of a .jsonl and a tokenizer: chats, pairs or documents, found from the columns

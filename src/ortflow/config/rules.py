@@ -133,24 +133,37 @@ def check_lamb_sharding(train: Train) -> None:
 
 
 def _check_text_keys(data: Data) -> None:
-    """data.text needs a table and data.tokenizer; data.tokenizer needs text to tokenize."""
+    """data.text needs a table and data.tokenizer; data.tokenizer needs text to tokenize: a .txt file, the
+    data.text columns, or the examples of a .jsonl, .parquet or datasets folder (data/examples.py)."""
     source = data.source
     suffix = Path(source).suffix.lower()
     is_text = source == "text" or suffix == ".txt"
+    # Rows that data.format may read as chats, prompt-completion pairs or documents.
+    has_examples = suffix in (".jsonl", ".parquet") or Path(source).is_dir()
     text = [data.text] if isinstance(data.text, str) else data.text or []
-    if text and suffix not in (".csv", ".parquet", ".jsonl"):
+    examples = data.format in ("messages", "prompt-completion", "documents")
+    if text and suffix not in (".csv", ".parquet", ".jsonl") and not (examples and has_examples):
         raise ConfigError(f"config key 'data.text': text columns are read from a .csv, .parquet or .jsonl file, "
                           f"not data.source={source!r}")
-    if text and not data.tokenizer:
-        raise ConfigError("config key 'data.text': needs data.tokenizer (a tokenizer.json file or a "
+    if (text or examples) and not data.tokenizer:
+        key = "data.text" if text else "data.format"
+        raise ConfigError(f"config key '{key}': needs data.tokenizer (a tokenizer.json file or a "
                           "save_pretrained folder) to turn the text into token ids")
-    if data.task == "seq2seq" and not text:
+    if examples and not has_examples:
+        raise ConfigError(f"config key 'data.format': {data.format} rows are read from a .jsonl or .parquet file "
+                          f"or a datasets folder (save_to_disk), not data.source={source!r}")
+    if data.task == "seq2seq" and (examples or not text):
         raise ConfigError("config key 'data.task': seq2seq reads source texts from data.text and target texts "
-                          "from data.label, columns of a .csv, .parquet or .jsonl file; set data.text")
+                          "from data.label, columns of a .csv, .parquet or .jsonl file; set data.text"
+                          + (f" and data.format: auto, not {data.format}" if examples else ""))
     if data.label in text:
         raise ConfigError(f"config key 'data.text': {data.label!r} is data.label too; the model would read "
                           "the answer")
-    if data.tokenizer and not text and not is_text:
-        raise ConfigError(f"config key 'data.tokenizer': tokenizes text, data.source 'text' or a .txt file, or the "
-                          f"columns named by data.text; data.source={source!r} has neither (set data.text)")
+    if data.format == "documents" and len(text) > 1:
+        raise ConfigError(f"config key 'data.text': data.format documents reads one column of documents, "
+                          f"got {list(text)}")
+    if data.tokenizer and not text and not is_text and not has_examples:
+        raise ConfigError(f"config key 'data.tokenizer': tokenizes text, data.source 'text' or a .txt file, the "
+                          f"columns named by data.text, or the rows of a .jsonl, .parquet or datasets folder; "
+                          f"data.source={source!r} has none of them (set data.text)")
 

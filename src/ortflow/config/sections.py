@@ -34,6 +34,13 @@ class Data:
     text_path: str | None
     tokenizer: str | None
     text: str | tuple[str, ...] | None
+    format: Literal["auto", "table", "messages", "prompt-completion", "documents"]
+    messages: str
+    prompt: str
+    completion: str
+    chat_template: str | None
+    loss_on: Literal["assistant", "all"]
+    too_long: Literal["truncate", "drop"]
 
 
 @dataclass(frozen=True, slots=True)
