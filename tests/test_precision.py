@@ -73,6 +73,7 @@ def test_bf16_on_cuda_is_refused_in_one_line_and_a_cpu_without_the_units_warned(
     assert preflight.check_precision("bf16", "cpu", {"avx2", "fma"}).status == preflight.WARN
     assert "slower than fp32" in preflight.check_precision("bf16", "cpu", set()).detail
     assert preflight.check_precision("bf16", "cpu", {"avx512f", "avx512_bf16"}).status == preflight.OK
+    assert preflight.check_precision("fp32", "cpu", {"amx_bf16"}).detail.endswith("bf16: amx_bf16)")
     assert preflight.check_precision("fp32", "cuda", set()).status == preflight.OK
     config = config_mod.load(overrides={"model": {"kind": "mlp"}, "train": {"precision": "bf16", "device": "cuda"}})
     problems = preflight.preflight(config)
@@ -189,3 +190,16 @@ def test_the_exported_model_of_bf16_artifacts_is_float32_and_passes_exports_chec
     batch = reader.gather(np.arange(8))
     expected = checks.eval_graph_outputs(files, files.checkpoint, info, batch, reader.label_name)
     checks.check_outputs(out, info, batch, expected, reader.label_name)
+
+
+def test_the_workflow_rebuilds_the_artifacts_when_the_precision_changes():
+    """build_artifacts is given train.precision (ARTIFACTS_KEYS, workflow/rules/common.smk): the
+    rules pass a stage only the keys it depends on, and without it bf16 built float32 graphs."""
+    import ast
+    import re
+
+    from conftest import REPO
+
+    text = (REPO / "workflow" / "rules" / "common.smk").read_text()
+    keys = ast.literal_eval(re.search(r"^ARTIFACTS_KEYS = (\(.*?\))$", text, re.M | re.S)[1])
+    assert "train.precision" in keys

@@ -271,13 +271,13 @@ def check_precision(precision: str, device: str, flags: set[str]) -> Check:
     """train.precision: bf16 runs ortflow.BF16MatMul (graphs/precision.py), a CPU operator whose
     speed needs AVX512_BF16 or AMX (`flags`, cpu_flags'): without them oneDNN emulates bfloat16,
     and the operator measured 0.38x and 0.03x MLAS fp32 (docs/benchmarks.md)."""
-    name = "precision"
+    name, units = "precision", sorted(flags & BF16_FLAGS)
     if precision != "bf16":
-        return Check(name, OK, precision)
+        return Check(name, OK, f"{precision} (this CPU's bfloat16 units for train.precision bf16: "
+                     f"{', '.join(units) or 'none'})")
     if device == "cuda":
         return Check(name, FAIL, "train.precision: bf16 is a CPU operator and train.device is cuda",
                      "set train.precision: fp32 on GPUs (their path is fp16 mixed precision), or train.device: cpu")
-    units = sorted(flags & BF16_FLAGS)
     if not units:
         return Check(name, WARN, "train.precision: bf16 on a CPU without AVX512_BF16 or AMX: it trains, but "
                      "slower than fp32 (oneDNN emulates bfloat16)", "set train.precision: fp32 on this CPU")
