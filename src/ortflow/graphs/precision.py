@@ -90,21 +90,21 @@ def rewrite(model) -> int:
 def apply(folder: Path, precision: str) -> dict[str, int]:
     """With `precision` bf16, rewrite the training graph of the artifacts in `folder` in place and
     write its eval graph rewritten to `Artifacts.eval_model_bf16` (the float32 one stays, for
-    export). Returns the count of multiplies rewritten in each ({} for fp32); a graph with none
-    is left as it is, and without a rewritten eval graph the artifacts train in float32."""
+    export). Returns the count of multiplies rewritten in each ({} for fp32). Where neither graph
+    has one, nothing is written, and the artifacts train in float32 (`Artifacts.bf16` is False)."""
     import onnx
 
     if precision != "bf16":
         return {}
     files = Artifacts(folder)
-    counts = {}
-    for name, source, target in (("training", files.training_model, files.training_model),
-                                 ("eval", files.eval_model, files.eval_model_bf16)):
-        # Without the weights: a graph over external_data.threshold() keeps pointing at its data file beside it.
-        model = onnx.load(str(source), load_external_data=False)
-        counts[name] = rewrite(model)
-        if counts[name]:
-            onnx.save(model, str(target))
+    # Without the weights: a graph over external_data.threshold() keeps pointing at its data file beside it.
+    models = {"training": onnx.load(str(files.training_model), load_external_data=False),
+              "eval": onnx.load(str(files.eval_model), load_external_data=False)}
+    counts = {name: rewrite(model) for name, model in models.items()}
+    # Both or neither: the eval graph's file is what tells training to register the operator.
+    if any(counts.values()):
+        onnx.save(models["training"], str(files.training_model))
+        onnx.save(models["eval"], str(files.eval_model_bf16))
     return counts
 
 
