@@ -10,7 +10,8 @@ precisions; in a round each runs `--steps` steps, the first WARMUP left out, and
 the rest is kept; the table has the median over rounds and the median of the rounds' ratios, by
 the wall clock and by the calling thread's CPU time, which a busy machine disturbs less.
 
-    python bench/bench_precision.py [--rounds 5] [--steps 20]
+    python bench/bench_precision.py [--rounds 5] [--steps 20] [--batch 16]
+                                    [--width W --heads H --layers L --context T]
 """
 
 from __future__ import annotations
@@ -29,13 +30,15 @@ WARMUP = 3
 PRECISIONS = ("fp32", "bf16")
 
 
-def build(workdir: Path) -> tuple[dict[str, Path], Path]:
-    """The text data prepared once and the artifacts at each precision."""
+def build(workdir: Path, model: dict, context: int | None) -> tuple[dict[str, Path], Path]:
+    """The text data prepared once and the artifacts at each precision, config/text.yaml's
+    model with `model`'s keys (and data.context `context`) over it."""
     from ortflow import config as config_mod
     from ortflow.stages import build_artifacts, prepare_data
 
-    configs = {name: config_mod.load(REPO / "config" / "text.yaml", overrides={"train": {"precision": name}})
-               for name in PRECISIONS}
+    data_keys = {"context": context} if context else {}
+    configs = {name: config_mod.load(REPO / "config" / "text.yaml", overrides={
+        "model": model, "data": data_keys, "train": {"precision": name}}) for name in PRECISIONS}
     data = workdir / "data"
     prepare_data.prepare(configs["fp32"], data / "train", data / "eval")
     for name, config in configs.items():
@@ -85,9 +88,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--width", type=int, help="model.width instead of config/text.yaml's")
+    parser.add_argument("--heads", type=int, help="model.heads instead of config/text.yaml's")
+    parser.add_argument("--layers", type=int, help="model.layers instead of config/text.yaml's")
+    parser.add_argument("--context", type=int, help="data.context instead of config/text.yaml's")
     args = parser.parse_args()
+    model = {key: getattr(args, key) for key in ("width", "heads", "layers") if getattr(args, key)}
     with tempfile.TemporaryDirectory() as workdir:
-        artifacts, train_dir = build(Path(workdir))
+        artifacts, train_dir = build(Path(workdir), model, args.context)
         medians = {(name, clock): [] for name in PRECISIONS for clock in ("wall", "cpu")}
         for round_ in range(args.rounds):
             for name in PRECISIONS if round_ % 2 == 0 else PRECISIONS[::-1]:
