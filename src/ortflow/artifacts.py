@@ -4,6 +4,7 @@ graph builder writes it; training, export, quantize and the checkpoint tools rea
     inference_base.onnx   the forward model the graphs are built from
     training_model.onnx   forward, loss and gradients
     eval_model.onnx       forward and loss
+    eval_model_bf16.onnx  the same, its multiplies in bfloat16 (train.precision: bf16; graphs/precision.py)
     optimizer_model.onnx  the optimizer step
     checkpoint            the initial weights and optimizer state, in ONNX Runtime's format
     model.json            inputs, label, outputs, loss, parameters and FLOPs (graphs/describe.py)
@@ -35,12 +36,18 @@ class Artifacts:
         self.base_model = self.folder / "inference_base.onnx"
         self.training_model = self.folder / "training_model.onnx"
         self.eval_model = self.folder / "eval_model.onnx"
+        self.eval_model_bf16 = self.folder / "eval_model_bf16.onnx"
         self.optimizer_model = self.folder / "optimizer_model.onnx"
         self.checkpoint = self.folder / "checkpoint"
         self.model_json = self.folder / "model.json"
         self.pipeline_json = self.folder / "pipeline.json"
         # The three graphs ONNX Runtime's training engine runs.
         self.graphs = (self.training_model, self.eval_model, self.optimizer_model)
+
+    @property
+    def bf16(self) -> bool:
+        """Built with train.precision: bf16 (graphs/precision.py wrote the rewritten eval graph)."""
+        return self.eval_model_bf16.is_file()
 
     def stage(self, index: int) -> Artifacts:
         """The artifacts of pipeline stage `index`."""

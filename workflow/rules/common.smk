@@ -63,8 +63,9 @@ def config_json(*keys):
 # The keys the data stage depends on (its split's seed is data.split_seed, so that a
 # sweep's repeats over run.seed share it), and the graphs (besides the data): the
 # optimizer graph bakes in the optimizer's name, betas and eps, the training
-# graph train.recompute's copies (graphs/recompute.py), and train.pipeline_stages
-# the stages' graphs beside the whole model's (graphs/pipeline.py); the learning
+# graph train.recompute's copies (graphs/recompute.py) and train.precision's bfloat16
+# multiplies (graphs/precision.py), and train.pipeline_stages the stages' graphs
+# beside the whole model's (graphs/pipeline.py); the learning
 # rate is set by training at run time and the weight decay (with its groups,
 # train.optimizer.no_decay) is applied by training, so they and the other
 # train.* keys are left out and do not rebuild the artifacts.
@@ -76,6 +77,7 @@ ARTIFACTS_KEYS = (
     "train.optimizer.betas",
     "train.optimizer.eps",
     "train.recompute",
+    "train.precision",
     "train.pipeline_stages",
 )
 # Training, and the merge that picks its newest checkpoint, depend on the training

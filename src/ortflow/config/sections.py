@@ -116,6 +116,7 @@ class Train:
     pipeline_stages: int
     zero: Literal[0, 1]
     recompute: str | tuple[str, ...]
+    precision: Literal["fp32", "bf16"]
     nodes: int
     device: Literal["cpu", "cuda"]
     backend: Literal["auto", "mpi", "nccl"]

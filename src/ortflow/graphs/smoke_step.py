@@ -11,6 +11,7 @@ import numpy as np
 from ..artifacts import Artifacts
 from ..errors import ModelError
 from ..sessions import inference_session, quiet_logging, training_options
+from . import precision
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -32,7 +33,9 @@ def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
     batch = reader.gather(np.arange(min(SMOKE_RECORDS, len(reader))))
     files = Artifacts(out)
     state = api.CheckpointState.load_checkpoint(str(files.checkpoint))
-    module = api.Module(str(files.training_model), state, str(files.eval_model), session_options=training_options())
+    options = training_options()
+    training_model, eval_model = precision.module_graphs(files, options)
+    module = api.Module(training_model, state, eval_model, session_options=options)
     module.train()
     try:
         # (loss, logits), then BatchNorm's updated running statistics if the model has any

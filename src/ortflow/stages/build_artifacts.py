@@ -14,7 +14,10 @@ graphs and initial checkpoint that ONNX Runtime's training engine runs out.
    (loss, logits); the training graph then BatchNorm's updated running
    statistics, and the eval graph normalizes with them (batchnorm.py). With
    `train.recompute`, the training graph is then rewritten so that the blocks'
-   forward is computed again in the backward (graphs/recompute.py).
+   forward is computed again in the backward (graphs/recompute.py). With
+   `train.precision: bf16` the training graph's matrix multiplies are then rewritten
+   to ortflow's bfloat16 operator, and the eval graph's into `eval_model_bf16.onnx`
+   beside it (graphs/precision.py).
 3. `model.json` describes the inputs, label, outputs, parameters and FLOPs
    (graphs/describe.py), and the running statistics (`running_stats`: training
    graph output -> parameter); for `kind: transformers` where the model came from
@@ -42,7 +45,7 @@ from .. import atomic
 from ..artifacts import Artifacts
 from ..config import Config
 from ..errors import MissingInputError
-from ..graphs import pipeline, recompute
+from ..graphs import pipeline, precision, recompute
 from ..graphs.describe import describe
 from ..graphs.forward_model import base_model, check_interface
 from ..graphs.generate import drop_weights, generate
@@ -82,6 +85,11 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
         blocks = recompute.apply(Artifacts(tmp).training_model, config.train.recompute)
         if blocks:
             log.info("train.recompute: %d block(s) recomputed in the backward (%s ...)", len(blocks), blocks[0].name)
+        # After recompute, so that the recomputed blocks' copies multiply in bfloat16 too.
+        rewritten = precision.apply(tmp, config.train.precision)
+        if rewritten:
+            log.info("train.precision bf16: %d multiplies of the training graph and %d of the eval graph computed "
+                     "in bfloat16 (ortflow.BF16MatMul)", rewritten["training"], rewritten["eval"])
         if config.train.pipeline_stages > 1:  # from the weights, which drop_weights clears
             plan = pipeline.cut(base, config.train.pipeline_stages, manifest=manifest)
             for stage in pipeline.build(plan, trainable, loss, manifest["label"], config.train.optimizer, tmp, logits):
@@ -89,10 +97,13 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
                 if blocks:
                     held = recompute.apply(Artifacts(stage).training_model, [b.name for b in blocks], every_item=False)
                     log.info("train.recompute: %d block(s) recomputed in %s", len(held), stage.name)
+                precision.apply(stage, config.train.precision)
         drop_weights(base)
         running_stats = batchnorm.adapt(tmp)
         description = describe(base, manifest, loss, trainable, frozen, tmp, model.kind, logits, blocks) | {
-            "running_stats": running_stats
+            "running_stats": running_stats,
+            # The multiplies rewritten to bfloat16 in each graph ({} at fp32; graphs/precision.py).
+            "bf16_matmuls": rewritten,
         } | described
         # Last: what ONNX Runtime's step held (the weights, their gradients) stays partly in the
         # process, and the shape inferences of describe() would come on top of it.

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from ..artifacts import Artifacts
+from ..graphs import precision
 from ..sessions import training_options
 from . import comm as comm_mod
 from .gradients import parameters
@@ -36,15 +37,17 @@ def open_sessions(artifacts: Artifacts, state, device: str, threads: int, optimi
     `<prefix>-optimizer_<time>.json`. A traced Module has no eval graph: its
     session would take the same prefix and second as the training graph's, and
     the two traces would write over each other. `recompute`: the training graph was rewritten
-    by train.recompute, whose sessions reuse memory otherwise (sessions.training_options)."""
+    by train.recompute, whose sessions reuse memory otherwise (sessions.training_options). Artifacts
+    built with train.precision: bf16 bring their operator's library (graphs/precision.py)."""
     from onnxruntime.training.api import Module
 
     options = training_options(threads, recompute)
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = f"{profile_prefix}-train"
-    eval_model = None if profile_prefix else str(artifacts.eval_model)
-    module = Module(str(artifacts.training_model), state, eval_model, device=device, session_options=options)
+    training_model, eval_model = precision.module_graphs(artifacts, options, threads)
+    module = Module(training_model, state, None if profile_prefix else eval_model, device=device,
+                    session_options=options)
     if profile_prefix:  # sessions copy their options when created
         options.profile_file_prefix = f"{profile_prefix}-optimizer"
     return module, open_step(optimizer, artifacts.optimizer_model, options, xp)

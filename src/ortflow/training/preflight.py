@@ -50,6 +50,9 @@ RECOMPUTE_STEP_TIME = "1.3 to 1.5x"
 # being written before the oldest is pruned.
 EXTRA_CHECKPOINTS = 2
 
+# The CPU flags (Linux's /proc/cpuinfo names) of the units that multiply bfloat16 at speed.
+BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
+
 # Distributions that install the `onnxruntime` package without the training
 # engine; next to onnxruntime-training, whichever was installed last wins.
 PLAIN_ONNXRUNTIME = {
@@ -252,6 +255,33 @@ def check_world_size(world_size: int, device: str, launcher: str = "mpirun") -> 
     )
 
 
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
+    """The instruction-set flags Linux reports for the first CPU (empty where it reports none)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return set()
+    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def check_precision(precision: str, device: str, flags: set[str]) -> Check:
+    """train.precision: bf16 runs ortflow.BF16MatMul (graphs/precision.py), a CPU operator whose
+    speed needs AVX512_BF16 or AMX (`flags`, cpu_flags'): without them oneDNN emulates bfloat16,
+    and the operator measured 0.38x and 0.03x MLAS fp32 (docs/benchmarks.md)."""
+    name, units = "precision", sorted(flags & BF16_FLAGS)
+    if precision != "bf16":
+        return Check(name, OK, f"{precision} (this CPU's bfloat16 units for train.precision bf16: "
+                     f"{', '.join(units) or 'none'})")
+    if device == "cuda":
+        return Check(name, FAIL, "train.precision: bf16 is a CPU operator and train.device is cuda",
+                     "set train.precision: fp32 on GPUs (their path is fp16 mixed precision), or train.device: cpu")
+    if not units:
+        return Check(name, WARN, "train.precision: bf16 on a CPU without AVX512_BF16 or AMX: it trains, but "
+                     "slower than fp32 (oneDNN emulates bfloat16)", "set train.precision: fp32 on this CPU")
+    return Check(name, OK, f"bf16 on {', '.join(units)}")
+
+
 def free_disk(results: Path) -> tuple[int, Path]:
     """(bytes free, where) on the disk that `results` is or will be on."""
     where = Path(results).resolve()
@@ -412,7 +442,11 @@ def preflight(config: Config, launcher: str = "mpirun", results: Path = Path("re
     `description`, also whether the model fits memory (with pipeline stages, the largest's rank;
     `held`: each stage's parameter elements, pipeline.json's) and its checkpoints the disk."""
     train = config.train
+    precision = check_precision(train.precision, train.device, cpu_flags())
+    if precision.status == FAIL:  # the config itself cannot run: that alone is the answer
+        return [Problem(f"{precision.name}: {precision.detail}", precision.fix)]
     checks = [
+        precision,
         check_launcher(launcher),
         check_onnxruntime_distributions(installed_distributions()),
         check_training_import(),

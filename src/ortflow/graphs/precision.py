@@ -1,0 +1,126 @@
+"""`train.precision: bf16`: the matrix multiplies of the training and eval graphs computed in
+bfloat16 with float32 accumulation by ortflow's operator `ortflow.BF16MatMul` (kernels/), as
+torch.autocast("cpu", dtype=torch.bfloat16) computes them; every other operator, the weights,
+the gradients and the optimizer stay float32, as autocast keeps them.
+
+build_artifacts rewrites the generated graphs (after train.recompute, so that the recomputed
+blocks' copies are rewritten too): the float32 `MatMul`s (2-D or batched), the `Gemm`s
+whose alpha is 1 (with a bias C and beta 1, as BF16MatMul + Add), and com.microsoft's
+`FusedMatMul`s (ONNX Runtime's gradient builder writes them for the backward's transposed
+products) whose alpha is 1 and that transpose no batch axes; anything else stays as it is.
+The training graph is rewritten in place; the eval graph is written rewritten beside the
+float32 one (`Artifacts.eval_model_bf16`), which export reads, so the exported model is
+float32 as trained and is checked against a float32 eval graph.
+
+A Module opened on such artifacts (`module_graphs`) registers the operator's library and
+sets ATen's intra-op threads, which run its product (not ONNX Runtime's pool)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..artifacts import Artifacts
+
+OP, DOMAIN = "BF16MatMul", "ortflow"
+MICROSOFT = "com.microsoft"
+# What Gemm's output is called before its bias is added, where BF16MatMul + Add replaces it.
+UNBIASED = "_bf16_unbiased"
+
+
+def attributes(node) -> dict:
+    from onnx import helper
+
+    return {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
+
+
+def biased(node) -> bool:
+    """A Gemm with its C input."""
+    return node.op_type == "Gemm" and len(node.input) > 2 and bool(node.input[2])
+
+
+def replaceable(node) -> bool:
+    """Whether `node` is a multiply that BF16MatMul (+ Add) computes as it does (see above)."""
+    found = attributes(node)
+    if node.op_type == "MatMul" and node.domain in ("", "ai.onnx"):
+        return True
+    if node.op_type == "Gemm" and node.domain in ("", "ai.onnx"):
+        return found.get("alpha", 1.0) == 1.0 and (not biased(node) or found.get("beta", 1.0) == 1.0)
+    if node.op_type == "FusedMatMul" and node.domain == MICROSOFT:
+        return found.get("alpha", 1.0) == 1.0 and not found.get("transBatchA") and not found.get("transBatchB")
+    return False
+
+
+def not_float(graph) -> set[str]:
+    """The tensors the graph declares of another type than float32 (inputs, initializers, value
+    infos). The graphs carry no type for most computed tensors, and ortflow trains float32 models,
+    so a multiply is taken as float32 unless an input is declared otherwise (an integer MatMul)."""
+    from onnx import TensorProto
+
+    declared = {value.name: value.type.tensor_type.elem_type for value in [*graph.input, *graph.value_info]}
+    declared |= {tensor.name: tensor.data_type for tensor in graph.initializer}
+    return {name for name, kind in declared.items() if kind not in (TensorProto.FLOAT, TensorProto.UNDEFINED)}
+
+
+def rewrite(model) -> int:
+    """Replace the multiplies of `model` that `replaceable` accepts with BF16MatMul, in place;
+    returns how many."""
+    from onnx import helper
+
+    graph, others = model.graph, not_float(model.graph)
+    nodes, count = [], 0
+    for node in graph.node:
+        if not replaceable(node) or any(name in others for name in node.input):
+            nodes.append(node)
+            continue
+        count += 1
+        found = attributes(node)
+        trans = {"transA": int(found.get("transA", 0)), "transB": int(found.get("transB", 0))}
+        product = node.output[0] + UNBIASED if biased(node) else node.output[0]
+        # The node keeps its name: train.profile_steps' traces name nodes by it.
+        nodes.append(helper.make_node(OP, list(node.input[:2]), [product], name=node.name, domain=DOMAIN, **trans))
+        if biased(node):
+            nodes.append(helper.make_node("Add", [product, node.input[2]], [node.output[0]], name=f"{node.name}_bias"))
+    del graph.node[:]
+    graph.node.extend(nodes)
+    if count and all(opset.domain != DOMAIN for opset in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return count
+
+
+def apply(folder: Path, precision: str) -> dict[str, int]:
+    """With `precision` bf16, rewrite the training graph of the artifacts in `folder` in place and
+    write its eval graph rewritten to `Artifacts.eval_model_bf16` (the float32 one stays, for
+    export). Returns the count of multiplies rewritten in each ({} for fp32). Where neither graph
+    has one, nothing is written, and the artifacts train in float32 (`Artifacts.bf16` is False)."""
+    import onnx
+
+    if precision != "bf16":
+        return {}
+    files = Artifacts(folder)
+    # Without the weights: a graph over external_data.threshold() keeps pointing at its data file beside it.
+    models = {"training": onnx.load(str(files.training_model), load_external_data=False),
+              "eval": onnx.load(str(files.eval_model), load_external_data=False)}
+    counts = {name: rewrite(model) for name, model in models.items()}
+    # Both or neither: the eval graph's file is what tells training to register the operator.
+    if any(counts.values()):
+        onnx.save(models["training"], str(files.training_model))
+        onnx.save(models["eval"], str(files.eval_model_bf16))
+    return counts
+
+
+def module_graphs(files: Artifacts, options, threads: int | None = None) -> tuple[str, str]:
+    """(training graph, eval graph) for a Module opened with `options`. With artifacts built at
+    bf16, the eval graph is the rewritten one, `options` load ortflow.BF16MatMul's library, and
+    ATen runs its products on `threads` (the rank's share of the cores; ATen's pool, not ONNX
+    Runtime's, which `options` size, computes them: left at ATen's default, a thread per core,
+    ranks sharing a node's cores would each take all of them)."""
+    if not files.bf16:
+        return str(files.training_model), str(files.eval_model)
+    import torch
+
+    from ..kernels import bf16_matmul_library
+
+    options.register_custom_ops_library(str(bf16_matmul_library()))
+    if threads:
+        torch.set_num_threads(threads)
+    return str(files.training_model), str(files.eval_model_bf16)
