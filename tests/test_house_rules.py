@@ -155,3 +155,20 @@ def test_a_test_that_starts_snakemake_or_ranks_must_be_marked_e2e(tmp_path):
     with pytest.raises(pytest.fail.Exception, match=f"{test} starts MPI ranks: mark it @pytest.mark.e2e"):
         run_on_ranks(tmp_path, "print('never run')", 2)
     assert list(tmp_path.iterdir()) == []
+
+
+def conflict_markers(paths: list[Path]) -> list[str]:
+    """'file:line' of each line a merge left unresolved (`<<<<<<< `, `>>>>>>> `) in `paths`."""
+    return [f"{path}:{number}" for path in paths for number, line in enumerate(path.read_text().splitlines(), 1)
+            if line.startswith(("<<<<<<< ", ">>>>>>> "))]
+
+
+def test_no_merge_left_conflict_markers():
+    texts = [path for pattern in ("*.md", "*.py", "*.smk", "*.yaml", "*.toml", "Snakefile")
+             for path in REPO.rglob(pattern) if ".venv" not in path.parts and ".git" not in path.parts]
+    assert len(texts) > 100 and conflict_markers(texts) == []
+
+
+def test_a_conflict_marker_is_found(tmp_path):
+    (tmp_path / "a.md").write_text("text\n<<<<<<< HEAD\nmine\n=======\ntheirs\n>>>>>>> branch\n")
+    assert conflict_markers([tmp_path / "a.md"]) == [f"{tmp_path / 'a.md'}:2", f"{tmp_path / 'a.md'}:6"]
