@@ -160,6 +160,12 @@ def test_model_without_matmul_weight_refused(tmp_path):
                                   "has none")
     with pytest.raises(ConfigError, match=r"^int4 block_size 48: must be one of 16, 32, 64, 128$"):
         quantize_model(helper.make_model(graph), Int4(block_size=48), "relu.onnx")
+    weight = numpy_helper.from_array(np.ones((32, 4), np.float32), "w")
+    matmul = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "one",
+                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])],
+                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [weight])
+    with pytest.raises(ModelError, match=r"^one.onnx: its one MatMul or Gemm weight is the output layer"):
+        quantize_model(helper.make_model(matmul), Int4(output_layer=False), "one.onnx")
     (tmp_path / "fp32").mkdir()
     onnx.save(helper.make_model(graph), str(tmp_path / "fp32" / "model.onnx"))
     with pytest.raises(ModelError, match="has none$"):

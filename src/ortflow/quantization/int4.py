@@ -43,7 +43,6 @@ MS_DOMAIN = "com.microsoft"
 BLOCK_SIZES = (16, 32, 64, 128)
 # MatMulNBits' accuracy levels (its schema): 0 and 1 compute in fp32, 4 quantizes A to int8.
 ACCURACY_LEVELS = (0, 1, 2, 3, 4)
-LOGITS = "logits"  # the decoder's output whose MatMul is the output layer (generation.decoder)
 
 
 @dataclass(frozen=True)
@@ -53,7 +52,9 @@ class Int4:
     block_size: int = 32
     symmetric: bool = True
     accuracy_level: int = 0
-    output_layer: bool = True  # quantize the MatMul that gives the logits (lm_head)
+    # quantize the output layer (lm_head): the last weight's MatMul, which gives the logits (as the
+    # model builder's `last_matmul`)
+    output_layer: bool = True
 
     def check(self) -> None:
         if self.block_size not in BLOCK_SIZES:
@@ -101,11 +102,12 @@ def quantize_weight(weight: np.ndarray, block_size: int,
     return pack_nibbles(q), scale.astype(np.float32).reshape(-1), zero_points
 
 
-def float_weight(node, initializers: dict, producers: dict) -> tuple[np.ndarray, str] | None:
-    """The weight [K, N] that `node` multiplies its input by, and a name for it, where the node is a
-    MatMul or a plain Gemm (alpha = beta = 1, A not transposed) whose B is a float32 2-D initializer
-    or the Transpose of one (torch.onnx exports a Linear as MatMul(x, Transpose(W)))."""
-    from onnx import helper, numpy_helper
+def weight_source(node, initializers: dict, producers: dict) -> tuple[str, bool] | None:
+    """The float32 2-D initializer that `node` multiplies its input by, and whether it is transposed
+    ([N, K]) there, where the node is a MatMul or a plain Gemm (alpha = beta = 1, A not transposed)
+    whose B is the initializer or the Transpose of one (torch.onnx exports a Linear as
+    MatMul(x, Transpose(W)))."""
+    from onnx import helper
 
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     if node.op_type == "Gemm":
@@ -122,8 +124,16 @@ def float_weight(node, initializers: dict, producers: dict) -> tuple[np.ndarray,
     tensor = initializers.get(name)
     if tensor is None or tensor.data_type != tensor.FLOAT or len(tensor.dims) != 2:
         return None
-    weight = numpy_helper.to_array(tensor)
-    return (weight.T if transposed else weight), f"{name}{'_T' if transposed else ''}"
+    return name, transposed
+
+
+def read_weight(initializers: dict, source: tuple[str, bool]) -> np.ndarray:
+    """The weight [K, N] of `weight_source`'s answer."""
+    from onnx import numpy_helper
+
+    name, transposed = source
+    weight = numpy_helper.to_array(initializers[name])
+    return weight.T if transposed else weight
 
 
 def quantized_inputs(graph, weight: np.ndarray, name: str, settings: Int4) -> list[str]:
@@ -177,18 +187,23 @@ def quantize_model(model, settings: Int4, where: str) -> int:
     graph = model.graph
     initializers = {tensor.name: tensor for tensor in graph.initializer}
     producers = {output: node for node in graph.node for output in node.output}
-    found = [(index, float_weight(node, initializers, producers)) for index, node in enumerate(graph.node)]
-    found = [(index, weight) for index, weight in found if weight is not None]
+    found = [(index, weight_source(node, initializers, producers)) for index, node in enumerate(graph.node)]
+    found = [(index, source) for index, source in found if source is not None]
     if not found:
         raise ModelError(f"{where}: int4 quantizes the weights of MatMul and Gemm nodes, and this model has none")
     if not settings.output_layer:
         found = found[:-1]
-    made: dict[str, list[str]] = {}  # a weight that two nodes share is stored once
+        if not found:
+            raise ModelError(f"{where}: its one MatMul or Gemm weight is the output layer, which int4 keeps float "
+                             "with output_layer false: nothing to quantize")
+    made: dict[tuple[str, bool], tuple[list[str], tuple[int, int]]] = {}  # a shared weight is stored once
     replaced = {}
-    for index, (weight, name) in found:
-        if name not in made:
-            made[name] = quantized_inputs(graph, weight, name, settings)
-        replaced[index] = matmul_nbits(graph.node[index], made[name], weight.shape, settings)
+    for index, source in found:  # one weight in memory at a time, beside the model's own
+        if source not in made:
+            weight = read_weight(initializers, source)
+            name = f"{source[0]}{'_T' if source[1] else ''}"
+            made[source] = quantized_inputs(graph, weight, name, settings), weight.shape
+        replaced[index] = matmul_nbits(graph.node[index], *made[source], settings)
     nodes = [new for index, node in enumerate(graph.node) for new in replaced.get(index, [node])]
     del graph.node[:]
     graph.node.extend(nodes)
@@ -226,20 +241,24 @@ def quantize_folder(source: Path, folder: Path, settings: Int4) -> int:
 
 def weight_bytes(path: Path) -> int:
     """The bytes of the model's multiplied weights: a MatMul's or Gemm's float weight, a
-    MatMulNBits' packed B, scales and zero points (what int4 shrinks; the embedding is not counted)."""
-    from onnx import numpy_helper
+    MatMulNBits' packed B, scales and zero points (what int4 shrinks; the embedding is not counted),
+    from their shapes, without reading the weights."""
+    from onnx import helper
 
-    model = external_data.load_model(path)
+    model = external_data.load_model(path, load_data=False)
     initializers = {tensor.name: tensor for tensor in model.graph.initializer}
     producers = {output: node for node in model.graph.node for output in node.output}
+
+    def size(name: str) -> int:
+        tensor = initializers[name]
+        return int(np.prod(tensor.dims)) * helper.tensor_dtype_to_np_dtype(tensor.data_type).itemsize
+
     total = 0
     for node in model.graph.node:
         if node.op_type == "MatMulNBits":
-            total += sum(numpy_helper.to_array(initializers[name]).nbytes for name in node.input[1:4]
-                         if name in initializers)
-        else:
-            found = float_weight(node, initializers, producers)
-            total += found[0].nbytes if found else 0
+            total += sum(size(name) for name in node.input[1:4] if name in initializers)
+        elif source := weight_source(node, initializers, producers):
+            total += size(source[0])
     return total
 
 
