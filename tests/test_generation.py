@@ -123,7 +123,7 @@ def test_folder_has_what_optimum_and_genai_read(gpt2_folder):
     assert decoder["inputs"]["past_key_names"] == "past_key_values.%d.key"
     assert decoder["outputs"]["present_value_names"] == "present.%d.value"
     assert (genai["model"]["context_length"], genai["model"]["eos_token_id"], genai["model"]["type"]) == \
-        (POSITIONS_TRIED, EOS, "gpt2")
+        (POSITIONS_TRIED, EOS, "decoder")  # not "gpt2": folder.GENAI_TYPES
     assert genai["search"]["past_present_share_buffer"] is False
 
 

@@ -22,7 +22,9 @@ from .generate import Decoder
 
 # The language-model types onnxruntime-genai knows by name (its src/models/model_type.h, ModelType::IsLLM,
 # read in 2026); any other decoder of the standard inputs and outputs it runs as its generic "decoder".
-GENAI_TYPES = {"chatglm", "ernie4_5", "gemma", "gemma2", "gemma3_text", "gpt2", "gptoss", "granite", "internlm2",
+# Not "gpt2": onnxruntime-genai 0.18 runs that type with another cache layout, and its Generator refuses
+# this decoder ("Model input was not found: "), which it runs as "decoder" with transformers' tokens.
+GENAI_TYPES = {"chatglm", "ernie4_5", "gemma", "gemma2", "gemma3_text", "gptoss", "granite", "internlm2",
                "llama", "mistral", "nemotron", "olmo", "phi", "phimoe", "phi3", "phi3small", "qwen2", "qwen3",
                "smollm3"}
 

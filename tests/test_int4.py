@@ -1,0 +1,173 @@
+"""int4 weight-only quantization (ortflow.quantization.int4): the packing read back by ONNX Runtime
+1.19.2's MatMulNBits gives what a float MatMul of the dequantized weights gives, and the tiny
+decoders of tests/test_generation.py, quantized, load, generate and keep a sane loss."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+import transformers
+from onnx import TensorProto, helper, numpy_helper
+
+from ortflow.errors import ConfigError, ModelError
+from ortflow.generation import folder as generation_folder
+from ortflow.generation.generate import Decoder, generate
+from ortflow.quantization.int4 import Int4, quantize_folder, quantize_model, quantize_weight, token_losses, weight_bytes
+from test_generation import EOS, POSITIONS_TRIED, prompts, tiny
+from test_hf_families import DECODER
+
+TRAINING_STEPS = 20
+TEXT = "A language model fine-tuned with ortflow, quantized to four bits a weight, served by ONNX Runtime.".encode()
+
+
+def dequantized(packed: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int) -> np.ndarray:
+    """The weight [K, N] that MatMulNBits multiplies by, read from its inputs as its schema
+    describes them (unpacked here independently of the packing)."""
+    n, blocks, half = packed.shape
+    values = np.stack([packed & 0x0F, packed >> 4], -1).reshape(n, blocks, 2 * half).astype(np.float32)
+    if zero_points is None:
+        zero = np.full((n, blocks), 8, np.float32)
+    else:
+        nibbles = np.stack([zero_points & 0x0F, zero_points >> 4], -1).reshape(n, -1)
+        zero = nibbles[:, :blocks].astype(np.float32)
+    weight = (values - zero[..., None]) * scales.reshape(n, blocks)[..., None]
+    return weight.reshape(n, -1)[:, :k].T
+
+
+def run(node, initializers: list, a: np.ndarray, n: int) -> np.ndarray:
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, list(a.shape))],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [a.shape[0], n])], initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, {"a": a})[0]
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 64, 128])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_matmulnbits_equals_matmul_of_dequantized_weights(block_size, symmetric):
+    """K = 200 is no whole number of blocks of any size: the last block is padded. A column of
+    zeros and one of a single value are the edge cases of the scale (0) and of the range."""
+    rng = np.random.default_rng(0)
+    k, n = 200, 24
+    weight = rng.normal(size=(k, n)).astype(np.float32)
+    weight[:, 3] = 0.0
+    weight[:, 5] = 0.7
+    weight[:, 7] = np.abs(weight[:, 7])  # all positive: the asymmetric range starts at 0
+    packed, scales, zero_points = quantize_weight(weight, block_size, symmetric)
+    blocks = -(-k // block_size)
+    assert packed.shape == (n, blocks, block_size // 2) and packed.dtype == np.uint8
+    assert scales.shape == (n * blocks,) and scales.dtype == np.float32
+    assert (zero_points is None) == symmetric
+    if not symmetric:
+        assert zero_points.shape == (n * ((blocks + 1) // 2),)
+    expected_weight = dequantized(packed, scales, zero_points, k)
+    # rounded to the nearest step of the block's scale; symmetric maps the peak to -8, so a value
+    # of the other sign as large clamps at +7, a whole step away
+    steps = np.repeat(np.abs(scales.reshape(n, blocks)), block_size, 1)[:, :k].T
+    assert np.all(np.abs(expected_weight - weight) <= steps * (1.0 if symmetric else 0.5) + 1e-6)
+    a = rng.normal(size=(5, k)).astype(np.float32)
+    tensors = {"b": packed, "scales": scales, **({} if symmetric else {"zero_points": zero_points})}
+    node = helper.make_node("MatMulNBits", ["a", *tensors], ["y"], domain="com.microsoft", K=k, N=n, bits=4,
+                            block_size=block_size, accuracy_level=0)
+    got = run(node, [numpy_helper.from_array(array, name) for name, array in tensors.items()], a, n)
+    reference = run(helper.make_node("MatMul", ["a", "w"], ["y"]), [numpy_helper.from_array(expected_weight, "w")],
+                    a, n)
+    assert np.allclose(got, reference, rtol=1e-5, atol=1e-5), np.abs(got - reference).max()
+
+
+def wide_llama(root):
+    """A Llama whose weights have K of 256 and 512, so that a block's scale is a small part of its
+    bytes, trained on TEXT until it predicts it well: random weights give every model a perplexity
+    near the vocabulary's 256, which says nothing of what int4 loses."""
+    config = transformers.LlamaConfig(**{**DECODER, "hidden_size": 256, "intermediate_size": 512,
+                                         "max_position_embeddings": POSITIONS_TRIED})
+    config.bos_token_id = config.eos_token_id = EOS
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model.generation_config.eos_token_id = EOS
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    ids = torch.tensor([list(TEXT)])
+    for _ in range(TRAINING_STEPS):
+        optimizer.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+    model.eval()
+    generation_folder.write_folder(model, None, root / "generation")
+    return root / "generation"
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_int4_decoder_loads_and_generates(family, tmp_path):
+    """gpt2's weights are Gemms (Conv1D) with a bias, llama's MatMuls of a Transpose: both become
+    MatMulNBits; the embedding stays a float Gather, the output layer (tied to it in gpt2) is quantized."""
+    source, _ = tiny(family, tmp_path)
+    generation_folder.export_folder(source, tmp_path / "fp32")
+    assert quantize_folder(tmp_path / "fp32", tmp_path / "int4", Int4()) > 0
+    model = onnx.load(str(tmp_path / "int4" / "model.onnx"))
+    kinds = [node.op_type for node in model.graph.node]
+    assert "Gemm" not in kinds and kinds[-1] == "MatMulNBits" and "Gather" in kinds
+    weights = [node for node in model.graph.node if node.op_type == "MatMul"
+               and any(name in {t.name for t in model.graph.initializer} for name in node.input)]
+    assert weights == []
+    assert sorted(p.name for p in (tmp_path / "int4").iterdir()) == sorted(p.name for p in (tmp_path / "fp32").iterdir())
+    batch = prompts([5, 9])
+    tokens = generate(Decoder(tmp_path / "int4", threads=1), batch, 16)
+    assert [len(row) for row in tokens] == [16, 16] or any(EOS in row for row in tokens)
+    fp32, int4 = (float(np.exp(token_losses(tmp_path / kind, list(TEXT)).mean())) for kind in ("fp32", "int4"))
+    print(f"{family}: perplexity fp32 {fp32:.4f}, int4 {int4:.4f}")
+    assert np.isfinite(int4) and 0.5 * fp32 < int4 < 2 * fp32  # random weights: both near the vocabulary's 256
+
+
+def test_int4_weights_and_perplexity(tmp_path):
+    """The multiplied weights' bytes at block 32: symmetric 4 bits and a float scale each 32 weights
+    (5/32 of fp32's), asymmetric half a byte more a block; the output layer kept float on request."""
+    fp32 = wide_llama(tmp_path)
+    sizes, perplexities = {}, {"fp32": float(np.exp(token_losses(fp32, list(TEXT)).mean()))}
+    for name, settings in {"symmetric": Int4(), "asymmetric": Int4(symmetric=False),
+                           "float output layer": Int4(output_layer=False),
+                           "block 128, level 4": Int4(block_size=128, accuracy_level=4)}.items():
+        quantize_folder(fp32, tmp_path / name, settings)
+        sizes[name] = weight_bytes(tmp_path / name / "model.onnx") / weight_bytes(fp32 / "model.onnx")
+        perplexities[name] = float(np.exp(token_losses(tmp_path / name, list(TEXT)).mean()))
+    print("weight bytes / fp32's:", {k: round(v, 4) for k, v in sizes.items()})
+    print("perplexity:", {k: round(v, 4) for k, v in perplexities.items()})
+    assert sizes["symmetric"] <= 0.2 and sizes["asymmetric"] <= 0.2 and sizes["block 128, level 4"] <= 0.2
+    assert sizes["float output layer"] > sizes["symmetric"]
+    assert all(np.isfinite(value) and value > 1 for value in perplexities.values())
+
+
+def test_model_without_matmul_weight_refused(tmp_path):
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    with pytest.raises(ModelError) as refused:
+        quantize_model(helper.make_model(graph), Int4(), "relu.onnx")
+    assert str(refused.value) == ("relu.onnx: int4 quantizes the weights of MatMul and Gemm nodes, and this model "
+                                  "has none")
+    with pytest.raises(ConfigError, match=r"^int4 block_size 48: must be one of 16, 32, 64, 128$"):
+        quantize_model(helper.make_model(graph), Int4(block_size=48), "relu.onnx")
+    weight = numpy_helper.from_array(np.ones((32, 4), np.float32), "w")
+    matmul = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "one",
+                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 32])],
+                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])], [weight])
+    with pytest.raises(ModelError, match=r"^one.onnx: its one MatMul or Gemm weight is the output layer"):
+        quantize_model(helper.make_model(matmul), Int4(output_layer=False), "one.onnx")
+    (tmp_path / "fp32").mkdir()
+    onnx.save(helper.make_model(graph), str(tmp_path / "fp32" / "model.onnx"))
+    with pytest.raises(ModelError, match="has none$"):
+        quantize_folder(tmp_path / "fp32", tmp_path / "int4", Int4())
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["fp32"]  # nothing written half

@@ -1,0 +1,165 @@
+"""The generation folder where it is served: virtual environments of their own with onnxruntime >= 1.31
+(which cannot share one with onnxruntime-training 1.19.2), installed for real.
+
+The tiny gpt2 and llama of tests/test_generation.py, fp32 and int4, are loaded there by a plain
+onnxruntime session (ortflow's generate, which needs numpy and onnxruntime only), by
+onnxruntime-genai (og.Model on the folder, og.Generator, greedy) and by optimum's
+ORTModelForCausalLM (`generate(do_sample=False)`). Their tokens must be transformers'
+`generate(do_sample=False)` for fp32, and ortflow's generate in ONNX Runtime 1.19.2 for int4
+(transformers has no int4 of the model). optimum-onnx pins transformers < 4.58 (ortflow's is 5):
+its environment is another one. Marked slow: fresh, the installs took 83 s (genai, 216 MB on
+disk) and 213 s (optimum, 1.3 GB with the CPU build of torch 2.13.0) on the development machine;
+the environments are kept in the cache folder (ORTFLOW_TEST_CACHE, else ~/.cache/ortflow-tests)
+and reused by the next run, pip only checking them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from filelock import FileLock
+
+from conftest import REPO
+from ortflow.generation import folder as generation_folder
+from ortflow.generation.check import transformers_greedy
+from ortflow.generation.generate import Decoder, generate
+from ortflow.quantization.int4 import Int4, quantize_folder
+from test_generation import EOS, PROMPT_LENGTHS, prompts, tiny
+
+GENAI = ["onnxruntime>=1.31", "onnxruntime-genai", "numpy"]
+# torch 2.13.0: the CPU build on the machines' disk (pyproject.toml); optimum wants a torch, and any
+# other version pulls a CUDA build of gigabytes.
+OPTIMUM = ["onnxruntime>=1.31", "optimum-onnx", "torch==2.13.0", "numpy"]
+NEW_TOKENS = 32
+
+# Run in the serving environment: {folder: {"onnxruntime": tokens, "genai": tokens, "versions": ...}}.
+GENERATE = """
+import json, sys
+import onnxruntime, onnxruntime_genai as og
+from ortflow.generation.generate import Decoder, generate
+
+folders, prompts, new_tokens = json.loads(sys.argv[1])
+found = {}
+for folder in folders:
+    decoder = Decoder(folder, threads=1)
+    found[folder] = {"onnxruntime": [generate(decoder, [prompt], new_tokens)[0] for prompt in prompts], "genai": [],
+                     "versions": [onnxruntime.__version__, og.__version__]}
+    model = og.Model(folder)
+    for prompt in prompts:
+        params = og.GeneratorParams(model)
+        params.set_search_options(do_sample=False, max_length=len(prompt) + new_tokens)
+        generator = og.Generator(model, params)
+        generator.append_tokens(prompt)
+        while not generator.is_done():
+            generator.generate_next_token()
+        found[folder]["genai"].append([int(token) for token in generator.get_sequence(0)][len(prompt):])
+print(json.dumps(found))
+"""
+
+# Run in optimum's environment: {folder: {"optimum": tokens, "versions": ...}}; the end-of-sequence
+# and padding tokens are the folder's generation_config's, as a user's generate takes them.
+OPTIMUM_GENERATE = """
+import json, sys
+import onnxruntime, optimum.version, torch, transformers
+from optimum.onnxruntime import ORTModelForCausalLM
+
+folders, prompts, new_tokens = json.loads(sys.argv[1])
+found = {}
+for folder in folders:
+    model = ORTModelForCausalLM.from_pretrained(folder, provider="CPUExecutionProvider")
+    rows = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=new_tokens, pad_token_id=model.generation_config.eos_token_id)
+        rows.append(out[0, len(prompt):].tolist())
+    found[folder] = {"optimum": rows, "versions": f"onnxruntime {onnxruntime.__version__}, optimum "
+                     f"{optimum.version.__version__}, transformers {transformers.__version__}"}
+print(json.dumps(found))
+"""
+
+
+def cache_folder() -> Path:
+    return Path(os.environ.get("ORTFLOW_TEST_CACHE") or Path.home() / ".cache" / "ortflow-tests")
+
+
+def environment(name: str, packages: list[str]) -> Path:
+    """The python of the cache folder's environment `name`: created once, `packages` installed (or
+    checked) each run."""
+    venv = cache_folder() / name
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(venv) + ".lock"):  # two test runs share the folder
+        if not (venv / "bin" / "python").exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *packages],
+                                 capture_output=True, text=True, timeout=1800)
+    assert install.returncode == 0, install.stderr[-3000:]
+    return venv / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def genai_python() -> Path:
+    return environment("genai-venv", GENAI)
+
+
+@pytest.fixture(scope="module")
+def optimum_python() -> Path:
+    return environment("optimum-venv", OPTIMUM)
+
+
+def before_eos(tokens: list[int], eos: int) -> list[int]:
+    """The tokens before the first end-of-sequence: onnxruntime-genai 0.18 stops at it without
+    putting it in the sequence, where transformers and ortflow keep it as the last token."""
+    return tokens[:tokens.index(eos)] if eos in tokens else tokens
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def expected(request, tmp_path_factory) -> tuple[str, dict[str, list[list[int]]]]:
+    """The family's fp32 and int4 generation folders, each with the greedy tokens it must give for
+    each prompt: transformers' (fp32) and ortflow's generate in ONNX Runtime 1.19.2 (int4)."""
+    torch.set_num_threads(1)  # test_generation's reason: on 2 shared cores, one thread is the fastest
+    root = tmp_path_factory.mktemp(request.param)
+    source, model = tiny(request.param, root)
+    generation_folder.export_folder(source, root / "fp32")
+    quantize_folder(root / "fp32", root / "int4", Int4())
+    fp32, int4 = Decoder(root / "fp32", threads=1), Decoder(root / "int4", threads=1)
+    batch = prompts(PROMPT_LENGTHS)
+    return request.param, {
+        str(root / "fp32"): [transformers_greedy(model, fp32, [prompt], NEW_TOKENS)[0][0] for prompt in batch],
+        str(root / "int4"): [generate(int4, [prompt], NEW_TOKENS)[0] for prompt in batch]}
+
+
+def run_in(python: Path, script: str, folders: list[str]) -> dict:
+    """`script`'s JSON, run by the environment's `python` on the folders, the prompts and NEW_TOKENS."""
+    environment = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    result = subprocess.run([str(python), "-c", script, json.dumps([folders, prompts(PROMPT_LENGTHS), NEW_TOKENS])],
+                            capture_output=True, text=True, env=environment, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_onnxruntime_and_genai_generate_the_expected_tokens(expected, genai_python):
+    family, tokens = expected
+    found = run_in(genai_python, GENERATE, list(tokens))
+    for folder, rows in tokens.items():
+        print(f"{family} {Path(folder).name}: onnxruntime {found[folder]['versions'][0]}, onnxruntime-genai "
+              f"{found[folder]['versions'][1]}: {sum(map(len, rows))} tokens equal")
+        assert tuple(map(int, found[folder]["versions"][0].split(".")[:2])) >= (1, 31)
+        assert found[folder]["onnxruntime"] == rows
+        assert [before_eos(row, EOS) for row in found[folder]["genai"]] == [before_eos(row, EOS) for row in rows]
+
+
+@pytest.mark.slow
+def test_optimum_generates_the_expected_tokens(expected, optimum_python):
+    family, tokens = expected
+    found = run_in(optimum_python, OPTIMUM_GENERATE, list(tokens))
+    for folder, rows in tokens.items():
+        print(f"{family} {Path(folder).name}: {found[folder]['versions']}: {sum(map(len, rows))} tokens equal")
+        assert found[folder]["optimum"] == rows
