@@ -213,6 +213,16 @@ def test_external_data_folder_generates_the_same(gpt2_folder, tmp_path, monkeypa
         generate(Decoder(gpt2_folder, threads=1), batch, 16)
 
 
+def test_export_leaves_the_model_in_eval_mode(tmp_path):
+    """torch.onnx.export gives the module it traces its own mode back when it ends: the model (GPT-2's
+    default dropout 0.1) stays in eval mode for the check's generate after the export, where in
+    training mode transformers' tokens changed from run to run."""
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=256, n_positions=16)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    generation_folder.write_folder(model, None, tmp_path / "generation")
+    assert not [name for name, module in model.named_modules() if module.training]
+
+
 def test_check_refuses_another_model(gpt2_folder, tmp_path):
     """The check fails on a decoder that is not the model's: a token apart, or logits beyond the tolerance."""
     _, model = tiny("gpt2", tmp_path)
