@@ -67,11 +67,12 @@ def animals_and_bert(tmp_path: Path) -> tuple[Path, object, int, Path]:
 
 
 @pytest.mark.e2e
-def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path):
+def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, capsys):
     """GPT-2 from its folder by task (`model.kind: transformers`, causal-lm) on Python's
     documentation as a .txt file, tokenized by a BPE tokenizer trained here: the vocabulary check passes, step 0 is the
     folder's weights, the loss falls from about ln(vocabulary), and the exported
-    model with its tokenizer gives the eval loss that training measured."""
+    model with its tokenizer gives the eval loss that training measured; export/generation/ generates
+    from a prompt in ONNX Runtime."""
     from tokenizers import Tokenizer
 
     workdir = tmp_path / "work"
@@ -88,7 +89,7 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path):
         "train": {"world_size": 2, "steps": 300, "micro_batch_size": 8, "log_every": 1, "eval_every": 300,
                   "optimizer": {"lr": 0.003}, "lr_schedule": {"warmup_steps": 10}},
     }
-    run_snakemake(workdir, config, "export_model")  # what it reads
+    result = run_snakemake(workdir, config, "export_model")  # what it reads
     results = workdir / "results/gpt2"
 
     assert_initial_is_the_folders(results / "artifacts", folder, "model.", [])
@@ -117,6 +118,25 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path):
     text = "The for statement is used to iterate over the elements of a sequence"
     ids = Tokenizer.from_file(str(export / "tokenizer.json")).encode(text, add_special_tokens=False).ids
     assert ids == tokenizer.encode(text, add_special_tokens=False).ids
+    assert_generation_folder(workdir, export / "generation", result.stdout + result.stderr, capsys)
+
+
+def assert_generation_folder(workdir: Path, generation: Path, said: str, capsys) -> None:
+    """export/generation/ (a causal LM's decoder with a KV cache) holds its files and the folder's
+    tokenizer, its check is logged, the summary gives the command, and that command prints text."""
+    from ortflow import cli
+
+    files = sorted(p.name for p in generation.iterdir() if p.name != ".snakemake_timestamp")  # Snakemake's own
+    assert files == ["config.json", "genai_config.json", "generation_config.json", "model.onnx", "tokenizer.json",
+                     "tokenizer_config.json"]
+    log = (workdir / "logs/gpt2/export_model.log").read_text()
+    assert ("of at most 16 new tokens, not 64: the model has 32 positions) from 4 eval prompts of 16 and 8 tokens, "
+            "left-padded, equals transformers' generate token for token") in log
+    command = f"ortflow generate {generation.relative_to(workdir)} --prompt 'your text'"
+    assert f"  generate  {command} (a decoder with a KV cache in ONNX Runtime)" in said
+    assert cli.main(["generate", str(generation), "--prompt", "The for statement", "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert printed.endswith("\n") and printed.strip(), printed
 
 
 @pytest.mark.e2e

@@ -213,6 +213,19 @@ def test_external_data_folder_generates_the_same(gpt2_folder, tmp_path, monkeypa
         generate(Decoder(gpt2_folder, threads=1), batch, 16)
 
 
+def test_gpt2_with_its_config_defaults_exports_and_checks(tmp_path):
+    """GPT-2's config defaults, which tiny() overrides: dropout 0.1, and end-of-text 50256 beyond a byte
+    vocabulary. torch.onnx.export gives the module it traces its own mode back when it ends: the model
+    stays in eval mode for the check's generate after the export (in training mode transformers' tokens
+    changed from run to run); the padding id is one of the vocabulary (50256 fails the embedding's lookup)."""
+    config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=256, n_positions=16)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    generation_folder.write_folder(model, None, tmp_path / "generation", strict(prompts([6, 3]), 8))
+    assert not [name for name, module in model.named_modules() if module.training]
+    assert json.loads((tmp_path / "generation/genai_config.json").read_text())["model"]["pad_token_id"] == 0
+
+
 def test_check_refuses_another_model(gpt2_folder, tmp_path):
     """The check fails on a decoder that is not the model's: a token apart, or logits beyond the tolerance."""
     _, model = tiny("gpt2", tmp_path)

@@ -28,6 +28,9 @@ from text_models import pydoc_text, train_wordpiece
 from transformers_models import GPT2, save_bert, save_gpt2
 
 CONTEXT = 16
+# export/generation/ of a model trained on bytes: the decoder, its configs and a byte-level tokenizer.
+GENERATION_FILES = ["config.json", "genai_config.json", "generation_config.json", "model.onnx", "tokenizer.json",
+                    "tokenizer_config.json"]
 
 
 def exported(work: Path, data: dict, model: dict) -> Path:
@@ -66,7 +69,8 @@ def test_gpt2_folder_loads_with_its_trained_weights_and_scores_other_lengths(tmp
     """A GPT-2 folder (32 positions) fine-tuned by task on bytes at data.context 16: export/transformers/
     loads through AutoModelForCausalLM with no missing or unexpected weight, holds the checkpoint's
     weights (not the folder's), and its logits are the ONNX model's at the training length; the ONNX
-    model takes 1 to 32 tokens, and at 5 and 29 gives the logits transformers gives."""
+    model takes 1 to 32 tokens, and at 5 and 29 gives the logits transformers gives; export/generation/
+    is written and its check logged."""
     from transformers import AutoModelForCausalLM
 
     (tmp_path / "corpus.txt").write_text(pydoc_text()[:20_000])
@@ -94,6 +98,11 @@ def test_gpt2_folder_loads_with_its_trained_weights_and_scores_other_lengths(tmp
             assert np.abs(onnx_logits(export, {"x": ids}) - expected).max() < 1e-4, length
     assert ("dynamic sequence length: 8 eval records at 1 and 32 token(s) (data.context 16, positions up to 32) give "
             "outputs of that length, and the first positions' logits those of data.context") in caplog.text
+    # A causal LM's generation folder too (generation/run_export.py), checked on eval prompts within its 32 positions.
+    assert sorted(p.name for p in (export / "generation").iterdir()) == GENERATION_FILES
+    assert (f"{export / 'generation'}: greedy generation in ONNX Runtime (16 steps of at most 16 new tokens, not 64: "
+            "the model has 32 positions) from 4 eval prompts of 16 and 8 tokens, left-padded, equals transformers' "
+            "generate token for token") in caplog.text
 
 
 def test_bert_classifier_folder_has_its_labels_and_tokenizer(tmp_path, caplog):
@@ -163,15 +172,17 @@ def test_the_folders_own_tokenizer_is_saved_again(tmp_path):
 def test_torch_module_state_dict_loads_strictly_with_tied_names(tmp_path):
     """kind torch (a GPT-2 wrapper with its embedding tied to its head): export/model.safetensors holds
     every state_dict name, the tied tensor under both, the checkpoint's values; load_state_dict(strict=True)
-    takes it and the module then gives the ONNX model's logits. An earlier run's transformers/ is removed."""
+    takes it and the module then gives the ONNX model's logits. An earlier run's transformers/ and generation/
+    are removed."""
     from safetensors.torch import load_file
 
     (tmp_path / "corpus.txt").write_text(pydoc_text()[:20_000])
-    (tmp_path / "export/transformers").mkdir(parents=True)
-    (tmp_path / "export/transformers/config.json").write_text("{}")
+    for earlier in ("transformers", "generation"):
+        (tmp_path / "export" / earlier).mkdir(parents=True)
+        (tmp_path / "export" / earlier / "config.json").write_text("{}")
     export = exported(tmp_path, {"source": "text", "text_path": str(tmp_path / "corpus.txt"), "context": CONTEXT},
                       {"kind": "torch", "path": "transformers_models:GPT2", "kwargs": {"context": CONTEXT}})
-    assert not (export / "transformers").exists()
+    assert not (export / "transformers").exists() and not (export / "generation").exists()
     tensors = load_file(str(export / "model.safetensors"))
     torch.manual_seed(1)
     module = GPT2(context=CONTEXT).eval()

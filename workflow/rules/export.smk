@@ -15,6 +15,16 @@ TORCH_FORMATS = {
     "transformers": {"transformers": directory(f"{RESULTS}/export/transformers")},
     "torch": {"state_dict": f"{RESULTS}/export/model.safetensors"},
 }.get(CONFIG.model.kind, {})
+# A causal LM also as a decoder with a KV cache that ONNX Runtime generates from
+# (src/ortflow/generation/): `ortflow generate results/<run>/export/generation
+# --prompt ...`. Declared for model.task causal-lm; with task auto the stage writes
+# it too where the data make the model a causal LM, undeclared (export_model removes
+# an earlier run's for any other model).
+GENERATION = (
+    {"generation": directory(f"{RESULTS}/export/generation")}
+    if CONFIG.model.kind == "transformers" and CONFIG.model.task == "causal-lm"
+    else {}
+)
 
 
 rule export_model:
@@ -25,6 +35,7 @@ rule export_model:
     output:
         **TOKENIZER,
         **TORCH_FORMATS,
+        **GENERATION,
         model=f"{RESULTS}/export/model.onnx",
     log:
         f"{LOGS}/export_model.log",

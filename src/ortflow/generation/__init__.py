@@ -13,6 +13,7 @@ on it in ONNX Runtime 1.19.2 (this project's runtime) equal to transformers' `ge
 - `check`: that generation against transformers' `generate` on the model it came from.
 """
 
+GENERATION = "generation"  # the export stage's folder: results/<run>/export/generation/ (run_export.py)
 # The generation folder's files that its readers find by name (folder.py writes them).
 MODEL = "model.onnx"
 GENAI_CONFIG = "genai_config.json"

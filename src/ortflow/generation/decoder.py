@@ -142,7 +142,10 @@ def export_decoder(model, path: Path, opset: int = OPSET) -> CacheLayout:
 
     model.eval()
     layout = cache_layout(model)
-    wrapper = CachedDecoder(model, layout)
+    # In eval mode itself: torch.onnx.export gives the wrapper back its own mode when it ends, and a
+    # new module's is training, which would turn `model`'s dropout on for the caller's generate
+    # (measured: the export check's transformers tokens then changed from run to run).
+    wrapper = CachedDecoder(model, layout).eval()
     path = Path(path)
     with tempfile.TemporaryDirectory(prefix="ortflow-decoder-", dir=path.parent) as scratch, torch.no_grad():
         traced = Path(scratch) / "decoder.onnx"

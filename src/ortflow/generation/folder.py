@@ -95,7 +95,11 @@ def genai_config(model, layout: CacheLayout) -> dict:
     write them into a buffer of the context's length."""
     config, generation = model.config, model.generation_config
     eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
-    pad = next((value for value in (generation.pad_token_id, config.pad_token_id) if value is not None), eos)
+    # The padding goes through the embedding under an attention mask of 0, so any id of the vocabulary
+    # pads; one beyond it fails the lookup (GPT-2's end-of-text 50256 in a model fine-tuned on bytes).
+    pad = next((value for value in (generation.pad_token_id, config.pad_token_id,
+                                    *(eos if isinstance(eos, list) else [eos]))
+                if isinstance(value, int) and 0 <= value < config.vocab_size), 0)
     names = layout.input_names()
     return {
         "model": {

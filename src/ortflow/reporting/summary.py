@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ..checkpoints.best import chosen
+from ..generation import GENAI_CONFIG, GENERATION
 from ..wording import plural
 from .results import (baseline_shown, fmt, large_batch, lora_trained, not_beaten, quality, read_json, refusal,
                       speedup)
@@ -36,8 +37,7 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     # An int8 model the gate refused, or no smaller than the fp32 one, is not offered (the lines below say why).
     offered = (bool(export) and "int8" in export and not refusal(export)
                and export["int8"]["size_bytes"] < export["fp32"]["size_bytes"])
-    if model.is_file():
-        lines.append(f"  model     {model}" + (f" (int8: {int8})" if int8.is_file() and offered else ""))
+    lines += exported_lines(model, int8 if int8.is_file() and offered else None)
     if export:
         name, shown = quality(export["fp32"])
         line = f"  {name:<9} {shown}"
@@ -70,6 +70,17 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
         lines.append("  nothing trained yet")
     lines.append(f"  report    {shlex.join(report_command(report, reported, targets, run_arguments))}")
     return "\n".join(lines)
+
+
+def exported_lines(model: Path, int8: Path | None) -> list[str]:
+    """Where the exported models are: `model` with its `int8` one where it is offered, and a causal
+    LM's generation folder (export/generation/) with the command that generates from it."""
+    lines = [f"  model     {model}" + (f" (int8: {int8})" if int8 else "")] if model.is_file() else []
+    generation = model.parent / GENERATION
+    if (generation / GENAI_CONFIG).is_file():
+        lines.append(f"  generate  {shlex.join(['ortflow', 'generate', str(generation), '--prompt', 'your text'])} "
+                     "(a decoder with a KV cache in ONNX Runtime)")
+    return lines
 
 
 def model_lines(description: dict) -> list[str]:

@@ -17,6 +17,9 @@
 4. For `model.kind: transformers` and `torch`, the trained model in its own
    framework's format, and with `model.lora` its adapters alone, each read back
    as its users read it and checked against the exported model (export/formats.py).
+5. For a causal LM (`kind: transformers`, causal-lm), `generation/`: `transformers/` as a
+   decoder with a KV cache that ONNX Runtime generates from, its greedy generation on a few
+   eval prompts checked against transformers' `generate` (generation/run_export.py).
    model.onnx is renamed into place last, once every check has passed.
 """
 
@@ -35,6 +38,7 @@ from ..data import standardize
 from ..errors import MissingInputError
 from ..export import checks, formats, metadata
 from ..export.writer import write_inference_model
+from ..generation.run_export import write_generation
 from ..inference import inference_output
 from ..models import save_trained
 from ..sessions import quiet_logging
@@ -72,10 +76,12 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
         few = {name: array[:checks.REFERENCE_RECORDS] for name, array in batch.items()}
         trained = adapted if adapted is not None else formats.trained_torch_module(config, info, reader.manifest,
                                                                                    checkpoint_dir)
-        checks.check_sequence_lengths(tmp, info, few, output, trained and save_trained.position_limit(trained))
+        positions = trained and save_trained.position_limit(trained)
+        checks.check_sequence_lengths(tmp, info, few, output, positions)
         formats.write_torch_formats(config, trained, info, reader.manifest,
                                     standardize.apply(few, reader.standardized), output, out.parent)
         metadata.copy_tokenizer(eval_dir, reader.manifest, out.parent)
+        write_generation(info.get("transformers", {}).get("task"), batch, out.parent, positions)
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config.run.name, out,
              external_data.model_bytes(out), [i["name"] for i in info["inputs"]], inference_output(info))
     return props

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..errors import DataError, ModelError
 
 HELP = "generate text from an exported decoder folder (export/generation), streaming the tokens"
+MAX_NEW_TOKENS = 64
 REPLACEMENT = "\ufffd"  # what decoding gives for the first bytes of a character whose last bytes are to come
 
 
@@ -22,7 +23,8 @@ def add_arguments(parser) -> None:
     prompt = parser.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="the text to continue")
     prompt.add_argument("--prompts", type=Path, help="a text file of prompts, one a line (empty lines skipped)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    parser.add_argument("--max-new-tokens", type=int, help=f"tokens to generate at most (default {MAX_NEW_TOKENS}, or "
+                        "as many as the model's positions leave after the prompt)")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of the most likely token (greedy)")
     # Without them, the model's generation_config's values (genai_config.json's search), as generate takes them.
     parser.add_argument("--temperature", type=float, help="with --do-sample (default: the model's)")
@@ -69,7 +71,7 @@ def stream(tokenizer, write, ids: list[int], shown: str, last: bool = False) -> 
 def run(args) -> int:
     from ..generation.generate import Decoder, Sampling, generate
 
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise DataError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     prompts = read_prompts(args)
     tokenizer = load_tokenizer(args.folder)
@@ -93,7 +95,11 @@ def run(args) -> int:
                 ids.append(token)
                 shown = stream(tokenizer, write, ids, shown)
 
-        generate(decoder, [tokenizer.encode(prompt).ids], args.max_new_tokens, sampling, on_step)
+        encoded = tokenizer.encode(prompt).ids
+        # A model of few positions (the README's has 64) still continues a short prompt by default;
+        # a prompt that leaves none is refused by generate in one line.
+        new_tokens = args.max_new_tokens or max(1, min(MAX_NEW_TOKENS, decoder.context_length - len(encoded)))
+        generate(decoder, [encoded], new_tokens, sampling, on_step)
         stream(tokenizer, write, ids, shown, last=True)
         write("\n")
     return 0
