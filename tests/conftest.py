@@ -119,12 +119,12 @@ def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, t
     return result
 
 
-def gate_judged(gate: dict, log: str) -> bool:
+def gate_judged(gate: dict, log: str, quantized: str = "int8") -> bool:
     """Whether quantize_model's gate entry (export/metrics.json) and its log agree with its numbers,
-    whichever side of export.max_accuracy_drop int8 landed: that differs by CPU (int8 kernels round
-    differently with and without AVX-512 VNNI), so no test may expect one side."""
+    whichever side of export.max_accuracy_drop the `quantized` model (int8, int4) landed: that differs
+    by CPU (int8 kernels round differently with and without AVX-512 VNNI), so no test may expect one side."""
     passed = gate["drop"] <= gate["max_accuracy_drop"]
-    said = "quality gate passed" if passed else "the int8 model is refused"
+    said = f"quality gate passed: {quantized} loses" if passed else f"the {quantized} model is refused"
     return gate["outcome"] == ("passed" if passed else "refused") and said in log
 
 

@@ -58,6 +58,11 @@ def test_defaults_fill_every_section():
                                                                    "not a finite number"),
         ({"train": {"clip_grad_norm": float("inf")}}, "config key 'train.clip_grad_norm': inf is not a finite number"),
         ({"export": {"max_accuracy_drop": float("-inf")}}, "'export.max_accuracy_drop': -inf is not a finite number"),
+        # int4 quantizes export/generation/, which only a transformers causal-lm run declares.
+        ({"export": {"int4": {}}}, "config key 'export.int4': int4 quantizes a causal LM's export/generation/ "
+                                   "decoder, which needs model.kind: transformers and model.task: causal-lm; got "
+                                   "model.kind 'mlp', model.task 'auto'"),
+        ({"export": {"int4": {"block_size": 48}}}, "config key 'export.int4.block_size': 48 is not one of"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

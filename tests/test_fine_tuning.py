@@ -21,11 +21,12 @@ import yaml
 from safetensors.numpy import load_file
 from transformers import PreTrainedTokenizerFast
 
-from conftest import run_snakemake
+from conftest import gate_judged, run_snakemake
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.data.shards import ShardReader
+from ortflow.reporting.summary import int4_line
 from ortflow.stages.prepare_data import split_rows
 from test_pretrained import bits
 from test_tokenizers import ANIMALS, SEED, animal_texts, whole
@@ -72,7 +73,8 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, capsys
     documentation as a .txt file, tokenized by a BPE tokenizer trained here: the vocabulary check passes, step 0 is the
     folder's weights, the loss falls from about ln(vocabulary), and the exported
     model with its tokenizer gives the eval loss that training measured; export/generation/ generates
-    from a prompt in ONNX Runtime."""
+    from a prompt in ONNX Runtime, and with export.int4 quantize_model writes it in int4 too, measured
+    against fp32 under the quality gate."""
     from tokenizers import Tokenizer
 
     workdir = tmp_path / "work"
@@ -88,8 +90,9 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, capsys
         "model": {"kind": "transformers", "path": str(folder), "task": "causal-lm"},
         "train": {"world_size": 2, "steps": 300, "micro_batch_size": 8, "log_every": 1, "eval_every": 300,
                   "optimizer": {"lr": 0.003}, "lr_schedule": {"warmup_steps": 10}},
+        "export": {"int4": {}},
     }
-    result = run_snakemake(workdir, config, "export_model")  # what it reads
+    result = run_snakemake(workdir, config, "quantize_model")  # what it reads
     results = workdir / "results/gpt2"
 
     assert_initial_is_the_folders(results / "artifacts", folder, "model.", [])
@@ -119,6 +122,26 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, capsys
     ids = Tokenizer.from_file(str(export / "tokenizer.json")).encode(text, add_special_tokens=False).ids
     assert ids == tokenizer.encode(text, add_special_tokens=False).ids
     assert_generation_folder(workdir, export / "generation", result.stdout + result.stderr, capsys)
+    assert_int4_folder(workdir, export, result.stdout + result.stderr)
+
+
+def assert_int4_folder(workdir: Path, export: Path, said: str) -> None:
+    """export.int4's generation-int4/: generation/'s files, the decoder's weights in MatMulNBits, and
+    metrics.json's int4 entry, its gate outcome the one its numbers give, as the summary says."""
+    int4_folder = export / "generation-int4"
+    files = sorted(p.name for p in int4_folder.iterdir() if p.name != ".snakemake_timestamp")
+    assert files == sorted(p.name for p in (export / "generation").iterdir() if p.name != ".snakemake_timestamp")
+    assert "MatMulNBits" in {node.op_type for node in onnx.load(str(int4_folder / "model.onnx")).graph.node}
+    entry = json.loads((export / "metrics.json").read_text())["int4"]
+    print("int4:", entry)
+    # 5 of fp32's 32 bits a weight at block 32: 4 bits and a float scale each 32 weights.
+    assert entry["weight_ratio"] == entry["int4"]["weight_bytes"] / entry["fp32"]["weight_bytes"] <= 0.35
+    for side in ("fp32", "int4"):
+        assert np.isfinite(entry[side]["perplexity"]) and entry[side]["perplexity"] > 1, entry
+        assert entry[side]["tokens_scored"] > 0 and entry[side]["tokens_per_s"] > 0, entry
+    log = (workdir / "logs/gpt2/quantize_model.log").read_text()
+    assert gate_judged(entry["gate"], log, "int4"), log
+    assert int4_line(entry, int4_folder.relative_to(workdir)) in said
 
 
 def assert_generation_folder(workdir: Path, generation: Path, said: str, capsys) -> None:

@@ -244,7 +244,10 @@ def test_family_trains_like_torch_exports_and_quantizes(family, tmp_path, monkey
 
     monkeypatch.setattr(measure, "LATENCY_BUDGET_S", 0.1)  # timing is not what this test is about
     export_model.export(config, artifacts.folder, tmp_path / "checkpoint", eval_dir, tmp_path / "model.onnx")
+    (tmp_path / "generation-int4").mkdir()  # an earlier run's: export.int4 is null here, so it goes
     report = quantize_model.quantize(config, tmp_path / "model.onnx", artifacts.folder, eval_dir,
-                                     tmp_path / "model.int8.onnx", tmp_path / "metrics.json")
+                                     tmp_path / "model.int8.onnx", tmp_path / "metrics.json",
+                                     tmp_path / "generation", tmp_path / "generation-int4")
     assert (tmp_path / "model.int8.onnx").is_file() and report["quantize"] in ("dynamic", "static"), report
+    assert not (tmp_path / "generation-int4").exists() and "int4" not in report
     assert np.isfinite(report["int8"]["loss"]), report

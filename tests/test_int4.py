@@ -1,8 +1,14 @@
 """int4 weight-only quantization (ortflow.quantization.int4): the packing read back by ONNX Runtime
 1.19.2's MatMulNBits gives what a float MatMul of the dequantized weights gives, and the tiny
-decoders of tests/test_generation.py, quantized, load, generate and keep a sane loss."""
+decoders of tests/test_generation.py, quantized, load, generate and keep a sane loss; and the
+quantize_model stage's export.int4 step (quantization/int4_measure.py): its measures, its gate and
+its summary line."""
 
 from __future__ import annotations
+
+import shutil
+from dataclasses import asdict
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -12,10 +18,14 @@ import torch
 import transformers
 from onnx import TensorProto, helper, numpy_helper
 
-from ortflow.errors import ConfigError, ModelError
+from ortflow.errors import ConfigError, MissingInputError, ModelError
 from ortflow.generation import folder as generation_folder
 from ortflow.generation.generate import Decoder, generate
+from ortflow.models import IGNORE_INDEX
+from ortflow.quantization import int4_measure
+from ortflow.quantization.gate import QualityGateError
 from ortflow.quantization.int4 import Int4, quantize_folder, quantize_model, quantize_weight, token_losses, weight_bytes
+from ortflow.reporting.summary import int4_line
 from test_generation import EOS, POSITIONS_TRIED, prompts, tiny
 from test_hf_families import DECODER
 
@@ -171,3 +181,111 @@ def test_model_without_matmul_weight_refused(tmp_path):
     with pytest.raises(ModelError, match="has none$"):
         quantize_folder(tmp_path / "fp32", tmp_path / "int4", Int4())
     assert sorted(path.name for path in tmp_path.iterdir()) == ["fp32"]  # nothing written half
+
+
+class Reader:
+    """The eval reader that int4_measure reads: the windows `x` and their next tokens `y`."""
+    label_name = "y"
+
+    def __init__(self, windows: np.ndarray, labels: np.ndarray):
+        self.windows, self.labels = windows, labels
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def gather(self, indices: np.ndarray) -> dict[str, np.ndarray]:
+        return {"x": self.windows[indices], "y": self.labels[indices]}
+
+
+def text_reader(records: int, ignored: int = 0) -> Reader:
+    """`records` windows of TEXT (its first bytes, shifted by a byte a record), labelled as the data stage
+    labels text, the first `ignored` labels of each IGNORE_INDEX (a prompt's)."""
+    ids = np.array(list(TEXT), np.int64)
+    windows = np.stack([ids[start:start + 40] for start in range(records)])
+    labels = np.stack([ids[start + 1:start + 41] for start in range(records)])
+    labels[:, :ignored] = IGNORE_INDEX
+    return Reader(windows, labels)
+
+
+def export_settings(**int4) -> SimpleNamespace:
+    """export's config section as int4_measure reads it."""
+    return SimpleNamespace(int4=SimpleNamespace(**{**asdict(Int4()), **int4}), max_accuracy_drop=1.0,
+                           gate_fails_run=False)
+
+
+def test_int4_entry_measures_and_gates_both_ways(tmp_path, monkeypatch, caplog):
+    """The stage's int4 step on a trained Llama: its entry has both sides' bytes, perplexity and speed,
+    the folder is renamed into place; the gate passes or refuses as its numbers say, and with
+    export.gate_fails_run refuses by failing, writing no folder."""
+    monkeypatch.setattr(int4_measure, "SPEED_ROUNDS", 1)
+    fp32 = wide_llama(tmp_path)
+    target = tmp_path / "generation-int4"
+    reader = text_reader(3)
+    entry = int4_measure.write_int4(export_settings(), fp32, target, reader, tmp_path / "scratch")
+    print({key: entry[key] for key in ("fp32", "int4", "weight_ratio", "gate")})
+    assert sorted(p.name for p in target.iterdir()) == sorted(p.name for p in fp32.iterdir())
+    assert entry["weight_ratio"] <= 0.2 and entry["records"] == 3 and entry["weights_quantized"] > 0
+    for side in ("fp32", "int4"):
+        assert entry[side]["tokens_scored"] == 3 * 39 and entry[side]["tokens_per_s"] > 0
+        assert np.isfinite(entry[side]["perplexity"]) and entry[side]["perplexity"] > 1
+    drop = (entry["int4"]["perplexity"] / entry["fp32"]["perplexity"] - 1) * 100
+    assert entry["gate"]["drop"] == pytest.approx(drop)
+    assert entry["gate"]["outcome"] == ("passed" if drop <= 1.0 else "refused")
+
+    strict = export_settings(symmetric=False)
+    strict.max_accuracy_drop = -100.0  # int4 would need a perplexity of 0
+    refused = int4_measure.write_int4(strict, fp32, target, reader, tmp_path / "scratch")
+    assert refused["gate"]["outcome"] == "refused" and refused["settings"]["symmetric"] is False
+    assert ("the int4 model is refused (metrics.json: gate outcome refused): deploy the fp32 model "
+            f"{fp32} (try export.int4.block_size: 16; export.int4.output_layer: false; a larger "
+            "export.max_accuracy_drop; or export.int4: null)") in caplog.text
+    strict.gate_fails_run = True
+    shutil.rmtree(target)
+    with pytest.raises(QualityGateError, match="; no int4 model is written and the fp32 model"):
+        int4_measure.write_int4(strict, fp32, target, reader, tmp_path / "scratch")
+    assert not target.exists()
+
+
+def test_int4_perplexity_scores_only_the_labelled_tokens(tmp_path):
+    """IGNORE_INDEX labels (a prompt, padding) are left out of the perplexity, and a window longer than
+    the model's positions is cut to them; the entry of a folder is the mean over what is scored."""
+    source, _ = tiny("llama", tmp_path)
+    generation_folder.export_folder(source, tmp_path / "fp32")
+    decoder = Decoder(tmp_path / "fp32", threads=1)
+    reader = text_reader(2, ignored=10)
+    value, scored = int4_measure.perplexity(decoder, reader.windows, reader.labels)
+    assert scored == 2 * 29
+    expected = np.concatenate([token_losses(tmp_path / "fp32", row.tolist())[10:] for row in reader.windows])
+    assert value == pytest.approx(float(np.exp(expected.mean())), rel=1e-9)
+    windows = np.concatenate([reader.windows] * 4, 1)  # 160 tokens, the model has 128 positions
+    labels = np.concatenate([reader.labels] * 4, 1)
+    # the first 127 labels of each row, less the 10 + 10 + 10 + 7 IGNORE_INDEX of its four copies
+    assert int4_measure.perplexity(decoder, windows, labels)[1] == 2 * (127 - 37)
+
+
+def test_int4_without_a_generation_folder_is_one_line(tmp_path):
+    with pytest.raises(MissingInputError) as refused:
+        int4_measure.write_int4(export_settings(), tmp_path / "generation", tmp_path / "generation-int4",
+                                text_reader(1), tmp_path)
+    assert str(refused.value) == (f"export.int4: {tmp_path / 'generation'} is no generation folder (export_model "
+                                  "writes it for a model.kind transformers causal-lm); set export.int4: null for "
+                                  "this model")
+
+
+def test_int4_remedies_name_only_settings_not_set():
+    assert int4_measure.remedies(Int4(block_size=16, symmetric=False, output_layer=False)) == [
+        "a larger export.max_accuracy_drop", "or export.int4: null"]
+    assert int4_measure.remedies(Int4())[:3] == ["export.int4.block_size: 16", "export.int4.symmetric: false",
+                                                 "export.int4.output_layer: false"]
+
+
+def test_summary_line_of_int4(tmp_path):
+    entry = {"weight_ratio": 0.1563, "fp32": {"perplexity": 12.3456}, "int4": {"perplexity": 12.5},
+             "gate": {"metric": "perplexity", "drop": 1.251, "unit": "%", "max_accuracy_drop": 1.0,
+                      "outcome": "refused"}}
+    folder = tmp_path / "generation-int4"
+    assert int4_line(entry, folder) == (f"  int4      {folder}: weights 0.16x fp32's, perplexity 12.5000 (fp32 "
+                                        "12.3456), refused by the gate, +1.25% perplexity "
+                                        "(export.max_accuracy_drop: 1): deploy the fp32 folder")
+    entry["gate"]["outcome"] = "passed"
+    assert int4_line(entry, folder).endswith("(fp32 12.3456), passed the gate")

@@ -20,11 +20,16 @@ TORCH_FORMATS = {
 # --prompt ...`. Declared for model.task causal-lm; with task auto the stage writes
 # it too where the data make the model a causal LM, undeclared (export_model removes
 # an earlier run's for any other model).
+GENERATION_FOLDER = f"{RESULTS}/export/generation"
 GENERATION = (
-    {"generation": directory(f"{RESULTS}/export/generation")}
+    {"generation": directory(GENERATION_FOLDER)}
     if CONFIG.model.kind == "transformers" and CONFIG.model.task == "causal-lm"
     else {}
 )
+# export.int4 (refused at config load for a model without GENERATION): the
+# generation folder as int4, written and measured by quantize_model beside int8.
+GENERATION_INT4 = f"{RESULTS}/export/generation-int4"
+INT4 = {} if CONFIG.export.int4 is None else {"int4": directory(GENERATION_INT4)}
 
 
 rule export_model:
@@ -52,11 +57,13 @@ rule export_model:
 
 rule quantize_model:
     input:
+        **({"generation": rules.export_model.output.generation} if INT4 else {}),
         model=rules.export_model.output.model,
         artifacts=ARTIFACTS,
         eval=DATA_EVAL,
     output:
         **QUANTIZED,
+        **INT4,
         metrics=f"{RESULTS}/export/metrics.json",
     log:
         f"{LOGS}/quantize_model.log",
@@ -69,7 +76,10 @@ rule quantize_model:
         # Given even when it is no output, so that the command removes an earlier run's.
         # A function: Snakemake's lint refuses a string param that names an output.
         int8=lambda wildcards: INT8,
+        generation=lambda wildcards: GENERATION_FOLDER,
+        int4=lambda wildcards: GENERATION_INT4,
     shell:
         "ortflow quantize-model --config-json {params.config:q} --model {input.model:q}"
         " --artifacts {input.artifacts:q} --eval {input.eval:q} --int8 {params.int8:q}"
+        " --generation {params.generation:q} --int4 {params.int4:q}"
         " --metrics {output.metrics:q} > {log:q} 2>&1"

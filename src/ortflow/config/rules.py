@@ -82,6 +82,7 @@ def _check_cross_keys(config: Config) -> None:
             f"config key 'model.heads': {model.heads} does not divide model.width={model.width}"
         )
     _check_text_keys(data)
+    _check_int4(config)
     _check_libraries(model)
     check_lamb_sharding(train)
     if train.backend == "nccl" and train.device != "cuda":
@@ -107,6 +108,17 @@ def _check_cross_keys(config: Config) -> None:
     for key in ("weights_skip", "weights_prefix", "weights_config"):
         if getattr(model, key) and not model.weights:
             raise ConfigError(f"config key 'model.{key}': set without model.weights, which it is about")
+
+
+def _check_int4(config: Config) -> None:
+    """export.int4 quantizes export/generation/, which the workflow declares for a `kind: transformers`
+    causal-lm only: refused here rather than after training (model.task auto is known once the data are)."""
+    model = config.model
+    if config.export.int4 is not None and (model.kind, model.task) != ("transformers", "causal-lm"):
+        raise ConfigError(
+            "config key 'export.int4': int4 quantizes a causal LM's export/generation/ decoder, which needs "
+            f"model.kind: transformers and model.task: causal-lm; got model.kind {model.kind!r}, model.task "
+            f"{model.task!r} (set export.int4: null, or model.task: causal-lm for a causal LM)")
 
 
 def _check_libraries(model: Model) -> None:

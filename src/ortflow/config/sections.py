@@ -140,6 +140,16 @@ class Train:
 
 
 @dataclass(frozen=True, slots=True)
+class Int4:
+    """config section 'export.int4' (config.schema.yaml)."""
+
+    block_size: Literal[16, 32, 64, 128]
+    symmetric: bool
+    accuracy_level: Literal[0, 1, 2, 3, 4]
+    output_layer: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Export:
     """config section 'export' (config.schema.yaml)."""
 
@@ -149,6 +159,7 @@ class Export:
     calibration_batches: int
     max_accuracy_drop: float
     gate_fails_run: bool
+    int4: Int4 | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,6 +215,7 @@ SECTIONS: dict[str, type] = {
     "train.lr_schedule": LrSchedule,
     "train.early_stopping": EarlyStopping,
     "train": Train,
+    "export.int4": Int4,
     "export": Export,
     "sweep.random": Random,
     "sweep.halving": Halving,

@@ -9,5 +9,7 @@
 - `measure.py`: each model evaluated on the eval split and timed on one thread, and the
   table of fp32 against int8;
 - `gate.py`: the quality gate (`export.max_accuracy_drop`) with the settings that may
-  bring int8 within it, and the warning for an int8 model no smaller than fp32.
+  bring int8 within it, and the warning for an int8 model no smaller than fp32;
+- `int4.py`: int4 weight-only quantization of a causal LM's generation folder (MatMulNBits);
+- `int4_measure.py`: export.int4's step: that folder written, compared with fp32 and gated.
 """

@@ -36,29 +36,29 @@ def quality_drop(fp32: dict, int8: dict) -> tuple[str, float, str]:
     return "loss", (int8["loss"] / fp32["loss"] - 1) * 100 if fp32["loss"] else 0.0, "%"
 
 
-def gate(report: dict, export_cfg, model: Path, records: int, remedies: list[str]) -> dict:
-    """The quality gate's entry of the report, its `outcome` `passed` or `refused` (int8 loses
-    too much, said in a warning that names the `remedies`); QualityGateError instead of
-    `refused` with export.gate_fails_run. For accuracy it says what one record is worth:
-    on a tiny eval split one wrong answer is already several points."""
-    compared, drop, unit = quality_drop(report["fp32"], report["int8"])
+def gate(report: dict, export_cfg, model: Path, records: int, remedies: list[str], quantized: str = "int8") -> dict:
+    """The quality gate's entry of the report, its `outcome` `passed` or `refused` (the `quantized`
+    model, int8 or int4, loses too much, said in a warning that names the `remedies`);
+    QualityGateError instead of `refused` with export.gate_fails_run. For accuracy it says what one
+    record is worth: on a tiny eval split one wrong answer is already several points."""
+    compared, drop, unit = quality_drop(report["fp32"], report[quantized])
     allowed = export_cfg.max_accuracy_drop
     granularity = f" (one of the {records} eval records is {100 / records:.3g} points)" if compared == "accuracy" else ""
     entry = {"metric": compared, "drop": drop, "unit": unit, "max_accuracy_drop": allowed}
     if drop <= allowed:
-        log.info("quality gate passed: int8 loses %.4g %s of %s (allowed: %g)%s", drop, unit, compared, allowed,
-                 granularity)
+        log.info("quality gate passed: %s loses %.4g %s of %s (allowed: %g)%s", quantized, drop, unit, compared,
+                 allowed, granularity)
         return {**entry, "outcome": "passed"}
     scale = 100 if compared == "accuracy" else 1
-    refusal = (f"quality gate: int8 {compared} {report['int8'][compared] * scale:.4g} against fp32 "
+    refusal = (f"quality gate: {quantized} {compared} {report[quantized][compared] * scale:.4g} against fp32 "
                f"{report['fp32'][compared] * scale:.4g} is a loss of {drop:.4g} {unit}, more than "
                f"export.max_accuracy_drop={allowed}{granularity}")
     remedy = f"(try {'; '.join(remedies)})"
     if export_cfg.gate_fails_run:
-        raise QualityGateError(f"{refusal}; no int8 model is written and the fp32 model {model} stays "
+        raise QualityGateError(f"{refusal}; no {quantized} model is written and the fp32 model {model} stays "
                                f"(export.gate_fails_run) {remedy}")
-    log.warning("%s; the int8 model is refused (metrics.json: gate outcome refused): deploy the fp32 model %s %s",
-                refusal, model, remedy)
+    log.warning("%s; the %s model is refused (metrics.json: gate outcome refused): deploy the fp32 model %s %s",
+                refusal, quantized, model, remedy)
     return {**entry, "outcome": "refused"}
 
 

@@ -268,7 +268,11 @@ def token_losses(folder: Path, ids: list[int]) -> np.ndarray:
     compares an int4 decoder with its fp32 one on the same text."""
     from ..generation.generate import Decoder
 
-    decoder = Decoder(folder, threads=1)
+    return decoder_losses(Decoder(folder, threads=1), ids)
+
+
+def decoder_losses(decoder, ids: list[int]) -> np.ndarray:
+    """token_losses on an open generation.generate.Decoder: many texts, one session."""
     if not 2 <= len(ids) <= decoder.context_length:
         raise DataError(f"int4 perplexity: a text of {len(ids)} tokens; it needs 2 to the model's "
                         f"{decoder.context_length}")

@@ -72,7 +72,7 @@ def not_beaten(train: dict | None) -> str | None:
 
 def refusal(export: dict | None) -> str | None:
     """`refused by the gate, -3.6 points (export.max_accuracy_drop: 1)` when the quality gate
-    refused the int8 model (export/metrics.json), else None."""
+    refused the int8 model (export/metrics.json), or given its int4 entry the int4 folder, else None."""
     gate = (export or {}).get("gate")
     if not gate or gate.get("outcome") != "refused":  # before the outcome was kept, a refusal failed the stage
         return None

@@ -47,6 +47,8 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
         lines.append(line)
         if refusal(export):
             lines.append(f"  int8      {refusal(export)}: deploy the fp32 model")
+        if "int4" in export:
+            lines.append(int4_line(export["int4"], model.parent / f"{GENERATION}-int4"))
     elif train:
         name, shown = quality(train["eval"])
         lines.append(f"  {name:<9} {shown} (eval at step {train['steps']})")
@@ -81,6 +83,15 @@ def exported_lines(model: Path, int8: Path | None) -> list[str]:
         lines.append(f"  generate  {shlex.join(['ortflow', 'generate', str(generation), '--prompt', 'your text'])} "
                      "(a decoder with a KV cache in ONNX Runtime)")
     return lines
+
+
+def int4_line(int4: dict, folder: Path) -> str:
+    """export.int4's folder with what metrics.json's int4 entry says of it against fp32: the weights'
+    size, perplexity and the gate's outcome (a refused folder is named, as deploying it is a choice)."""
+    outcome = f"{refusal(int4)}: deploy the fp32 folder" if refusal(int4) else "passed the gate"
+    return (f"  int4      {folder}: weights {fmt(int4['weight_ratio'], 'ratio')} fp32's, perplexity "
+            f"{fmt(int4['int4']['perplexity'], 'float')} (fp32 {fmt(int4['fp32']['perplexity'], 'float')}), "
+            f"{outcome}")
 
 
 def model_lines(description: dict) -> list[str]:

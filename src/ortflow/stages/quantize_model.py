@@ -15,6 +15,10 @@
    since Snakemake expects the file, but flagged: a warning in the log, in
    metrics.json's `warnings`, and in the end-of-run summary, which then offers
    the fp32 model alone.
+5. With `export.int4`, a causal LM's export/generation/ also as int4 in
+   export/generation-int4/, compared with fp32 (weight bytes, perplexity, greedy
+   tokens/s) under the same gate on perplexity: metrics.json's `int4` entry
+   (quantization/int4_measure.py). Without it, an earlier run's folder is removed.
 
 Outputs are written to temporary names and renamed when complete.
 """
@@ -23,20 +27,23 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 
 from .. import atomic, external_data
 from ..artifacts import Artifacts
 from ..config import Config
-from ..quantization import gate, measure, quantizer
+from ..quantization import gate, int4_measure, measure, quantizer
 from ..sessions import quiet_logging
 
 log = logging.getLogger("ortflow.quantize")
 
 
-def quantize(config: Config, model: Path, artifacts: Path, eval_dir: Path, int8: Path, metrics: Path) -> dict:
-    """Quantize `model` into `int8` (unless export.quantize is none) and write the report to `metrics`."""
+def quantize(config: Config, model: Path, artifacts: Path, eval_dir: Path, int8: Path, metrics: Path,
+             generation: Path, int4: Path) -> dict:
+    """Quantize `model` into `int8` (unless export.quantize is none), with export.int4 the `generation`
+    folder into `int4`, and write the report to `metrics`."""
     import onnx
 
     from ..data.shards import ShardReader
@@ -76,6 +83,11 @@ def quantize(config: Config, model: Path, artifacts: Path, eval_dir: Path, int8:
             if warning:
                 log.warning(warning)
                 report["warnings"].append(warning)
+        if export_cfg.int4 is not None:
+            report["int4"] = int4_measure.write_int4(export_cfg, generation, int4, reader, Path(scratch))
+        elif int4.exists():  # as with export.quantize: none, no folder left from an earlier run
+            shutil.rmtree(int4)
+            log.info("export.int4 is null: removed %s from an earlier run", int4)
         atomic.write_text(metrics, json.dumps(report, indent=2) + "\n")
     return report
 
@@ -93,9 +105,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--int8", required=True, type=Path,
                         help="the int8 model to write (export.quantize: none removes it)")
     parser.add_argument("--metrics", required=True, type=Path, help="the fp32-versus-int8 report (JSON)")
+    parser.add_argument("--generation", required=True, type=Path,
+                        help="a causal LM's generation folder (export_model), read with export.int4")
+    parser.add_argument("--int4", required=True, type=Path,
+                        help="the int4 generation folder to write (export.int4: null removes it)")
 
 
 def run(args) -> None:
     from ..config import load_config
 
-    quantize(load_config(args), args.model, args.artifacts, args.eval, args.int8, args.metrics)
+    quantize(load_config(args), args.model, args.artifacts, args.eval, args.int8, args.metrics, args.generation,
+             args.int4)
