@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data.tokenizer import ATTENTION_MASK, INPUT_IDS
 from ..export.checks import TOLERANCE
 from ..models.hugging_face import TEXT_WINDOWS
 from ..models.save_trained import TRANSFORMERS
@@ -30,11 +31,14 @@ PROMPT_TOKENS = 16  # the longer prompts' tokens; the others have half as many
 NEW_TOKENS = 64  # issue 41's check; fewer where the model's positions leave less room
 
 
-def eval_check(windows: np.ndarray, positions: int) -> GenerationCheck:
+def eval_check(windows: np.ndarray, positions: int, valid: np.ndarray | None = None) -> GenerationCheck:
     """The check on the first tokens of the eval `windows` [records, context]: at most PROMPT_TOKENS
-    and half the model's `positions`, the new tokens in what the positions leave."""
+    and half the model's `positions`, the new tokens in what the positions leave. `valid`: each
+    record's tokens before its padding (examples padded to data.context: data/examples.py)."""
     longest = max(1, min(PROMPT_TOKENS, windows.shape[1], positions // 2))
-    lengths = [longest if row % 2 == 0 else max(1, longest // 2) for row in range(min(PROMPTS, len(windows)))]
+    valid = np.full(len(windows), windows.shape[1]) if valid is None else valid
+    lengths = [max(1, min(longest if row % 2 == 0 else longest // 2, int(valid[row])))
+               for row in range(min(PROMPTS, len(windows)))]
     prompts = [windows[row, :length].tolist() for row, length in enumerate(lengths)]
     return GenerationCheck(prompts, min(NEW_TOKENS, positions - longest), relative=TOLERANCE["relative"],
                            absolute=TOLERANCE["absolute"])
@@ -48,8 +52,11 @@ def write_generation(task: str | None, batch: dict, export: Path, positions: int
     if task != "causal-lm":
         shutil.rmtree(folder, ignore_errors=True)
         return
+    # Text windows (x), or examples of chats and pairs (input_ids, padded: attention_mask 0).
+    ids = batch[TEXT_WINDOWS] if TEXT_WINDOWS in batch else batch[INPUT_IDS]
+    valid = batch[ATTENTION_MASK].sum(axis=1) if ATTENTION_MASK in batch else None
     # No positions in its config: the training windows' length, until cache_layout refuses it in one line.
-    check = eval_check(batch[TEXT_WINDOWS], positions or batch[TEXT_WINDOWS].shape[1])
+    check = eval_check(ids, positions or ids.shape[1], valid)
     _, agreement = export_folder(Path(export) / TRANSFORMERS, folder, check)
     fewer = f", not {NEW_TOKENS}: the model has {positions} positions" if check.max_new_tokens < NEW_TOKENS else ""
     lengths = sorted({len(prompt) for prompt in check.prompts}, reverse=True)
