@@ -292,7 +292,7 @@ def free_disk(results: Path) -> tuple[int, Path]:
 
 def check_disk(results: Path) -> Check:
     free, where = free_disk(results)
-    detail = f"{free / 2**30:.1f} GiB free under {where}"
+    detail = f"{gib(free)} free under {where}"
     if free < MIN_FREE_BYTES:
         return Check("free disk", FAIL, detail, f"free at least {MIN_FREE_BYTES // 2**20} MiB, e.g. delete old results/<run>/ folders")
     if free < LOW_FREE_BYTES:
