@@ -60,13 +60,14 @@ def main() -> None:
 
     import onnxruntime
 
+    from ortflow import config
     from ortflow.quantization.measure import latencies
     from ortflow.quantization.quantizer import quantize_file
     from ortflow.sessions import quiet_logging
 
     quiet_logging()
     records = Records()
-    export_cfg = {"per_channel": args.per_channel, "calibration_batches": 0}
+    export_cfg = config.load(overrides={"export": {"per_channel": args.per_channel}}).export
     with tempfile.TemporaryDirectory() as scratch:
         paths = {"fp32": Path(scratch) / "model.onnx", "int8": Path(scratch) / "model.int8.onnx"}
         export_mlp(paths["fp32"])
@@ -76,7 +77,7 @@ def main() -> None:
               f"{paths['fp32'].stat().st_size / 1024:.0f} KiB, int8 {paths['int8'].stat().st_size / 1024:.0f} KiB")
         print("run | fp32 b1 p50 | int8 b1 p50 | b1 speed-up | fp32 b64 p50 | int8 b64 p50 | b64 speed-up (ms, 1 thread)")
         for run in range(1, args.repeats + 1):
-            t = latencies(paths, records)
+            t = latencies(paths, records, (1, 64))
             fp32, int8 = t["fp32"], t["int8"]
             print(f"{run} | {fp32['b1_p50']:.4f} | {int8['b1_p50']:.4f} | {fp32['b1_p50'] / int8['b1_p50']:.2f}x | "
                   f"{fp32['b64_p50']:.3f} | {int8['b64_p50']:.3f} | {fp32['b64_p50'] / int8['b64_p50']:.2f}x")
