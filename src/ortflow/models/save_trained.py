@@ -29,6 +29,8 @@ TRANSFORMERS = "transformers"  # export/transformers/
 STATE_DICT = "model.safetensors"  # export/model.safetensors
 # The config keys that give how many positions a transformers model has embeddings for.
 POSITIONS = ("n_positions", "max_position_embeddings")
+# What transformers' tokenizers give a text model, by name (its model_input_names).
+TOKENIZER_OUTPUTS = ("input_ids", "token_type_ids", "attention_mask")
 
 
 @contextlib.contextmanager
@@ -117,7 +119,12 @@ def save_pretrained(task_model, model_path: str, tokenizer: str | None, describe
         saved = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True, trust_remote_code=False)
     else:
         special = {key: described.get(key) for key in ("eos_token", "pad_token")}
-        saved = PreTrainedTokenizerFast(tokenizer_file=tokenizer, **{k: v for k, v in special.items() if v})
+        # What the data's tokenization fed the model (token_type_ids where its template gives them), which
+        # transformers' default for a tokenizer.json leaves out: pairs would then lose their type ids.
+        fed = [name for name, argument in zip(task_model.input_names, task_model.arguments)
+               if argument and name in TOKENIZER_OUTPUTS]
+        saved = PreTrainedTokenizerFast(tokenizer_file=tokenizer, **{k: v for k, v in special.items() if v},
+                                        **({"model_input_names": fed} if "input_ids" in fed else {}))
     # The template that rendered the training chats (data.chat_template wins over the folder's): the
     # model answers prompts rendered as it learned them.
     saved.chat_template = described.get("chat_template") or saved.chat_template
