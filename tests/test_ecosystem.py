@@ -86,6 +86,8 @@ def test_classifier_takes_what_its_tokenizer_gives(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.onnx", "tokenizer.json",
                                                         "tokenizer_config.json"]
     assert json.loads((folder / "config.json").read_text())["id2label"] == {"0": "cat", "1": "cow", "2": "dog"}
+    # transformers 4 (optimum's pin) loads the tokenizer by this class name; it does not know transformers 5's own
+    assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
     model, session = contract(export)
     assert dims(model) == {"input_ids": ["batch", "sequence"], "attention_mask": ["batch", "sequence"],
                            "token_type_ids": ["batch", "sequence"], "logits": ["batch", 3]}

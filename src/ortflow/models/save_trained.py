@@ -15,6 +15,7 @@ is what export_model compares with the ONNX model.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 
@@ -129,6 +130,19 @@ def save_pretrained(task_model, model_path: str, tokenizer: str | None, describe
     # model answers prompts rendered as it learned them.
     saved.chat_template = described.get("chat_template") or saved.chat_template
     saved.save_pretrained(str(folder))
+    portable_tokenizer_class(folder)
+
+
+def portable_tokenizer_class(folder: Path) -> None:
+    """tokenizer_config.json's class named as transformers 4 knows it too: transformers 5 saves a fast
+    tokenizer of no model's class as "TokenizersBackend", which transformers 4's AutoTokenizer refuses
+    ("does not exist"; optimum-onnx pins transformers < 4.58), and loads "PreTrainedTokenizerFast" as
+    that same class (the same encodings in both, measured on a WordPiece pair)."""
+    path = Path(folder) / "tokenizer_config.json"
+    settings = json.loads(path.read_text()) if path.is_file() else {}
+    if settings.get("tokenizer_class") == "TokenizersBackend":
+        settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
 
 def from_pretrained(task_model, folder: Path):
