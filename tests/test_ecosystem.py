@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ortflow.models import IGNORE_INDEX
+from ortflow.reporting.summary import run_summary
 from test_save_trained import CONTEXT, animal_classifier, eval_records, exported
 from transformers_models import save_bert
 
@@ -78,7 +79,8 @@ def contract(export: Path) -> tuple[onnx.ModelProto, onnxruntime.InferenceSessio
 def test_classifier_takes_what_its_tokenizer_gives(tmp_path):
     """A BERT classifier on WordPiece-tokenized texts: the folder holds model.onnx, config.json (its
     labels) and the tokenizer; the tokenizer's output for a batch of eval texts, padded to the longest
-    (not data.context), goes into the model as it is, and its logits [batch, 3] are transformers'."""
+    (not data.context), goes into the model as it is, and its logits [batch, 3] are transformers'. The
+    end-of-run summary names the folder and the class that loads it."""
     from transformers import AutoTokenizer
 
     export, frame = animal_classifier(tmp_path)
@@ -100,6 +102,12 @@ def test_classifier_takes_what_its_tokenizer_gives(tmp_path):
     logits = session.run(None, batch)[0]
     expected = transformers_logits(export, "AutoModelForSequenceClassification", batch)
     assert logits.shape == (2, 3) and np.abs(logits - expected).max() < 1e-4 * np.abs(expected).max() + 1e-6
+
+    lines = run_summary(tmp_path, train_metrics=tmp_path / "none", export_metrics=tmp_path / "none",
+                        model=export / "model.onnx", int8=tmp_path / "none", checkpoint=tmp_path / "none",
+                        report=tmp_path / "report.html").splitlines()
+    assert (f"  optimum   {folder} (ORTModelForSequenceClassification.from_pretrained: the tokenizer's inputs, "
+            "transformers' logits)") in lines
 
 
 @pytest.mark.parametrize(("build", "task_class", "shape"), [
