@@ -291,7 +291,8 @@ def test_bert_regression_by_task_on_jsonl_texts(tmp_path):
     """`model.task: regression` on a .jsonl of sentences and a float target (the size of
     the animal each mentions): a BERT folder under a one-output head (transformers'
     problem_type regression), trained with mse, ends far below the train split's
-    mean as a predictor, and the exported model's predictions give the eval mse."""
+    mean as a predictor, and the exported model's predictions give the eval mse;
+    export/optimum/ (declared to Snakemake for the task) predicts the same."""
     workdir = tmp_path / "work"
     workdir.mkdir()
     frame = animal_texts(400)
@@ -322,6 +323,11 @@ def test_bert_regression_by_task_on_jsonl_texts(tmp_path):
     assert predicted.shape == (len(eval_rows), 1)
     mse = float(((predicted[:, 0] - frame["size"].to_numpy()[eval_rows]) ** 2).mean())
     assert mse == pytest.approx(metrics["eval"]["loss"], rel=1e-3)
+    # Snakemake declared export/optimum/ (the task is regression): the same predictions from the tokenizer's names.
+    served = onnxruntime.InferenceSession(str(results / "export/optimum/model.onnx"))
+    assert sorted(i.name for i in served.get_inputs()) == ["attention_mask", "input_ids", "token_type_ids"]
+    same = served.run(None, {i.name: eval_[i.name] for i in served.get_inputs()})[0]
+    assert np.abs(same - predicted).max() <= 1e-4 * np.abs(predicted).max() + 1e-6
 
 
 @pytest.mark.e2e

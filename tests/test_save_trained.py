@@ -105,26 +105,35 @@ def test_gpt2_folder_loads_with_its_trained_weights_and_scores_other_lengths(tmp
             "generate token for token") in caplog.text
 
 
-def test_bert_classifier_folder_has_its_labels_and_tokenizer(tmp_path, caplog):
-    """A BERT folder under a new head of 3 string classes, on texts tokenized by a WordPiece tokenizer.json:
-    export/transformers/ has the classes as id2label/label2id, the tokenizer as a PreTrainedTokenizerFast
-    that encodes the texts to the shards' ids, and logits equal to the ONNX model's, which takes the
-    sequence at any length (shapes checked at 1 and 32 tokens)."""
+def animal_classifier(work: Path) -> tuple[Path, object]:
+    """A BERT folder under a new head of 3 string classes (cat, cow, dog), fine-tuned by task on 120
+    short texts tokenized by a WordPiece tokenizer.json (BERT's template: token_type_ids too) at
+    data.context 16, exported (`exported`); returns work/export and the texts with their classes."""
     import pandas as pd
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     animals = {"cat": "meow", "dog": "woof", "cow": "moo"}
     rng = np.random.default_rng(0)
     names = [sorted(animals)[i] for i in rng.integers(0, 3, 120)]
     texts = [f"the {animals[name]} said {' '.join(rng.choice(['it', 'was', 'loud', 'here'], 4))}" for name in names]
     frame = pd.DataFrame({"review": texts, "animal": names})
-    frame.to_json(tmp_path / "animals.jsonl", orient="records", lines=True)
-    vocab = train_wordpiece(tmp_path / "tokenizer.json", 80, texts).get_vocab_size()
-    folder = save_bert(tmp_path / "bert", vocab)
+    frame.to_json(work / "animals.jsonl", orient="records", lines=True)
+    vocab = train_wordpiece(work / "tokenizer.json", 80, texts).get_vocab_size()
+    folder = save_bert(work / "bert", vocab)
+    export = exported(work, {"source": str(work / "animals.jsonl"), "text": "review", "label": "animal",
+                             "tokenizer": str(work / "tokenizer.json"), "context": CONTEXT},
+                      {"kind": "transformers", "path": str(folder), "task": "sequence-classification"})
+    return export, frame
+
+
+def test_bert_classifier_folder_has_its_labels_and_tokenizer(tmp_path, caplog):
+    """A BERT folder under a new head of 3 string classes, on texts tokenized by a WordPiece tokenizer.json:
+    export/transformers/ has the classes as id2label/label2id, the tokenizer as a PreTrainedTokenizerFast
+    that encodes the texts to the shards' ids, and logits equal to the ONNX model's, which takes the
+    sequence at any length (shapes checked at 1 and 32 tokens)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
     with caplog.at_level(logging.INFO, logger="ortflow"):
-        export = exported(tmp_path, {"source": str(tmp_path / "animals.jsonl"), "text": "review", "label": "animal",
-                                     "tokenizer": str(tmp_path / "tokenizer.json"), "context": CONTEXT},
-                          {"kind": "transformers", "path": str(folder), "task": "sequence-classification"})
+        export, frame = animal_classifier(tmp_path)
     saved = export / "transformers"
     config = json.loads((saved / "config.json").read_text())
     assert (config["id2label"], config["label2id"]) == ({"0": "cat", "1": "cow", "2": "dog"},

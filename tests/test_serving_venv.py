@@ -6,11 +6,12 @@ onnxruntime session (ortflow's generate, which needs numpy and onnxruntime only)
 onnxruntime-genai (og.Model on the folder, og.Generator, greedy) and by optimum's
 ORTModelForCausalLM (`generate(do_sample=False)`). Their tokens must be transformers'
 `generate(do_sample=False)` for fp32, and ortflow's generate in ONNX Runtime 1.19.2 for int4
-(transformers has no int4 of the model). optimum-onnx pins transformers < 4.58 (ortflow's is 5):
-its environment is another one. Marked slow: fresh, the installs took 83 s (genai, 216 MB on
-disk) and 213 s (optimum, 1.3 GB with the CPU build of torch 2.13.0) on the development machine;
-the environments are kept in the cache folder (ORTFLOW_TEST_CACHE, else ~/.cache/ortflow-tests)
-and reused by the next run, pip only checking them.
+(transformers has no int4 of the model). The export/optimum/ folders of a BERT classifier and tagger
+(tests/test_ecosystem.py) are loaded by optimum's ORTModelFor<task>, their logits transformers'.
+optimum-onnx pins transformers < 4.58 (ortflow's is 5): its environment is another one. Marked slow:
+fresh, the installs took 83 s (genai, 216 MB on disk) and 213 s (optimum, 1.3 GB with the CPU build
+of torch 2.13.0) on the development machine; the environments are kept in the cache folder
+(ORTFLOW_TEST_CACHE, else ~/.cache/ortflow-tests) and reused by the next run, pip only checking them.
 """
 
 from __future__ import annotations
@@ -83,6 +84,29 @@ for folder in folders:
                      f"{optimum.version.__version__}, transformers {transformers.__version__}"}
 print(json.dumps(found))
 """
+
+# Run in optimum's environment: each export/optimum/ folder loaded by its ORTModelFor<task>, fed by the
+# folder's own tokenizer (texts) or the given ids (an .npz): {folder: {"logits": ..., "feeds": ..., "versions"}}.
+OPTIMUM_CLASSIFY = """
+import json, sys
+import numpy as np, onnxruntime, optimum.version, torch, transformers
+from optimum import onnxruntime as ort_models
+from transformers import AutoTokenizer
+
+found = {}
+for folder, loader, texts, ids in json.loads(sys.argv[1]):
+    model = getattr(ort_models, loader).from_pretrained(folder, provider="CPUExecutionProvider")
+    if texts:
+        feeds = dict(AutoTokenizer.from_pretrained(folder)(texts, padding=True, return_tensors="pt"))
+    else:
+        feeds = {name: torch.from_numpy(array) for name, array in np.load(ids).items()}
+    found[folder] = {"logits": model(**feeds).logits.tolist(),
+                     "feeds": {name: tensor.tolist() for name, tensor in feeds.items()},
+                     "versions": f"onnxruntime {onnxruntime.__version__}, optimum {optimum.version.__version__}, "
+                                 f"transformers {transformers.__version__}"}
+print(json.dumps(found))
+"""
+TEXTS = ["the woof said it", "the moo said loud here was it it loud", "the meow"]
 
 
 def cache_folder() -> Path:
@@ -163,3 +187,43 @@ def test_optimum_generates_the_expected_tokens(expected, optimum_python):
     for folder, rows in tokens.items():
         print(f"{family} {Path(folder).name}: {found[folder]['versions']}: {sum(map(len, rows))} tokens equal")
         assert found[folder]["optimum"] == rows
+
+
+@pytest.mark.slow
+def test_optimum_loads_the_classifier_and_tagger_folders(optimum_python, tmp_path):
+    """export/optimum/ (export/ecosystem.py) of test_ecosystem's BERT classifier (texts through the folder's
+    WordPiece tokenizer, loaded by optimum's transformers 4) and tagger (eval ids): ORTModelForSequenceClassification
+    and ORTModelForTokenClassification load them as they are, and their logits are transformers' (5, this
+    environment's) of export/transformers/ on the same inputs."""
+    import numpy as np
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    from test_ecosystem import tagger
+    from test_save_trained import animal_classifier, eval_records
+
+    for name in ("classifier", "tagger"):
+        (tmp_path / name).mkdir()
+    classifier = animal_classifier(tmp_path / "classifier")[0]
+    tags = tagger(tmp_path / "tagger")
+    records = eval_records(tmp_path / "tagger")
+    np.savez(tmp_path / "ids.npz", **{name: records[name] for name in ("input_ids", "attention_mask")})
+    cases = [[str(classifier / "optimum"), "ORTModelForSequenceClassification", TEXTS, None],
+             [str(tags / "optimum"), "ORTModelForTokenClassification", [], str(tmp_path / "ids.npz")]]
+    result = subprocess.run([str(optimum_python), "-c", OPTIMUM_CLASSIFY, json.dumps(cases)], capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.splitlines()[-1])
+    for (folder, loader, _, _), hf_class in zip(cases, [AutoModelForSequenceClassification,
+                                                         AutoModelForTokenClassification]):
+        feeds = {name: torch.tensor(value) for name, value in found[folder]["feeds"].items()}
+        with torch.no_grad():
+            expected = hf_class.from_pretrained(Path(folder).parent / "transformers")(**feeds).logits.numpy()
+        logits = np.array(found[folder]["logits"], dtype=np.float32)
+        worst = np.abs(logits - expected).max()
+        print(f"{Path(folder).parent.parent.name}: {loader}, {found[folder]['versions']}: logits "
+              f"{list(logits.shape)} within {worst:.3g} of transformers' (largest |logit| "
+              f"{np.abs(expected).max():.3g})")
+        assert logits.shape == expected.shape and worst < 1e-4 * np.abs(expected).max() + 1e-6
+    # The classifier's texts went through the tokenizer as the model was trained: BERT's template, padded.
+    assert set(found[cases[0][0]]["feeds"]) == {"input_ids", "token_type_ids", "attention_mask"}
+    assert min(map(min, found[cases[0][0]]["feeds"]["attention_mask"])) == 0

@@ -26,6 +26,17 @@ GENERATION = (
     if CONFIG.model.kind == "transformers" and CONFIG.model.task == "causal-lm"
     else {}
 )
+# A text classifier, tagger or regressor also in optimum's layout, which its
+# ORTModelFor<task> loads (src/ortflow/export/ecosystem.py). Declared for those
+# model.task values; with task auto the stage writes it too, undeclared (export_model
+# removes an earlier run's for any other model).
+OPTIMUM = (
+    {"optimum": directory(f"{RESULTS}/export/optimum")}
+    if CONFIG.model.kind == "transformers"
+    and CONFIG.model.task
+    in ("sequence-classification", "token-classification", "regression")
+    else {}
+)
 # export.int4 (refused at config load for a model without GENERATION): the
 # generation folder as int4, written and measured by quantize_model beside int8.
 GENERATION_INT4 = f"{RESULTS}/export/generation-int4"
@@ -41,6 +52,7 @@ rule export_model:
         **TOKENIZER,
         **TORCH_FORMATS,
         **GENERATION,
+        **OPTIMUM,
         model=f"{RESULTS}/export/model.onnx",
     log:
         f"{LOGS}/export_model.log",

@@ -10,5 +10,7 @@
   opinion, a dynamic sequence dimension at other lengths;
 - `formats.py`: the trained model in its own framework's format (`transformers/`,
   `model.safetensors`, LoRA's `adapter/`), each read back as its users read it and checked
-  against the ONNX model.
+  against the ONNX model;
+- `ecosystem.py`: a text classifier's, tagger's or regressor's `optimum/` folder, the model in
+  the layout optimum's ORTModelFor<task> loads, checked against transformers' logits.
 """

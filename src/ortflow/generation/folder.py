@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 
 from .. import atomic
-from ..user_files import MODEL_CONFIG, TOKENIZER_FILES
+from ..export.ecosystem import copy_tokenizer_files
 from . import GENAI_CONFIG, MODEL
 from .check import Agreement, GenerationCheck, check_generation
 from .decoder import CacheLayout, export_decoder
@@ -66,11 +65,7 @@ def copy_tokenizer(source: Path | None, folder: Path) -> None:
     """The tokenizer files of the save_pretrained folder `source` into `folder`; where it has none
     (ortflow trained the model on text as bytes), a tokenizer.json that encodes text as its UTF-8
     bytes, byte b as id b, as ortflow's data does (data/sources.py)."""
-    copied = [name for name in TOKENIZER_FILES
-              if name != MODEL_CONFIG and source and (Path(source) / name).is_file()]
-    for name in copied:
-        shutil.copy2(Path(source) / name, folder / name)
-    if not copied:
+    if not copy_tokenizer_files(source, folder):
         byte_tokenizer().save_pretrained(str(folder))
 
 

@@ -15,6 +15,7 @@ is what export_model compares with the ONNX model.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 
@@ -29,6 +30,8 @@ TRANSFORMERS = "transformers"  # export/transformers/
 STATE_DICT = "model.safetensors"  # export/model.safetensors
 # The config keys that give how many positions a transformers model has embeddings for.
 POSITIONS = ("n_positions", "max_position_embeddings")
+# What transformers' tokenizers give a text model, by name (its model_input_names).
+TOKENIZER_OUTPUTS = ("input_ids", "token_type_ids", "attention_mask")
 
 
 @contextlib.contextmanager
@@ -117,11 +120,29 @@ def save_pretrained(task_model, model_path: str, tokenizer: str | None, describe
         saved = AutoTokenizer.from_pretrained(tokenizer, local_files_only=True, trust_remote_code=False)
     else:
         special = {key: described.get(key) for key in ("eos_token", "pad_token")}
-        saved = PreTrainedTokenizerFast(tokenizer_file=tokenizer, **{k: v for k, v in special.items() if v})
+        # What the data's tokenization fed the model (token_type_ids where its template gives them), which
+        # transformers' default for a tokenizer.json leaves out: pairs would then lose their type ids.
+        fed = [name for name, argument in zip(task_model.input_names, task_model.arguments)
+               if argument and name in TOKENIZER_OUTPUTS]
+        saved = PreTrainedTokenizerFast(tokenizer_file=tokenizer, **{k: v for k, v in special.items() if v},
+                                        **({"model_input_names": fed} if "input_ids" in fed else {}))
     # The template that rendered the training chats (data.chat_template wins over the folder's): the
     # model answers prompts rendered as it learned them.
     saved.chat_template = described.get("chat_template") or saved.chat_template
     saved.save_pretrained(str(folder))
+    portable_tokenizer_class(folder)
+
+
+def portable_tokenizer_class(folder: Path) -> None:
+    """tokenizer_config.json's class named as transformers 4 knows it too: transformers 5 saves a fast
+    tokenizer of no model's class as "TokenizersBackend", which transformers 4's AutoTokenizer refuses
+    ("does not exist"; optimum-onnx pins transformers < 4.58), and loads "PreTrainedTokenizerFast" as
+    that same class (the same encodings in both, measured on a WordPiece pair)."""
+    path = Path(folder) / "tokenizer_config.json"
+    settings = json.loads(path.read_text()) if path.is_file() else {}
+    if settings.get("tokenizer_class") == "TokenizersBackend":
+        settings["tokenizer_class"] = "PreTrainedTokenizerFast"
+        path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
 
 def from_pretrained(task_model, folder: Path):

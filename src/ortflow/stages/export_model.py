@@ -20,6 +20,9 @@
 5. For a causal LM (`kind: transformers`, causal-lm), `generation/`: `transformers/` as a
    decoder with a KV cache that ONNX Runtime generates from, its greedy generation on a few
    eval prompts checked against transformers' `generate` (generation/run_export.py).
+6. For a text classifier, tagger or regressor (`kind: transformers`), `optimum/`: `transformers/` in
+   optimum's layout (the tokenizer's input names, transformers' logits), its logits checked in ONNX
+   Runtime against transformers' on the eval records (export/ecosystem.py).
    model.onnx is renamed into place last, once every check has passed.
 """
 
@@ -37,6 +40,7 @@ from ..config import Config
 from ..data import standardize
 from ..errors import MissingInputError
 from ..export import checks, formats, metadata
+from ..export.ecosystem import write_optimum
 from ..export.writer import write_inference_model
 from ..generation.run_export import write_generation
 from ..inference import inference_output
@@ -81,7 +85,9 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
         formats.write_torch_formats(config, trained, info, reader.manifest,
                                     standardize.apply(few, reader.standardized), output, out.parent)
         metadata.copy_tokenizer(eval_dir, reader.manifest, out.parent)
-        write_generation(info.get("transformers", {}).get("task"), batch, out.parent, positions)
+        task = info.get("transformers", {}).get("task")
+        write_generation(task, batch, out.parent, positions)
+        write_optimum(task, batch, out.parent)
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config.run.name, out,
              external_data.model_bytes(out), [i["name"] for i in info["inputs"]], inference_output(info))
     return props
