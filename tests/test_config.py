@@ -63,6 +63,7 @@ def test_defaults_fill_every_section():
                                    "decoder, which needs model.kind: transformers and model.task: causal-lm; got "
                                    "model.kind 'mlp', model.task 'auto'"),
         ({"export": {"int4": {"block_size": 48}}}, "config key 'export.int4.block_size': 48 is not one of"),
+        ({"export": {"samples": -1}}, "config key 'export.samples': -1 is less than the minimum of 0"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

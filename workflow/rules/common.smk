@@ -87,7 +87,7 @@ ARTIFACTS_KEYS = (
 # tokenizer it saves beside a transformers model; quantization on its
 # section and the evaluation batch; the report on what it plots or shows.
 TRAIN_KEYS = ("run", "data", "model", "train", "export.checkpoint")
-EXPORT_KEYS = ("run.name", "run.seed", "model", "data.tokenizer")
+EXPORT_KEYS = ("run.name", "run.seed", "model", "data.tokenizer", "export.samples")
 QUANTIZE_KEYS = ("train.eval_batch_size", "export")
 PLOT_KEYS = ("train.steps", "train.optimizer.lr", "train.lr_schedule")
 TABLES_KEYS = ("run", "data", "model", "train", "export")

@@ -21,8 +21,11 @@ TORCH_FORMATS = {
 # it too where the data make the model a causal LM, undeclared (export_model removes
 # an earlier run's for any other model).
 GENERATION_FOLDER = f"{RESULTS}/export/generation"
+# Beside it, export.samples eval prompts with the greedy continuations of the starting
+# weights and of that folder (src/ortflow/generation/samples.py), which the report shows.
+SAMPLES = f"{RESULTS}/export/samples.json"
 GENERATION = (
-    {"generation": directory(GENERATION_FOLDER)}
+    {"generation": directory(GENERATION_FOLDER), "samples": SAMPLES}
     if CONFIG.model.kind == "transformers" and CONFIG.model.task == "causal-lm"
     else {}
 )
@@ -83,3 +86,4 @@ rule quantize_model:
         " --artifacts {input.artifacts:q} --eval {input.eval:q} --int8 {params.int8:q}"
         " --generation {params.generation:q} --int4 {params.int4:q}"
         " --metrics {output.metrics:q} > {log:q} 2>&1"
+

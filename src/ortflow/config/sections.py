@@ -159,6 +159,7 @@ class Export:
     calibration_batches: int
     max_accuracy_drop: float
     gate_fails_run: bool
+    samples: int
     int4: Int4 | None
 
 

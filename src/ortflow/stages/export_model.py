@@ -19,7 +19,9 @@
    as its users read it and checked against the exported model (export/formats.py).
 5. For a causal LM (`kind: transformers`, causal-lm), `generation/`: `transformers/` as a
    decoder with a KV cache that ONNX Runtime generates from, its greedy generation on a few
-   eval prompts checked against transformers' `generate` (generation/run_export.py).
+   eval prompts checked against transformers' `generate` (generation/run_export.py); and
+   `samples.json`: export.samples eval prompts with the greedy generation of the starting weights
+   and of that folder (generation/samples.py).
    model.onnx is renamed into place last, once every check has passed.
 """
 
@@ -39,6 +41,7 @@ from ..errors import MissingInputError
 from ..export import checks, formats, metadata
 from ..export.writer import write_inference_model
 from ..generation.run_export import write_generation
+from ..generation.samples import write_samples
 from ..inference import inference_output
 from ..models import save_trained
 from ..sessions import quiet_logging
@@ -82,6 +85,9 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
                                     standardize.apply(few, reader.standardized), output, out.parent)
         metadata.copy_tokenizer(eval_dir, reader.manifest, out.parent)
         write_generation(info.get("transformers", {}).get("task"), batch, out.parent, positions)
+        del trained, adapted  # the starting weights' module is built next: the weights held once more at most
+        write_samples(config.export.samples, out.parent, reader, positions,
+                      lambda: formats.trained_torch_module(config, info, reader.manifest, files.folder))
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config.run.name, out,
              external_data.model_bytes(out), [i["name"] for i in info["inputs"]], inference_output(info))
     return props
