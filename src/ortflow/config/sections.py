@@ -164,6 +164,15 @@ class Export:
 
 
 @dataclass(frozen=True, slots=True)
+class Generate:
+    """config section 'generate' (config.schema.yaml)."""
+
+    prompt: str | None
+    prompts: str | None
+    max_new_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
 class Random:
     """config section 'sweep.random' (config.schema.yaml)."""
 
@@ -203,6 +212,7 @@ class Config:
     model: Model
     train: Train
     export: Export
+    generate: Generate
     sweep: Sweep
 
 
@@ -218,6 +228,7 @@ SECTIONS: dict[str, type] = {
     "train": Train,
     "export.int4": Int4,
     "export": Export,
+    "generate": Generate,
     "sweep.random": Random,
     "sweep.halving": Halving,
     "sweep": Sweep,
