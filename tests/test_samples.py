@@ -15,6 +15,7 @@ from ortflow.generation import folder as generation_folder
 from ortflow.generation.generate import Decoder, generate
 from ortflow.generation.samples import NEW_TOKENS, SAMPLES, eval_prompts, write_samples
 from ortflow.models import IGNORE_INDEX
+from ortflow.reporting.summary import exported_lines
 from ortflow.reporting.tables import samples_page
 from test_generation import one_thread, tiny  # noqa: F401 (one_thread: an autouse fixture)
 
@@ -112,3 +113,16 @@ def test_the_report_shows_the_samples_or_says_why_there_are_none(tmp_path):
         assert "No generated samples: this run has no <code>export/generation/</code> folder" in samples_page(missing)
     (tmp_path / SAMPLES).write_text(json.dumps({**samples, "samples": []}))
     assert "No generated samples: <code>export.samples</code> is 0." in samples_page(tmp_path / SAMPLES)
+
+
+def test_the_end_of_run_summary_names_the_samples(tmp_path):
+    (tmp_path / "generation").mkdir()
+    (tmp_path / "generation/genai_config.json").write_text("{}")
+    (tmp_path / "model.onnx").write_bytes(b"")
+    assert len(exported_lines(tmp_path / "model.onnx", None)) == 2  # no samples.json: no line
+    (tmp_path / SAMPLES).write_text(json.dumps({"max_new_tokens": 4, "greedy": True, "samples": [{}, {}]}))
+    assert exported_lines(tmp_path / "model.onnx", None)[2] == (
+        f"  samples   {tmp_path / SAMPLES}: 2 eval prompts generated before and after fine-tuning (the report's "
+        "Generated samples)")
+    (tmp_path / SAMPLES).write_text(json.dumps({"max_new_tokens": 0, "greedy": True, "samples": []}))
+    assert len(exported_lines(tmp_path / "model.onnx", None)) == 2  # export.samples: 0

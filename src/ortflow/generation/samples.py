@@ -24,13 +24,12 @@ from .. import atomic
 from ..data.tokenizer import ATTENTION_MASK, INPUT_IDS
 from ..models import IGNORE_INDEX
 from ..models.hugging_face import TEXT_WINDOWS
-from . import GENERATION, TOKENIZER
+from . import GENERATION, SAMPLES, TOKENIZER
 from .check import transformers_greedy
 from .generate import Decoder, generate
 
 log = logging.getLogger("ortflow.export")
 
-SAMPLES = "samples.json"  # export/samples.json
 PROMPT_TOKENS = 16  # a text window's prompt, at most
 NEW_TOKENS = 32  # generated at most, before and after; fewer where the model's positions leave less
 

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ..checkpoints.best import chosen
-from ..generation import GENAI_CONFIG, GENERATION
+from ..generation import GENAI_CONFIG, GENERATION, SAMPLES
 from ..wording import plural
 from .results import (baseline_shown, fmt, large_batch, lora_trained, not_beaten, quality, read_json, refusal,
                       speedup)
@@ -76,12 +76,17 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
 
 def exported_lines(model: Path, int8: Path | None) -> list[str]:
     """Where the exported models are: `model` with its `int8` one where it is offered, and a causal
-    LM's generation folder (export/generation/) with the command that generates from it."""
+    LM's generation folder (export/generation/) with the command that generates from it and its
+    samples (export/samples.json)."""
     lines = [f"  model     {model}" + (f" (int8: {int8})" if int8 else "")] if model.is_file() else []
     generation = model.parent / GENERATION
     if (generation / GENAI_CONFIG).is_file():
         lines.append(f"  generate  {shlex.join(['ortflow', 'generate', str(generation), '--prompt', 'your text'])} "
                      "(a decoder with a KV cache in ONNX Runtime)")
+    samples = read_json(model.parent / SAMPLES)
+    if samples and samples["samples"]:
+        lines.append(f"  samples   {model.parent / SAMPLES}: {plural(len(samples['samples']), 'eval prompt')} "
+                     "generated before and after fine-tuning (the report's Generated samples)")
     return lines
 
 
