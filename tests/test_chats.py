@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.data import examples
 from ortflow.data.shards import ShardReader
 from ortflow.errors import DataError
+from ortflow.generation.samples import SAMPLES
 from ortflow.models import IGNORE_INDEX, save_trained
 from ortflow.stages import build_artifacts, export_model
 from ortflow.stages.prepare_data import prepare
@@ -290,3 +292,36 @@ def test_a_tiny_chat_model_trains_on_the_assistant_turns_as_torch_does_and_expor
                         tmp_path / "model.onnx")
     exported = transformers.AutoTokenizer.from_pretrained(str(tmp_path / save_trained.TRANSFORMERS))
     assert exported.chat_template == MARKED_TEMPLATE
+    assert_eval_is_over_the_assistants_tokens(artifacts, tmp_path)
+    # export/samples.json: each prompt the chat up to the assistant's turn, then the assistant's words
+    samples = json.loads((tmp_path / SAMPLES).read_text())["samples"]
+    chats = {(f"<s> <|user|> {row['messages'][0]['content']} <|assistant|>", row["messages"][1]["content"])
+             for row in rows}
+    assert len(samples) == 3 and {(sample["prompt"], sample["expected"]) for sample in samples} <= chats, samples
+
+
+def assert_eval_is_over_the_assistants_tokens(artifacts: Artifacts, tmp_path: Path) -> None:
+    """Issue 42: training's evaluation (evaluation.evaluate, the eval graph over batches of 3) of the
+    trained chat model gives torch's cross-entropy over the assistant's tokens alone on
+    export/transformers/, not the one over every token of the chats, which differs by far more."""
+    from onnxruntime.training.api import CheckpointState, Module
+
+    from ortflow.evaluation import evaluate
+
+    state = CheckpointState.load_checkpoint(str(tmp_path / "checkpoint/checkpoint"))
+    module = Module(str(artifacts.training_model), state, str(artifacts.eval_model))
+    reader = ShardReader(tmp_path / "data/eval")
+    one_rank = SimpleNamespace(rank=0, world_size=1, allreduce_sum=lambda totals: totals)
+    results = evaluate(module, reader, one_rank, artifacts.description(), 3, reader.label_name)
+    records = reader.gather(np.arange(len(reader)))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / save_trained.TRANSFORMERS)).eval()
+    ids, mask = torch.from_numpy(records["input_ids"]), torch.from_numpy(records["attention_mask"])
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits.transpose(1, 2)
+    in_loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(records["y"]), ignore_index=IGNORE_INDEX)
+    every = torch.where(mask[:, 1:] == 1, ids[:, 1:], IGNORE_INDEX)  # the next token wherever there is one
+    everywhere = torch.nn.functional.cross_entropy(logits[:, :, :-1], every, ignore_index=IGNORE_INDEX)
+    assert (records["y"] == IGNORE_INDEX).sum() > (records["attention_mask"] == 0).sum()  # prompts are ignored
+    assert results["loss"] == pytest.approx(float(in_loss), rel=1e-4), (results, float(everywhere))
+    assert results["perplexity"] == pytest.approx(np.exp(float(in_loss)), rel=1e-4)
+    assert abs(float(everywhere) - float(in_loss)) > 0.1, (float(everywhere), float(in_loss))

@@ -63,6 +63,14 @@ def test_defaults_fill_every_section():
                                    "decoder, which needs model.kind: transformers and model.task: causal-lm; got "
                                    "model.kind 'mlp', model.task 'auto'"),
         ({"export": {"int4": {"block_size": 48}}}, "config key 'export.int4.block_size': 48 is not one of"),
+        # the generate target's prompts: one way of giving them, for a model that has export/generation/
+        ({"generate": {"prompt": "hi"}}, "config key 'generate.prompt': generates from export/generation/, which the "
+                                         "export writes for a causal LM (model.kind: transformers, model.task: "
+                                         "causal-lm); got model.kind 'mlp', model.task 'auto'"),
+        ({"generate": {"prompt": "hi", "prompts": "p.txt"}}, "config key 'generate.prompts': set with "
+                                                              "generate.prompt; give one of them"),
+        ({"generate": {"max_new_tokens": 0}}, "config key 'generate.max_new_tokens': 0 is less than the minimum of 1"),
+        ({"export": {"samples": -1}}, "config key 'export.samples': -1 is less than the minimum of 0"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

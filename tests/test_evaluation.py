@@ -39,3 +39,29 @@ def test_batch_totals_of_one_logit_per_record_and_of_trailing_size_one_dims():
     assert batch_totals(1.0, pooled, np.array([1, 2]), classes).tolist() == [2.0, 1.0, 2.0]
     expected = loss_of(pooled.reshape(2, 3), np.array([1, 2]), "cross_entropy")
     assert loss_of(pooled, np.array([1, 2]), "cross_entropy") == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_language_models_eval_is_over_the_tokens_in_the_loss():
+    """Chats and prompt-completion pairs label their prompts and padding IGNORE_INDEX (issue 42): each
+    batch's loss is the mean over its tokens in the loss, and the eval loss, perplexity and accuracy
+    weigh each batch by those tokens, not by its positions."""
+    text = {"task": "language_model", "loss": "cross_entropy"}
+    x = -100
+    logits = np.zeros((2, 3, 4))  # [batch, vocab, time]
+    logits[:, 1, :] = 2.0  # token 1 the most likely everywhere
+    labels = np.array([[x, x, 1, 2], [x, 1, 1, x]])  # 4 tokens in the loss of 8 positions
+    kept = labels != x
+    probabilities = np.exp(logits) / np.exp(logits).sum(axis=1, keepdims=True)
+    picked = np.take_along_axis(probabilities, np.where(kept, labels, 0)[:, None], axis=1)[:, 0]
+    mean = float(-np.log(picked[kept]).mean())  # 3 tokens at p(1), one at p(2)
+    assert loss_of(logits, labels, "cross_entropy") == pytest.approx(mean, rel=1e-12)
+    assert mean != pytest.approx(float(-np.log(np.where(kept, picked, probabilities[:, 0])).mean()), rel=1e-3)
+    first = batch_totals(mean, logits, labels, text)
+    assert first.tolist() == pytest.approx([4 * mean, 3, 4])
+    # a second batch of one token in the loss: the eval mean is over the 5 tokens, not the 12 positions
+    other = batch_totals(0.5, logits[:1], np.array([[x, x, x, 0]]), text)
+    assert other.tolist() == [0.5, 0.0, 1.0]
+    results = eval_results(first + other, "language_model")
+    assert results["loss"] == pytest.approx((4 * mean + 0.5) / 5, rel=1e-12)
+    assert results["perplexity"] == pytest.approx(math.exp((4 * mean + 0.5) / 5), rel=1e-12)
+    assert results["accuracy"] == 3 / 5

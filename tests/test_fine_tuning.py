@@ -92,7 +92,7 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, capsys
                   "optimizer": {"lr": 0.003}, "lr_schedule": {"warmup_steps": 10}},
         "export": {"int4": {}},
     }
-    result = run_snakemake(workdir, config, "quantize_model")  # what it reads
+    result = run_snakemake(workdir, config, "quantize_model", "report_tables")  # what it reads
     results = workdir / "results/gpt2"
 
     assert_initial_is_the_folders(results / "artifacts", folder, "model.", [])
@@ -123,6 +123,35 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, capsys
     assert ids == tokenizer.encode(text, add_special_tokens=False).ids
     assert_generation_folder(workdir, export / "generation", result.stdout + result.stderr, capsys)
     assert_int4_folder(workdir, export, result.stdout + result.stderr)
+    assert_samples_and_the_generate_target(workdir, config, export, capsys)
+
+
+def assert_samples_and_the_generate_target(workdir: Path, config: dict, export: Path, capsys) -> None:
+    """export/samples.json's 3 eval prompts (a text window's first 16 tokens) with their continuations
+    in the report's page, the fine-tuned ones not the starting weights'; `snakemake generate` with the
+    config's prompt runs that rule alone, printing and writing what `ortflow generate` prints."""
+    import html
+    import re
+
+    from ortflow import cli
+
+    samples = json.loads((export / "samples.json").read_text())
+    assert samples["max_new_tokens"] == 16  # the model's 32 positions less a 16-token prompt
+    assert len(samples["samples"]) == 3 and all(sample["prompt"] and sample["expected"] for sample in
+                                                samples["samples"]), samples
+    assert any(sample["before"] != sample["after"] for sample in samples["samples"]), samples
+    page = (workdir / "results/gpt2/report/samples.html").read_text()
+    assert all(html.escape(sample[key]) in page for sample in samples["samples"] for key in ("prompt", "after"))
+
+    prompt = "The for statement"
+    result = run_snakemake(workdir, {**config, "generate": {"prompt": prompt, "max_new_tokens": 8}}, "generate")
+    assert re.findall(r"^(?:local)?rule (\w+):", result.stdout + result.stderr, re.M) == ["generate"]
+    capsys.readouterr()  # what the assertions above printed
+    assert cli.main(["generate", str(export / "generation"), "--prompt", prompt, "--max-new-tokens", "8"]) == 0
+    printed = capsys.readouterr().out
+    lines = [json.loads(line) for line in (workdir / "results/gpt2/generated.jsonl").read_text().splitlines()]
+    assert lines == [{"prompt": prompt, "text": printed[:-1]}] and printed.strip()
+    assert printed in result.stdout  # streamed to the console as it comes
 
 
 def assert_int4_folder(workdir: Path, export: Path, said: str) -> None:

@@ -262,3 +262,26 @@ def test_cli_samples_with_the_models_defaults(gpt2_folder, capsys):
     finally:
         (gpt2_folder / "genai_config.json").write_text(json.dumps(genai))
     assert capsys.readouterr().out == greedy + "\n"
+
+
+def test_cli_writes_out_and_takes_the_prompts_of_the_configs_generate_section(gpt2_folder, tmp_path, capsys):
+    """What the workflow's generate rule runs: the prompts from --config-json's generate section, each
+    continuation printed and written with its prompt to --out (JSON Lines); without a prompt, one line."""
+    assert cli.main(["generate", str(gpt2_folder), "--prompt", "hello", "--max-new-tokens", "12",
+                     "--threads", "1"]) == 0
+    printed = capsys.readouterr().out
+    (tmp_path / "prompts.txt").write_text("hello\n\nwhat\n")
+    for section, prompts in (({"prompt": "hello"}, ["hello"]), ({"prompts": str(tmp_path / "prompts.txt")},
+                                                                ["hello", "what"])):
+        command = ["generate", str(gpt2_folder), "--config-json",
+                   json.dumps({"generate": {**section, "max_new_tokens": 12}}),
+                   "--out", str(tmp_path / "generated.jsonl"), "--threads", "1"]
+        assert cli.main(command) == 0
+        lines = [json.loads(line) for line in (tmp_path / "generated.jsonl").read_text().splitlines()]
+        assert lines[0] == {"prompt": "hello", "text": printed[:-1]} and len(printed) > 1
+        assert [line["prompt"] for line in lines] == prompts
+        assert capsys.readouterr().out.startswith(printed)
+    assert cli.main(["generate", str(gpt2_folder), "--config-json", '{"generate": {}}']) == 1
+    assert capsys.readouterr().err == (
+        "ortflow generate: error: generate: no prompt: give --prompt or --prompts (in the workflow: snakemake "
+        "generate --config generate='{prompt: your text}', or generate='{prompts: a file, one a line}')\n")

@@ -73,7 +73,8 @@ def test_report_in_chromium_shows_plots_and_the_numbers_of_the_metrics(report_ru
                                  "its results")
         report_files = {Path(p).name: p for p in paths}
         assert set(report_files) == {"loss.png", "learning_rate.png", "throughput.png", "summary.html",
-                                     "quantization.html", "config.html", "stages.html", "profile.html"}
+                                     "samples.html", "quantization.html", "config.html", "stages.html",
+                                     "profile.html"}
 
         # Each plot as the report's eye button shows it: an <img> that decodes to a drawn figure.
         for name in ("loss.png", "learning_rate.png", "throughput.png"):
@@ -115,6 +116,10 @@ def test_report_in_chromium_shows_plots_and_the_numbers_of_the_metrics(report_ru
         assert quantization["accuracy"][1:] == [fmt(export[m]["accuracy"], "percent") for m in ("fp32", "int8")]
         assert quantization["latency_ms.b64_p50"][1:] == [
             fmt(export[m]["latency_ms"]["b64_p50"], "ms") for m in ("fp32", "int8")]
+
+        # the digits' MLP generates nothing: its samples page says why
+        assert "No generated samples: this run has no <code>export/generation/</code> folder" in \
+            (results / "report" / "samples.html").read_text()
 
         stages = table("stages.html")
         assert list(stages) == ["prepare_data", "build_artifacts", "train", "merge_checkpoint",

@@ -87,11 +87,12 @@ ARTIFACTS_KEYS = (
 # tokenizer it saves beside a transformers model; quantization on its
 # section and the evaluation batch; the report on what it plots or shows.
 TRAIN_KEYS = ("run", "data", "model", "train", "export.checkpoint")
-EXPORT_KEYS = ("run.name", "run.seed", "model", "data.tokenizer")
+EXPORT_KEYS = ("run.name", "run.seed", "model", "data.tokenizer", "export.samples")
 QUANTIZE_KEYS = ("train.eval_batch_size", "export")
 PLOT_KEYS = ("train.steps", "train.optimizer.lr", "train.lr_schedule")
 TABLES_KEYS = ("run", "data", "model", "train", "export")
 DOCTOR_KEYS = ("train",)
+GENERATE_KEYS = ("generate",)
 # A sweep's points share these stages: each lives in the sweep's shared/ folder,
 # named by the digest of the keys it depends on, and runs once for the points
 # whose keys are equal (workflow/rules/sweep.smk).

@@ -21,8 +21,11 @@ TORCH_FORMATS = {
 # it too where the data make the model a causal LM, undeclared (export_model removes
 # an earlier run's for any other model).
 GENERATION_FOLDER = f"{RESULTS}/export/generation"
+# Beside it, export.samples eval prompts with the greedy continuations of the starting
+# weights and of that folder (src/ortflow/generation/samples.py), which the report shows.
+SAMPLES = f"{RESULTS}/export/samples.json"
 GENERATION = (
-    {"generation": directory(GENERATION_FOLDER)}
+    {"generation": directory(GENERATION_FOLDER), "samples": SAMPLES}
     if CONFIG.model.kind == "transformers" and CONFIG.model.task == "causal-lm"
     else {}
 )
@@ -95,3 +98,25 @@ rule quantize_model:
         " --artifacts {input.artifacts:q} --eval {input.eval:q} --int8 {params.int8:q}"
         " --generation {params.generation:q} --int4 {params.int4:q}"
         " --metrics {output.metrics:q} > {log:q} 2>&1"
+
+
+# Not part of `all`: `snakemake generate --config generate='{prompt: "The for statement"}'`
+# (or generate='{prompts: prompts.txt}', one a line) prints each prompt's greedy continuation
+# from export/generation/ as it comes, and writes them to generated.jsonl; a new prompt runs
+# it again. `ortflow generate` refuses a run without prompts, in one line.
+rule generate:
+    input:
+        **({"generation": rules.export_model.output.generation} if GENERATION else {}),
+        **({"prompts": CONFIG.generate.prompts} if CONFIG.generate.prompts else {}),
+    output:
+        f"{RESULTS}/generated.jsonl",
+    log:
+        f"{LOGS}/generate.log",
+    conda:
+        "../../envs/ortflow.yaml"
+    params:
+        config=config_json(*GENERATE_KEYS),
+        # model.task auto writes the folder undeclared, where the data make the model a causal LM.
+        folder=lambda wildcards: GENERATION_FOLDER,
+    shell:
+        "ortflow generate {params.folder:q} --config-json {params.config:q} --out {output:q} 2> {log:q}"

@@ -31,11 +31,13 @@ rule plot_training:
 # quantize_model, whose metrics are an input here.
 rule report_tables:
     input:
+        **({"samples": rules.export_model.output.samples} if GENERATION else {}),
         train=rules.train.output.metrics,
         export=rules.quantize_model.output.metrics,
         artifacts=ARTIFACTS,
     output:
         summary=captioned("summary.html", "Run"),
+        samples=captioned("samples.html", "Run"),
         quantization=captioned("quantization.html", "Run"),
         config=captioned("config.html", "Run"),
         stages=captioned("stages.html", "Stages"),
@@ -51,7 +53,10 @@ rule report_tables:
         benchmarks=BENCHMARKS,
         profile=str(TRAIN.profile),
         out=lambda wildcards, output: os.path.dirname(output.summary),
+        # Given where there is none, so that the page says why (a function: see quantize_model's int8).
+        samples=lambda wildcards: SAMPLES,
     shell:
         "ortflow report tables --config-json {params.config:q} --train-metrics {input.train:q}"
+        " --samples {params.samples:q}"
         " --export-metrics {input.export:q} --benchmarks {params.benchmarks:q} --profile {params.profile:q}"
         " --model-json {input.artifacts:q}/model.json --out {params.out:q} > {log:q} 2>&1"

@@ -83,6 +83,7 @@ def _check_cross_keys(config: Config) -> None:
         )
     _check_text_keys(data)
     _check_int4(config)
+    _check_generate(config)
     _check_libraries(model)
     check_lamb_sharding(train)
     if train.backend == "nccl" and train.device != "cuda":
@@ -119,6 +120,20 @@ def _check_int4(config: Config) -> None:
             "config key 'export.int4': int4 quantizes a causal LM's export/generation/ decoder, which needs "
             f"model.kind: transformers and model.task: causal-lm; got model.kind {model.kind!r}, model.task "
             f"{model.task!r} (set export.int4: null, or model.task: causal-lm for a causal LM)")
+
+
+def _check_generate(config: Config) -> None:
+    """The generate target's prompts: one way of giving them, for a model that has export/generation/
+    (a causal LM of kind transformers; model.task auto may be one, known once the data are)."""
+    section, model = config.generate, config.model
+    if section.prompt is not None and section.prompts is not None:
+        raise ConfigError("config key 'generate.prompts': set with generate.prompt; give one of them")
+    given = "prompt" if section.prompt is not None else "prompts" if section.prompts is not None else None
+    if given and (model.kind != "transformers" or model.task not in ("causal-lm", "auto")):
+        raise ConfigError(
+            f"config key 'generate.{given}': generates from export/generation/, which the export writes for a "
+            f"causal LM (model.kind: transformers, model.task: causal-lm); got model.kind {model.kind!r}, "
+            f"model.task {model.task!r}")
 
 
 def _check_libraries(model: Model) -> None:

@@ -159,7 +159,17 @@ class Export:
     calibration_batches: int
     max_accuracy_drop: float
     gate_fails_run: bool
+    samples: int
     int4: Int4 | None
+
+
+@dataclass(frozen=True, slots=True)
+class Generate:
+    """config section 'generate' (config.schema.yaml)."""
+
+    prompt: str | None
+    prompts: str | None
+    max_new_tokens: int | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +212,7 @@ class Config:
     model: Model
     train: Train
     export: Export
+    generate: Generate
     sweep: Sweep
 
 
@@ -217,6 +228,7 @@ SECTIONS: dict[str, type] = {
     "train": Train,
     "export.int4": Int4,
     "export": Export,
+    "generate": Generate,
     "sweep.random": Random,
     "sweep.halving": Halving,
     "sweep": Sweep,

@@ -14,6 +14,7 @@ on it in ONNX Runtime 1.19.2 (this project's runtime) equal to transformers' `ge
 """
 
 GENERATION = "generation"  # the export stage's folder: results/<run>/export/generation/ (run_export.py)
+SAMPLES = "samples.json"  # beside it, export/samples.json: eval prompts generated before and after (samples.py)
 # The generation folder's files that its readers find by name (folder.py writes them).
 MODEL = "model.onnx"
 GENAI_CONFIG = "genai_config.json"

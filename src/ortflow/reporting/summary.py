@@ -10,7 +10,7 @@ from pathlib import Path
 from ..checkpoints.best import chosen
 from ..export.ecosystem import MODEL as OPTIMUM_MODEL
 from ..export.ecosystem import OPTIMUM
-from ..generation import GENAI_CONFIG, GENERATION
+from ..generation import GENAI_CONFIG, GENERATION, SAMPLES
 from ..wording import plural
 from .results import (baseline_shown, fmt, large_batch, lora_trained, not_beaten, quality, read_json, refusal,
                       speedup)
@@ -78,13 +78,18 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
 
 def exported_lines(model: Path, int8: Path | None) -> list[str]:
     """Where the exported models are: `model` with its `int8` one where it is offered, a causal
-    LM's generation folder (export/generation/) with the command that generates from it, and a
-    text classifier's, tagger's or regressor's export/optimum/ with the class that loads it."""
+    LM's generation folder (export/generation/) with the command that generates from it and its
+    samples (export/samples.json), and a text classifier's, tagger's or regressor's
+    export/optimum/ with the class that loads it."""
     lines = [f"  model     {model}" + (f" (int8: {int8})" if int8 else "")] if model.is_file() else []
     generation = model.parent / GENERATION
     if (generation / GENAI_CONFIG).is_file():
         lines.append(f"  generate  {shlex.join(['ortflow', 'generate', str(generation), '--prompt', 'your text'])} "
                      "(a decoder with a KV cache in ONNX Runtime)")
+    samples = read_json(model.parent / SAMPLES)
+    if samples and samples["samples"]:
+        lines.append(f"  samples   {model.parent / SAMPLES}: {plural(len(samples['samples']), 'eval prompt')} "
+                     "generated before and after fine-tuning (the report's Generated samples)")
     optimum = model.parent / OPTIMUM
     architectures = (read_json(optimum / "config.json") or {}).get("architectures") or [""]
     if (optimum / OPTIMUM_MODEL).is_file() and "For" in architectures[0]:

@@ -1,5 +1,5 @@
-"""The HTML tables of a run's report: the run at a glance, fp32 versus int8, each stage's
-runtime and memory, the operators that took the most time in the profiled steps, and
+"""The HTML tables of a run's report: the run at a glance, a causal LM's generated samples before
+and after fine-tuning, fp32 versus int8, each stage's runtime and memory, the operators that took the most time in the profiled steps, and
 the config used."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .. import atomic
 from ..config import Config, as_dict
 from .results import baseline_shown, count, fmt, large_batch, not_beaten, quality, read_json, refusal, speedup
 
-TABLES = ("summary", "quantization", "stages", "profile", "config")
+TABLES = ("summary", "samples", "quantization", "stages", "profile", "config")
 # The stages in pipeline order, as the rules and their benchmark files are named.
 STAGES = ("prepare_data", "build_artifacts", "train", "merge_checkpoint", "export_model", "quantize_model")
 TOP_OPERATORS = 15
@@ -109,6 +109,25 @@ def quantization_rows(export: dict) -> list[tuple]:
     return rows
 
 
+def samples_page(samples_path: Path | None) -> str:
+    """export/samples.json (generation/samples.py) as a table of prompt, the eval data's next tokens,
+    and the greedy continuations before and after fine-tuning; without it, why there are none."""
+    samples = read_json(samples_path) if samples_path else None
+    if samples is None:
+        return page("Generated samples", "<p>No generated samples: this run has no <code>export/generation/</code> "
+                    "folder, which the export writes for a causal LM fine-tuned by task (<code>model.kind: "
+                    "transformers</code>, <code>model.task: causal-lm</code>), once export_model has run.</p>")
+    if not samples["samples"]:
+        return page("Generated samples", "<p>No generated samples: <code>export.samples</code> is 0.</p>")
+    rows = [(str(i), entry["prompt"], entry["expected"], entry["before"], entry["after"])
+            for i, entry in enumerate(samples["samples"])]
+    return page("Generated samples, before and after fine-tuning",
+                f"<p>Eval prompts and the greedy continuations (at most {samples['max_new_tokens']} new tokens) of "
+                "the starting weights (transformers' <code>generate</code>) and of <code>export/generation/</code> "
+                "(ONNX Runtime), as <code>ortflow generate</code> gives them.</p>"
+                + table(["prompt", "the eval data's next tokens", "before fine-tuning", "after fine-tuning"], rows))
+
+
 def stage_rows(benchmarks: Path) -> list[tuple]:
     """One row per stage that has a Snakemake benchmark file `<benchmarks>/<stage>.tsv`."""
     rows = []
@@ -140,7 +159,8 @@ def top_operators(profile_dir: Path, limit: int = TOP_OPERATORS) -> tuple[list[t
 
 
 def write_tables(config: Config, train_metrics: Path, export_metrics: Path, benchmarks: Path,
-                 profile_dir: Path, out_dir: Path, model_json: Path | None = None) -> None:
+                 profile_dir: Path, out_dir: Path, model_json: Path | None = None,
+                 samples: Path | None = None) -> None:
     import yaml
 
     train, export = read_json(train_metrics), read_json(export_metrics)
@@ -150,6 +170,7 @@ def write_tables(config: Config, train_metrics: Path, export_metrics: Path, benc
                  + table(["class", "eval records", "accuracy", "precision", "recall", "F1"], classes)) if classes else ""
     pages = {
         "summary": page(f"Run {config.run.name}", table(["", "value"], summary_rows(train, export, description)) + per_class),
+        "samples": samples_page(samples),
         "quantization": page("fp32 versus int8", table(["", "fp32", "int8"], quantization_rows(export))),
         "stages": page("Stages: runtime and memory (Snakemake benchmarks)",
                        table(["stage", "wall time", "peak RSS", "CPU time"], stage_rows(benchmarks))),

@@ -19,7 +19,9 @@
    as its users read it and checked against the exported model (export/formats.py).
 5. For a causal LM (`kind: transformers`, causal-lm), `generation/`: `transformers/` as a
    decoder with a KV cache that ONNX Runtime generates from, its greedy generation on a few
-   eval prompts checked against transformers' `generate` (generation/run_export.py).
+   eval prompts checked against transformers' `generate` (generation/run_export.py); and
+   `samples.json`: export.samples eval prompts with the greedy generation of the starting weights
+   and of that folder (generation/samples.py).
 6. For a text classifier, tagger or regressor (`kind: transformers`), `optimum/`: `transformers/` in
    optimum's layout (the tokenizer's input names, transformers' logits), its logits checked in ONNX
    Runtime against transformers' on the eval records (export/ecosystem.py).
@@ -43,6 +45,7 @@ from ..export import checks, formats, metadata
 from ..export.ecosystem import write_optimum
 from ..export.writer import write_inference_model
 from ..generation.run_export import write_generation
+from ..generation.samples import write_samples
 from ..inference import inference_output
 from ..models import save_trained
 from ..sessions import quiet_logging
@@ -88,6 +91,9 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
         task = info.get("transformers", {}).get("task")
         write_generation(task, batch, out.parent, positions)
         write_optimum(task, batch, out.parent)
+        del trained, adapted  # the starting weights' module is built next: the weights held once more at most
+        write_samples(config.export.samples, out.parent, reader, positions,
+                      lambda: formats.trained_torch_module(config, info, reader.manifest, files.folder))
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config.run.name, out,
              external_data.model_bytes(out), [i["name"] for i in info["inputs"]], inference_output(info))
     return props

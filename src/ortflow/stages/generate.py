@@ -3,14 +3,18 @@
 The folder's tokenizer.json (the tokenizers library's file; a byte-level one for a model trained
 on bytes) turns each prompt into ids and the generated ids back into text; the decoder runs in
 ONNX Runtime (generation/generate.py). Each prompt's continuation is printed as its tokens come,
-then a newline; with a file of prompts (one a line), the prompts run one after another.
+then a newline; with a file of prompts (one a line), the prompts run one after another. With
+`--out`, each prompt and its continuation are also a line of a JSON Lines file, written when all
+are done. The workflow's `generate` rule gives the prompts as the config's `generate` section.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+from .. import atomic
 from ..errors import DataError, ModelError
 
 HELP = "generate text from an exported decoder folder (export/generation), streaming the tokens"
@@ -19,12 +23,18 @@ REPLACEMENT = "\ufffd"  # what decoding gives for the first bytes of a character
 
 
 def add_arguments(parser) -> None:
+    from ..config import add_config_arguments
+
     parser.add_argument("folder", type=Path, help="the generation folder, e.g. results/<run>/export/generation")
-    prompt = parser.add_mutually_exclusive_group(required=True)
+    prompt = parser.add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="the text to continue")
     prompt.add_argument("--prompts", type=Path, help="a text file of prompts, one a line (empty lines skipped)")
+    # Without --prompt and --prompts, the config's generate section (what the workflow's rule passes).
+    add_config_arguments(parser)
     parser.add_argument("--max-new-tokens", type=int, help=f"tokens to generate at most (default {MAX_NEW_TOKENS}, or "
                         "as many as the model's positions leave after the prompt)")
+    parser.add_argument("--out", type=Path, help="also write each prompt and its continuation as a line of this "
+                                                 "JSON Lines file")
     parser.add_argument("--do-sample", action="store_true", help="sample instead of the most likely token (greedy)")
     # Without them, the model's generation_config's values (genai_config.json's search), as generate takes them.
     parser.add_argument("--temperature", type=float, help="with --do-sample (default: the model's)")
@@ -32,6 +42,21 @@ def add_arguments(parser) -> None:
     parser.add_argument("--top-p", type=float, help="with --do-sample: nucleus mass (default: the model's)")
     parser.add_argument("--seed", type=int, help="with --do-sample: the random generator's seed")
     parser.add_argument("--threads", type=int, help="ONNX Runtime's intra-op threads (default: one a core)")
+
+
+def from_config(args) -> None:
+    """Without --prompt and --prompts, the config's generate section fills them and --max-new-tokens."""
+    from ..config import load_config
+
+    if args.prompt is not None or args.prompts is not None:
+        return
+    section = load_config(args).generate
+    if section.prompt is None and section.prompts is None:
+        raise DataError("generate: no prompt: give --prompt or --prompts (in the workflow: snakemake generate "
+                        "--config generate='{prompt: your text}', or generate='{prompts: a file, one a line}')")
+    args.prompt, args.prompts = section.prompt, section.prompts and Path(section.prompts)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = section.max_new_tokens
 
 
 def read_prompts(args) -> list[str]:
@@ -71,6 +96,7 @@ def stream(tokenizer, write, ids: list[int], shown: str, last: bool = False) -> 
 def run(args) -> int:
     from ..generation.generate import Decoder, Sampling, generate
 
+    from_config(args)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise DataError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     prompts = read_prompts(args)
@@ -85,6 +111,7 @@ def run(args) -> int:
         out.write(text)
         out.flush()
 
+    generated = []
     for prompt in prompts:
         ids, shown = [], ""
 
@@ -100,6 +127,8 @@ def run(args) -> int:
         # a prompt that leaves none is refused by generate in one line.
         new_tokens = args.max_new_tokens or max(1, min(MAX_NEW_TOKENS, decoder.context_length - len(encoded)))
         generate(decoder, [encoded], new_tokens, sampling, on_step)
-        stream(tokenizer, write, ids, shown, last=True)
+        generated.append({"prompt": prompt, "text": stream(tokenizer, write, ids, shown, last=True)})
         write("\n")
+    if args.out:
+        atomic.write_text(args.out, "".join(json.dumps(line, ensure_ascii=False) + "\n" for line in generated))
     return 0

@@ -21,13 +21,14 @@ def add_arguments(parser) -> None:
     add_config_arguments(plots)
     plots.add_argument("--metrics", type=Path, required=True, help="train/metrics.json")
     plots.add_argument("--out", type=Path, required=True, help="folder for the PNG files")
-    tables = sub.add_parser("tables", help="summary, fp32-vs-int8, stages, profile and config tables (HTML)")
+    tables = sub.add_parser("tables", help="summary, samples, fp32-vs-int8, stages, profile and config tables (HTML)")
     add_config_arguments(tables)
     tables.add_argument("--train-metrics", type=Path, required=True)
     tables.add_argument("--export-metrics", type=Path, required=True)
     tables.add_argument("--benchmarks", type=Path, required=True, help="folder of the stages' <rule>.tsv")
     tables.add_argument("--profile", type=Path, required=True, help="train/profile/ (the traces)")
     tables.add_argument("--model-json", type=Path, help="build_artifacts' model.json (the parameters trained)")
+    tables.add_argument("--samples", type=Path, help="export/samples.json (none where the run has no generation folder)")
     tables.add_argument("--out", type=Path, required=True, help="folder for the HTML files")
 
 
@@ -42,5 +43,5 @@ def run(args) -> int:
         plot_training(metrics, config, args.out)
     else:
         write_tables(config, args.train_metrics, args.export_metrics, args.benchmarks, args.profile, args.out,
-                     args.model_json)
+                     args.model_json, args.samples)
     return 0
