@@ -209,6 +209,8 @@ BAD = {
                                r"row 0: its assistant turns \(or completion\) are empty after truncation to "
                                r"data.context=6 tokens"),
     "no-assistant": ([{"messages": CHAT[:2]}], {}, r"row 0: nothing to learn"),
+    "renders-nothing": ([{"messages": CHAT}], {"chat_template": "{% if false %}x{% endif %}"},
+                        r"row 0: nothing to learn"),
 }
 
 

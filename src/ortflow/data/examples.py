@@ -394,7 +394,7 @@ def _record(ids: list[int], loss: list[bool], where: str, data, counts: Counts, 
     record = np.full((FIELDS, context), IGNORE_INDEX, dtype=np.int64)
     record[0], record[1] = pad, 0
     record[0, :len(ids)], record[1, :len(ids)] = ids, 1
-    record[2, :len(ids) - 1] = np.where(loss[1:], ids[1:], IGNORE_INDEX)
+    record[2, :max(len(ids) - 1, 0)] = np.where(loss[1:], ids[1:], IGNORE_INDEX)  # a template may render nothing
     kept = int((record[2] != IGNORE_INDEX).sum())
     if not kept:
         learned = "its assistant turns (or completion)"
