@@ -15,6 +15,8 @@ from ortflow import config as config_mod
 from ortflow.errors import ModelError
 from ortflow.models import IGNORE_INDEX, hugging_face
 from test_chats import prepared, write_jsonl
+from test_hf_families import FAMILIES
+from test_torch_layers import largest
 from text_models import CHAT_WORDS, chat_tokenizer
 
 LABEL = "y"  # data.label's default: the labels' name in the records
@@ -129,3 +131,28 @@ def test_families_where_packing_is_not_measured_are_refused_in_one_line(chats, t
     with pytest.raises(ModelError, match=r"is a gptj model and data.packing is separate: examples packed into one "
                                          r"window are kept apart only in gpt2, gpt_neo, opt, llama"):
         hugging_face.build(model, manifest)
+
+
+CAUSAL = [family for family, (task, _) in FAMILIES.items() if task == "causal-lm" and family != "falcon-alibi"]
+
+
+@pytest.mark.parametrize("family", CAUSAL)
+def test_each_causal_family_gives_packed_examples_their_logits_alone(family):
+    """docs/models.md's causal LM families (tests/test_hf_families.py's tiny configs, Mistral with a sliding
+    window of 8), two examples longer than that window packed with padding after them: each example's
+    logits are those it has alone, with the attention build_artifacts gives the family."""
+    config = FAMILIES[family][1]()
+    config.use_cache = False
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        config, attn_implementation=hugging_face.attention(config.model_type)).eval()
+    window = hugging_face.packing_window(hf, Path(family))
+    first, second = torch.randint(3, 200, (12,)), torch.randint(3, 200, (14,))
+    ids = torch.cat([first, second, torch.zeros(4, dtype=torch.int64)])[None]
+    positions = torch.cat([torch.arange(12), torch.arange(14), torch.arange(4)])[None]
+    with torch.no_grad():
+        packed = hf(input_ids=ids, position_ids=positions,
+                    attention_mask=hugging_face.packed_mask(positions, window)).logits[0]
+        alone = [hf(input_ids=example[None]).logits[0] for example in (first, second)]
+    assert largest(packed[:12].numpy(), alone[0].numpy()) < 1e-6
+    assert largest(packed[12:26].numpy(), alone[1].numpy()) < 1e-6
