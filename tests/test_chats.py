@@ -211,6 +211,8 @@ BAD = {
                                r"row 0: its assistant turns \(or completion\) are empty after truncation to "
                                r"data.context=6 tokens"),
     "no-assistant": ([{"messages": CHAT[:2]}], {}, r"row 0: nothing to learn"),
+    "renders-nothing": ([{"messages": CHAT}], {"chat_template": "{% if false %}x{% endif %}"},
+                        r"row 0: nothing to learn"),
 }
 
 
@@ -251,11 +253,13 @@ def test_an_arrow_folder_that_is_not_a_datasets_folder_is_refused(tmp_path):
 
 
 @pytest.mark.e2e  # 18 s: with test_hf_families' slower families, out of the fast loop
-def test_a_tiny_chat_model_trains_on_the_assistant_turns_as_torch_does_and_exports(tmp_path):
+@pytest.mark.parametrize("packing", ["none", "separate"])
+def test_a_tiny_chat_model_trains_on_the_assistant_turns_as_torch_does_and_exports(packing, tmp_path):
     """A Llama-shaped folder with a chat template, fine-tuned on a messages jsonl: ONNX Runtime's steps
     and torch's on the same batches give the same assistant-only loss and weights (the layer tests'
     tolerance), as tests/test_hf_families.py compares every family; the exported transformers folder
-    renders chats with the template of the config, which the training rendered them with."""
+    renders chats with the template of the config, which the training rendered them with. Packed
+    (data.packing: separate), the training graph builds the examples' mask from the position ids."""
     rng = np.random.default_rng(0)
     words = CHAT_WORDS[8:]
     rows = [{"messages": [{"role": "user", "content": " ".join(rng.choice(words, rng.integers(2, 6)))},
@@ -269,7 +273,8 @@ def test_a_tiny_chat_model_trains_on_the_assistant_turns_as_torch_does_and_expor
     config = config_mod.load(overrides={
         "run": {"name": "chat", "seed": 3},
         "data": {"source": str(write_jsonl(tmp_path / "chats.jsonl", rows)), "tokenizer": str(folder),
-                 "context": 16, "shards": 1, "eval_fraction": 0.25, "chat_template": MARKED_TEMPLATE},
+                 "context": 16, "shards": 1, "eval_fraction": 0.25, "chat_template": MARKED_TEMPLATE,
+                 "packing": packing},
         "model": {"kind": "transformers", "path": str(folder), "task": "causal-lm"},
         "train": {"world_size": 1, "micro_batch_size": 8, "steps": 4, "clip_grad_norm": None,
                   "optimizer": {"name": "sgd", "lr": 0.1, "weight_decay": 0.0},

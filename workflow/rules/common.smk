@@ -56,8 +56,11 @@ TRAIN = TrainFolder(f"{RESULTS}/train")
 
 def config_json(*keys):
     """The parts of the config a rule depends on (dotted keys, any depth), as JSON for `--config-json`.
-    A rule reruns when these change, and only these."""
-    return json.dumps(ortflow_config.pick(config, keys), sort_keys=True)
+    A rule reruns when these change, and only these. A function of the job's wildcards, as Snakemake
+    leaves its value alone: a string would have its {name} parts taken for wildcards, as a Jinja chat
+    template in data.chat_template has ({{ bos_token }})."""
+    text = json.dumps(ortflow_config.pick(config, keys), sort_keys=True)
+    return lambda wildcards: text
 
 
 # The keys the data stage depends on (its split's seed is data.split_seed, so that a

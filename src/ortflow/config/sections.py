@@ -41,6 +41,7 @@ class Data:
     chat_template: str | None
     loss_on: Literal["assistant", "all"]
     too_long: Literal["truncate", "drop"]
+    packing: Literal["none", "separate", "cross"]
 
 
 @dataclass(frozen=True, slots=True)

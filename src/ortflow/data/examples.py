@@ -20,6 +20,12 @@ the assistant's: the template's own `{% generation %}` marks (transformers' assi
 text that each assistant turn adds to the rendering of the turns before it with the generation
 prompt (as TRL finds them). A longer example is truncated or dropped (`data.too_long`), and both
 are counted. Examples go to a scratch file, not memory, as a tokenized text's stream does.
+
+`data.packing` puts several examples into a record of `data.context` tokens (Windows) with the labels
+each had alone, so that the loss is on the same tokens: `separate` places whole examples first-fit into
+a few open windows and gives each its own position ids, from 0, from which the model builds a mask that
+keeps examples apart (models/hugging_face.py); `cross` cuts the examples' stream into windows, as a
+text's, an example attending to those before it in its window.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ DATASET_FILES = ("dataset_info.json", "state.json")  # save_to_disk of a Dataset
 EVAL_SPLITS = ("validation", "test")  # a datasets folder's eval split, the first present
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' mark of the assistant's tokens
 FIELDS = 3  # input ids, attention mask, labels: an example's arrays in the scratch file
+POSITION_IDS = "position_ids"  # data.packing separate: each example's positions, from 0, a field before the labels
+OPEN_WINDOWS = 64  # windows that data.packing separate fills at once: first fit among them, in bounded memory
 
 
 @dataclass
@@ -64,10 +72,14 @@ class Counts:
     dropped: int = 0
     loss_tokens: int = 0
     splits: dict = field(default_factory=dict)  # split -> examples, of a source with its own splits
+    packing: str = "none"
+    windows: int = 0  # records written: the examples, or the windows they were packed into
+    padding: int = 0  # tokens of padding in those records
 
     def describe(self) -> dict:
+        packed = {"packing": self.packing, "windows": self.windows, "padding": self.padding}
         return {"examples": self.examples, "truncated": self.truncated, "dropped": self.dropped,
-                "loss_tokens": self.loss_tokens, "splits": self.splits}
+                "loss_tokens": self.loss_tokens, "splits": self.splits} | (packed if self.packing != "none" else {})
 
 
 def is_rows(path: Path) -> bool:
@@ -231,12 +243,17 @@ class Renderer:
     def columns(self) -> list[str]:
         return [self.data.messages] if self.format == "messages" else [self.data.prompt, self.data.completion]
 
-    def example(self, where: str, row: int, values: dict) -> tuple[list[int], list[bool]]:
+    def examples(self, where: str, start: int, batch: list[dict]) -> Iterator[tuple[list[int], list[bool]]]:
+        """(token ids, whether each is in the loss) of each row of `batch`, the first numbered `start`. Chats
+        are tokenized a batch at a time, on the tokenizers library's threads: a call a row cost more than
+        its encoding (100,000 chats: 420 s a row at a time, docs/benchmarks.md)."""
         if self.format == "messages":
-            ids, loss = self._chat(where, row, self._messages(where, row, values, self.data.messages))
+            found = self._chats(where, start, [self._messages(where, start + row, values, self.data.messages)
+                                               for row, values in enumerate(batch)])
         else:
-            ids, loss = self._pair(where, row, values)
-        return ids, [True] * len(ids) if self.data.loss_on == "all" else loss
+            found = (self._pair(where, start + row, values) for row, values in enumerate(batch))
+        for ids, loss in found:
+            yield ids, [True] * len(ids) if self.data.loss_on == "all" else loss
 
     def _messages(self, where: str, row: int, values: dict, column: str) -> list[dict]:
         """The row's messages, checked: a list of {role, content} of roles the template takes."""
@@ -266,14 +283,24 @@ class Renderer:
             raise DataError(f"{where}: row {row}: the chat template fails to render it "
                             f"({type(error).__name__}: {str(error).strip()[:200]})") from None
 
-    def _chat(self, where: str, row: int, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    def _chats(self, where: str, start: int, chats: list[list[dict]]) -> list[tuple[list[int], list[bool]]]:
         if self.marked:  # the template marks the assistant's tokens itself
-            out = self._apply(where, row, messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-            return list(out["input_ids"]), [bool(m) for m in out["assistant_masks"]]
-        text = self._render(where, row, messages)
-        spans = [self._turn(where, row, messages[:i], messages[:i + 1], text)
-                 for i, message in enumerate(messages) if message["role"] == "assistant"]
-        return self._tokens(text, spans)
+            try:
+                out = self.chat.apply_chat_template(chats, tokenize=True, return_dict=True,
+                                                    return_assistant_tokens_mask=True)
+            except Exception as error:  # rendered alone, the row that fails is named with its error
+                for row, messages in enumerate(chats):
+                    self._render(where, start + row, messages)
+                raise DataError(f"{where}: rows {start} to {start + len(chats) - 1}: the chat template fails to "
+                                f"render them ({type(error).__name__}: {str(error).strip()[:200]})") from None
+            return [(list(ids), [bool(m) for m in mask]) for ids, mask in zip(out["input_ids"], out["assistant_masks"])]
+        texts, spans = [], []
+        for row, messages in enumerate(chats):
+            texts.append(self._render(where, start + row, messages))
+            spans.append([self._turn(where, start + row, messages[:i], messages[:i + 1], texts[-1])
+                          for i, message in enumerate(messages) if message["role"] == "assistant"])
+        encodings = self.tokenizer.backend.encode_batch(texts, add_special_tokens=False)
+        return [self._tokens(encoding, turns) for encoding, turns in zip(encodings, spans)]
 
     def _turn(self, where: str, row: int, before: list[dict], upto: list[dict], text: str) -> tuple[int, int]:
         """The characters of `text` that the last turn of `upto` adds to `before` with its generation prompt."""
@@ -285,9 +312,10 @@ class Renderer:
                             "set data.loss_on: all")
         return len(prefix), len(turn)
 
-    def _tokens(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
-        """`text` tokenized as apply_chat_template tokenizes it, each token in the loss if it starts in a span."""
-        encoding = self.tokenizer.backend.encode(text, add_special_tokens=False)
+    @staticmethod
+    def _tokens(encoding, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+        """The ids of a text's `encoding` (as apply_chat_template tokenizes it: no special tokens added), each
+        in the loss if it starts in a span of characters."""
         loss = [any(begin <= start < end for begin, end in spans) for start, _ in encoding.offsets]
         return list(encoding.ids), loss
 
@@ -303,7 +331,8 @@ class Renderer:
             prompt = self._messages(where, row, values, prompt_key)
             completion = self._messages(where, row, values, completion_key)
             text = self._render(where, row, prompt + completion)
-            ids, loss = self._tokens(text, [self._turn(where, row, prompt, prompt + completion, text)])
+            ids, loss = self._tokens(self.tokenizer.backend.encode(text, add_special_tokens=False),
+                                     [self._turn(where, row, prompt, prompt + completion, text)])
         else:
             texts = [values[prompt_key], values[completion_key]]
             if not all(isinstance(text, str) for text in texts):
@@ -348,36 +377,113 @@ def encode(data, tokenizer: tokenizers.Tokenizer, splits: dict[str, Rows], fmt: 
         raise DataError(f"data.tokenizer: {tokenizer.source} has neither a padding nor an end-of-text token to pad "
                         f"short examples with (none of {', '.join(tokenizers.PAD_TOKENS + tokenizers.EOS_TOKENS)})")
     tokenizer.pad_token, tokenizer.input = pad, tokenizers.INPUT_IDS  # what the manifest records
-    counts = Counts()
+    counts = Counts(packing=data.packing)
+    written = {}  # split -> records
     with tempfile.TemporaryFile(dir=scratch, prefix="ortflow-examples-") as out:
+        windows = Windows(out, data.packing, data.context, tokenizer.token_id(pad))
         for name, rows in splits.items():
             _require(rows, renderer.columns(), "data.messages, or data.prompt and data.completion")
-            before = counts.examples
+            before, records = counts.examples, windows.written
             progress = tokenizers.Progress(rows.where, 0, "rows", 1)
-            for start, row, values in _numbered(rows):
-                ids, loss = renderer.example(rows.where, start + row, values)
-                record = _record(ids, loss, f"{rows.where}: row {start + row}", data, counts, tokenizer.token_id(pad))
-                if record is not None:
-                    record.tofile(out)
-                progress.done = start + row + 1
-                progress.update(len(ids))
+            start = 0
+            for batch in rows.batches():
+                for row, (ids, loss) in enumerate(renderer.examples(rows.where, start, batch), start):
+                    record = _record(ids, loss, f"{rows.where}: row {row}", data, counts, tokenizer.token_id(pad))
+                    if record is not None:
+                        windows.add(record)
+                    progress.done = row + 1
+                    progress.update(len(ids))
+                start += len(batch)
             progress.update(0, final=True)
+            windows.end()  # the examples of two splits share no window
             counts.splits[name] = counts.examples - before
+            written[name] = windows.written - records
         out.flush()
         if counts.examples == 0:
             raise DataError(f"data.source {data.source!r}: no example left (data.too_long: drop dropped all "
                             f"{counts.dropped}, longer than data.context={data.context} tokens)")
         # The mapping keeps the (already unlinked) file alive after it is closed.
-        mapped = np.memmap(out, dtype=np.int64, mode="r", shape=(counts.examples, FIELDS, data.context))
+        mapped = np.memmap(out, dtype=np.int64, mode="r", shape=(windows.written, windows.fields, data.context))
+    counts.windows, counts.padding = windows.written, windows.padding
     log.info("%s: %d examples, %d truncated and %d dropped (longer than data.context=%d tokens, data.too_long: "
              "%s); %d tokens in the loss (data.loss_on: %s)", fmt, counts.examples, counts.truncated, counts.dropped,
              data.context, data.too_long, counts.loss_tokens, data.loss_on)
+    if data.packing != "none":
+        log.info("data.packing %s: %d examples in %d windows of %d tokens, %.1f%% of them padding", data.packing,
+                 counts.examples, counts.windows, data.context, 100 * counts.padding / (counts.windows * data.context))
     split = None
-    if "train" in counts.splits:
-        train = counts.splits["train"]
-        split = (np.arange(train), np.arange(train, counts.examples))
+    if "train" in written:
+        train = written["train"]
+        split = (np.arange(train), np.arange(train, windows.written))
     features = {tokenizers.INPUT_IDS: mapped[:, 0], tokenizers.ATTENTION_MASK: mapped[:, 1]}
-    return features, mapped[:, 2], counts, split
+    if windows.fields > FIELDS:
+        features[POSITION_IDS] = mapped[:, 2]
+    return features, mapped[:, -1], counts, split
+
+
+class Windows:
+    """Where the examples' records go: the scratch file `out`, one a record (data.packing: none), or packed
+    into windows of `context` tokens (separate, cross), each example's labels as they were alone. A
+    `separate` window has a field more, the position ids, before the labels; its padding is a last
+    "example" of positions from 0 too, in the loss nowhere, which only attends to itself."""
+
+    def __init__(self, out, packing: str, context: int, pad: int):
+        self.out, self.packing, self.context, self.pad = out, packing, context, pad
+        self.fields = FIELDS + (packing == "separate")
+        self.written = self.padding = 0
+        self.open: list[list] = []  # [window, tokens used] being filled, oldest first
+
+    def add(self, record: np.ndarray) -> None:
+        length = int(record[1].sum())
+        if self.packing == "none":
+            self._write(record, length)
+        elif self.packing == "cross":
+            self._stream(record, length)
+        else:
+            self._first_fit(record, length)
+
+    def end(self) -> None:
+        for window, used in self.open:
+            self._write(window, used)
+        self.open = []
+
+    def _write(self, window: np.ndarray, used: int) -> None:
+        if self.packing == "separate":
+            window[2, used:] = np.arange(self.context - used)
+        window.tofile(self.out)
+        self.written += 1
+        self.padding += self.context - used
+
+    def _new(self) -> list:
+        window = np.full((self.fields, self.context), IGNORE_INDEX, dtype=np.int64)
+        window[0], window[1] = self.pad, 0
+        self.open.append([window, 0])
+        return self.open[-1]
+
+    def _first_fit(self, record: np.ndarray, length: int) -> None:
+        place = next((i for i, (_, used) in enumerate(self.open) if used + length <= self.context), None)
+        if place is None:
+            if len(self.open) == OPEN_WINDOWS:  # the fullest window has the least room left for another
+                self._write(*self.open.pop(max(range(len(self.open)), key=lambda i: self.open[i][1])))
+            self._new()
+            place = len(self.open) - 1
+        window, used = self.open[place]
+        window[0, used:used + length], window[1, used:used + length] = record[0, :length], 1
+        window[2, used:used + length], window[3, used:used + length] = np.arange(length), record[2, :length]
+        self.open[place][1] = used + length
+        if used + length == self.context:
+            self._write(*self.open.pop(place))
+
+    def _stream(self, record: np.ndarray, length: int) -> None:
+        taken = 0
+        while taken < length:
+            window, used = self.open[0] if self.open else self._new()
+            n = min(length - taken, self.context - used)
+            window[0, used:used + n], window[1, used:used + n] = record[0, taken:taken + n], 1
+            window[2, used:used + n] = record[2, taken:taken + n]
+            self.open[0][1], taken = used + n, taken + n
+            if used + n == self.context:
+                self._write(*self.open.pop())
 
 
 def _record(ids: list[int], loss: list[bool], where: str, data, counts: Counts, pad: int) -> np.ndarray | None:
@@ -394,7 +500,7 @@ def _record(ids: list[int], loss: list[bool], where: str, data, counts: Counts, 
     record = np.full((FIELDS, context), IGNORE_INDEX, dtype=np.int64)
     record[0], record[1] = pad, 0
     record[0, :len(ids)], record[1, :len(ids)] = ids, 1
-    record[2, :len(ids) - 1] = np.where(loss[1:], ids[1:], IGNORE_INDEX)
+    record[2, :max(len(ids) - 1, 0)] = np.where(loss[1:], ids[1:], IGNORE_INDEX)  # a template may render nothing
     kept = int((record[2] != IGNORE_INDEX).sum())
     if not kept:
         learned = "its assistant turns (or completion)"

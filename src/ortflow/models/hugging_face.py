@@ -21,6 +21,11 @@ Attention runs as transformers' default `sdpa` in the families where it trains a
 in torch, else as `eager` (ATTENTION, docs/models.md's "Families tried").
 A model that cannot train as torch does is refused before the export (REFUSED);
 docs/models.md's "Families tried" lists what was measured.
+
+Examples packed several to a window without seeing each other (data.packing: separate) come with
+`position_ids` restarting at each example: TaskModel passes them, and in place of the 2D attention mask
+a 4D one that keeps each example to itself (packed_mask), which transformers takes as given. The causal
+LM families where that gives each example the logits it has alone are PACKED; others are refused.
 """
 
 from __future__ import annotations
@@ -63,6 +68,12 @@ ATTENTION = {
     "deberta-v2": "eager",  # transformers has no sdpa for it
     "gpt_neo": "eager",  # transformers has no sdpa for it
 }
+
+# model_type of the causal LMs whose logits of examples packed with packed_mask are those of the examples
+# alone (to 2e-7, transformers 5.23, sdpa and eager; Mistral with its sliding window in the mask):
+# docs/models.md's causal LM families, tests/test_packing.py.
+PACKED = ("gpt2", "gpt_neo", "opt", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "falcon")
+SEPARATE = "separate"  # data.packing: examples packed without attending to each other
 
 # (model_type, config flag) -> why a model with the flag on cannot train as torch does (docs/models.md,
 # "Families tried"): refused before the export, in one line.
@@ -207,17 +218,45 @@ def check_fits(cls, config, folder: Path) -> None:
                      f"its largest tensor, {name} {list(largest.shape)}, is from {', '.join(keys) or 'its config'}")
 
 
+def packed_mask(position_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The additive attention mask, [batch, 1, time, time], of windows of packed examples: a position
+    attends to itself and the positions before it of its example, which starts where its position id is 0
+    (a window's padding is one more such example), and to none `window` or more before it (a sliding window)."""
+    example = torch.cumsum((position_ids == 0).to(torch.int64), 1)
+    time = torch.arange(position_ids.shape[1], device=position_ids.device)
+    allowed = (example[:, :, None] == example[:, None, :]) & (time[:, None] >= time[None, :])
+    if window:
+        allowed = allowed & (time[:, None] - time[None, :] < window)
+    return torch.where(allowed, 0.0, torch.finfo(torch.float32).min)[:, None]
+
+
+def packing_window(hf, folder: Path) -> int | None:
+    """The sliding window packed_mask must keep of `hf`, a PACKED family (None: none); other models refused."""
+    config = hf.config
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if config.model_type not in PACKED or len(kinds) > 1:
+        why = ("its layers attend over windows of different sizes (layer_types), which one mask cannot give"
+               if config.model_type in PACKED else f"examples packed into one window are kept apart only in {', '.join(PACKED)} models")
+        raise ModelError(f"{MODEL_KEY}: {folder} is a {config.model_type} model and data.packing is separate: {why}; "
+                         "set data.packing: cross (examples attend to each other) or none")
+    return getattr(config, "sliding_window", None)
+
+
 class TaskModel(torch.nn.Module):
     """The Hugging Face model `hf` between the data's features and ortflow's logits: `arguments`
-    are the forward arguments the features go to, in order (None: not fed)."""
+    are the forward arguments the features go to, in order (None: not fed). `window`: the data are
+    packed (data.packing: separate), the sliding window of the mask (0: none)."""
 
-    def __init__(self, hf, task: str, input_names: list[str], arguments: list[str | None]):
+    def __init__(self, hf, task: str, input_names: list[str], arguments: list[str | None], window: int | None = None):
         super().__init__()
+        self.window = window
         self.model = hf
         self.task = task
         self.input_names = input_names  # what forward takes, in this order (user.forward_features)
         self.arguments = arguments
-        self.ignored_inputs = [name for name, argument in zip(input_names, arguments) if argument is None]
+        # packed, the mask is made of the position ids, and the data's attention_mask is not read
+        self.ignored_inputs = [name for name, argument in zip(input_names, arguments)
+                               if argument is None or (window is not None and argument == "attention_mask")]
         self.no_cache = "use_cache" in inspect.signature(hf.forward).parameters
         self.decoder_start = getattr(hf.config, "decoder_start_token_id", None)
 
@@ -226,6 +265,8 @@ class TaskModel(torch.nn.Module):
         if self.task == "seq2seq":  # the target shifted right starts with the model's own start token
             shifted = given[DECODER_INPUT_IDS]
             given[DECODER_INPUT_IDS] = torch.cat([torch.full_like(shifted[:, :1], self.decoder_start), shifted[:, 1:]], 1)
+        if self.window is not None:
+            given["attention_mask"] = packed_mask(given["position_ids"], self.window)
         if self.no_cache:
             given["use_cache"] = False
         logits = self.model(**given).logits
@@ -269,5 +310,8 @@ def build(model, manifest: dict) -> TaskModel:
                 f"{MODEL_KEY}: the data's feature {name!r} is none of {type(hf).__name__}.forward's inputs "
                 f"({', '.join(a for a in accepted if a not in ('kwargs', 'labels'))}); name the features like them")
 
+    window = None
+    if manifest.get("source", {}).get("examples", {}).get("packing") == SEPARATE:
+        window = packing_window(hf, folder) or 0
     log.info("%s: %s (%s) for model.task %s", MODEL_KEY, type(hf).__name__, folder, task)
-    return TaskModel(hf, task, [f["name"] for f in manifest["features"]], arguments)
+    return TaskModel(hf, task, [f["name"] for f in manifest["features"]], arguments, window)

@@ -162,7 +162,7 @@ def from_pretrained(task_model, folder: Path):
                          for kind, keys in wrong.items() if keys)
         raise ModelError(f"{folder}: {cls.__name__}.from_pretrained does not take the saved weights as they are "
                          f"({said})")
-    return TaskModel(hf, task_model.task, task_model.input_names, task_model.arguments)
+    return TaskModel(hf, task_model.task, task_model.input_names, task_model.arguments, task_model.window)
 
 
 def outputs(module, features: list[dict], batch: dict) -> np.ndarray:
