@@ -139,9 +139,13 @@ def test_bf16_rewrites_every_multiply_trains_like_autocast_and_exports_float32(c
     print(f"{case}: largest loss gap over {STEPS} steps, from {autocast[0]:.4f} to {autocast[-1]:.4f}: ortflow bf16 "
           f"to autocast {gap(losses, autocast):.2e}, autocast reversed {gap(reversed_, autocast):.2e}, "
           f"torch fp32 {gap(fp32, autocast):.2e}; ortflow bf16 to torch fp32 {gap(losses, fp32):.2e}")
-    if case != "gpt2-lora":  # its zero-initialised adapters move the loss 1e-3 in these steps: a spread of 1.4e-6
+    assert losses != fp32  # in bfloat16
+    if case == "gpt2-lora":  # its zero-initialised adapters move the loss 1e-3 in these steps: a spread of 1.4e-6
+        trained = read_ort_checkpoint(tmp_path / "checkpoint/checkpoint").parameters
+        assert any(np.abs(array).max() > 0 for name, array in trained.items() if "lora_B" in name)  # they trained
+    else:
         assert gap(losses, autocast) <= SPREAD * gap(reversed_, autocast)
-    assert losses != fp32 and np.mean(losses[-5:]) < losses[0]  # in bfloat16, and it learns
+        assert np.mean(losses[-5:]) < losses[0]  # it learns
 
     export_model.export(config, files.folder, tmp_path / "checkpoint", eval_dir, tmp_path / "model.onnx")
     exported = onnx.load(str(tmp_path / "model.onnx"))
