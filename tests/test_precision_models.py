@@ -2,7 +2,7 @@
 transformers by task (GPT-2 causal-lm, BERT sequence-classification), a torch module of the
 user's (tests/transformers_models.py's GPT2) and GPT-2 with LoRA, at tiny sizes. Each case builds
 its artifacts at bf16 (every multiply rewritten), trains STEPS SGD steps through ONNX Runtime's
-training API as training opens the Module, the same steps in torch under
+training API as training opens the Module (test_hf_families.train_in_ort), the same steps in torch under
 `torch.autocast("cpu", dtype=torch.bfloat16)` from the same weights and batches, and exports
 the trained model, which stays float32.
 
@@ -27,16 +27,15 @@ import numpy as np
 import onnx
 import pytest
 import torch
-import transformers
 
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.graphs import precision
 from ortflow.graphs.forward_model import torch_module
-from ortflow.models import hugging_face, lora
+from ortflow.models import lora
 from ortflow.stages import build_artifacts, export_model
 from ortflow.stages.prepare_data import prepare
-from test_hf_families import FAMILIES, LR, write_data
+from test_hf_families import LR, family_config, train_in_ort
 from torch_reference import train_like_ortflow
 
 STEPS = 20
@@ -54,50 +53,9 @@ SPREAD = 1.5
 
 def make_config(case: str, tmp_path) -> config_mod.Config:
     model, family = CASES[case]
-    task, make = FAMILIES[family]
-    if model["kind"] == "transformers":
-        torch.manual_seed(0)
-        getattr(transformers, hugging_face.CLASSES[task]).from_config(make()).save_pretrained(tmp_path / "folder")
-        model = {**model, "path": str(tmp_path / "folder")}
-    return config_mod.load(overrides={
-        "run": {"name": case, "seed": 3},
-        "data": {**write_data(family, task, tmp_path), "shards": 1, "eval_fraction": 0.25},
-        "model": model,
-        "train": {"world_size": 1, "micro_batch_size": 8, "steps": STEPS, "clip_grad_norm": None,
-                  "precision": "bf16", "optimizer": {"name": "sgd", "lr": LR, "weight_decay": 0.0},
-                  "lr_schedule": {"name": "cosine", "warmup_steps": 2}},
-    })
-
-
-def train_at_bf16(files: Artifacts, config, train_dir, checkpoint) -> list[float]:
-    """test_hf_families.train_in_ort's steps, the Module opened as training opens it at bf16."""
-    import onnxruntime as ort
-    from onnxruntime.training.api import CheckpointState, Module, Optimizer
-
-    from ortflow.data.shards import ShardReader
-    from ortflow.evaluation import feeds, outputs_of
-    from ortflow.training.schedule import learning_rate
-
-    options = ort.SessionOptions()
-    training, evaluation = precision.module_graphs(files, options)
-    state = CheckpointState.load_checkpoint(str(files.checkpoint))
-    module = Module(training, state, evaluation, session_options=options)
-    optimizer = Optimizer(str(files.optimizer_model), module)
-    reader, losses = ShardReader(train_dir), []
-    module.train()
-    for step in range(config.train.steps):
-        optimizer.set_learning_rate(learning_rate(step, config.train.steps, config.train.optimizer.lr,
-                                                  config.train.lr_schedule))
-        batch = reader.gather(np.sort(reader.global_batch(step, config.run.seed,
-                                                          config_mod.global_batch_size(config))))
-        loss, _ = outputs_of(module(*feeds(batch, module.input_names(), reader.label_name, reader.label_name)))
-        optimizer.step()
-        module.lazy_reset_grad()
-        losses.append(loss)
-    checkpoint.mkdir()
-    CheckpointState.save_checkpoint(state, str(checkpoint / "checkpoint"), include_optimizer_state=True)
-    (checkpoint / "meta.json").write_text(json.dumps({"step": STEPS, "identity_digest": "test"}))
-    return losses
+    return family_config(case, model, family, tmp_path, {
+        "steps": STEPS, "precision": "bf16", "optimizer": {"name": "sgd", "lr": LR, "weight_decay": 0.0},
+        "lr_schedule": {"name": "cosine", "warmup_steps": 2}})
 
 
 def torch_twin(config, manifest: dict, initial: dict) -> torch.nn.Module:
@@ -130,7 +88,7 @@ def test_bf16_rewrites_every_multiply_trains_like_autocast_and_exports_float32(c
         assert not left and counts[graph] == sum(node.op_type == precision.OP for node in nodes) > 0, (graph, left)
 
     initial = dict(read_ort_checkpoint(files.checkpoint).parameters)
-    losses = train_at_bf16(files, config, train_dir, tmp_path / "checkpoint")
+    losses = train_in_ort(files, config, train_dir, tmp_path / "checkpoint")
     twin = lambda: torch_twin(config, json.loads((train_dir / "manifest.json").read_text()), initial)  # noqa: E731
     autocast, _ = train_like_ortflow(twin(), config, train_dir, autocast=True)
     reversed_, _ = train_like_ortflow(twin(), config, train_dir, autocast=True, order=lambda i: i[::-1])
