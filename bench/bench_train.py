@@ -34,6 +34,13 @@ tests/transformers_models.py (`kind: torch`, transformers' default attention,
 sdpa); samples/s, each rank's peak RSS and the graphs' node counts:
 
     python bench/bench_train.py --by-task gpt2 bert --rounds 2 --steps 30
+
+With --bf16 (issue 44), `train.precision: bf16` at 2 ranks of one thread against DDP under
+`torch.autocast("cpu", dtype=torch.bfloat16)` and DDP in float32, with ortflow at
+train.zero 1 and at fp32 beside it, on GPT-2 124M and BERT-base; the runs alternated in
+each round, the median step of steps warmup+1 to steps and each rank's peak RSS:
+
+    python bench/bench_train.py --bf16 gpt2-124m bert-base --rounds 1 --steps 8 --warmup 3
 """
 
 from __future__ import annotations
@@ -210,7 +217,8 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, port: int
     """One rank of the PyTorch DDP baseline: same model, data, batch and optimizer.
     `run`: steps; warmup, the first steps left out of the timing; share_cores: each
     rank gets cores // ranks threads, as ortflow's ranks do, otherwise torch's
-    default (every rank a thread per core); zero: ZeroRedundancyOptimizer."""
+    default (every rank a thread per core); zero: ZeroRedundancyOptimizer; autocast: the
+    forward under torch.autocast("cpu", dtype=torch.bfloat16)."""
     import torch
     import torch.distributed as dist
 
@@ -237,8 +245,9 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, port: int
     for step in range(run["steps"]):
         started = time.perf_counter()
         (batch,) = reader.micro_batches(step, 0, rank, world_size, micro, 1)
-        logits = model(*[torch.from_numpy(batch[feature]) for feature in features])
-        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(batch[label]))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=run["autocast"]):
+            logits = model(*[torch.from_numpy(batch[feature]) for feature in features])
+        loss = torch.nn.functional.cross_entropy(logits.float(), torch.from_numpy(batch[label]))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -252,7 +261,7 @@ def ddp_worker(rank: int, world_size: int, workdir: str, config: dict, port: int
 
 
 def run_ddp(workdir: Path, config: dict, world_size: int, steps: int, share_cores: bool = True, zero: bool = False,
-            warmup: int = WARMUP) -> list[dict]:
+            warmup: int = WARMUP, autocast: bool = False) -> list[dict]:
     """Each rank's report, by rank: samples/s and median step time after `warmup`
     steps, optimizer state bytes and peak RSS in MB (see ddp_worker)."""
     import torch.multiprocessing as mp
@@ -260,7 +269,7 @@ def run_ddp(workdir: Path, config: dict, world_size: int, steps: int, share_core
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     port = 29500 + os.getpid() % 1000
-    run = {"steps": steps, "warmup": warmup, "share_cores": share_cores, "zero": zero}
+    run = {"steps": steps, "warmup": warmup, "share_cores": share_cores, "zero": zero, "autocast": autocast}
     mp.start_processes(ddp_worker, args=(world_size, str(workdir), config, port, queue, run),
                        nprocs=world_size, start_method="spawn")
     return sorted((queue.get() for _ in range(world_size)), key=lambda report: report["rank"])
@@ -324,6 +333,51 @@ def ortflow_state_bytes(artifacts: Path, world_size: int, zero: int) -> tuple[in
     return sum(array.nbytes for array in state.parameters.values()), owned
 
 
+def median_step(metrics: dict, warmup: int) -> float:
+    """The median step time in s of metrics.json's history (train.log_every 1) after `warmup` steps."""
+    return float(np.median([metrics["global_batch_size"] / entry["samples_per_s"]
+                            for entry in metrics["history"]["train"] if entry["step"] > warmup]))
+
+
+def bf16(workdir: Path, name: str, rounds: int, steps: int, warmup: int) -> None:
+    """train.precision: bf16 against DDP + autocast bf16 and DDP fp32 (see the module's
+    docstring); ortflow's artifacts are built at each precision under their own run name."""
+    configs = {precision: prepare(workdir, f"{name}-{precision}", config=STAGES[name],
+                                  train={"precision": precision, "log_every": 1, "eval_batches": 1, "eval_batch_size": 8})
+               for precision in ("fp32", "bf16")}
+    bf16_config = configs["bf16"]
+    runs = {
+        "ortflow bf16, train.zero 0": lambda: ortflow_metrics(workdir, bf16_config, 2, steps),
+        "DDP + autocast bf16": lambda: run_ddp(workdir, bf16_config, 2, steps, warmup=warmup, autocast=True),
+        "ortflow bf16, train.zero 1": lambda: ortflow_metrics(
+            workdir, {**bf16_config, "train": {**bf16_config["train"], "zero": 1}}, 2, steps),
+        "DDP fp32": lambda: run_ddp(workdir, bf16_config, 2, steps, warmup=warmup),
+        "ortflow fp32, train.zero 0": lambda: ortflow_metrics(workdir, configs["fp32"], 2, steps),
+    }
+    measured = {label: [] for label in runs}
+    for round_ in range(rounds):
+        # Alternated: each round starts one run later, so no contender always follows the same one.
+        labels = list(runs)[round_ % len(runs):] + list(runs)[:round_ % len(runs)]
+        for label in labels:
+            result = runs[label]()
+            if isinstance(result, list):  # DDP's reports, by rank
+                step, rss = result[0]["step_s"], [report["peak_rss_mb"] for report in result]
+            else:
+                step, rss = median_step(result, warmup), result["peak_rss_mb"]
+            measured[label].append((step, rss))
+            print(f"{name} round {round_ + 1}: {label} step {step:.2f} s, peak RSS {' / '.join(f'{mb:,.0f}' for mb in rss)} MiB",
+                  flush=True)  # a run takes minutes at 124M
+    step = {label: float(np.median([s for s, _ in results])) for label, results in measured.items()}
+    print(f"{name}, 2 ranks x {bf16_config['train']['micro_batch_size']}, median of steps {warmup + 1} to {steps}, "
+          f"median of {rounds} rounds: run | step s | DDP + autocast step / this | peak RSS a rank MiB (largest round)")
+    for label, results in measured.items():
+        rss = [max(mbs) for mbs in zip(*[r for _, r in results])]
+        print(f"{name}: {label} | {step[label]:.2f} | {step['DDP + autocast bf16'] / step[label]:.2f}x | "
+              f"{' / '.join(f'{mb:,.0f}' for mb in rss)}")
+    print(f"{name}: train.zero 1 / 0 at bf16 step {step['ortflow bf16, train.zero 1'] / step['ortflow bf16, train.zero 0']:.2f}x; "
+          f"ortflow fp32 / bf16 step {step['ortflow fp32, train.zero 0'] / step['ortflow bf16, train.zero 0']:.2f}x")
+
+
 def zero_memory(workdir: Path, name: str, steps: int, warmup: int) -> None:
     """ZeRO-1 at 2 ranks: ortflow with train.zero 0 and 1, DDP with AdamW and with
     ZeroRedundancyOptimizer around it, on the same model, batch and steps. For each,
@@ -337,10 +391,8 @@ def zero_memory(workdir: Path, name: str, steps: int, warmup: int) -> None:
     for zero in (0, 1):
         metrics = ortflow_metrics(workdir, {**config, "train": {**config["train"], "zero": zero}}, 2, steps)
         parameter_bytes, moments = ortflow_state_bytes(artifacts, 2, zero)
-        step_s = [metrics["global_batch_size"] / entry["samples_per_s"] for entry in metrics["history"]["train"]
-                  if entry["step"] > warmup]
         rows[f"ortflow, train.zero: {zero}"] = (metrics["peak_rss_mb"], moments,
-                                                [2 * parameter_bytes + m for m in moments], float(np.median(step_s)))
+                                                [2 * parameter_bytes + m for m in moments], median_step(metrics, warmup))
     for zero in (False, True):
         reports = run_ddp(workdir, config, 2, steps, zero=zero, warmup=warmup)
         rows["DDP, " + ("ZeroRedundancyOptimizer(AdamW)" if zero else "AdamW")] = (
@@ -406,9 +458,11 @@ def main() -> None:
     parser.add_argument("--zero", nargs="+", choices=[*MODELS, *STAGES], default=[],
                         help="instead of --models: ZeRO-1's memory on these models (train.zero 0 and 1, DDP with "
                              "and without ZeroRedundancyOptimizer), --steps steps")
-    parser.add_argument("--warmup", type=int, default=WARMUP, help="with --zero: steps left out of the step time")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="with --zero and --bf16: steps left out of the step time")
     parser.add_argument("--by-task", nargs="+", choices=list(BY_TASK), default=[],
                         help="instead of --models: kind transformers against the wrapper on these models")
+    parser.add_argument("--bf16", nargs="+", choices=list(STAGES), default=[],
+                        help="instead of --models: train.precision bf16 against DDP with autocast bf16 and fp32")
     args = parser.parse_args()
     os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
     # The transformers wrapper, for build_artifacts (PYTHONPATH) and the DDP
@@ -424,11 +478,13 @@ def main() -> None:
             stages(workdir, name, args.steps, peak)
         for name in args.zero:
             zero_memory(workdir, name, args.steps, args.warmup)
+        for name in args.bf16:
+            bf16(workdir, name, args.rounds, args.steps, args.warmup)
         if args.by_task:
             by_task_folders(workdir)
         for name in args.by_task:
             by_task(workdir, name, args.rounds, args.steps)
-        for name in [] if args.stages or args.zero or args.by_task else args.models:
+        for name in [] if args.stages or args.zero or args.by_task or args.bf16 else args.models:
             config = prepare(workdir, name)
             runs = {
                 "ortflow W=2": lambda: run_ortflow(workdir, config, 2, args.steps),

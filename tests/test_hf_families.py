@@ -150,16 +150,39 @@ def write_data(family: str, task: str, root: Path) -> dict:
     return {"source": str(root / "tokens.npz"), "features": list(arrays)}
 
 
+def family_config(name: str, model: dict, family: str, root: Path, train: dict) -> config_mod.Config:
+    """The config of run `name` training `model` on `family`'s data in `root`, one rank of 8 records
+    a step, STEPS steps unless `train` says otherwise; a `kind: transformers` model from the
+    family's tiny model, saved by save_pretrained into root/folder (torch's seed 0)."""
+    task, make = FAMILIES[family]
+    if model["kind"] == "transformers":
+        torch.manual_seed(0)
+        getattr(transformers, hugging_face.CLASSES[task]).from_config(make()).save_pretrained(root / "folder")
+        model = {**model, "path": str(root / "folder")}
+    return config_mod.load(overrides={
+        "run": {"name": name, "seed": 3},
+        "data": {**write_data(family, task, root), "shards": 1, "eval_fraction": 0.25},
+        "model": model,
+        "train": {"world_size": 1, "micro_batch_size": 8, "steps": STEPS, "clip_grad_norm": None, **train},
+    })
+
+
 def train_in_ort(artifacts: Artifacts, config: config_mod.Config, train_dir: Path, checkpoint: Path) -> list[float]:
     """ortflow's training on one rank, in this process: the artifacts' graphs under
     ONNX Runtime's training API (whose Optimizer equals ortflow's optimizer step bit for
     bit: tests/test_optimizer.py), the same global batches and schedule as
-    torch_reference; the trained state saved as a merged checkpoint."""
+    torch_reference; the trained state saved as a merged checkpoint. Artifacts built at
+    train.precision bf16 open as training opens them (precision.module_graphs)."""
+    import onnxruntime as ort
     from onnxruntime.training.api import CheckpointState, Module, Optimizer
+
+    from ortflow.graphs import precision
 
     train, opt = config.train, config.train.optimizer
     state = CheckpointState.load_checkpoint(str(artifacts.checkpoint))
-    module = Module(str(artifacts.training_model), state, str(artifacts.eval_model))
+    options = ort.SessionOptions()  # what Module takes when given none
+    training, evaluation = precision.module_graphs(artifacts, options)
+    module = Module(training, state, evaluation, session_options=options)
     optimizer = Optimizer(str(artifacts.optimizer_model), module)
     reader = ShardReader(train_dir)
     module.train()

@@ -39,7 +39,7 @@ from ortflow.models import hugging_face, lora, save_trained
 from ortflow.reporting.results import lora_trained
 from ortflow.stages import build_artifacts, export_model
 from ortflow.stages.prepare_data import prepare
-from test_hf_families import FAMILIES, STEPS, differences, train_in_ort, write_data
+from test_hf_families import STEPS, differences, family_config, train_in_ort
 from test_torch_layers import LOSS_TOLERANCE, PARAMETER_TOLERANCE, largest
 from torch_reference import train_like_ortflow
 from transformers_models import GPT2
@@ -65,19 +65,9 @@ CASES = {
 
 def make_config(case: str, tmp_path, **lora_keys) -> config_mod.Config:
     model, family, _ = CASES[case]
-    task, make = FAMILIES[family]
-    if model["kind"] == "transformers":
-        torch.manual_seed(0)
-        getattr(transformers, hugging_face.CLASSES[task]).from_config(make()).save_pretrained(tmp_path / "folder")
-        model = {**model, "path": str(tmp_path / "folder")}
-    return config_mod.load(overrides={
-        "run": {"name": case, "seed": 3},
-        "data": {**write_data(family, task, tmp_path), "shards": 1, "eval_fraction": 0.25},
-        "model": {**model, "lora": {**model["lora"], **lora_keys}},
-        "train": {"world_size": 1, "micro_batch_size": 8, "steps": STEPS, "clip_grad_norm": None,
-                  "optimizer": {"lr": 0.01, "weight_decay": 0.0},
-                  "lr_schedule": {"name": "cosine", "warmup_steps": 2}},
-    })
+    return family_config(case, {**model, "lora": {**model["lora"], **lora_keys}}, family, tmp_path,
+                         {"optimizer": {"lr": 0.01, "weight_decay": 0.0},
+                          "lr_schedule": {"name": "cosine", "warmup_steps": 2}})
 
 
 def torch_twin(config, manifest: dict, initial: dict):

@@ -29,11 +29,14 @@ def load_initial(model: torch.nn.Module, artifacts: Path) -> torch.nn.Module:
 
 
 def train_like_ortflow(model: torch.nn.Module, config: dict, train_dir: Path,
-                       groups: list[dict] | None = None) -> tuple[list[float], dict]:
+                       groups: list[dict] | None = None, autocast: bool = False,
+                       order=lambda indices: indices) -> tuple[list[float], dict]:
     """Train `model` (features in, logits out, cross-entropy) as ortflow trains
     with `config`; return the loss of each step and the final parameters.
     `groups`: the optimizer's parameter groups (each with its weight_decay), by default
-    one group of every parameter with the config's weight decay."""
+    one group of every parameter with the config's weight decay. `autocast`: the forward
+    under torch.autocast("cpu", dtype=torch.bfloat16). `order`: the batch's records in
+    another order (the same mean loss and gradients, summed in another order)."""
     train, opt = config.train, config.train.optimizer
     if opt.name == "sgd":
         optimizer = torch.optim.SGD(groups or model.parameters(), lr=opt.lr, weight_decay=opt.weight_decay)
@@ -47,9 +50,10 @@ def train_like_ortflow(model: torch.nn.Module, config: dict, train_dir: Path,
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, train.steps, opt.lr, train.lr_schedule)
         indices = reader.global_batch(step, config.run.seed, config_mod.global_batch_size(config))
-        batch = reader.gather(np.sort(indices))
-        logits = model(*(torch.from_numpy(batch[name]) for name in features))
-        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(batch[reader.label_name]))
+        batch = reader.gather(order(np.sort(indices)))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            logits = model(*(torch.from_numpy(batch[name]) for name in features))
+        loss = torch.nn.functional.cross_entropy(logits.float(), torch.from_numpy(batch[reader.label_name]))
         optimizer.zero_grad()
         loss.backward()
         if train.clip_grad_norm is not None:
