@@ -121,6 +121,12 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
     return description
 
 
+# The config keys this stage reads, which its rule passes (stages/__init__.py), the data aside (its
+# manifest): the graphs bake in the optimizer's name, betas and eps, train.recompute's copies,
+# train.precision's bfloat16 multiplies and train.pipeline_stages' stages; the learning rate and the
+# weight decay are training's, so the other train.* keys do not rebuild the artifacts.
+KEYS = ("run.seed", "model", "train.optimizer.name", "train.optimizer.betas", "train.optimizer.eps",
+        "train.recompute", "train.precision", "train.pipeline_stages")
 HELP = "export or load the model and build its training, eval and optimizer graphs and initial checkpoint"
 
 

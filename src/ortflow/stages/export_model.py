@@ -87,6 +87,10 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
     return props
 
 
+# The config keys this stage reads, which its rule passes (stages/__init__.py): the run's name (the
+# model's metadata) and, for the torch module it builds again (kind torch, transformers), the
+# model, its seed and the tokenizer it saves beside a transformers model.
+KEYS = ("run.name", "run.seed", "model", "data.tokenizer")
 HELP = "write the inference ONNX model of the merged checkpoint, checked against the eval graph"
 
 

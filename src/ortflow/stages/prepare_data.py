@@ -92,6 +92,9 @@ def prepare(config: config_mod.Config, train_dir: Path, eval_dir: Path) -> dict:
     return manifests
 
 
+# The config keys this stage reads, which its rule passes (stages/__init__.py): its split's seed is
+# data.split_seed, so that a sweep's repeats over run.seed share the data.
+KEYS = ("data",)
 HELP = "read data.source, split it by data.split_seed, write checksummed shards"
 
 

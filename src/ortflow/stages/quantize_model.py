@@ -92,6 +92,9 @@ def quantize(config: Config, model: Path, artifacts: Path, eval_dir: Path, int8:
     return report
 
 
+# The config keys this stage reads, which its rule passes (stages/__init__.py): its section and the
+# evaluation batch.
+KEYS = ("train.eval_batch_size", "export")
 HELP = "quantize the inference model to int8 and report fp32 versus int8 (quality, latency, size), with a quality gate"
 
 

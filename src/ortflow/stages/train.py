@@ -33,6 +33,10 @@ from ..training.preflight import preflight, raise_if_problems
 from ..training.run_folder import TrainFolder
 from ..training.supervisor import Ranks, note_stop_signals, rank_command, supervise
 
+# The config keys this stage reads, which its rule passes (stages/__init__.py): the training identity,
+# and export.checkpoint (training keeps the best checkpoint when the export will want it). The merge
+# that picks the run's newest checkpoint by that identity is passed the same.
+KEYS = ("run", "data", "model", "train", "export.checkpoint")
 HELP = "train the artifacts on the shards with W ranks (mpirun or srun)"
 
 
