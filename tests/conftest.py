@@ -144,6 +144,17 @@ def run_on_ranks(folder: Path, code: str, ranks: int) -> subprocess.CompletedPro
     return result
 
 
+def shard_manifest(features: list[tuple[str, str, list[int]]], label: tuple[str, str, list[int]] = ("y", "int64", []),
+                   task: str = "classification", num_classes: int | None = 3, **fields):
+    """A split's manifest (data/manifest.py) with these columns, no shards and the other `fields`
+    given: what the model builders read of the data, without preparing any."""
+    from ortflow.data.manifest import FORMAT, Column, Manifest
+
+    return Manifest(format=FORMAT, split="train", records=0, record_bytes=0,
+                    features=tuple(Column(n, d, tuple(s)) for n, d, s in features), label=Column(*label[:2], tuple(label[2])),
+                    task=task, num_classes=num_classes, shards=(), source={}, **fields)
+
+
 def assert_identical(a, b) -> None:
     """Training states `a` and `b` (ort_format.TrainingState) are bit-identical: parameters,
     optimizer states, the optimizer's and the checkpoint's properties."""

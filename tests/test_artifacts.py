@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import run_snakemake
 from ortflow import config as config_mod
+from ortflow.data.manifest import read_manifest
 from ortflow.stages.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.stages import build_artifacts
@@ -73,7 +74,7 @@ def test_graphs_match_pytorch(kind, data, tmp_path):
     train_dir = data["text" if kind == "gpt" else "digits"]
     out = tmp_path / "artifacts"
     description = build(train_dir, out, SMALL[kind])
-    manifest = json.loads((train_dir / "manifest.json").read_text())
+    manifest = read_manifest(train_dir)
     batch = batch_of(train_dir)
     x, y = batch[description["inputs"][0]["name"]], batch[description["label"]["name"]]
 

@@ -16,7 +16,7 @@ import onnx
 import pytest
 from onnxruntime.training.api import CheckpointState
 
-from conftest import run_snakemake
+from conftest import run_snakemake, shard_manifest
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.models import user
@@ -423,8 +423,7 @@ def test_a_loss_that_fails_on_the_shapes_at_run_time_names_both_and_onnx_runtime
         "onnxruntime::contrib::VerifyLogitWeightAndLabelShape(const onnxruntime::TensorShape&, const "
         "onnxruntime::TensorShape&, const onnxruntime::TensorShape*) logit_shape.NumDimensions() == label_dims + 1 "
         "was false. logit_shape must be (1 + label_shape)")
-    manifest = {"label": {"name": "y", "dtype": "int64", "shape": []}}
-    error = smoke_step_error(RuntimeError(ort_text), batch, manifest, tmp_path / "linear.onnx")
+    error = smoke_step_error(RuntimeError(ort_text), batch, shard_manifest([("x", "float32", [3])]), tmp_path / "linear.onnx")
     assert str(error) == (
         "the model's output is [4, 3, 10] and the data's label 'y' is [4] on a batch of 4 records, which model.loss "
         "cannot take (logit_shape.NumDimensions() == label_dims + 1 was false. logit_shape must be (1 + label_shape)); "

@@ -97,7 +97,7 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, capsys
 
     assert_initial_is_the_folders(results / "artifacts", folder, "model.", [])
     manifest = ShardReader(results / "data/train").manifest
-    assert (manifest["num_classes"], manifest["tokenizer"]["eos_token"]) == (vocab, "<|endoftext|>")
+    assert (manifest.num_classes, manifest.tokenizer["eos_token"]) == (vocab, "<|endoftext|>")
     assert (f"data.tokenizer tokenizer.json has a vocabulary of {vocab} token ids, the model's embedding "
             f"'model.transformer.wte.weight' (which looks up 'x') {vocab} rows: they match") in \
         (workdir / "logs/gpt2/build_artifacts.log").read_text()
@@ -190,8 +190,8 @@ def test_bert_under_a_new_head_on_jsonl_texts_with_string_labels(tmp_path):
     assert_initial_is_the_folders(results / "artifacts", folder, "model.bert.",
                                   ["model.classifier.weight", "model.classifier.bias"])
     manifest = ShardReader(results / "data/train").manifest
-    assert (manifest["classes"], manifest["num_classes"]) == (classes, 3)
-    assert [f["name"] for f in manifest["features"]] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert (list(manifest.classes), manifest.num_classes) == (classes, 3)
+    assert [f.name for f in manifest.features] == ["input_ids", "attention_mask", "token_type_ids"]
     log = (workdir / "logs/bert/build_artifacts.log").read_text()
     assert (f"data.tokenizer {folder} has a vocabulary of {vocab} token ids, the model's embedding "
             f"'model.bert.embeddings.word_embeddings.weight' (which looks up 'input_ids') {vocab} rows: they match") \

@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import BertConfig, BertForSequenceClassification, ViTConfig
 
+from conftest import shard_manifest
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
@@ -32,10 +33,8 @@ from transformers_models import save_bert
 
 
 def manifest(task: str, label_shape: list[int], features: list[tuple[str, str, list[int]]],
-             label_dtype: str = "int64", classes: int = 3) -> dict:
-    return {"task": task, "num_classes": classes,
-            "label": {"name": "y", "dtype": label_dtype, "shape": label_shape},
-            "features": [{"name": n, "dtype": d, "shape": s} for n, d, s in features]}
+             label_dtype: str = "int64", classes: int = 3):
+    return shard_manifest(features, ("y", label_dtype, label_shape), task, classes)
 
 
 TEXT = [("input_ids", "int64", [16]), ("attention_mask", "int64", [16])]

@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
+from ortflow.data.manifest import read_manifest
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.graphs.forward_model import torch_module
@@ -121,7 +122,7 @@ def test_lora_trains_the_adapters_like_peft_and_exports_them_merged(case, tmp_pa
     frozen_moved = [n for n in info["frozen"] if not np.array_equal(trained[n], initial.parameters[n])]
     assert not frozen_moved, frozen_moved
 
-    manifest = json.loads((train_dir / "manifest.json").read_text())
+    manifest = read_manifest(train_dir)
     twin = torch_twin(config, manifest, dict(initial.parameters))
     torch_losses, torch_trained = train_like_ortflow(twin, config, train_dir)
     worst = differences(trained, torch_trained)
@@ -140,7 +141,7 @@ def test_lora_trains_the_adapters_like_peft_and_exports_them_merged(case, tmp_pa
     # The merged ONNX model's logits are those of the unmerged torch model with the trained weights.
     reader = ShardReader(eval_dir)
     batch = reader.gather(np.arange(8))
-    features = [f["name"] for f in manifest["features"]]
+    features = [f.name for f in manifest.features]
     session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
     onnx_logits = session.run(None, {n: batch[n] for n in features})[0]
     twin.load_state_dict({k: torch.from_numpy(v) for k, v in trained.items()}, strict=False)

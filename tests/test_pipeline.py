@@ -5,7 +5,6 @@ the whole model's loss and gradients; and the cuts that cannot be made are refus
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +15,7 @@ from onnxruntime.training.api import CheckpointState, Module
 
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
+from ortflow.data.manifest import read_manifest
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.graphs import pipeline
@@ -62,9 +62,9 @@ def staged(root: Path, name: str, stages: int) -> tuple[pipeline.Plan, list[Path
     artifacts = Artifacts(whole(root, name))
     description = artifacts.description()
     base = onnx.load(str(artifacts.base_model))
-    manifest = json.loads((root / data / "train" / "manifest.json").read_text())
+    manifest = read_manifest(root / data / "train")
     plan = pipeline.cut(base, stages)
-    folders = pipeline.build(plan, description["trainable"], description["loss"], manifest["label"],
+    folders = pipeline.build(plan, description["trainable"], description["loss"], manifest.label,
                              config(root, model, data).train.optimizer, root / name / f"p{stages}",
                              find_logits(base, description["loss"], manifest))
     return plan, folders
@@ -280,7 +280,7 @@ def test_named_cut_points_are_the_stages_boundaries(root):
 
 def test_flops_balance_cuts_elsewhere_than_parameters(root):
     """The token embedding holds a third of the parameters and no FLOPs."""
-    manifest = json.loads((root / "text" / "train" / "manifest.json").read_text())
+    manifest = read_manifest(root / "text" / "train")
     by_parameters = pipeline.cut(gpt_base(root), 3)
     by_flops = pipeline.cut(gpt_base(root), 3, balance="flops", manifest=manifest)
     assert by_parameters.stages[0].output == "/tokens/Gather_output_0"

@@ -126,7 +126,7 @@ def ort_losses(artifacts: Path, data: Path) -> list[float]:
 
 def batches(reader: ShardReader):
     for step in range(STEPS):
-        yield reader.gather(np.arange(step * BATCH, (step + 1) * BATCH) % reader.manifest["records"])
+        yield reader.gather(np.arange(step * BATCH, (step + 1) * BATCH) % reader.manifest.records)
 
 
 def torch_losses(artifacts: Path, data: Path, config, autocast: bool = True) -> list[float]:
@@ -142,7 +142,7 @@ def torch_losses(artifacts: Path, data: Path, config, autocast: bool = True) -> 
     missing = model.load_state_dict({name: torch.from_numpy(array) for name, array in weights.items()}, strict=False)
     assert missing.missing_keys == ["head.weight"] and not missing.unexpected_keys
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    features, losses = reader.manifest["features"][0]["name"], []
+    features, losses = reader.manifest.features[0].name, []
     for batch in batches(reader):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits = model(torch.from_numpy(batch[features]))

@@ -72,7 +72,7 @@ def train(artifacts: Path, train_dir: Path, recomputed: bool) -> list[tuple[floa
     module.train()
     steps = []
     for step in range(STEPS):
-        batch = reader.gather(np.arange(step * BATCH, (step + 1) * BATCH) % reader.manifest["records"])
+        batch = reader.gather(np.arange(step * BATCH, (step + 1) * BATCH) % reader.manifest.records)
         ort.set_seed(step)
         module.lazy_reset_grad()
         loss = float(module(*[batch[name] for name in names])[0])

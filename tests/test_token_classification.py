@@ -59,7 +59,7 @@ def tagged(tmp_path_factory) -> Path:
 
 def test_loss_gradients_and_accuracy_leave_ignored_positions_out_as_torch_does(tagged):
     reader = ShardReader(tagged / "data/train")
-    assert reader.manifest["num_classes"] == CLASSES
+    assert reader.manifest.num_classes == CLASSES
     batch = reader.gather(np.arange(16))
     labels = batch["tags"]
     assert (labels == IGNORE_INDEX).any() and (labels != IGNORE_INDEX).any()

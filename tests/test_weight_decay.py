@@ -6,7 +6,6 @@ LayerNorms and embeddings."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from ortflow import config as config_mod
+from ortflow.data.manifest import read_manifest
 from ortflow.stages.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.stages import build_artifacts
@@ -112,7 +112,7 @@ def open_training(artifacts: Path, description: dict, name: str = "adamw"):
 def torch_training(train_dir: Path, state, decay: WeightDecay, optimizer: str):
     """The tiny GPT in torch with ORT's initial weights, and torch.optim.AdamW (or
     SGD) with two parameter groups: `decay.decayed` at WEIGHT_DECAY, the others at 0."""
-    manifest = json.loads((train_dir / "manifest.json").read_text())
+    manifest = read_manifest(train_dir)
     model = built_in(settings().model, manifest, "cross_entropy")
     parameters = dict(model.named_parameters())
     with torch.no_grad():

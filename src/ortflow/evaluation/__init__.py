@@ -126,7 +126,7 @@ def class_names(reader: ShardReader, info: dict) -> list[str] | None:
     """The names of a classifier's classes: a label of strings' own (the manifest's `classes`), else the ids."""
     if info["task"] != "classification":
         return None
-    return reader.manifest.get("classes") or [str(i) for i in range(info["num_classes"])]
+    return list(reader.manifest.classes or [str(i) for i in range(info["num_classes"])])
 
 
 def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, data_label: str,
@@ -151,7 +151,7 @@ class Tally:
     def __init__(self, reader: ShardReader, info: dict, data_label: str):
         self.info, self.data_label = info, data_label
         self.classes = class_names(reader, info)
-        self.entity_tags = bio_tags(self.classes, reader.manifest["label"]["shape"])
+        self.entity_tags = bio_tags(self.classes, reader.manifest.label.shape)
         self.totals = np.zeros(3 + 3 * len(self.classes or []) + (3 if self.entity_tags else 0))
 
     def add(self, batch: dict, outputs) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from .. import atomic
 from ..config import Config
+from ..data.manifest import Manifest
 from ..graphs.forward_model import base_torch_module, torch_module
 from ..models import lora, save_trained
 from ..models.user import forward_features
@@ -29,7 +30,7 @@ from .checks import compare
 log = logging.getLogger("ortflow.export")
 
 
-def trained_torch_module(config: Config, info: dict, manifest: dict, checkpoint_dir: Path):
+def trained_torch_module(config: Config, info: dict, manifest: Manifest, checkpoint_dir: Path):
     """The torch module of a `kind: torch` or `transformers` model, built as build_artifacts built
     it (with model.lora's adapters), with the merged checkpoint's weights; None for other kinds."""
     if config.model.kind not in ("torch", "transformers"):
@@ -42,7 +43,7 @@ def trained_torch_module(config: Config, info: dict, manifest: dict, checkpoint_
     return module.eval()
 
 
-def write_torch_formats(config: Config, module, info: dict, manifest: dict, batch: dict, output: np.ndarray,
+def write_torch_formats(config: Config, module, info: dict, manifest: Manifest, batch: dict, output: np.ndarray,
                         folder: Path) -> None:
     """Into `folder`, the trained model in its own framework's format (models/save_trained.py):
     `transformers/` for kind transformers, `model.safetensors` for kind torch, each read back as
@@ -62,7 +63,7 @@ def write_torch_formats(config: Config, module, info: dict, manifest: dict, batc
     if kind == "transformers":
         target = folder / save_trained.TRANSFORMERS
         with atomic.folder(target) as tmp, save_trained.quietly():
-            save_trained.save_pretrained(module, config.model.path, config.data.tokenizer, manifest.get("tokenizer"),
+            save_trained.save_pretrained(module, config.model.path, config.data.tokenizer, manifest.tokenizer,
                                          tmp)
             loaded = save_trained.from_pretrained(module, tmp)
             check_torch_outputs(f"{target} through {type(loaded.model).__name__}.from_pretrained", loaded, manifest,
@@ -77,7 +78,7 @@ def write_torch_formats(config: Config, module, info: dict, manifest: dict, batc
             check_torch_outputs(f"{target} through load_state_dict", fresh, manifest, batch, output)
 
 
-def write_adapter(config: Config, module, info: dict, manifest: dict, batch: dict, output: np.ndarray,
+def write_adapter(config: Config, module, info: dict, manifest: Manifest, batch: dict, output: np.ndarray,
                   folder: Path):
     """The LoRA `module`'s adapters alone into `folder`/adapter/ (models/lora.py), read back with
     PeftModel.from_pretrained on the base model as build_artifacts built it (model.path's,
@@ -93,7 +94,7 @@ def write_adapter(config: Config, module, info: dict, manifest: dict, batch: dic
     return lora.merge(module)
 
 
-def check_torch_outputs(name: str, module, manifest: dict, batch: dict, output: np.ndarray) -> None:
+def check_torch_outputs(name: str, module, manifest: Manifest, batch: dict, output: np.ndarray) -> None:
     worst = compare(f"{name}: its output vs the exported model's",
                     save_trained.outputs(module, forward_features(module, manifest), batch), output)
     log.info("%s: output on %d eval records within %.3g of the exported model's", name, len(output), worst)

@@ -28,15 +28,15 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
     values = per_sample_values(base, manifest)
     forward = forward_flops(base, values)
     batch = batch_values(base, values)
-    label = manifest["label"]
+    label = manifest.label
     with_blocks = None if blocks else recompute.activation_bytes_with_blocks(training.graph, batch)
     return {
         "kind": kind,
-        "task": manifest["task"],
+        "task": manifest.task,
         "loss": loss,
-        "num_classes": manifest["num_classes"],
-        "inputs": [{"name": f["name"], "dtype": f["dtype"], "shape": ["batch", *f["shape"]]} for f in manifest["features"]],
-        "label": {"name": label["name"], "dtype": label["dtype"], "shape": ["batch", *label["shape"]]},
+        "num_classes": manifest.num_classes,
+        "inputs": [{"name": f.name, "dtype": f.dtype, "shape": ["batch", *f.shape]} for f in manifest.features],
+        "label": {"name": label.name, "dtype": label.dtype, "shape": ["batch", *label.shape]},
         # The graphs return the loss and the logits; the inference model returns the model's own output,
         # which differs from the logits after a final Softmax (models/logits.py).
         "outputs": {"loss": training.graph.output[0].name, "logits": logits.name,

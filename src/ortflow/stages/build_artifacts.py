@@ -44,6 +44,7 @@ from pathlib import Path
 from .. import atomic
 from ..artifacts import Artifacts
 from ..config import Config
+from ..data.manifest import MANIFEST, read_manifest
 from ..errors import MissingInputError
 from ..graphs import pipeline, precision, recompute
 from ..graphs.describe import describe
@@ -66,10 +67,9 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
     importlib.import_module("onnxruntime")
 
     train_dir, out = Path(train_dir), Path(out)
-    manifest_path = train_dir / "manifest.json"
-    if not manifest_path.is_file():
-        raise MissingInputError(f"{manifest_path}: no train manifest (run the prepare_data rule first)")
-    manifest = json.loads(manifest_path.read_text())
+    if not (train_dir / MANIFEST).is_file():
+        raise MissingInputError(f"{train_dir / MANIFEST}: no train manifest (run the prepare_data rule first)")
+    manifest = read_manifest(train_dir)
     model = config.model
     loss = resolve_loss(model.loss, manifest, model.task if model.kind == "transformers" else None)
     with atomic.folder(out) as tmp:
@@ -81,7 +81,7 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
         trainable, frozen = split_parameters(base, model, torch_trainable)
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model.kind, loss, len(trainable),
                  len(frozen))
-        generate(base, trainable, frozen, loss, manifest["label"], config.train.optimizer, tmp, logits)
+        generate(base, trainable, frozen, loss, manifest.label, config.train.optimizer, tmp, logits)
         blocks = recompute.apply(Artifacts(tmp).training_model, config.train.recompute)
         if blocks:
             log.info("train.recompute: %d block(s) recomputed in the backward (%s ...)", len(blocks), blocks[0].name)
@@ -92,7 +92,7 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
                      "in bfloat16 (ortflow.BF16MatMul)", rewritten["training"], rewritten["eval"])
         if config.train.pipeline_stages > 1:  # from the weights, which drop_weights clears
             plan = pipeline.cut(base, config.train.pipeline_stages, manifest=manifest)
-            for stage in pipeline.build(plan, trainable, loss, manifest["label"], config.train.optimizer, tmp, logits):
+            for stage in pipeline.build(plan, trainable, loss, manifest.label, config.train.optimizer, tmp, logits):
                 # Each stage's own training graph recomputes those of the whole model's blocks it holds.
                 if blocks:
                     held = recompute.apply(Artifacts(stage).training_model, [b.name for b in blocks], every_item=False)

@@ -78,8 +78,8 @@ def prepare(config: config_mod.Config, train_dir: Path, eval_dir: Path) -> dict:
             "%s: %d records in %d shards of %d-byte records -> %s",
             split,
             len(rows),
-            len(manifests[split]["shards"]),
-            manifests[split]["record_bytes"],
+            len(manifests[split].shards),
+            manifests[split].record_bytes,
             out,
         )
     log.info("task %s, classes/vocabulary %s%s", dataset.task, dataset.num_classes,
