@@ -356,7 +356,7 @@ def test_the_tokenizers_inputs_reach_forward_by_name():
                                          r"token_type_ids, which data.tokenizer gives for data.text"):
         user.forward_features(NoTypes(), TOKENIZED)
     untokenized = shard_manifest([("a", "int64", [8]), ("b", "int64", [8])])  # named otherwise, no tokenizer
-    assert user.forward_features(NoTypes(), untokenized) == untokenized.features  # the data's order, as before
+    assert user.forward_features(NoTypes(), untokenized) == list(untokenized.features)  # the data's order
 
 
 class Flattened(torch.nn.Module):

@@ -3,7 +3,9 @@
 Built in (torch modules, exported to ONNX by torch_export.py): `mlp`, `cnn`, `gpt`.
 Brought by the user (user.py): `onnx` (a file) and `torch` (an import path).
 Every model takes the data's features as inputs named like them and returns
-one output, `logits`.
+one output, `logits`. A `manifest` argument in this package is a split's manifest
+(data/manifest.py's Manifest, read by its attributes: data/ is the layer above, so
+it is not imported here).
 """
 
 from __future__ import annotations

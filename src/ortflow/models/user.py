@@ -338,7 +338,7 @@ def import_torch(path: str, kwargs):
 
 
 def forward_features(module, manifest) -> list:
-    """The data's features in the order `module.forward` takes them: by name where
+    """The data's features (the columns of the split's manifest, data/manifest.py) in the order `module.forward` takes them: by name where
     its parameters are named like every feature (a tokenizer's input_ids,
     attention_mask and token_type_ids, in whatever order transformers' forward
     lists them), else in the data's order. Text columns (data.text) must go by
@@ -357,7 +357,7 @@ def forward_features(module, manifest) -> list:
             f"model.path: {type(module).__name__}.forward({', '.join(parameters)}) takes no {', '.join(missing)}, "
             f"which data.tokenizer gives for data.text; name its parameters {', '.join(names)} (any order)"
         )
-    return features
+    return list(features)
 
 
 def _kind_of(value) -> str:
