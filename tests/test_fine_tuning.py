@@ -26,6 +26,7 @@ from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.data.shards import ShardReader
+from ortflow.graphs.description import read_description
 from ortflow.reporting.summary import int4_line
 from ortflow.stages.prepare_data import split_rows
 from test_pretrained import bits
@@ -237,19 +238,19 @@ def test_bert_with_lora_through_every_stage(tmp_path):
     }
     result = run_snakemake(workdir, config)
     results = workdir / "results/lora"
-    info = Artifacts(results / "artifacts").description()
-    assert info["lora"]["targets"] == ["query", "value"]
+    info = read_description(Artifacts(results / "artifacts").model_json)
+    assert info.lora["targets"] == ["query", "value"]
     assert lora_trained(info) in (workdir / "logs/lora/build_artifacts.log").read_text()
     assert f"  trained   {lora_trained(info)}" in result.stdout + result.stderr
     metrics = json.loads((results / "train/metrics.json").read_text())  # what a sweep's comparison shows
-    assert (metrics["trainable_parameters"], metrics["parameters"]) == (info["trainable_parameters"], info["parameters"])
+    assert (metrics["trainable_parameters"], metrics["parameters"]) == (info.trainable_parameters, info.parameters)
     assert metrics["trainable_parameters"] < metrics["parameters"] / 10
 
     initial = read_ort_checkpoint(Artifacts(results / "artifacts").checkpoint)
     merged = read_ort_checkpoint(results / "checkpoint/checkpoint")
-    assert sorted(merged.optimizer_states) == sorted(info["trainable"])
-    assert all(bits(merged.parameters[name]) == bits(initial.parameters[name]) for name in info["frozen"])
-    assert all(bits(merged.parameters[name]) != bits(initial.parameters[name]) for name in info["trainable"])
+    assert sorted(merged.optimizer_states) == sorted(info.trainable)
+    assert all(bits(merged.parameters[name]) == bits(initial.parameters[name]) for name in info.frozen)
+    assert all(bits(merged.parameters[name]) != bits(initial.parameters[name]) for name in info.trainable)
 
     export = results / "export"
     names = [t.name for t in onnx.load(str(export / "model.onnx")).graph.initializer]

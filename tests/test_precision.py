@@ -18,6 +18,7 @@ from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.data.shards import ShardReader
 from ortflow.graphs import precision
+from ortflow.graphs.description import read_description
 from ortflow.training import preflight
 
 STEPS, BATCH, LR = 30, 8, 0.01
@@ -183,7 +184,7 @@ def test_the_exported_model_of_bf16_artifacts_is_float32_and_passes_exports_chec
 
     _, bf16, data, _ = built
     files, out = Artifacts(bf16), tmp_path / "model.onnx"
-    info, reader = files.description(), ShardReader(data / "eval", raw=True)
+    info, reader = read_description(files.model_json), ShardReader(data / "eval", raw=True)
     write_inference_model(files, files.checkpoint, info, out, out, reader, {})
     assert "BF16MatMul" not in {node.op_type for node in onnx.load(str(out)).graph.node}
     assert "ortflow" not in {opset.domain for opset in onnx.load(str(out)).opset_import}

@@ -1,17 +1,22 @@
-"""The files one stage writes and others read, as records (records.py): each read in one place,
-a missing or mistyped field refused in one line naming the file and the key, and written back as
-the same JSON."""
+"""The files one stage writes and others read, as records (records.py): a split's shard manifest
+(data/manifest.py) and the model description (graphs/description.py), each read in one place, a
+missing or mistyped field refused in one line naming the file and the key, and written back as the
+same JSON."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
+from conftest import model_description
 from ortflow import config as config_mod
 from ortflow.data.manifest import MANIFEST, Column, read_manifest, write_manifest
 from ortflow.data.sources import DataError
+from ortflow.errors import MissingInputError, ModelError
+from ortflow.graphs.description import read_description, write_description
 from ortflow.stages.prepare_data import prepare
 
 
@@ -63,3 +68,37 @@ def test_a_manifest_of_an_earlier_ortflow_without_the_later_fields_is_read(split
     """Runs prepared before data.standardize, string classes and data.tokenizer have none of their keys."""
     manifest = edited(split, tmp_path, lambda data: [data.pop(key) for key in ("standardize", "classes", "tokenizer")])
     assert (manifest.standardize, manifest.classes, manifest.tokenizer) == ({}, None, None)
+
+
+def test_the_model_description_is_written_as_before_and_a_missing_key_is_named(tmp_path):
+    """model.json: its keys in build_artifacts' order, the optional ones left out when absent; a
+    description missing or mistyping a field is refused naming the file and the key."""
+    path = tmp_path / "model.json"
+    write_description(path, model_description(lora={"r": 8}))
+    data = json.loads(path.read_text())
+    assert list(data)[:12] == ["kind", "task", "loss", "num_classes", "inputs", "label", "outputs", "parameters",
+                               "trainable_parameters", "trainable", "frozen", "embeddings"]
+    assert list(data)[12:] == ["flops_per_sample", "activation_bytes_per_sample", "eval_bytes_per_sample",
+                               "running_stats", "bf16_matmuls", "lora"]  # no recompute_blocks, no transformers
+    assert read_description(path) == model_description(lora={"r": 8})
+    for change, message in ((lambda d: d["outputs"].pop("logits"), "no 'outputs.logits'"),
+                            (lambda d: d.update(parameters=1.5), "'parameters' is 1.5, expected an integer"),
+                            (lambda d: d["inputs"][0].update(name=None), "'inputs\\[0\\].name' is null, expected a string")):
+        edited_data = json.loads(json.dumps(data))
+        change(edited_data)
+        path.write_text(json.dumps(edited_data))
+        with pytest.raises(ModelError, match=rf"^{path}: {message}; run the build_artifacts rule again$"):
+            read_description(path)
+    with pytest.raises(MissingInputError, match=rf"^{tmp_path / 'none.json'}: no model description"):
+        read_description(tmp_path / "none.json")
+
+
+def test_a_model_description_of_an_earlier_ortflow_reads_with_the_later_fields_absent(tmp_path):
+    data = json.loads(json.dumps(dataclasses.asdict(model_description())))
+    for key in ("embeddings", "eval_bytes_per_sample", "running_stats", "bf16_matmuls"):
+        del data[key]
+    del data["outputs"]["inference"]
+    (tmp_path / "model.json").write_text(json.dumps(data))
+    description = read_description(tmp_path / "model.json")
+    assert (description.embeddings, description.eval_bytes_per_sample, description.running_stats) == (None, 0, {})
+    assert description.inference_output == "logits"  # the logits', before the inference output was told apart

@@ -46,7 +46,12 @@ def build(cls: type[T], data: dict, path: Path, error: type[OrtflowError], remed
 
 def write(path: Path, record, sort_keys: bool = False) -> None:
     """`record` as indented JSON (its tuples as lists), ending in a newline."""
-    Path(path).write_text(json.dumps(dataclasses.asdict(record), indent=2, sort_keys=sort_keys) + "\n")
+    write_data(path, dataclasses.asdict(record), sort_keys)
+
+
+def write_data(path: Path, data: dict, sort_keys: bool = False) -> None:
+    """A record's `data` (dataclasses.asdict's, with what its writer leaves out) as `write` writes it."""
+    Path(path).write_text(json.dumps(data, indent=2, sort_keys=sort_keys) + "\n")
 
 
 def _value(kind, value, key: str):

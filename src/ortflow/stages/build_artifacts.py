@@ -36,8 +36,8 @@ Everything is written to `<out>.tmp` and renamed to `<out>` when complete (atomi
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import json
 import logging
 from pathlib import Path
 
@@ -48,6 +48,7 @@ from ..data.manifest import MANIFEST, read_manifest
 from ..errors import MissingInputError
 from ..graphs import pipeline, precision, recompute
 from ..graphs.describe import describe
+from ..graphs.description import ModelDescription, write_description
 from ..graphs.forward_model import base_model, check_interface
 from ..graphs.generate import drop_weights, generate
 from ..graphs.loss import resolve_loss
@@ -60,7 +61,7 @@ from ..reporting.results import lora_trained
 log = logging.getLogger("ortflow.build_artifacts")
 
 
-def build(config: Config, train_dir: Path, out: Path) -> dict:
+def build(config: Config, train_dir: Path, out: Path) -> ModelDescription:
     # Imported first here, where nothing large is alive: onnxruntime's first import keeps the
     # traceback of an ImportError it handles (ORTModule's missing torch extensions), and with it
     # every frame of the import's callers, which held the exported torch module (W) to the end.
@@ -100,23 +101,23 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
                 precision.apply(stage, config.train.precision)
         drop_weights(base)
         running_stats = batchnorm.adapt(tmp)
-        description = describe(base, manifest, loss, trainable, frozen, tmp, model.kind, logits, blocks) | {
-            "running_stats": running_stats,
-            # The multiplies rewritten to bfloat16 in each graph ({} at fp32; graphs/precision.py).
-            "bf16_matmuls": rewritten,
-        } | described
+        description = dataclasses.replace(
+            describe(base, manifest, loss, trainable, frozen, tmp, model.kind, logits, blocks),
+            running_stats=running_stats,
+            bf16_matmuls=rewritten,  # the multiplies rewritten to bfloat16 in each graph ({} at fp32; graphs/precision.py)
+            **described)
         # Last: what ONNX Runtime's step held (the weights, their gradients) stays partly in the
         # process, and the shape inferences of describe() would come on top of it.
         smoke_step(tmp, train_dir, manifest)
-        Artifacts(tmp).model_json.write_text(json.dumps(description, indent=2) + "\n")
+        write_description(Artifacts(tmp).model_json, description)
     log.info(
         "%d parameters (%d trainable), %d forward FLOPs per sample -> %s",
-        description["parameters"],
-        description["trainable_parameters"],
-        description["flops_per_sample"]["forward"],
+        description.parameters,
+        description.trainable_parameters,
+        description.flops_per_sample.forward,
         out,
     )
-    if "lora" in description:
+    if description.lora:
         log.info("%s", lora_trained(description))
     return description
 

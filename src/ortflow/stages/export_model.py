@@ -39,6 +39,7 @@ from ..errors import MissingInputError
 from ..export import checks, formats, metadata
 from ..export.writer import write_inference_model
 from ..generation.run_export import write_generation
+from ..graphs.description import read_description
 from ..inference import inference_output
 from ..models import save_trained
 from ..sessions import quiet_logging
@@ -54,7 +55,7 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
 
     quiet_logging()
     files = Artifacts(artifacts)
-    info = files.description()
+    info = read_description(files.model_json)
     meta_path = checkpoint_dir / "meta.json"
     if not meta_path.is_file():
         raise MissingInputError(f"{meta_path}: no merged checkpoint (run the merge_checkpoint rule first)")
@@ -65,7 +66,7 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
     batch = reader.gather(np.arange(min(checks.CHECK_RECORDS, len(reader))))
     # With LoRA, the torch module's adapters are merged into the inference model's weights; without,
     # the torch module is built once the ONNX checks' sessions are gone, so that the weights are held fewer times.
-    adapted = formats.trained_torch_module(config, info, reader.manifest, checkpoint_dir) if "lora" in info else None
+    adapted = formats.trained_torch_module(config, info, reader.manifest, checkpoint_dir) if info.lora else None
     with atomic.file(out) as tmp:
         write_inference_model(files, checkpoint_dir / "checkpoint", info, tmp, out, reader, props, adapted)
         # Standardized from the raw features as the exported model does it: both graphs see the same values.
@@ -81,9 +82,9 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
         formats.write_torch_formats(config, trained, info, reader.manifest,
                                     standardize.apply(few, reader.standardized), output, out.parent)
         metadata.copy_tokenizer(eval_dir, reader.manifest, out.parent)
-        write_generation(info.get("transformers", {}).get("task"), batch, out.parent, positions)
+        write_generation((info.transformers or {}).get("task"), batch, out.parent, positions)
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config.run.name, out,
-             external_data.model_bytes(out), [i["name"] for i in info["inputs"]], inference_output(info))
+             external_data.model_bytes(out), [i.name for i in info.inputs], inference_output(info))
     return props
 
 

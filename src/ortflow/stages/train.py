@@ -27,6 +27,7 @@ from pathlib import Path
 from .. import config as config_mod
 from ..artifacts import Artifacts
 from ..graphs import pipeline
+from ..graphs.description import read_description
 from ..launcher import launcher_env
 from ..training.attempt import append_to_log, end_attempt, lock_attempt, start_attempt
 from ..training.preflight import preflight, raise_if_problems
@@ -61,7 +62,7 @@ def run(args) -> int:
     model = Artifacts(args.artifacts)
     pipeline.check_stages(model, config.train.pipeline_stages)
     # Without model.json the ranks stop at once, naming the missing artifacts.
-    description = model.description() if model.model_json.is_file() else None
+    description = read_description(model.model_json) if model.model_json.is_file() else None
     raise_if_problems(preflight(config, args.mpi, folder.folder.parent, description, pipeline.held_by_stages(model)))
     append_to_log()
     lock = lock_attempt(folder)
