@@ -212,6 +212,8 @@ def test_summary_and_report_say_what_lora_trained(tmp_path):
     report's rows: the adapters, and the parameters trained against all."""
     run = tmp_path / "results" / "lora"
     (run / "artifacts").mkdir(parents=True)
+    # Before build_artifacts (the doctor target alone), no model.json: no line of it.
+    assert "  trained   " not in run_summary(run, **files_of(run), artifacts=run / "artifacts")
     description = model_description(parameters=4_400_000, trainable_parameters=294_912,
                                     lora={"r": 8, "alpha": 16, "dropout": 0.05, "targets": ["q_proj", "v_proj"]})
     write_description(run / "artifacts" / "model.json", description)

@@ -29,7 +29,9 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     `kind: transformers` model was fine-tuned from."""
     results, model, int8 = Path(results), Path(model), Path(int8)
     train, export = read_json(Path(train_metrics)), read_json(Path(export_metrics))
-    description = read_description(Artifacts(artifacts).model_json) if artifacts else None
+    model_json = Artifacts(artifacts).model_json if artifacts else None
+    # None where the targets stopped before build_artifacts (the doctor alone).
+    description = read_description(model_json) if model_json and model_json.is_file() else None
     lines = [f"ortflow: run {results.name} in {results}"]
     outputs = description.outputs if description else None
     lines += model_lines(description) if description else []

@@ -145,7 +145,7 @@ def write_tables(config: Config, train_metrics: Path, export_metrics: Path, benc
     import yaml
 
     train, export = read_json(train_metrics), read_json(export_metrics)
-    description = read_description(model_json) if model_json else None
+    description = read_description(model_json) if model_json and Path(model_json).is_file() else None
     classes = class_rows(train)
     per_class = ("<h3>Per class (eval split, last evaluation)</h3>"
                  + table(["class", "eval records", "accuracy", "precision", "recall", "F1"], classes)) if classes else ""
