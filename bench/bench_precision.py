@@ -64,7 +64,7 @@ def step_times(artifacts: Path, train_dir: Path, steps: int, batch: int) -> dict
     reader, times = ShardReader(train_dir), {"wall": [], "cpu": []}
     module.train()
     for step in range(steps):
-        feeds = reader.gather(np.arange(step * batch, (step + 1) * batch) % reader.manifest["records"])
+        feeds = reader.gather(np.arange(step * batch, (step + 1) * batch) % reader.manifest.records)
         start, start_cpu = time.perf_counter(), time.thread_time()
         module.lazy_reset_grad()
         module(*[feeds[name] for name in module.input_names()])

@@ -162,6 +162,30 @@ def run_on_ranks(folder: Path, code: str, ranks: int) -> subprocess.CompletedPro
     return result
 
 
+def shard_manifest(features: list[tuple[str, str, list[int]]], label: tuple[str, str, list[int]] = ("y", "int64", []),
+                   task: str = "classification", num_classes: int | None = 3, **fields):
+    """A split's manifest (data/manifest.py) with these columns, no shards and the other `fields`
+    given: what the model builders read of the data, without preparing any."""
+    from ortflow.data.manifest import FORMAT, Column, Manifest
+
+    return Manifest(format=FORMAT, split="train", records=0, record_bytes=0,
+                    features=tuple(Column(n, d, tuple(s)) for n, d, s in features), label=Column(*label[:2], tuple(label[2])),
+                    task=task, num_classes=num_classes, shards=(), source={}, **fields)
+
+
+def model_description(**fields):
+    """A model.json record (graphs/description.py) of a small classifier, with `fields` changed:
+    for the checks that read the description alone, without building artifacts."""
+    from ortflow.graphs.description import Flops, ModelDescription, Outputs, Tensor
+
+    return ModelDescription(**{
+        "kind": "mlp", "task": "classification", "loss": "cross_entropy", "num_classes": 3,
+        "inputs": (Tensor("x", "float32", ("batch", 4)),), "label": Tensor("y", "int64", ("batch",)),
+        "outputs": Outputs("loss", "logits", "logits"), "parameters": 15, "trainable_parameters": 15,
+        "trainable": ("weight", "bias"), "frozen": (), "embeddings": (), "flops_per_sample": Flops(24, 48),
+        "activation_bytes_per_sample": 64} | fields)
+
+
 def assert_identical(a, b) -> None:
     """Training states `a` and `b` (ort_format.TrainingState) are bit-identical: parameters,
     optimizer states, the optimizer's and the checkpoint's properties."""

@@ -3,7 +3,6 @@ models through config alone, rebuilds only on model changes, clear errors."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -18,6 +17,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from conftest import run_snakemake
 from ortflow import config as config_mod
+from ortflow.data.manifest import read_manifest
+from ortflow.graphs.description import Flops, Tensor, read_description
 from ortflow.stages.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.stages import build_artifacts
@@ -73,9 +74,9 @@ def test_graphs_match_pytorch(kind, data, tmp_path):
     train_dir = data["text" if kind == "gpt" else "digits"]
     out = tmp_path / "artifacts"
     description = build(train_dir, out, SMALL[kind])
-    manifest = json.loads((train_dir / "manifest.json").read_text())
+    manifest = read_manifest(train_dir)
     batch = batch_of(train_dir)
-    x, y = batch[description["inputs"][0]["name"]], batch[description["label"]["name"]]
+    x, y = batch[description.inputs[0].name], batch[description.label.name]
 
     state = api.CheckpointState.load_checkpoint(str(out / "checkpoint"))
     module = api.Module(str(out / "training_model.onnx"), state, str(out / "eval_model.onnx"))
@@ -88,7 +89,7 @@ def test_graphs_match_pytorch(kind, data, tmp_path):
     torch.manual_seed(999)
     reference = built_in(config(SMALL[kind], {"source": "text"} if kind == "gpt" else None).model, manifest, "cross_entropy")
     parameters = dict(reference.named_parameters())
-    assert sorted(parameters) == sorted(description["trainable"])
+    assert sorted(parameters) == sorted(description.trainable)
     with torch.no_grad():
         for name, parameter in parameters.items():
             parameter.copy_(torch.from_numpy(state.parameters[name].data))
@@ -142,17 +143,17 @@ def test_same_config_same_bytes_and_model_json(data, tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     assert not (tmp_path / "a.tmp").exists()
     # 64 -> 16 -> 8 -> 10: multiply-adds counted by hand.
-    assert first["flops_per_sample"] == {"forward": 2 * (64 * 16 + 16 * 8 + 8 * 10), "backward": 4 * (64 * 16 + 16 * 8 + 8 * 10)}
+    assert first.flops_per_sample == Flops(2 * (64 * 16 + 16 * 8 + 8 * 10), 4 * (64 * 16 + 16 * 8 + 8 * 10))
     # float32 outputs of the nodes: Flatten and Cast (64, 64), Gemm and ReLU (16, 16, 8, 8), Gemm and Reshape (10, 10).
-    assert first["activation_bytes_per_sample"] == 4 * (64 + 64 + 16 + 16 + 8 + 8 + 10 + 10)
+    assert first.activation_bytes_per_sample == 4 * (64 + 64 + 16 + 16 + 8 + 8 + 10 + 10)
     # An evaluation holds at most Flatten's and Cast's outputs at once (each is freed after the node
     # that reads it), then the logits once more for the loss.
-    assert first["eval_bytes_per_sample"] == 4 * (64 + 64) + 4 * 10
-    assert first["parameters"] == first["trainable_parameters"] == 64 * 16 + 16 + 16 * 8 + 8 + 8 * 10 + 10
-    assert first["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["batch", 64]}]
-    assert first["label"] == {"name": "y", "dtype": "int64", "shape": ["batch"]}
+    assert first.eval_bytes_per_sample == 4 * (64 + 64) + 4 * 10
+    assert first.parameters == first.trainable_parameters == 64 * 16 + 16 + 16 * 8 + 8 + 8 * 10 + 10
+    assert first.inputs == (Tensor("x", "float32", ("batch", 64)),)
+    assert first.label == Tensor("y", "int64", ("batch",))
     training = onnx.load(str(tmp_path / "a" / "training_model.onnx"))
-    assert [o.name for o in training.graph.output][:2] == [first["outputs"]["loss"], "logits"]
+    assert [o.name for o in training.graph.output][:2] == [first.outputs.loss, "logits"]
     assert other_seed_differs(data, tmp_path)
 
 
@@ -191,11 +192,11 @@ def test_user_onnx_model_through_the_rule(tmp_path):
     path = onnx_model(tmp_path / "user.onnx")
     settings = {"model": {"kind": "onnx", "path": str(path), "loss": "auto"}, "train": {"steps": 10}}
     run_snakemake(workdir, settings, "build_artifacts")
-    description = json.loads((workdir / "results/digits/artifacts/model.json").read_text())
-    assert description["kind"] == "onnx"
-    assert description["outputs"]["logits"] == "out"
-    assert description["trainable"] == ["weight"] and description["parameters"] == 640
-    assert description["flops_per_sample"]["forward"] == 2 * 640
+    description = read_description(workdir / "results/digits/artifacts/model.json")
+    assert description.kind == "onnx"
+    assert description.outputs.logits == "out"
+    assert list(description.trainable) == ["weight"] and description.parameters == 640
+    assert description.flops_per_sample.forward == 2 * 640
 
     train_only = {**settings, "train": {"steps": 99, "micro_batch_size": 7,
                                         "optimizer": {"lr": 0.5, "weight_decay": 0.5, "no_decay": ["bias"]}}}
@@ -227,11 +228,11 @@ def test_user_torch_module_through_the_rule(tmp_path, monkeypatch):
         "model": {"kind": "torch", "path": "artifacts_user_model:TinyNet", "kwargs": {"hidden": 5}, "frozen": ["body.bias"]}
     }
     run_snakemake(workdir, settings, "build_artifacts")
-    description = json.loads((workdir / "results/digits/artifacts/model.json").read_text())
-    assert description["trainable"] == ["body.weight", "head.weight", "head.bias"]
-    assert description["frozen"] == ["body.bias"]
-    assert description["parameters"] == 64 * 5 + 5 + 5 * 10 + 10
-    assert description["trainable_parameters"] == description["parameters"] - 5
+    description = read_description(workdir / "results/digits/artifacts/model.json")
+    assert list(description.trainable) == ["body.weight", "head.weight", "head.bias"]
+    assert list(description.frozen) == ["body.bias"]
+    assert description.parameters == 64 * 5 + 5 + 5 * 10 + 10
+    assert description.trainable_parameters == description.parameters - 5
 
     # The module's file is an input, found without importing it: an edit rebuilds the artifacts.
     module.write_text(module.read_text() + "\n# edited\n")
@@ -243,7 +244,7 @@ def test_ir_version_above_10_is_lowered_when_lossless(data, tmp_path, caplog):
     path = onnx_model(tmp_path / "ir11.onnx", ir_version=11)
     with caplog.at_level(logging.WARNING):
         description = build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(path)})
-    assert description["trainable"] == ["weight"]
+    assert list(description.trainable) == ["weight"]
     assert "IR version 11 lowered to 10" in caplog.text
     assert onnx.load(str(tmp_path / "out" / "inference_base.onnx")).ir_version == 10
 
@@ -282,7 +283,7 @@ def test_loss_that_does_not_fit_the_data(data, tmp_path):
         build(data["digits"], tmp_path / "out", {"kind": "mlp", "loss": "mse"})
     # Regression with the default loss builds and takes a step.
     description = build(data["regression"], tmp_path / "out", {"kind": "mlp", "hidden": [4]})
-    assert description["loss"] == "mse" and description["label"]["shape"] == ["batch"]
+    assert description.loss == "mse" and description.label.shape == ("batch",)
 
 
 def test_torch_path_must_name_a_module_class_and_nothing_is_called(data, tmp_path, monkeypatch):
@@ -312,7 +313,7 @@ def test_working_directory_is_importable_but_comes_last(data, tmp_path, monkeypa
     monkeypatch.setattr(sys, "path", list(sys.path))
     sys.modules.pop("tabulate", None)
     description = build(data["digits"], tmp_path / "out", {"kind": "torch", "path": "my_net:TinyNet"})
-    assert description["trainable"] == ["body.weight", "body.bias", "head.weight", "head.bias"]
+    assert list(description.trainable) == ["body.weight", "body.bias", "head.weight", "head.bias"]
     assert sys.path.index(str(tmp_path)) > sys.path.index(sysconfig.get_paths()["purelib"])
     import tabulate
 
@@ -414,7 +415,7 @@ def test_embedding_takes_int64_ids_from_the_shards(tmp_path, monkeypatch):
     prepare(config(data={"source": str(tmp_path / "ids.npz"), "features": ["ids"]}), tmp_path / "train", tmp_path / "eval")
     out = tmp_path / "out"
     description = build(tmp_path / "train", out, {"kind": "torch", "path": "artifacts_user_model:TokenBag"})
-    assert description["inputs"] == [{"name": "ids", "dtype": "int64", "shape": ["batch", 5]}]
+    assert description.inputs == (Tensor("ids", "int64", ("batch", 5)),)
     assert "Cast" not in {n.op_type for n in onnx.load(str(out / "inference_base.onnx")).graph.node}
 
     batch = batch_of(tmp_path / "train")
@@ -471,7 +472,7 @@ def test_fixed_batch_model_is_adapted_and_trains(data, tmp_path):
 
     original = onnx.load(str(fixed_batch_model(tmp_path / "fixed.onnx", mixing=False)))
     description = build(data["digits"], tmp_path / "out", {"kind": "onnx", "path": str(tmp_path / "fixed.onnx")})
-    assert sorted(description["trainable"]) == ["bias", "weight"]
+    assert sorted(description.trainable) == ["bias", "weight"]
     base = onnx.load(str(tmp_path / "out" / "inference_base.onnx"))
     assert [n.op_type for n in base.graph.node] == ["MatMul", "Add", "Add", "Reshape"]
     initializers = {t.name: numpy_helper.to_array(t) for t in base.graph.initializer}

@@ -127,11 +127,11 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
         cfg = replace(cfg, model=replace(cfg.model, kind="onnx", path=str(tmp_path / "user.onnx"), kwargs={}))
     artifacts, out = tmp_path / "artifacts", tmp_path / "train"
     description = build_artifacts.build(cfg, digits / "train", artifacts)
-    assert len(description["running_stats"]) == {"BatchNormCNN": 6, "BatchNormMLP": 2}[model]
+    assert len(description.running_stats) == {"BatchNormCNN": 6, "BatchNormMLP": 2}[model]
     Trainer(cfg, digits / "train", digits / "eval", Artifacts(artifacts), TrainFolder(out), StopRequest()).run()
 
     initial = reader.load_parameters_file(artifacts / "checkpoint")
-    for name in description["running_stats"].values():  # not moved by the export
+    for name in description.running_stats.values():  # not moved by the export
         expected = statistics[name] if statistics else (1.0 if name.endswith("running_var") else 0.0)
         assert (initial[name] == expected).all(), (name, initial[name])
     reference, torch_losses = torch_training(config(model, accumulate), initial, ShardReader(digits / "train"))
@@ -142,7 +142,7 @@ def test_short_training_equals_pytorch(model, accumulate, kind, digits, tmp_path
     assert sorted(final) == sorted(expected)
     for name, value in expected.items():
         np.testing.assert_allclose(final[name].reshape(value.shape), value, rtol=0, atol=STATE_ATOL, err_msg=name)
-    for name in description["running_stats"].values():  # the statistics moved from their init (0 and 1)
+    for name in description.running_stats.values():  # the statistics moved from their init (0 and 1)
         assert np.abs(final[name] - initial[name]).max() > 0.05, name
 
     # The export (written from the eval graph, checked against it by export_model.export) is
@@ -219,8 +219,8 @@ def test_equal_fresh_parameters_train_apart(eval_only, digits, tmp_path, monkeyp
     with caplog.at_level("WARNING", logger="ortflow.build_artifacts"):
         description = build_artifacts.build(config("TwinBatchNorms", eval_only=eval_only), digits / "train", tmp_path)
     module = batchnorm_models.TwinBatchNorms()
-    assert description["trainable"] == [name for name, _ in module.named_parameters()]
-    assert sorted(description["running_stats"].values()) == [f"{side}_norm.running_{s}" for side in ("left", "right")
+    assert list(description.trainable) == [name for name, _ in module.named_parameters()]
+    assert sorted(description.running_stats.values()) == [f"{side}_norm.running_{s}" for side in ("left", "right")
                                                              for s in ("mean", "var")]
     base = onnx.load(str(tmp_path / "inference_base.onnx"))
     assert sorted(t.name for t in base.graph.initializer) == sorted(

@@ -16,9 +16,10 @@ import onnx
 import pytest
 from onnxruntime.training.api import CheckpointState
 
-from conftest import run_snakemake
+from conftest import run_snakemake, shard_manifest
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
+from ortflow.graphs.description import read_description
 from ortflow.models import user
 
 pytestmark = pytest.mark.e2e
@@ -189,9 +190,9 @@ def test_model_zoo_squeezenet_converted_to_opset_16_keeps_ir_3_and_trains_on_a_f
     run_snakemake(workdir, config)
     build_log = (workdir / "logs/zoo16/build_artifacts.log").read_text()
     assert "squeezenet16.onnx: IR version 3 raised to 8 (what ONNX opset 16 needs)" in build_log
-    description = json.loads((workdir / "results/zoo16/artifacts/model.json").read_text())
-    logits = description["outputs"]["logits"]
-    assert description["outputs"]["inference"] == "softmaxout_1" and logits != "softmaxout_1"
+    description = read_description(workdir / "results/zoo16/artifacts/model.json")
+    logits = description.outputs.logits
+    assert description.outputs.inference == "softmaxout_1" and logits != "softmaxout_1"
     assert (f"the model's output 'softmaxout_1' comes from Softmax node 'n65', so it is probabilities: model.loss "
             f"cross_entropy is computed on the Softmax's input '{logits}' (its logits), and the exported model "
             "keeps the Softmax") in build_log
@@ -423,8 +424,7 @@ def test_a_loss_that_fails_on_the_shapes_at_run_time_names_both_and_onnx_runtime
         "onnxruntime::contrib::VerifyLogitWeightAndLabelShape(const onnxruntime::TensorShape&, const "
         "onnxruntime::TensorShape&, const onnxruntime::TensorShape*) logit_shape.NumDimensions() == label_dims + 1 "
         "was false. logit_shape must be (1 + label_shape)")
-    manifest = {"label": {"name": "y", "dtype": "int64", "shape": []}}
-    error = smoke_step_error(RuntimeError(ort_text), batch, manifest, tmp_path / "linear.onnx")
+    error = smoke_step_error(RuntimeError(ort_text), batch, shard_manifest([("x", "float32", [3])]), tmp_path / "linear.onnx")
     assert str(error) == (
         "the model's output is [4, 3, 10] and the data's label 'y' is [4] on a batch of 4 records, which model.loss "
         "cannot take (logit_shape.NumDimensions() == label_dims + 1 was false. logit_shape must be (1 + label_shape)); "

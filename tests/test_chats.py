@@ -19,6 +19,7 @@ from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.data import examples
+from ortflow.data.manifest import Manifest, read_manifest
 from ortflow.data.shards import ShardReader
 from ortflow.errors import DataError
 from ortflow.generation.samples import SAMPLES
@@ -41,12 +42,12 @@ def write_jsonl(path: Path, rows: list) -> Path:
     return path
 
 
-def prepared(tmp_path: Path, **data) -> tuple[dict, dict, dict]:
+def prepared(tmp_path: Path, **data) -> tuple[dict, dict, Manifest]:
     """(the train split's records, the eval split's, the train manifest) of the data config `data`."""
     config = config_mod.load(overrides={"data": {"context": CONTEXT, "shards": 1, **data}})
     prepare(config, tmp_path / "data/train", tmp_path / "data/eval")
     readers = [ShardReader(tmp_path / "data" / split) for split in ("train", "eval")]
-    manifest = json.loads((tmp_path / "data/train/manifest.json").read_text())
+    manifest = read_manifest(tmp_path / "data/train")
     return *(reader.gather(np.arange(len(reader))) for reader in readers), manifest
 
 
@@ -75,7 +76,7 @@ def test_chat_is_apply_chat_template_with_the_loss_on_the_assistant_turns(templa
     assert (train["attention_mask"].sum(axis=1) == len(ids[ids != CHAT_WORDS.index("<pad>")])).all()
     in_loss = [CHAT_WORDS[i] for i in labels if i != IGNORE_INDEX]
     assert in_loss == ["fine", "thanks", "</s>", "four", "</s>"]
-    assert manifest["source"]["examples"] == {"examples": 5, "truncated": 0, "dropped": 0, "loss_tokens": 25,
+    assert manifest.source["examples"] == {"examples": 5, "truncated": 0, "dropped": 0, "loss_tokens": 25,
                                               "splits": {"all": 5}}
 
 
@@ -138,7 +139,7 @@ def test_a_datasets_folder_keeps_its_splits(tmp_path):
     train, evaluation, manifest = prepared(tmp_path, source=str(tmp_path / "hub"), tokenizer=str(folder))
     assert len(train["y"]) == 6 and len(evaluation["y"]) == 2
     assert [CHAT_WORDS[i] for i in evaluation["y"][0] if i != IGNORE_INDEX] == ["fine", "thanks", "</s>"]
-    assert manifest["source"]["examples"]["splits"] == {"train": 6, "eval": 2}
+    assert manifest.source["examples"]["splits"] == {"train": 6, "eval": 2}
     # Snakemake's inputs of prepare_data (workflow/rules/common.smk): editing a split reruns it
     assert {Path(file).parent.name for file in examples.source_files(str(tmp_path / "hub"))
             if file.endswith(".arrow")} == {"train", "validation"}
@@ -189,10 +190,10 @@ def test_too_long_examples_are_truncated_or_dropped_and_counted(tmp_path):
     rows = [{"messages": CHAT}] * 4 + [{"messages": CHAT[1:3]}] * 4  # 18 and 8 tokens
     source = write_jsonl(tmp_path / "chats.jsonl", rows)
     train, evaluation, manifest = prepared(tmp_path / "cut", source=str(source), tokenizer=str(folder), context=12)
-    assert manifest["source"]["examples"]["truncated"] == 4 and len(train["y"]) + len(evaluation["y"]) == 8
+    assert manifest.source["examples"]["truncated"] == 4 and len(train["y"]) + len(evaluation["y"]) == 8
     _, _, manifest = prepared(tmp_path / "drop", source=str(source), tokenizer=str(folder), context=12,
                               too_long="drop", eval_fraction=0.5)
-    assert manifest["source"]["examples"] | {"splits": None} == {"examples": 4, "truncated": 0, "dropped": 4,
+    assert manifest.source["examples"] | {"splits": None} == {"examples": 4, "truncated": 0, "dropped": 4,
                                                                 "loss_tokens": 12, "splits": None}
 
 
@@ -286,7 +287,7 @@ def test_a_tiny_chat_model_trains_on_the_assistant_turns_as_torch_does_and_expor
     initial = dict(read_ort_checkpoint(artifacts.checkpoint).parameters)
     losses = train_in_ort(artifacts, config, train_dir, tmp_path / "checkpoint")
     trained = dict(read_ort_checkpoint(tmp_path / "checkpoint/checkpoint").parameters)
-    manifest = json.loads((train_dir / "manifest.json").read_text())
+    manifest = read_manifest(train_dir)
     torch_losses, torch_trained = train_like_ortflow(torch_twin(config, manifest, initial), config, train_dir)
     worst = differences(trained, torch_trained)
     assert largest(losses, torch_losses) <= LOSS_TOLERANCE * max(1.0, *torch_losses), (losses, torch_losses)

@@ -14,6 +14,7 @@ import pytest
 from conftest import run_snakemake
 from ortflow import config as config_mod
 from ortflow.stages.prepare_data import prepare
+from ortflow.data.manifest import Column, read_manifest
 from ortflow.data.shards import MANIFEST, ShardReader
 from ortflow.data.sources import DataError
 
@@ -43,19 +44,19 @@ def id_npz(path: Path, n: int) -> Path:
 def test_default_config_through_snakemake(workdir, tmp_path):
     run_snakemake(workdir, {}, "prepare_data")
     data = workdir / "results" / "digits" / "data"
-    manifests = {split: json.loads((data / split / MANIFEST).read_text()) for split in ("train", "eval")}
-    assert manifests["eval"]["records"] == round(1797 * 0.2) == 359
-    assert manifests["train"]["records"] == 1797 - 359
+    manifests = {split: read_manifest(data / split) for split in ("train", "eval")}
+    assert manifests["eval"].records == round(1797 * 0.2) == 359
+    assert manifests["train"].records == 1797 - 359
     for split, manifest in manifests.items():
-        assert manifest["features"] == [{"name": "x", "dtype": "float32", "shape": [64]}]
-        assert manifest["label"] == {"name": "y", "dtype": "int64", "shape": []}
-        assert (manifest["task"], manifest["num_classes"], manifest["record_bytes"]) == ("classification", 10, 264)
-        assert len(manifest["shards"]) == 2
-        assert sum(s["records"] for s in manifest["shards"]) == manifest["records"]
-        for shard in manifest["shards"]:
-            content = (data / split / shard["file"]).read_bytes()
-            assert len(content) == shard["records"] * 264
-            assert hashlib.sha256(content).hexdigest() == shard["sha256"]
+        assert manifest.features == (Column("x", "float32", (64,)),)
+        assert manifest.label == Column("y", "int64", ())
+        assert (manifest.task, manifest.num_classes, manifest.record_bytes) == ("classification", 10, 264)
+        assert len(manifest.shards) == 2
+        assert sum(s.records for s in manifest.shards) == manifest.records
+        for shard in manifest.shards:
+            content = (data / split / shard.file).read_bytes()
+            assert len(content) == shard.records * 264
+            assert hashlib.sha256(content).hexdigest() == shard.sha256
     assert "train: 1438 records in 2 shards" in (workdir / "logs" / "digits" / "prepare_data.log").read_text()
 
     # Together the splits hold every digit once: the split loses and invents nothing.
@@ -92,8 +93,8 @@ def test_user_csv_through_snakemake(workdir):
     data = workdir / "results" / "csv" / "data"
     train, eval_ = ShardReader(data / "train"), ShardReader(data / "eval")
     assert (len(train), len(eval_), len(train.shards)) == (160, 40, 3)
-    assert train.manifest["features"] == [{"name": "x", "dtype": "float32", "shape": [3]}]
-    assert (train.label_name, train.manifest["task"], train.manifest["num_classes"]) == ("target", "classification", 4)
+    assert train.manifest.features == (Column("x", "float32", (3,)),)
+    assert (train.label_name, train.manifest.task, train.manifest.num_classes) == ("target", "classification", 4)
     batch = train.gather(np.arange(len(train)))
     assert_rows_of(np.column_stack([batch["x"], batch["target"]]), frame[["a", "b", "c", "target"]])
 
@@ -115,12 +116,12 @@ def test_user_npz_through_snakemake(workdir):
     config = {"run": {"name": "npz"}, "data": {"source": "arrays.npz", "features": ["image", "extra"], "label": "target"}}
     run_snakemake(workdir, config, "prepare_data")
     reader = ShardReader(workdir / "results" / "npz" / "data" / "train")
-    assert reader.manifest["features"] == [
+    assert reader.manifest.features == [
         {"name": "image", "dtype": "float32", "shape": [4, 4]},
         {"name": "extra", "dtype": "int64", "shape": [2]},
     ]
-    assert reader.manifest["label"] == {"name": "target", "dtype": "float32", "shape": []}
-    assert (len(reader), reader.manifest["task"]) == (96, "regression")
+    assert reader.manifest.label == Column("target", "float32", ())
+    assert (len(reader), reader.manifest.task) == (96, "regression")
     batch = reader.gather(np.arange(len(reader)))
     # Each record keeps its arrays together: the label is still the sum of its image.
     assert np.allclose(batch["image"].sum(axis=(1, 2)), batch["target"], atol=1e-5)
@@ -149,7 +150,7 @@ def test_npz_with_string_labels_through_snakemake(workdir):
     classes = ["even", "odd", "évén"]
     for split in ("train", "eval"):
         manifest = ShardReader(results / "data" / split).manifest
-        assert (manifest["task"], manifest["classes"], manifest["num_classes"]) == ("classification", classes, 3)
+        assert (manifest.task, list(manifest.classes), manifest.num_classes) == ("classification", classes, 3)
     per_class = json.loads((results / "train/metrics.json").read_text())["eval"]["per_class"]
     assert list(per_class) == classes and sum(c["count"] for c in per_class.values()) == 40
     summary = (results / "report/summary.html").read_text()
@@ -166,15 +167,15 @@ def test_hdf5_and_parquet(tmp_path):
         h5["group/labels"] = rng.integers(0, 2, 50)
     train, _ = prepare_into(tmp_path / "h5", make_config(source=str(tmp_path / "data.h5"), label="group/labels"))
     reader = ShardReader(train)
-    assert (len(reader), reader.feature_names, reader.manifest["features"][0]["shape"]) == (40, ["x"], [3, 2])
-    assert reader.manifest["num_classes"] == 2
+    assert (len(reader), reader.feature_names, reader.manifest.features[0].shape) == (40, ["x"], (3, 2))
+    assert reader.manifest.num_classes == 2
 
     frame = pd.DataFrame({"u": rng.normal(size=30), "v": rng.normal(size=30), "w": rng.normal(size=30)})
     frame.to_parquet(tmp_path / "data.parquet")
     config = make_config(source=str(tmp_path / "data.parquet"), features=["u", "v"], label="w", eval_fraction=0.5)
     train, eval_ = prepare_into(tmp_path / "pq", config)
     reader = ShardReader(eval_)
-    assert (len(reader), reader.manifest["task"], reader.manifest["features"][0]["shape"]) == (15, "regression", [2])
+    assert (len(reader), reader.manifest.task, reader.manifest.features[0].shape) == (15, "regression", (2,))
     batch = reader.gather(np.arange(15))
     assert_rows_of(np.column_stack([batch["x"], batch["w"]]), frame)
 
@@ -204,7 +205,7 @@ def test_string_labels_in_npz_and_hdf5_are_classes_as_in_csv(tmp_path):
 
     def prepared(name: str) -> tuple[dict, dict]:
         train, eval_ = prepare_into(tmp_path / "out" / name, make_config(source=str(tmp_path / name), label="parity"))
-        manifest = json.loads((train / MANIFEST).read_text())
+        manifest = json.loads((train / MANIFEST).read_text())  # as written, byte for byte the same but the source
         assert manifest["source"]["data"].pop("source") == str(tmp_path / name)
         return manifest, {f"{split.name}/{shard.name}": shard.read_bytes() for split in (train, eval_)
                           for shard in sorted(split.glob("*.bin"))}
@@ -257,7 +258,7 @@ def test_integer_features_stay_integer(tmp_path):
     for i, (source, features, dtypes) in enumerate(cases):
         train, _ = prepare_into(tmp_path / str(i), make_config(source=str(tmp_path / source), features=features))
         reader = ShardReader(train)
-        assert [f["dtype"] for f in reader.manifest["features"]] == dtypes, source
+        assert [f.dtype for f in reader.manifest.features] == dtypes, source
         first = reader.feature_names[0]
         batch = reader.gather(np.arange(len(reader)))
         assert batch[first].dtype == np.dtype(dtypes[0])
@@ -269,7 +270,7 @@ def test_text_sources(tmp_path):
     (tmp_path / "corpus.txt").write_text("hello, shards! " * 40)
     train, eval_ = prepare_into(tmp_path / "txt", make_config(source=str(tmp_path / "corpus.txt"), context=16))
     reader = ShardReader(train)
-    assert reader.manifest["task"] == "language_model" and reader.manifest["num_classes"] == 256
+    assert reader.manifest.task == "language_model" and reader.manifest.num_classes == 256
     assert len(reader) + len(ShardReader(eval_)) == (600 - 1) // 16
     batch = reader.gather(np.arange(len(reader)))
     assert batch["x"].shape == batch["y"].shape == (len(reader), 16)

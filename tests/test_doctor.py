@@ -12,8 +12,9 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from conftest import run_snakemake
+from conftest import model_description, run_snakemake
 from ortflow import config, cuda_libraries, machine
+from ortflow.graphs.description import write_description
 from ortflow.training import preflight
 
 REQUIRED = [
@@ -171,7 +172,7 @@ def test_cuda_library_check_agrees_with_ldd():
 
 
 # GPT-2 at the GPT2Config defaults, as model.json describes it (activations made up: 1 GiB a sample).
-GPT2_124M = {"parameters": 124_439_808, "trainable_parameters": 124_439_808, "activation_bytes_per_sample": 2**30}
+GPT2_124M = model_description(parameters=124_439_808, trainable_parameters=124_439_808, activation_bytes_per_sample=2**30)
 
 
 def rank_bytes(train, world_size: int, micro: int) -> float:
@@ -192,7 +193,7 @@ def test_a_model_that_does_not_fit_memory_is_refused_with_the_estimate_and_what_
 
 
 def test_zero_1_is_offered_when_sharding_the_moments_makes_the_model_fit(monkeypatch):
-    small = {**GPT2_124M, "activation_bytes_per_sample": 2**20}
+    small = replace(GPT2_124M, activation_bytes_per_sample=2**20)
     train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4}}).train
     sharded = sum(preflight.memory_estimate(small, replace(train, zero=1), 2, 4).values())
     monkeypatch.setenv(machine.MEMORY_ENV, str(int(2 * sharded)))
@@ -205,9 +206,9 @@ def test_zero_1_is_offered_when_sharding_the_moments_makes_the_model_fit(monkeyp
 
 def test_recompute_is_offered_with_the_activations_it_saves(monkeypatch):
     """model.json of a model built without train.recompute says what `blocks` would keep."""
-    model = {**GPT2_124M, "activation_bytes_per_sample_recompute_blocks": 2**28}
+    model = replace(GPT2_124M, activation_bytes_per_sample_recompute_blocks=2**28)
     train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4}}).train
-    recomputed = {**model, "activation_bytes_per_sample": 2**28}
+    recomputed = replace(model, activation_bytes_per_sample=2**28)
     room = 2 * sum(preflight.memory_estimate(recomputed, train, 2, 4).values())
     monkeypatch.setenv(machine.MEMORY_ENV, str(int(room)))
     check = preflight.check_memory(model, train)
@@ -222,7 +223,7 @@ def test_an_evaluation_batch_that_does_not_fit_is_refused_naming_train_eval_batc
     """GPT-2 124M's evaluation at the default train.eval_batch_size (256 sequences of 128 tokens)
     holds the logits over its 50,257-token vocabulary twice (model.json's eval_bytes_per_sample,
     as build_artifacts counts it): 18.4 GiB a rank, where a training step holds far less."""
-    model = {**GPT2_124M, "activation_bytes_per_sample": 2**29, "eval_bytes_per_sample": 77_194_752}
+    model = replace(GPT2_124M, activation_bytes_per_sample=2**29, eval_bytes_per_sample=77_194_752)
     train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4}}).train
     assert train.eval_batch_size == 256
     room = 2 * sum(preflight.memory_estimate(model, replace(train, eval_batch_size=64), 2, 4).values())
@@ -250,8 +251,8 @@ def test_with_pipeline_stages_a_rank_holds_its_stages_share():
     held by the first and the last stage): its rank holds 70% of the weights, gradients, moments
     and a micro-batch's activations of a rank of the unpipelined model, the same runtime, and
     under train.zero 1 half of those moments (its stage's 2 copies)."""
-    held = [int(0.45 * GPT2_124M["parameters"]), int(0.7 * GPT2_124M["parameters"])]
-    assert preflight.largest_stage(GPT2_124M, 2, held) == (1, held[1] / GPT2_124M["parameters"])
+    held = [int(0.45 * GPT2_124M.parameters), int(0.7 * GPT2_124M.parameters)]
+    assert preflight.largest_stage(GPT2_124M, 2, held) == (1, held[1] / GPT2_124M.parameters)
     assert preflight.largest_stage(GPT2_124M, 4) == (None, 0.25)  # no cut yet: a balanced one
     assert preflight.largest_stage(GPT2_124M, 4, held) == (None, 0.25)  # a cut into another number of stages
     assert preflight.largest_stage(GPT2_124M, 1, held) == (0, 1.0)
@@ -271,7 +272,7 @@ def test_the_memory_check_names_the_largest_stage_and_suggests_two_stages(monkey
     """A run of 2 ranks that does not fit at 1 stage but fits at 2 is told to cut it into 2
     (with twice the micro-batches, the same global batch); at 2 stages the check passes, naming
     the stage its estimate is of: from the cut where it is built, else of a balanced cut."""
-    small = {**GPT2_124M, "activation_bytes_per_sample": 2**20}
+    small = replace(GPT2_124M, activation_bytes_per_sample=2**20)
     train = config.load(overrides={"train": {"world_size": 2, "micro_batch_size": 4, "optimizer": {"name": "sgd"}},
                                    }).train
     staged = replace(train, pipeline_stages=2, grad_accum_steps=2)
@@ -286,7 +287,7 @@ def test_the_memory_check_names_the_largest_stage_and_suggests_two_stages(monkey
     assert check.detail.startswith(f"2 rank(s) x about {machine.gib(half)} (the rank of one of 2 stages of a "
                                    "balanced cut: 50% of the model's parameters; weights 0.5 GiB, ")
     assert machine.gib(half) == "2.0 GiB"
-    held = [int(0.4 * small["parameters"]), int(0.7 * small["parameters"])]
+    held = [int(0.4 * small.parameters), int(0.7 * small.parameters)]
     check = preflight.check_memory(small, staged, held=held)
     assert check.status == preflight.FAIL  # the cut's larger stage does not fit where half the model did
     assert "(the rank of stage 1, the largest of 2: 70% of the model's parameters; weights 0.6 GiB, " in check.detail
@@ -296,7 +297,7 @@ def test_train_refuses_before_any_rank_starts(tmp_path):
     """The launcher's preflight reads model.json: one message, no rank, no training folder."""
     artifacts = tmp_path / "artifacts"
     artifacts.mkdir()
-    (artifacts / "model.json").write_text(json.dumps(GPT2_124M))
+    write_description(artifacts / "model.json", GPT2_124M)
     env = dict(os.environ, **{machine.MEMORY_ENV: str(2**30)})
     result = subprocess.run(
         [sys.executable, "-m", "ortflow.cli", "train", "--config-json", json.dumps({"train": {"micro_batch_size": 4}}),
@@ -312,7 +313,7 @@ def test_train_refuses_before_any_rank_starts(tmp_path):
 def test_checkpoints_larger_than_the_free_disk_are_named(tmp_path):
     train = config.load(overrides={}).train
     free = shutil.disk_usage(tmp_path).free
-    huge = {**GPT2_124M, "parameters": free, "trainable_parameters": free}
+    huge = replace(GPT2_124M, parameters=free, trainable_parameters=free)
     check = preflight.check_checkpoint_disk(huge, train, tmp_path / "results")
     assert check.status == preflight.FAIL
     assert check.detail.startswith("the checkpoints do not fit: 4 checkpoints (train.keep_checkpoints 2, the best, "
@@ -330,7 +331,7 @@ def test_doctor_checks_the_built_model_or_says_to_build_it(tmp_path, monkeypatch
     missing = model_checks(Namespace(artifacts=tmp_path), cfg, 2)
     assert [(c.name, c.status) for c in missing] == [("memory", "skip"), ("checkpoint disk", "skip")]
     assert "build the artifacts first: snakemake build_artifacts" in missing[0].detail
-    (tmp_path / "model.json").write_text(json.dumps(GPT2_124M))
+    write_description(tmp_path / "model.json", GPT2_124M)
     monkeypatch.setenv(machine.MEMORY_ENV, str(2**30))
     memory, disk = model_checks(Namespace(artifacts=tmp_path), cfg, 2)
     assert memory.status == preflight.FAIL and memory.detail.startswith("the model does not fit: 2 rank(s)")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import gate_judged, run_snakemake
+from conftest import gate_judged, model_description, run_snakemake
 from ortflow import config as config_mod
 from ortflow.data.shards import ShardReader
 
@@ -314,7 +314,7 @@ def test_inference_graph_is_what_onnx_runtimes_export_writes(kind, tmp_path):
     model = {"kind": "gpt", "layers": 2, "heads": 2, "width": 32} if kind == "gpt" else {"kind": "cnn"}
     artifacts = tmp_path / "artifacts"
     info = build(tmp_path / "train", artifacts, model)
-    output = info["outputs"]["logits"]
+    output = info.outputs.logits
     module = Module(str(artifacts / "training_model.onnx"), CheckpointState.load_checkpoint(str(artifacts / "checkpoint")),
                     str(artifacts / "eval_model.onnx"))
     with contextlib.chdir(tmp_path):
@@ -535,15 +535,15 @@ def test_latency_is_timed_at_a_batch_whose_activations_fit(monkeypatch, caplog):
 
     monkeypatch.setenv("ORTFLOW_MEMORY_AVAILABLE", str(4 * 10**9))
     with caplog.at_level("INFO", logger="ortflow.quantize"):
-        assert latency_batches({"eval_bytes_per_sample": 100 * 10**6}, sessions=2) == (1, 10)
+        assert latency_batches(model_description(eval_bytes_per_sample=100 * 10**6), sessions=2) == (1, 10)
     assert "latency timed at batch 1 and 10, not 64: 2 session(s) of 100 MB a record in half the 3.7 GiB " \
            "available (ORTFLOW_MEMORY_AVAILABLE)" in caplog.text
-    assert latency_batches({"eval_bytes_per_sample": 100 * 10**6}, sessions=1) == (1, 20)
+    assert latency_batches(model_description(eval_bytes_per_sample=100 * 10**6), sessions=1) == (1, 20)
     with caplog.at_level("INFO", logger="ortflow.quantize"):
-        assert latency_batches({"eval_bytes_per_sample": 10**9}, sessions=2) == (1,)  # not batch 1 twice
+        assert latency_batches(model_description(eval_bytes_per_sample=10**9), sessions=2) == (1,)  # not batch 1 twice
     assert "latency timed at batch 1 alone, not 64" in caplog.text
-    assert latency_batches({"eval_bytes_per_sample": 1000}, sessions=2) == (1, 64)
-    assert latency_batches({}, sessions=2) == (1, 64)  # artifacts from before evaluations were counted
+    assert latency_batches(model_description(eval_bytes_per_sample=1000), sessions=2) == (1, 64)
+    assert latency_batches(model_description(), sessions=2) == (1, 64)  # artifacts from before evaluations were counted
     export = {"quantize": "dynamic",
               "fp32": {"accuracy": 0.9, "latency_ms": {"b1_p50": 1.0, "b1_p95": 1.0, "b10_p50": 9.0, "b10_p95": 9.0}},
               "int8": {"accuracy": 0.9, "latency_ms": {"b1_p50": 1.0, "b1_p95": 1.0, "b10_p50": 3.0, "b10_p95": 3.0}}}

@@ -26,6 +26,7 @@ from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.data.shards import ShardReader
+from ortflow.graphs.description import read_description
 from ortflow.reporting.summary import int4_line
 from ortflow.stages.prepare_data import split_rows
 from test_pretrained import bits
@@ -97,7 +98,7 @@ def test_gpt2_from_save_pretrained_on_text_with_a_bpe_tokenizer(tmp_path, capsys
 
     assert_initial_is_the_folders(results / "artifacts", folder, "model.", [])
     manifest = ShardReader(results / "data/train").manifest
-    assert (manifest["num_classes"], manifest["tokenizer"]["eos_token"]) == (vocab, "<|endoftext|>")
+    assert (manifest.num_classes, manifest.tokenizer["eos_token"]) == (vocab, "<|endoftext|>")
     assert (f"data.tokenizer tokenizer.json has a vocabulary of {vocab} token ids, the model's embedding "
             f"'model.transformer.wte.weight' (which looks up 'x') {vocab} rows: they match") in \
         (workdir / "logs/gpt2/build_artifacts.log").read_text()
@@ -219,8 +220,8 @@ def test_bert_under_a_new_head_on_jsonl_texts_with_string_labels(tmp_path):
     assert_initial_is_the_folders(results / "artifacts", folder, "model.bert.",
                                   ["model.classifier.weight", "model.classifier.bias"])
     manifest = ShardReader(results / "data/train").manifest
-    assert (manifest["classes"], manifest["num_classes"]) == (classes, 3)
-    assert [f["name"] for f in manifest["features"]] == ["input_ids", "attention_mask", "token_type_ids"]
+    assert (list(manifest.classes), manifest.num_classes) == (classes, 3)
+    assert [f.name for f in manifest.features] == ["input_ids", "attention_mask", "token_type_ids"]
     log = (workdir / "logs/bert/build_artifacts.log").read_text()
     assert (f"data.tokenizer {folder} has a vocabulary of {vocab} token ids, the model's embedding "
             f"'model.bert.embeddings.word_embeddings.weight' (which looks up 'input_ids') {vocab} rows: they match") \
@@ -266,19 +267,19 @@ def test_bert_with_lora_through_every_stage(tmp_path):
     }
     result = run_snakemake(workdir, config)
     results = workdir / "results/lora"
-    info = Artifacts(results / "artifacts").description()
-    assert info["lora"]["targets"] == ["query", "value"]
+    info = read_description(Artifacts(results / "artifacts").model_json)
+    assert info.lora["targets"] == ["query", "value"]
     assert lora_trained(info) in (workdir / "logs/lora/build_artifacts.log").read_text()
     assert f"  trained   {lora_trained(info)}" in result.stdout + result.stderr
     metrics = json.loads((results / "train/metrics.json").read_text())  # what a sweep's comparison shows
-    assert (metrics["trainable_parameters"], metrics["parameters"]) == (info["trainable_parameters"], info["parameters"])
+    assert (metrics["trainable_parameters"], metrics["parameters"]) == (info.trainable_parameters, info.parameters)
     assert metrics["trainable_parameters"] < metrics["parameters"] / 10
 
     initial = read_ort_checkpoint(Artifacts(results / "artifacts").checkpoint)
     merged = read_ort_checkpoint(results / "checkpoint/checkpoint")
-    assert sorted(merged.optimizer_states) == sorted(info["trainable"])
-    assert all(bits(merged.parameters[name]) == bits(initial.parameters[name]) for name in info["frozen"])
-    assert all(bits(merged.parameters[name]) != bits(initial.parameters[name]) for name in info["trainable"])
+    assert sorted(merged.optimizer_states) == sorted(info.trainable)
+    assert all(bits(merged.parameters[name]) == bits(initial.parameters[name]) for name in info.frozen)
+    assert all(bits(merged.parameters[name]) != bits(initial.parameters[name]) for name in info.trainable)
 
     export = results / "export"
     names = [t.name for t in onnx.load(str(export / "model.onnx")).graph.initializer]

@@ -26,6 +26,7 @@ import transformers
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
+from ortflow.data.manifest import read_manifest
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.evaluation import feeds, outputs_of
@@ -251,7 +252,7 @@ def test_family_trains_like_torch_exports_and_quantizes(family, tmp_path, monkey
     initial = dict(read_ort_checkpoint(artifacts.checkpoint).parameters)
     losses = train_in_ort(artifacts, config, train_dir, tmp_path / "checkpoint")
     trained = dict(read_ort_checkpoint(tmp_path / "checkpoint/checkpoint").parameters)
-    manifest = json.loads((train_dir / "manifest.json").read_text())
+    manifest = read_manifest(train_dir)
     twin = torch_twin(config, manifest, initial)
     implementation = twin.model.config._attn_implementation
     assert implementation == hugging_face.attention(twin.model.config.model_type), implementation

@@ -16,10 +16,12 @@ import torch
 from safetensors.torch import save_file
 from transformers import BertConfig, BertForSequenceClassification, ViTConfig
 
+from conftest import shard_manifest
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.errors import ConfigError, ModelError
+from ortflow.graphs.description import Tensor
 from ortflow.models.hugging_face import task_of
 from ortflow.reporting.summary import run_summary
 from ortflow.stages.build_artifacts import build
@@ -32,10 +34,8 @@ from transformers_models import save_bert
 
 
 def manifest(task: str, label_shape: list[int], features: list[tuple[str, str, list[int]]],
-             label_dtype: str = "int64", classes: int = 3) -> dict:
-    return {"task": task, "num_classes": classes,
-            "label": {"name": "y", "dtype": label_dtype, "shape": label_shape},
-            "features": [{"name": n, "dtype": d, "shape": s} for n, d, s in features]}
+             label_dtype: str = "int64", classes: int = 3):
+    return shard_manifest(features, ("y", label_dtype, label_shape), task, classes)
 
 
 TEXT = [("input_ids", "int64", [16]), ("attention_mask", "int64", [16])]
@@ -116,10 +116,10 @@ def test_a_new_head_of_the_datas_classes_is_drawn_from_the_seed(tmp_path, monkey
                  "model": {"kind": "transformers", "path": "bert"}}
     with caplog.at_level(logging.INFO, "ortflow.build_artifacts"):
         description, out = build_in(tmp_path / "a", overrides)
-    assert description["loss"] == "cross_entropy" and description["num_classes"] == 3
+    assert description.loss == "cross_entropy" and description.num_classes == 3
     assert "model.path: bert has no sequence-classification head of 3 outputs, the data's: 2 tensor(s) drawn from " \
            "run.seed: classifier.bias, classifier.weight" in caplog.text
-    assert description["transformers"] == {"class": "BertForSequenceClassification",
+    assert description.transformers == {"class": "BertForSequenceClassification",
                                            "task": "sequence-classification", "weights": "folder",
                                            "new_head": ["classifier.bias", "classifier.weight"]}
     summary = run_summary(tmp_path, train_metrics=tmp_path / "none", export_metrics=tmp_path / "none",
@@ -149,8 +149,8 @@ def test_multi_label_classification_trains_with_bce(tmp_path, monkeypatch):
     description, _ = build_in(tmp_path, {
         "data": {"source": "tags.npz", "features": ["input_ids", "attention_mask"], "label": "tags"},
         "model": {"kind": "transformers", "path": "bert", "task": "sequence-classification"}})
-    assert description["loss"] == "bce_with_logits"
-    assert description["label"] == {"name": "tags", "dtype": "float32", "shape": ["batch", 3]}
+    assert description.loss == "bce_with_logits"
+    assert description.label == Tensor("tags", "float32", ("batch", 3))
 
 
 def test_a_folder_with_only_its_config_is_drawn_from_the_seed(tmp_path, monkeypatch):
@@ -164,8 +164,8 @@ def test_a_folder_with_only_its_config_is_drawn_from_the_seed(tmp_path, monkeypa
     overrides = {"data": {"source": "images.npz", "features": ["pixels"]},
                  "model": {"kind": "transformers", "path": "vit"}}
     description, out = build_in(tmp_path / "a", overrides)
-    assert description["num_classes"] == 4 and description["inputs"][0]["name"] == "pixels"
-    assert description["transformers"] == {"class": "ViTForImageClassification", "task": "image-classification",
+    assert description.num_classes == 4 and description.inputs[0].name == "pixels"
+    assert description.transformers == {"class": "ViTForImageClassification", "task": "image-classification",
                                            "weights": "run.seed", "new_head": []}
     _, again = build_in(tmp_path / "b", overrides)
     first, second = (read_ort_checkpoint(Artifacts(o).checkpoint).parameters for o in (out, again))

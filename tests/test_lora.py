@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
+from ortflow.data.manifest import read_manifest
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.generation import GENERATION
@@ -94,33 +95,33 @@ def test_lora_trains_the_adapters_like_peft_and_exports_them_merged(case, tmp_pa
         info = build_artifacts.build(config, train_dir, artifacts.folder)
     layers = CASES[case][2]
     # Only the adapters and a new head train; the base weights are frozen parameters of the graphs.
-    assert info["trainable"] and all(".lora_" in n or ".modules_to_save." in n for n in info["trainable"])
-    assert {n.split(".lora_")[0].split(".modules_to_save.")[0].rsplit(".", 1)[-1] for n in info["trainable"]} \
+    assert info.trainable and all(".lora_" in n or ".modules_to_save." in n for n in info.trainable)
+    assert {n.split(".lora_")[0].split(".modules_to_save.")[0].rsplit(".", 1)[-1] for n in info.trainable} \
         == set(layers)
-    assert any(n.endswith(".base_layer.weight") for n in info["frozen"])
-    assert info["trainable_parameters"] < info["parameters"] / 5, info
+    assert any(n.endswith(".base_layer.weight") for n in info.frozen)
+    assert info.trainable_parameters < info.parameters / 5, info
     line = lora_trained(info)
     assert line in caplog.text and line.startswith(f"LoRA r={config.model.lora.r} on "), line
 
     initial = read_ort_checkpoint(artifacts.checkpoint)
-    assert sorted(n for n, grad in initial.requires_grad.items() if grad) == sorted(info["trainable"])
+    assert sorted(n for n, grad in initial.requires_grad.items() if grad) == sorted(info.trainable)
     losses = train_in_ort(artifacts, config, train_dir, tmp_path / "checkpoint")
     state = read_ort_checkpoint(tmp_path / "checkpoint/checkpoint")
     # AdamW's moments for the adapters alone.
-    assert sorted(state.optimizer_states) == sorted(info["trainable"])
+    assert sorted(state.optimizer_states) == sorted(info.trainable)
     assert all(set(moments) == {"momentum0", "momentum1"} for moments in state.optimizer_states.values())
     trained = dict(state.parameters)
-    frozen_moved = [n for n in info["frozen"] if not np.array_equal(trained[n], initial.parameters[n])]
+    frozen_moved = [n for n in info.frozen if not np.array_equal(trained[n], initial.parameters[n])]
     assert not frozen_moved, frozen_moved
 
-    manifest = json.loads((train_dir / "manifest.json").read_text())
+    manifest = read_manifest(train_dir)
     twin = torch_twin(config, manifest, dict(initial.parameters))
     torch_losses, torch_trained = train_like_ortflow(twin, config, train_dir)
     worst = differences(trained, torch_trained)
     print(f"{case}: loss {largest(losses, torch_losses):.2g}, parameters {max(worst.values()):.2g}")
     assert largest(losses, torch_losses) <= LOSS_TOLERANCE * max(1.0, *torch_losses), (losses, torch_losses)
     assert max(worst.values()) <= PARAMETER_TOLERANCE, worst
-    assert min(largest(trained[n], initial.parameters[n]) for n in info["trainable"]
+    assert min(largest(trained[n], initial.parameters[n]) for n in info.trainable
                if ".lora_B." in n) > 100 * PARAMETER_TOLERANCE  # every adapter trained
 
     export_model.export(config, artifacts.folder, tmp_path / "checkpoint", eval_dir, tmp_path / "model.onnx")
@@ -132,7 +133,7 @@ def test_lora_trains_the_adapters_like_peft_and_exports_them_merged(case, tmp_pa
     # The merged ONNX model's logits are those of the unmerged torch model with the trained weights.
     reader = ShardReader(eval_dir)
     batch = reader.gather(np.arange(8))
-    features = [f["name"] for f in manifest["features"]]
+    features = [f.name for f in manifest.features]
     session = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
     onnx_logits = session.run(None, {n: batch[n] for n in features})[0]
     twin.load_state_dict({k: torch.from_numpy(v) for k, v in trained.items()}, strict=False)
@@ -239,14 +240,14 @@ def test_lora_checkpoints_hold_the_adapters_moments_and_resume_bit_for_bit(tmp_p
         return reader.read_checkpoint(layout.step_dir(out / "checkpoints", STEPS)).state
 
     first = final(tmp_path / "run")
-    assert sorted(first.optimizer_states) == sorted(info["trainable"])
-    assert sorted(n for n, grad in first.requires_grad.items() if not grad) == sorted(info["frozen"])
+    assert sorted(first.optimizer_states) == sorted(info.trainable)
+    assert sorted(n for n, grad in first.requires_grad.items() if not grad) == sorted(info.frozen)
     shutil.rmtree(layout.step_dir(tmp_path / "run" / "checkpoints", STEPS))
     resumed = final(tmp_path / "run")
     for name, array in first.parameters.items():
         np.testing.assert_array_equal(resumed.parameters[name], array, err_msg=name)
     merged = read_ort_checkpoint(merge(tmp_path / "run" / "checkpoints", tmp_path / "merged",
                                                         model=artifacts.folder) / "checkpoint")
-    assert sorted(merged.optimizer_states) == sorted(info["trainable"])
+    assert sorted(merged.optimizer_states) == sorted(info.trainable)
     for name, array in first.parameters.items():
         np.testing.assert_array_equal(merged.parameters[name], array, err_msg=name)

@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from ortflow import config as config_mod
+from ortflow.data.manifest import Manifest
 from ortflow.errors import ModelError
 from ortflow.models import IGNORE_INDEX, hugging_face
 from test_chats import prepared, write_jsonl
@@ -34,7 +35,7 @@ def chats(tmp_path_factory) -> tuple[Path, Path]:
     return write_jsonl(root / "chats.jsonl", rows), chat_tokenizer(root / "tokenizer")
 
 
-def records(folder: Path, chats: tuple[Path, Path], packing: str) -> tuple[dict, dict]:
+def records(folder: Path, chats: tuple[Path, Path], packing: str) -> tuple[dict, Manifest]:
     """Both splits' records together, and the train manifest."""
     train, evaluation, manifest = prepared(folder, source=str(chats[0]), tokenizer=str(chats[1]), packing=packing)
     return {name: np.concatenate([train[name], evaluation[name]]) for name in train}, manifest
@@ -58,13 +59,13 @@ def examples_of(batch: dict, values: np.ndarray | None = None) -> list[tuple]:
 def test_packed_windows_hold_the_examples_and_labels_they_had_alone(packing, chats, tmp_path):
     alone, manifest = records(tmp_path / "none", chats, "none")
     packed, packed_manifest = records(tmp_path / packing, chats, packing)
-    counts, packed_counts = manifest["source"]["examples"], packed_manifest["source"]["examples"]
+    counts, packed_counts = manifest.source["examples"], packed_manifest.source["examples"]
     assert packed_counts["loss_tokens"] == counts["loss_tokens"] == (alone[LABEL] != IGNORE_INDEX).sum()
     assert (packed[LABEL] != IGNORE_INDEX).sum() == counts["loss_tokens"]
     assert packed_counts["windows"] == len(packed[LABEL]) < len(alone[LABEL]) == counts["examples"] == 40
     assert packed_counts["padding"] == (packed["attention_mask"] == 0).sum()
     if packing == "separate":  # whole examples, each its own positions: the same examples and labels
-        assert [f["name"] for f in packed_manifest["features"]] == ["input_ids", "attention_mask", "position_ids"]
+        assert [f.name for f in packed_manifest.features] == ["input_ids", "attention_mask", "position_ids"]
         assert examples_of(packed) == examples_of(alone)
     else:  # the examples' stream cut into windows: the same tokens and labels, only the last window padded
         assert (packed["attention_mask"][:-1] == 1).all() and packed_counts["padding"] < 24

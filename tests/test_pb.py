@@ -25,7 +25,7 @@ def test_round_trip_keeps_every_record(train_split, tmp_path):
     assert cli.main(["shards-to-pb", str(train_split), str(tmp_path / "pb")]) == 0
     files = sorted((tmp_path / "pb").glob("*.pb"))
     reader = ShardReader(train_split)
-    assert len(files) == len(reader.manifest["shards"])
+    assert len(files) == len(reader.manifest.shards)
     samples = [s for f in files for s in read_pb(f)]
     expected = reader.gather(np.arange(len(reader)))
     assert len(samples) == len(reader)

@@ -5,7 +5,6 @@ the whole model's loss and gradients; and the cuts that cannot be made are refus
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -16,9 +15,11 @@ from onnxruntime.training.api import CheckpointState, Module
 
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
+from ortflow.data.manifest import read_manifest
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.graphs import pipeline
+from ortflow.graphs.description import read_description
 from ortflow.models.logits import find as find_logits
 from ortflow.sessions import training_options
 from ortflow.stages import build_artifacts
@@ -60,13 +61,13 @@ def staged(root: Path, name: str, stages: int) -> tuple[pipeline.Plan, list[Path
     """The plan and the stages' artifact folders of model `name` cut into `stages`."""
     model, data = MODELS[name]
     artifacts = Artifacts(whole(root, name))
-    description = artifacts.description()
+    description = read_description(artifacts.model_json)
     base = onnx.load(str(artifacts.base_model))
-    manifest = json.loads((root / data / "train" / "manifest.json").read_text())
+    manifest = read_manifest(root / data / "train")
     plan = pipeline.cut(base, stages)
-    folders = pipeline.build(plan, description["trainable"], description["loss"], manifest["label"],
+    folders = pipeline.build(plan, description.trainable, description.loss, manifest.label,
                              config(root, model, data).train.optimizer, root / name / f"p{stages}",
-                             find_logits(base, description["loss"], manifest))
+                             find_logits(base, description.loss, manifest))
     return plan, folders
 
 
@@ -241,7 +242,7 @@ def test_build_artifacts_writes_each_stage_and_the_plan(root):
     sizes = {t.name: int(np.prod(t.dims)) for t in gpt_base(root).graph.initializer}
     held = pipeline.held_by_stages(built)
     assert held == [sum(sizes[name] for name in s.parameters) for s in plan.stages]
-    assert sum(held) == built.description()["parameters"] + sizes["tokens.weight"]
+    assert sum(held) == read_description(built.model_json).parameters + sizes["tokens.weight"]
     assert pipeline.held_by_stages(Artifacts(whole(root, "gpt"))) is None  # not cut
 
 
@@ -280,7 +281,7 @@ def test_named_cut_points_are_the_stages_boundaries(root):
 
 def test_flops_balance_cuts_elsewhere_than_parameters(root):
     """The token embedding holds a third of the parameters and no FLOPs."""
-    manifest = json.loads((root / "text" / "train" / "manifest.json").read_text())
+    manifest = read_manifest(root / "text" / "train")
     by_parameters = pipeline.cut(gpt_base(root), 3)
     by_flops = pipeline.cut(gpt_base(root), 3, balance="flops", manifest=manifest)
     assert by_parameters.stages[0].output == "/tokens/Gather_output_0"

@@ -20,6 +20,7 @@ from ortflow.checkpoints import layout, reader
 from ortflow.checkpoints.merge import merge
 from ortflow.checkpoints.ort_format import TrainingState, read_ort_checkpoint
 from ortflow.graphs import pipeline, recompute
+from ortflow.graphs.description import read_description
 from ortflow.stages import build_artifacts
 from ortflow.stages.prepare_data import prepare
 from ortflow.training import engine, gradients, preflight
@@ -230,7 +231,7 @@ def workflow_config(corpus: Path, name: str, stages: int) -> dict:
 def between_the_estimates(artifacts: Path, staged: dict) -> int:
     """Bytes of memory that the run `staged` (2 ranks of 2 stages) fits under the memory estimate
     and the same 2 ranks in 1 stage (the same global batch) do not: halfway between the two."""
-    description, held = Artifacts(artifacts).description(), pipeline.held_by_stages(Artifacts(artifacts))
+    description, held = read_description(Artifacts(artifacts).model_json), pipeline.held_by_stages(Artifacts(artifacts))
     train = config_mod.load(overrides=staged).train
     _, share = preflight.largest_stage(description, 2, held)
     in_stages, whole = (2 * sum(preflight.memory_estimate(description, settings, 2, train.micro_batch_size,
@@ -269,7 +270,7 @@ def test_a_run_that_fits_only_in_stages_trains_and_is_refused_in_one(workflow, m
     stages the check passes, naming the larger stage."""
     work, corpus, _, cap = workflow
     artifacts = Artifacts(work / "results/staged/artifacts")
-    description, train = artifacts.description(), config_mod.load(overrides=workflow_config(corpus, "staged", 2)).train
+    description, train = read_description(artifacts.model_json), config_mod.load(overrides=workflow_config(corpus, "staged", 2)).train
     monkeypatch.setenv(machine.MEMORY_ENV, str(cap))
     refused = preflight.check_memory(description, one_stage(train))
     print(refused.detail, refused.fix, sep="\n")

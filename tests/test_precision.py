@@ -18,6 +18,7 @@ from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.data.shards import ShardReader
 from ortflow.graphs import precision
+from ortflow.graphs.description import read_description
 from ortflow.training import preflight
 
 STEPS, BATCH, LR = 30, 8, 0.01
@@ -126,7 +127,7 @@ def ort_losses(artifacts: Path, data: Path) -> list[float]:
 
 def batches(reader: ShardReader):
     for step in range(STEPS):
-        yield reader.gather(np.arange(step * BATCH, (step + 1) * BATCH) % reader.manifest["records"])
+        yield reader.gather(np.arange(step * BATCH, (step + 1) * BATCH) % reader.manifest.records)
 
 
 def torch_losses(artifacts: Path, data: Path, config, autocast: bool = True) -> list[float]:
@@ -142,7 +143,7 @@ def torch_losses(artifacts: Path, data: Path, config, autocast: bool = True) -> 
     missing = model.load_state_dict({name: torch.from_numpy(array) for name, array in weights.items()}, strict=False)
     assert missing.missing_keys == ["head.weight"] and not missing.unexpected_keys
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    features, losses = reader.manifest["features"][0]["name"], []
+    features, losses = reader.manifest.features[0].name, []
     for batch in batches(reader):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             logits = model(torch.from_numpy(batch[features]))
@@ -183,7 +184,7 @@ def test_the_exported_model_of_bf16_artifacts_is_float32_and_passes_exports_chec
 
     _, bf16, data, _ = built
     files, out = Artifacts(bf16), tmp_path / "model.onnx"
-    info, reader = files.description(), ShardReader(data / "eval", raw=True)
+    info, reader = read_description(files.model_json), ShardReader(data / "eval", raw=True)
     write_inference_model(files, files.checkpoint, info, out, out, reader, {})
     assert "BF16MatMul" not in {node.op_type for node in onnx.load(str(out)).graph.node}
     assert "ortflow" not in {opset.domain for opset in onnx.load(str(out)).opset_import}
@@ -193,16 +194,11 @@ def test_the_exported_model_of_bf16_artifacts_is_float32_and_passes_exports_chec
 
 
 def test_the_workflow_rebuilds_the_artifacts_when_the_precision_changes():
-    """build_artifacts is given train.precision (ARTIFACTS_KEYS, workflow/rules/common.smk): the
-    rules pass a stage only the keys it depends on, and without it bf16 built float32 graphs."""
-    import ast
-    import re
+    """build_artifacts is given train.precision (its KEYS, which its rule passes): the rules pass a
+    stage only the keys it depends on, and without it bf16 built float32 graphs."""
+    from ortflow.stages import declared_keys
 
-    from conftest import REPO
-
-    text = (REPO / "workflow" / "rules" / "common.smk").read_text()
-    keys = ast.literal_eval(re.search(r"^ARTIFACTS_KEYS = (\(.*?\))$", text, re.M | re.S)[1])
-    assert "train.precision" in keys
+    assert "train.precision" in declared_keys("build_artifacts")
 
 
 # The built-in gpt at bf16 through the workflow on 2 ranks, the same global batch of 8 two ways:

@@ -30,6 +30,7 @@ import torch
 
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
+from ortflow.data.manifest import Manifest, read_manifest
 from ortflow.graphs import precision
 from ortflow.graphs.forward_model import torch_module
 from ortflow.models import lora
@@ -58,7 +59,7 @@ def make_config(case: str, tmp_path) -> config_mod.Config:
         "lr_schedule": {"name": "cosine", "warmup_steps": 2}})
 
 
-def torch_twin(config, manifest: dict, initial: dict) -> torch.nn.Module:
+def torch_twin(config, manifest: Manifest, initial: dict) -> torch.nn.Module:
     """The module build exported (with its adapters) and the initial checkpoint's weights; what the
     checkpoint lacks is a weight tied to one it has."""
     model = torch_module(config.model, manifest, "cross_entropy", config.run.seed)
@@ -89,7 +90,7 @@ def test_bf16_rewrites_every_multiply_trains_like_autocast_and_exports_float32(c
 
     initial = dict(read_ort_checkpoint(files.checkpoint).parameters)
     losses = train_in_ort(files, config, train_dir, tmp_path / "checkpoint")
-    twin = lambda: torch_twin(config, json.loads((train_dir / "manifest.json").read_text()), initial)  # noqa: E731
+    twin = lambda: torch_twin(config, read_manifest(train_dir), initial)  # noqa: E731
     autocast, _ = train_like_ortflow(twin(), config, train_dir, autocast=True)
     reversed_, _ = train_like_ortflow(twin(), config, train_dir, autocast=True, order=lambda i: i[::-1])
     fp32, _ = train_like_ortflow(twin(), config, train_dir)

@@ -286,7 +286,7 @@ def test_the_command_prints_one_line(data, tmp_path):
 def test_frozen_and_trainable_take_patterns(data, tmp_path):
     def split(**model) -> tuple[list[str], list[str]]:
         description = build_mlp(data, tmp_path / "out", **model)
-        return description["trainable"], description["frozen"]
+        return list(description.trainable), list(description.frozen)
 
     assert split(frozen=["<1d>"]) == (["layers.0.weight", "layers.2.weight"], ["layers.0.bias", "layers.2.bias"])
     assert split(frozen=["LAYERS.0"]) == (["layers.2.weight", "layers.2.bias"], ["layers.0.weight", "layers.0.bias"])
@@ -304,8 +304,8 @@ def test_a_pattern_leaves_batchnorm_statistics_out_of_the_trainable(data, tmp_pa
     monkeypatch.syspath_prepend(str(TESTS))
     model = {"kind": "torch", "path": "batchnorm_models:BatchNormMLP", "trainable": ["body.1"], "frozen": ["bias"]}
     description = build_artifacts.build(validated(model), data["digits"], tmp_path / "out")
-    assert description["trainable"] == ["body.1.weight"]
-    assert sorted(description["running_stats"].values()) == ["body.1.running_mean", "body.1.running_var"]
+    assert list(description.trainable) == ["body.1.weight"]
+    assert sorted(description.running_stats.values()) == ["body.1.running_mean", "body.1.running_var"]
 
 
 def test_a_weights_folder_counts_by_content_in_the_training_identity(tmp_path, monkeypatch):

@@ -5,7 +5,6 @@ backward, and refuses a pattern that matches nothing."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from ortflow.artifacts import Artifacts
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ConfigError
 from ortflow.graphs import recompute
+from ortflow.graphs.description import read_description
 from ortflow.sessions import training_options
 from ortflow.stages import build_artifacts
 from ortflow.training import engine, gradients
@@ -72,7 +72,7 @@ def train(artifacts: Path, train_dir: Path, recomputed: bool) -> list[tuple[floa
     module.train()
     steps = []
     for step in range(STEPS):
-        batch = reader.gather(np.arange(step * BATCH, (step + 1) * BATCH) % reader.manifest["records"])
+        batch = reader.gather(np.arange(step * BATCH, (step + 1) * BATCH) % reader.manifest.records)
         ort.set_seed(step)
         module.lazy_reset_grad()
         loss = float(module(*[batch[name] for name in names])[0])
@@ -112,12 +112,12 @@ def test_model_json_counts_the_activations_recompute_keeps(root):
     model, data = MODELS["gpt"]
     out = root / "gpt-built-with-recompute"
     description = build_artifacts.build(config(model, data, root, "blocks"), root / data / "train", out)
-    without = json.loads(Artifacts(built(root, "gpt")[0]).model_json.read_text())
+    without = read_description(Artifacts(built(root, "gpt")[0]).model_json)
     assert any(n.name.endswith(recompute.SUFFIX) for n in onnx.load(str(Artifacts(out).training_model)).graph.node)
-    assert description["activation_bytes_per_sample"] < 0.6 * without["activation_bytes_per_sample"]
+    assert description.activation_bytes_per_sample < 0.6 * without.activation_bytes_per_sample
     # Built without recompute, model.json says what recompute would keep, for preflight's fixes.
-    assert without["activation_bytes_per_sample_recompute_blocks"] == description["activation_bytes_per_sample"]
-    assert "activation_bytes_per_sample_recompute_blocks" not in description
+    assert without.activation_bytes_per_sample_recompute_blocks == description.activation_bytes_per_sample
+    assert description.activation_bytes_per_sample_recompute_blocks is None
 
 
 @pytest.mark.parametrize("recompute_config, refused", [

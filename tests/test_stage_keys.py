@@ -1,12 +1,12 @@
-"""Each rule passes its stage the config keys the stage reads (`*_KEYS` in workflow/rules/common.smk,
-through `--config-json`); a key it leaves out would silently take the schema's default in the stage.
-Here a stage reads a config that holds only its rule's keys, where reading any other key fails,
-naming the key and the list to add it to."""
+"""Each rule passes its stage the config keys the stage declares it reads (`KEYS` in its module under
+src/ortflow/stages/, through `--config-json`; workflow/rules/common.smk reads the declarations); a key
+it leaves out would silently take the schema's default in the stage. Here a stage reads a config that
+holds only its rule's keys, where reading any other key fails, naming the key and the declaration to
+add it to."""
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import re
 from pathlib import Path
@@ -15,23 +15,52 @@ import pytest
 
 from conftest import REPO
 from ortflow import config as config_mod
+from ortflow.errors import ConfigError
+from ortflow.stages import declared_keys
 from ortflow.stages import build_artifacts, prepare_data
 
 RULES = REPO / "workflow" / "rules"
 
 
 def rule_keys() -> dict[str, tuple[str, tuple[str, ...]]]:
-    """{rule: the name of its list of keys and the dotted keys it passes its stage}, from the rules
-    files and common.smk's lists."""
-    lists = {name: ast.literal_eval(value) for name, value in
-             re.findall(r"^(\w+_KEYS) = (\(.*?\))\n", (RULES / "common.smk").read_text(), re.M | re.S)}
+    """{rule: where its stage declares its keys and the dotted keys the rule passes}, from the rules
+    files and their lists read from the stages' declarations (`NAME = declared_keys("stage"[, "LIST"])`)."""
+    text = "".join(path.read_text() for path in sorted(RULES.glob("*.smk")))
+    lists = {name: (stage, declared or "KEYS") for name, stage, declared in
+             re.findall(r'^(\w+_KEYS) = declared_keys\("(\w+)"(?:, "(\w+)")?\)$', text, re.M)}
     passed = {}
     for path in sorted(RULES.glob("*.smk")):
         for rule, body in re.findall(r"^rule (\w+):\n(.*?)(?=^\S|\Z)", path.read_text(), re.M | re.S):
-            names = re.findall(r"config_json\(\*(\w+)\)", body)
-            if names and names[0] in lists:
-                passed[rule] = (f"{names[0]} in workflow/rules/common.smk", lists[names[0]])
+            for name in re.findall(r"config_json\(\*(\w+)\)", body):
+                stage, declared = lists[name]
+                passed[rule] = (f"{declared} in src/ortflow/stages/{stage}.py", declared_keys(stage, declared))
     return passed
+
+
+def test_every_rule_passes_a_list_its_stage_declares():
+    """Every rule that passes config keys passes a stage's declaration (a list of its own would be
+    read by nothing), and every declared key is a key of the config."""
+    rules = rule_keys()
+    assert set(rules) >= {"prepare_data", "build_artifacts", "train", "merge_checkpoint", "export_model",
+                          "quantize_model", "plot_training", "report_tables", "doctor", "sweep_compare"}
+    assert rules["merge_checkpoint"] == rules["train"]
+    smk = "".join(path.read_text() for path in RULES.glob("*.smk"))
+    assert re.findall(r"^\w+_KEYS = \(", smk, re.M) == []
+    default = config_mod.as_dict(config_mod.load())
+    for where, keys in rules.values():
+        config_mod.pick(default, keys)  # a key that is no key of the config raises KeyError
+
+
+def test_a_stage_without_a_literal_declaration_is_refused(tmp_path, monkeypatch):
+    import ortflow.stages
+
+    monkeypatch.setattr(ortflow.stages, "FOLDER", tmp_path)
+    (tmp_path / "computed.py").write_text("BASE = ('run',)\nKEYS = BASE + ('data',)\n")
+    (tmp_path / "silent.py").write_text("HELP = 'no keys'\n")
+    with pytest.raises(ConfigError, match=r"computed.py:2: KEYS must be a tuple of dotted config keys, written as a literal$"):
+        declared_keys("computed")
+    with pytest.raises(ConfigError, match=r"silent.py: declares no KEYS \(the config keys the stage reads"):
+        declared_keys("silent")
 
 
 def only(config: config_mod.Config, rule: str) -> config_mod.Config:
@@ -59,12 +88,12 @@ def _holding(section, picked: dict, path: str, where: str):
 
 
 def test_a_config_of_a_rules_keys_refuses_every_other_key():
-    assert rule_keys()["plot_training"] == ("PLOT_KEYS in workflow/rules/common.smk",
+    assert rule_keys()["plot_training"] == ("PLOT_KEYS in src/ortflow/stages/report.py",
                                             ("train.steps", "train.optimizer.lr", "train.lr_schedule"))
     plots = only(config_mod.load(), "plot_training")
     assert (plots.train.steps, plots.train.optimizer.lr, plots.train.lr_schedule.name) == (300, 0.003, "cosine")
     with pytest.raises(AttributeError, match="^config key 'train.optimizer.betas' is read but not passed to the "
-                                             "stage: add it to PLOT_KEYS in workflow/rules/common.smk$"):
+                                             "stage: add it to PLOT_KEYS in src/ortflow/stages/report.py$"):
         plots.train.optimizer.betas
     with pytest.raises(AttributeError, match="^config key 'run' is read but not passed"):
         plots.run

@@ -69,7 +69,7 @@ def test_wine_standardized_trains_and_the_export_takes_raw_features(workdir):
     expected_mean = raw[train_rows].astype(np.float64).mean(axis=0)
     expected_std = raw[train_rows].astype(np.float64).std(axis=0)
     for split in ("train", "eval"):
-        stats = ShardReader(results / "data" / split).manifest["standardize"]
+        stats = ShardReader(results / "data" / split).manifest.standardize
         assert np.allclose(stats["x"]["mean"], expected_mean, rtol=1e-12, atol=0)
         assert np.allclose(stats["x"]["std"], expected_std, rtol=1e-12, atol=0)
     # The shards hold the standardized features, the exported model takes the raw ones.

@@ -12,6 +12,7 @@ import pytest
 import torch
 from onnxruntime.training.api import CheckpointState, Module
 
+from conftest import model_description
 from ortflow import cli
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
@@ -59,7 +60,7 @@ def tagged(tmp_path_factory) -> Path:
 
 def test_loss_gradients_and_accuracy_leave_ignored_positions_out_as_torch_does(tagged):
     reader = ShardReader(tagged / "data/train")
-    assert reader.manifest["num_classes"] == CLASSES
+    assert reader.manifest.num_classes == CLASSES
     batch = reader.gather(np.arange(16))
     labels = batch["tags"]
     assert (labels == IGNORE_INDEX).any() and (labels != IGNORE_INDEX).any()
@@ -87,7 +88,7 @@ def test_loss_gradients_and_accuracy_leave_ignored_positions_out_as_torch_does(t
     loss, logits = outputs_of(module(*feeds(batch, module.input_names(), "tags", "tags")))
     kept = labels != IGNORE_INDEX
     predicted = logits.argmax(axis=1)
-    info = {"task": "classification", "loss": "cross_entropy"}
+    info = model_description(task="classification", loss="cross_entropy")
     results = eval_results(batch_totals(loss, logits, labels, info, CLASSES), "classification",
                            [str(c) for c in range(CLASSES)])
     assert results["accuracy"] == pytest.approx((predicted[kept] == labels[kept]).mean())
@@ -228,7 +229,7 @@ def test_entity_scores_equal_seqeval_and_per_class_scores_scikit_learn():
     logits = rng.normal(size=(12, len(tags), 9)).astype(np.float32)
     logits[:, :, :4] += 3 * np.eye(len(tags))[np.maximum(labels[:, :4], 0)].transpose(0, 2, 1)  # partly right
     assert bio_tags(tags, [9]) == tags and bio_tags(tags, []) is None and bio_tags(["a", "b"], [9]) is None
-    info = {"task": "classification", "loss": "cross_entropy"}
+    info = model_description(task="classification", loss="cross_entropy")
     totals = sum(batch_totals(1.0, logits[rows], labels[rows], info, len(tags), tags)
                  for rows in np.array_split(np.arange(12), 3))
     results = eval_results(totals, "classification", tags, entities=True)

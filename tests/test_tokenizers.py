@@ -18,10 +18,11 @@ import pandas as pd
 import pytest
 import torch
 
-from conftest import run_snakemake
+from conftest import run_snakemake, shard_manifest
 from ortflow.models import torch_export
 from ortflow import config as config_mod
 from ortflow.data import tokenizer as tokenizers
+from ortflow.data.manifest import Column
 from ortflow.data.shards import TOKENIZER, ShardReader
 from ortflow.errors import ConfigError, DataError, ModelError
 from ortflow.models import user, vocabulary
@@ -104,8 +105,8 @@ def test_text_becomes_windows_of_the_tokenizers_ids(tmp_path, bpe_file, monkeypa
         assert np.array_equal(batch["x"], part[:, :-1]) and np.array_equal(batch["y"], part[:, 1:])
         assert batch["x"].dtype == np.int64
         manifest = reader.manifest
-        assert (manifest["task"], manifest["num_classes"]) == ("language_model", reference.get_vocab_size())
-        entry = manifest["tokenizer"]
+        assert (manifest.task, manifest.num_classes) == ("language_model", reference.get_vocab_size())
+        entry = manifest.tokenizer
         assert (entry["vocab_size"], entry["eos_token"], entry["input"], entry["file"]) == (
             reference.get_vocab_size(), "<|endoftext|>", "x", TOKENIZER)
         copy = (reader.dir / TOKENIZER).read_bytes()
@@ -178,10 +179,10 @@ def test_text_pairs_from_jsonl_with_wordpiece(tmp_path, wordpiece_file):
         for name, array in expected.items():
             assert np.array_equal(batch[name], array[rows]), name
         assert np.array_equal(batch["label"], labels[rows])
-        assert reader.manifest["features"] == [{"name": n, "dtype": "int64", "shape": [24]} for n in expected]
-        assert (reader.manifest["classes"], reader.manifest["num_classes"]) == (classes, 3)
-        assert reader.manifest["tokenizer"]["text"] == ["premise", "hypothesis"]
-        assert reader.manifest["tokenizer"]["pad_token"] == "[PAD]"
+        assert reader.manifest.features == tuple(Column(n, "int64", (24,)) for n in expected)
+        assert (list(reader.manifest.classes), reader.manifest.num_classes) == (classes, 3)
+        assert reader.manifest.tokenizer["text"] == ["premise", "hypothesis"]
+        assert reader.manifest.tokenizer["pad_token"] == "[PAD]"
 
     # What the arrays mean, beyond equality with the library: padding after the
     # text (mask 0, [PAD]), [CLS] first, [SEP] closing each text, type 1 for the second.
@@ -222,7 +223,7 @@ def test_save_pretrained_folder_encodes_as_autotokenizer(tmp_path, wordpiece_fil
         for name in reader.feature_names:
             assert np.array_equal(batch[name], np.array(expected[name])[rows]), name
         assert np.array_equal(batch["long"], frame["long"].to_numpy().astype(int)[rows])
-        assert reader.manifest["classes"] == ["False", "True"]
+        assert reader.manifest.classes == ("False", "True")
 
 
 def test_text_column_problems_are_named(tmp_path, wordpiece_file):
@@ -251,7 +252,7 @@ def test_string_labels_are_sorted_named_classes(tmp_path):
     train, eval_ = prepare_into(tmp_path, make_config(source=str(tmp_path / "iris.csv"), label="species"))
     classes = ["setosa", "versicolor", "virginica"]
     for reader, rows_ in zip((train, eval_), split_rows(rows, 0.2, SEED)):
-        assert (reader.manifest["task"], reader.manifest["classes"], reader.manifest["num_classes"]) == (
+        assert (reader.manifest.task, list(reader.manifest.classes), reader.manifest.num_classes) == (
             "classification", classes, 3)
         batch = whole(reader)
         assert [classes[i] for i in batch["species"]] == species[rows_].tolist()
@@ -295,10 +296,10 @@ def test_jsonl_keeps_json_types(tmp_path):
     rows = [{"a": i, "b": i * 2, "c": i / 4, "y": i % 2 == 0} for i in range(20)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     train, _ = prepare_into(tmp_path / "ints", make_config(source=str(path), features=["a", "b"]))
-    assert train.manifest["features"] == [{"name": "x", "dtype": "int64", "shape": [2]}]
-    assert train.manifest["classes"] == ["False", "True"]
+    assert train.manifest.features == (Column("x", "int64", (2,)),)
+    assert train.manifest.classes == ("False", "True")
     train, _ = prepare_into(tmp_path / "floats", make_config(source=str(path), features=["a", "c"]))
-    assert train.manifest["features"][0]["dtype"] == "float32"
+    assert train.manifest.features[0].dtype == "float32"
     path.write_text(path.read_text() + "{not json\n")
     with pytest.raises(DataError, match=r"table.jsonl: not JSON Lines, one JSON object per line"):
         prepare_into(tmp_path / "bad", make_config(source=str(path), features=["a"]))
@@ -339,13 +340,12 @@ def test_a_tokenizer_folder_counts_by_its_files(tmp_path):
 # --- the model side ----------------------------------------------------------------------------------
 
 
-TOKENIZED = {"features": [{"name": n, "dtype": "int64", "shape": [8]}
-                          for n in ("input_ids", "attention_mask", "token_type_ids")],
-             "tokenizer": {"source": "tok.json", "vocab_size": 50, "input": "input_ids", "text": ["body"]}}
+TOKENIZED = shard_manifest([(n, "int64", [8]) for n in ("input_ids", "attention_mask", "token_type_ids")],
+                           tokenizer={"source": "tok.json", "vocab_size": 50, "input": "input_ids", "text": ["body"]})
 
 
 def test_the_tokenizers_inputs_reach_forward_by_name():
-    order = [f["name"] for f in user.forward_features(TextBag(50, 2), TOKENIZED)]
+    order = [f.name for f in user.forward_features(TextBag(50, 2), TOKENIZED)]
     assert order == ["attention_mask", "token_type_ids", "input_ids"]  # TextBag.forward's order
 
     class NoTypes(torch.nn.Module):
@@ -355,8 +355,8 @@ def test_the_tokenizers_inputs_reach_forward_by_name():
     with pytest.raises(ModelError, match=r"model.path: NoTypes.forward\(input_ids, attention_mask\) takes no "
                                          r"token_type_ids, which data.tokenizer gives for data.text"):
         user.forward_features(NoTypes(), TOKENIZED)
-    features = [{"name": "a"}, {"name": "b"}]  # named otherwise, no tokenizer: the data's order, as before
-    assert user.forward_features(NoTypes(), {"features": features}) == features
+    untokenized = shard_manifest([("a", "int64", [8]), ("b", "int64", [8])])  # named otherwise, no tokenizer
+    assert user.forward_features(NoTypes(), untokenized) == list(untokenized.features)  # the data's order
 
 
 class Flattened(torch.nn.Module):
@@ -373,8 +373,7 @@ class Flattened(torch.nn.Module):
 
 @pytest.mark.parametrize("rows", [40, 50, 64])
 def test_vocabulary_against_the_embedding(tmp_path, rows, caplog):
-    manifest = {"features": [{"name": "x", "dtype": "int64", "shape": [8]}],
-                "tokenizer": {"source": "tok.json", "vocab_size": 50, "input": "x"}}
+    manifest = shard_manifest([("x", "int64", [8])], tokenizer={"source": "tok.json", "vocab_size": 50, "input": "x"})
     torch_export.export_torch(Flattened(rows), manifest, tmp_path / "model.onnx")
     import onnx
 

@@ -6,7 +6,7 @@ LayerNorms and embeddings."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from ortflow import config as config_mod
+from ortflow.data.manifest import read_manifest
 from ortflow.stages.prepare_data import prepare
 from ortflow.data.shards import ShardReader
 from ortflow.stages import build_artifacts
@@ -92,10 +93,10 @@ def test_a_bad_no_decay_entry_is_refused_in_one_line(no_decay, message):
 
 def test_artifacts_name_the_embedding_tables(built):
     _, description = built["adamw"]
-    assert description["embeddings"] == ["tokens.weight", "positions.weight"]
+    assert description.embeddings == ("tokens.weight", "positions.weight")
 
 
-def open_training(artifacts: Path, description: dict, name: str = "adamw"):
+def open_training(artifacts: Path, description, name: str = "adamw"):
     """ORT's Module on the initial checkpoint, the optimizer's step, an Optimizer over every
     trainable parameter and the run's WeightDecay."""
     state = engine.initial_state(Artifacts(artifacts))
@@ -105,14 +106,14 @@ def open_training(artifacts: Path, description: dict, name: str = "adamw"):
     shapes = {parameter: state.parameters[parameter].data.shape for parameter in names}
     optimizer = Optimizer(state, [Piece(n, 0, int(np.prod(shapes[n]))) for n in names],
                           settings(name).train.optimizer, np)
-    decay = WeightDecay(shapes, description["embeddings"], settings(name).train.optimizer)
+    decay = WeightDecay(shapes, description.embeddings, settings(name).train.optimizer)
     return state, module, (optimizer, step), decay
 
 
 def torch_training(train_dir: Path, state, decay: WeightDecay, optimizer: str):
     """The tiny GPT in torch with ORT's initial weights, and torch.optim.AdamW (or
     SGD) with two parameter groups: `decay.decayed` at WEIGHT_DECAY, the others at 0."""
-    manifest = json.loads((train_dir / "manifest.json").read_text())
+    manifest = read_manifest(train_dir)
     model = built_in(settings().model, manifest, "cross_entropy")
     parameters = dict(model.named_parameters())
     with torch.no_grad():
@@ -198,7 +199,7 @@ def test_the_groups_are_logged_and_artifacts_without_embeddings_are_refused(buil
         "weight decay 0.1 on 4 parameter tensors (blocks.0.attn.proj.weight, blocks.0.attn.qkv.weight, "
         "blocks.0.mlp.0.weight, blocks.0.mlp.2.weight); none on 12 (train.optimizer.no_decay: "
         "blocks.0.attn.proj.bias, blocks.0.attn.qkv.bias, blocks.0.ln1.bias, blocks.0.ln1.weight, ... (8 more))"]
-    older = {key: value for key, value in description.items() if key != "embeddings"}
+    older = dataclasses.replace(description, embeddings=None)
     with pytest.raises(TrainingError) as error:
         weight_decay.for_run(state, engine.trainable(state), older, optimizer, np)
     assert str(error.value) == ("the artifacts' model.json names no embeddings (built by an older ortflow), which "

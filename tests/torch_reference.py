@@ -44,7 +44,7 @@ def train_like_ortflow(model: torch.nn.Module, config: dict, train_dir: Path,
         optimizer = torch.optim.AdamW(groups or model.parameters(), lr=opt.lr, betas=tuple(opt.betas),
                                       eps=opt.eps, weight_decay=opt.weight_decay)
     reader = ShardReader(train_dir)
-    features = [f["name"] for f in reader.manifest["features"]]
+    features = [f.name for f in reader.manifest.features]
     losses = []
     for step in range(train.steps):
         for group in optimizer.param_groups:

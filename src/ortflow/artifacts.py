@@ -7,7 +7,8 @@ graph builder writes it; training, export, quantize and the checkpoint tools rea
     eval_model_bf16.onnx  the same, its multiplies in bfloat16 (train.precision: bf16; graphs/precision.py)
     optimizer_model.onnx  the optimizer step
     checkpoint            the initial weights and optimizer state, in ONNX Runtime's format
-    model.json            inputs, label, outputs, loss, parameters and FLOPs (graphs/describe.py)
+    model.json            inputs, label, outputs, loss, parameters and FLOPs (graphs/describe.py; read by
+                          graphs/description.py)
 
 With train.pipeline_stages P > 1 (graphs/pipeline.py), beside those (the whole model's,
 which export and the checkpoint tools read):
@@ -24,7 +25,6 @@ names here are its names.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 
@@ -52,7 +52,3 @@ class Artifacts:
     def stage(self, index: int) -> Artifacts:
         """The artifacts of pipeline stage `index`."""
         return Artifacts(self.folder / f"stage-{index}")
-
-    def description(self) -> dict:
-        """model.json, as graphs/describe.py wrote it."""
-        return json.loads(self.model_json.read_text())

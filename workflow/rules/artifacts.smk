@@ -1,4 +1,4 @@
-# ARTIFACTS_KEYS (common.smk): the train.* keys the graphs depend on.
+# ARTIFACTS_KEYS (common.smk, from build_artifacts.KEYS): the train.* keys the graphs depend on.
 rule build_artifacts:
     input:
         train=DATA_TRAIN,

@@ -7,6 +7,7 @@ from ortflow.sweeps import points as ortflow_sweep
 from ortflow import user_files
 from ortflow.data import examples as ortflow_examples
 from ortflow.errors import OrtflowError
+from ortflow.stages import declared_keys
 from ortflow.training.run_folder import TrainFolder
 
 # Validate before any job runs: a typo or a bad value fails here, naming the key.
@@ -63,39 +64,18 @@ def config_json(*keys):
     return lambda wildcards: text
 
 
-# The keys the data stage depends on (its split's seed is data.split_seed, so that a
-# sweep's repeats over run.seed share it), and the graphs (besides the data): the
-# optimizer graph bakes in the optimizer's name, betas and eps, the training
-# graph train.recompute's copies (graphs/recompute.py) and train.precision's bfloat16
-# multiplies (graphs/precision.py), and train.pipeline_stages the stages' graphs
-# beside the whole model's (graphs/pipeline.py); the learning
-# rate is set by training at run time and the weight decay (with its groups,
-# train.optimizer.no_decay) is applied by training, so they and the other
-# train.* keys are left out and do not rebuild the artifacts.
-DATA_KEYS = ("data",)
-ARTIFACTS_KEYS = (
-    "run.seed",
-    "model",
-    "train.optimizer.name",
-    "train.optimizer.betas",
-    "train.optimizer.eps",
-    "train.recompute",
-    "train.precision",
-    "train.pipeline_stages",
-)
-# Training, and the merge that picks its newest checkpoint, depend on the training
-# identity (and export.checkpoint: training keeps the best checkpoint when the export
-# will want it); export on the run's name (the model's metadata) and, for the torch
-# module it builds again (kind torch, transformers), on the model, its seed and the
-# tokenizer it saves beside a transformers model; quantization on its
-# section and the evaluation batch; the report on what it plots or shows.
-TRAIN_KEYS = ("run", "data", "model", "train", "export.checkpoint")
-EXPORT_KEYS = ("run.name", "run.seed", "model", "data.tokenizer", "export.samples")
-QUANTIZE_KEYS = ("train.eval_batch_size", "export")
-PLOT_KEYS = ("train.steps", "train.optimizer.lr", "train.lr_schedule")
-TABLES_KEYS = ("run", "data", "model", "train", "export")
-DOCTOR_KEYS = ("train",)
-GENERATE_KEYS = ("generate",)
+# The config keys each stage reads, as its module declares them (KEYS in src/ortflow/stages/<stage>.py,
+# which says why each is there): its rule passes it exactly those, and reruns when they change.
+DATA_KEYS = declared_keys("prepare_data")
+ARTIFACTS_KEYS = declared_keys("build_artifacts")
+# The merge picks the newest checkpoint of the training identity, from training's keys.
+TRAIN_KEYS = declared_keys("train")
+EXPORT_KEYS = declared_keys("export_model")
+QUANTIZE_KEYS = declared_keys("quantize_model")
+PLOT_KEYS = declared_keys("report", "PLOT_KEYS")
+TABLES_KEYS = declared_keys("report", "TABLES_KEYS")
+DOCTOR_KEYS = declared_keys("doctor")
+GENERATE_KEYS = declared_keys("generate")
 # A sweep's points share these stages: each lives in the sweep's shared/ folder,
 # named by the digest of the keys it depends on, and runs once for the points
 # whose keys are equal (workflow/rules/sweep.smk).

@@ -10,8 +10,7 @@ except ortflow_config.ConfigError as error:
     raise WorkflowError(f"invalid configuration:\n{error}")
 SWEEP = ortflow_sweep.folder(CONFIG)
 SWEEP_LOGS = ortflow_sweep.SWEEP_LOGS / CONFIG.sweep.name
-# The comparison and halving read every section of the config.
-SWEEP_KEYS = ("run", "data", "model", "train", "export", "sweep")
+SWEEP_KEYS = declared_keys("sweep")
 
 
 # With sweep.halving, a point is two runs: to the first budget, and on from it.

@@ -17,7 +17,6 @@ one: reduce eval totals after the loop, not per batch.
 from __future__ import annotations
 
 import hashlib
-import json
 import mmap
 from pathlib import Path
 
@@ -26,10 +25,9 @@ import numpy as np
 from .. import atomic
 from ..digests import sha256_file
 from . import standardize
+from .manifest import FORMAT, MANIFEST, Column, Manifest, Shard, read_manifest, write_manifest
 from .sources import DataError, Dataset
 
-FORMAT = "ortflow-shards/1"
-MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"  # data.tokenizer as it encoded the split (data/tokenizer.py)
 # Records gathered per write: bounds write_split's memory whatever the split's size.
 WRITE_BYTES = 1 << 24
@@ -42,7 +40,7 @@ def record_dtype(dataset: Dataset) -> np.dtype:
 
 
 def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, num_shards: int, source: dict,
-                standardized: dict | None = None) -> dict:
+                standardized: dict | None = None) -> Manifest:
     """Write `rows` of `dataset` as `num_shards` shards plus a manifest into
     `out_dir`, atomically: everything goes to a temporary folder that is
     renamed into place only when complete. Records are gathered and written
@@ -59,34 +57,28 @@ def write_split(dataset: Dataset, rows: np.ndarray, out_dir: Path, split: str, n
             path = tmp / f"shard-{i:05d}.bin"
             digest = hashlib.sha256()
             atomic.synced_chunks(path, _record_bytes(dataset, dtype, part, block, digest))
-            shards.append({"file": path.name, "records": len(part), "sha256": digest.hexdigest()})
+            shards.append(Shard(path.name, len(part), digest.hexdigest()))
         tokenizer = None
         if dataset.tokenizer is not None:
             text = dataset.tokenizer.to_json().encode()
             atomic.synced_bytes(tmp / TOKENIZER, text)
             tokenizer = dataset.tokenizer.describe() | {"file": TOKENIZER, "sha256": hashlib.sha256(text).hexdigest()}
-        manifest = {
-            "format": FORMAT,
-            "split": split,
-            "records": len(rows),
-            "record_bytes": dtype.itemsize,
-            "features": [
-                {"name": n, "dtype": a.dtype.name, "shape": list(a.shape[1:])} for n, a in dataset.features.items()
-            ],
-            "label": {
-                "name": dataset.label_name,
-                "dtype": dataset.label.dtype.name,
-                "shape": list(dataset.label.shape[1:]),
-            },
-            "task": dataset.task,
-            "num_classes": dataset.num_classes,
-            "classes": dataset.classes,
-            "tokenizer": tokenizer,
-            "source": source,
-            "standardize": standardized or {},
-            "shards": shards,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        manifest = Manifest(
+            format=FORMAT,
+            split=split,
+            records=len(rows),
+            record_bytes=dtype.itemsize,
+            features=tuple(Column(n, a.dtype.name, a.shape[1:]) for n, a in dataset.features.items()),
+            label=Column(dataset.label_name, dataset.label.dtype.name, dataset.label.shape[1:]),
+            task=dataset.task,
+            num_classes=dataset.num_classes,
+            classes=None if dataset.classes is None else tuple(dataset.classes),
+            tokenizer=tokenizer,
+            source=source,
+            standardize=standardized or {},
+            shards=tuple(shards),
+        )
+        write_manifest(tmp, manifest)
     return manifest
 
 
@@ -110,36 +102,29 @@ class ShardReader:
 
     def __init__(self, split_dir: str | Path, verify: bool = True, raw: bool = False):
         self.dir, self.raw = Path(split_dir), raw
-        manifest_path = self.dir / MANIFEST
-        if not manifest_path.is_file():
-            raise DataError(f"{manifest_path}: no shard manifest (run the prepare_data rule first)")
-        self.manifest = json.loads(manifest_path.read_text())
-        if self.manifest.get("format") != FORMAT:
-            raise DataError(f"{manifest_path}: format {self.manifest.get('format')!r}, expected {FORMAT!r}")
-        fields = [(f["name"], f["dtype"], tuple(f["shape"])) for f in self.manifest["features"]]
-        label = self.manifest["label"]
-        fields.append((label["name"], label["dtype"], tuple(label["shape"])))
-        self.dtype = np.dtype(fields)
+        self.manifest = read_manifest(self.dir)
+        columns = (*self.manifest.features, self.manifest.label)
+        self.dtype = np.dtype([(c.name, c.dtype, c.shape) for c in columns])
         self._item = np.dtype((np.void, self.dtype.itemsize))
-        self.feature_names = [f["name"] for f in self.manifest["features"]]
-        self.label_name = label["name"]
-        self.standardized = self.manifest.get("standardize", {})
+        self.feature_names = [f.name for f in self.manifest.features]
+        self.label_name = self.manifest.label.name
+        self.standardized = self.manifest.standardize
         self.shards = []
-        for shard in self.manifest["shards"]:
-            path = self.dir / shard["file"]
+        for shard in self.manifest.shards:
+            path = self.dir / shard.file
             if not path.is_file():
-                raise DataError(f"shard {path} is missing (listed in {manifest_path})")
-            expected = shard["records"] * self.dtype.itemsize
+                raise DataError(f"shard {path} is missing (listed in {self.dir / MANIFEST})")
+            expected = shard.records * self.dtype.itemsize
             if path.stat().st_size != expected:
                 raise DataError(
                     f"shard {path}: {path.stat().st_size} bytes, the manifest says {expected}; the data changed after it was written"
                 )
-            if verify and (actual := sha256_file(path)) != shard["sha256"]:
+            if verify and (actual := sha256_file(path)) != shard.sha256:
                 raise DataError(
-                    f"shard {path}: checksum mismatch (sha256 {actual}, manifest {shard['sha256']}); "
+                    f"shard {path}: checksum mismatch (sha256 {actual}, manifest {shard.sha256}); "
                     "the data changed after it was written: rerun prepare_data"
                 )
-            if shard["records"]:
+            if shard.records:
                 with open(path, "rb") as f:
                     mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
                 # Batches visit the whole split in random order: let the kernel read
@@ -148,7 +133,7 @@ class ShardReader:
                 # Each record as one opaque item: np.take copies contiguous items
                 # (a strided field view would first be copied whole).
                 self.shards.append(np.frombuffer(mapped, dtype=self._item))
-        self.offsets = np.cumsum([0] + [shard["records"] for shard in self.manifest["shards"] if shard["records"]])
+        self.offsets = np.cumsum([0] + [shard.records for shard in self.manifest.shards if shard.records])
         self.num_records = int(self.offsets[-1])
         self._epoch_order = (None, None)
 

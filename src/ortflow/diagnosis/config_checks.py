@@ -11,6 +11,7 @@ from .. import config as config_mod
 from ..artifacts import Artifacts
 from ..errors import OrtflowError
 from ..graphs import pipeline
+from ..graphs.description import read_description
 from ..training.preflight import FAIL, OK, SKIP, Check, check_checkpoint_disk, check_memory
 
 
@@ -40,6 +41,6 @@ def model_checks(args, config: config_mod.Config, world_size: int) -> list[Check
     if not model.model_json.is_file():
         why = f"skipped: no {model.model_json} (build the artifacts first: snakemake build_artifacts)"
         return [Check("memory", SKIP, why), Check("checkpoint disk", SKIP, why)]
-    description, train = model.description(), dataclasses.replace(config.train, world_size=world_size)
+    description, train = read_description(model.model_json), dataclasses.replace(config.train, world_size=world_size)
     return [check_memory(description, train, held=pipeline.held_by_stages(model)),
             check_checkpoint_disk(description, train, Path("results"))]

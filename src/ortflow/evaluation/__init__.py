@@ -12,6 +12,7 @@ import math
 import numpy as np
 
 from ..data.shards import ShardReader
+from ..graphs.description import ModelDescription
 from ..models import CLASS_LOSSES, IGNORE_INDEX
 
 
@@ -36,7 +37,7 @@ def label_layout(logits: np.ndarray, labels: np.ndarray, loss: str) -> np.ndarra
     return logits.reshape(labels.shape)
 
 
-def batch_totals(loss: float, logits: np.ndarray | None, labels: np.ndarray, info: dict,
+def batch_totals(loss: float, logits: np.ndarray | None, labels: np.ndarray, info: ModelDescription,
                  num_classes: int = 0, entity_tags: list[str] | None = None) -> np.ndarray:
     """[loss sum, correct predictions, count] of one eval batch, then with
     `num_classes` each class's correct predictions, count and predictions, then
@@ -48,14 +49,14 @@ def batch_totals(loss: float, logits: np.ndarray | None, labels: np.ndarray, inf
     classes). Labels of IGNORE_INDEX (padding, sub-tokens) count nowhere."""
     # The loss is a mean over the batch's elements (samples, or tokens for a language model)
     # that it does not ignore; a batch with none adds nothing (its mean is not a number).
-    task = info["task"]
-    kept = labels != IGNORE_INDEX if info["loss"] in CLASS_LOSSES else np.ones(labels.shape, dtype=bool)
+    task = info.task
+    kept = labels != IGNORE_INDEX if info.loss in CLASS_LOSSES else np.ones(labels.shape, dtype=bool)
     n = int(kept.sum()) if task != "regression" else len(labels)
     hits = np.zeros(labels.shape, dtype=bool)
     predicted = np.full(labels.shape, -1, dtype=np.int64)  # no prediction: counted as none of the classes
     if logits is not None and task != "regression":
-        logits = label_layout(logits, labels, info["loss"])
-        predicted = np.argmax(logits, axis=1) if info["loss"] in CLASS_LOSSES else (logits > 0)
+        logits = label_layout(logits, labels, info.loss)
+        predicted = np.argmax(logits, axis=1) if info.loss in CLASS_LOSSES else (logits > 0)
         hits = (predicted == labels) & kept
     per_class = []
     if num_classes:
@@ -122,14 +123,14 @@ def eval_results(totals, task: str, classes: list[str] | None = None, entities: 
     return results
 
 
-def class_names(reader: ShardReader, info: dict) -> list[str] | None:
+def class_names(reader: ShardReader, info: ModelDescription) -> list[str] | None:
     """The names of a classifier's classes: a label of strings' own (the manifest's `classes`), else the ids."""
-    if info["task"] != "classification":
+    if info.task != "classification":
         return None
-    return reader.manifest.get("classes") or [str(i) for i in range(info["num_classes"])]
+    return list(reader.manifest.classes or [str(i) for i in range(info.num_classes)])
 
 
-def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, data_label: str,
+def evaluate(module, reader: ShardReader, comm, info: ModelDescription, batch_size: int, data_label: str,
              records: int | None = None) -> dict:
     """Mean loss over the eval split (or `records` of it, spread over the split), and
     accuracy and each class's accuracy (classification) or perplexity (language model);
@@ -138,7 +139,7 @@ def evaluate(module, reader: ShardReader, comm, info: dict, batch_size: int, dat
     names = module.input_names()
     tally = Tally(reader, info, data_label)
     for batch in reader.eval_batches(comm.rank, comm.world_size, batch_size, records):
-        tally.add(batch, module(*feeds(batch, names, info["label"]["name"], data_label)))
+        tally.add(batch, module(*feeds(batch, names, info.label.name, data_label)))
     module.train()
     return tally.results(comm.allreduce_sum(tally.totals))
 
@@ -148,10 +149,10 @@ class Tally:
     every rank: on one rank's Module (evaluate) or through pipeline stages, whose last stage
     adds (training/pipeline_schedule.py)."""
 
-    def __init__(self, reader: ShardReader, info: dict, data_label: str):
+    def __init__(self, reader: ShardReader, info: ModelDescription, data_label: str):
         self.info, self.data_label = info, data_label
         self.classes = class_names(reader, info)
-        self.entity_tags = bio_tags(self.classes, reader.manifest["label"]["shape"])
+        self.entity_tags = bio_tags(self.classes, reader.manifest.label.shape)
         self.totals = np.zeros(3 + 3 * len(self.classes or []) + (3 if self.entity_tags else 0))
 
     def add(self, batch: dict, outputs) -> None:
@@ -161,4 +162,4 @@ class Tally:
                                     self.entity_tags)
 
     def results(self, summed: np.ndarray) -> dict:
-        return eval_results(summed, self.info["task"], self.classes, entities=bool(self.entity_tags))
+        return eval_results(summed, self.info.task, self.classes, entities=bool(self.entity_tags))

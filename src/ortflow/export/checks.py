@@ -33,6 +33,7 @@ from ..artifacts import Artifacts
 from ..checkpoints.ort_format import read_ort_checkpoint
 from ..errors import ModelError
 from ..evaluation import feeds, outputs_of
+from ..graphs.description import ModelDescription
 from ..inference import inference_output, input_feeds, loss_of
 from ..models import DECODER_INPUT_IDS
 from ..models.torch_export import SEQUENCE, TARGET_SEQUENCE
@@ -59,9 +60,9 @@ class ExportError(ModelError):
     """The exported model fails a check; the message says which and by how much."""
 
 
-def check_interface(model, info: dict, where: Path) -> None:
+def check_interface(model, info: ModelDescription, where: Path) -> None:
     """The data's feature names as inputs, the model's output as the one output, a dynamic batch dimension."""
-    expected = sorted(i["name"] for i in info["inputs"])
+    expected = sorted(i.name for i in info.inputs)
     inputs = sorted(i.name for i in model.graph.input)
     if inputs != expected:
         raise ExportError(f"{where}: inputs {inputs}, expected the data's features {expected}")
@@ -99,7 +100,7 @@ def compare(name: str, actual: np.ndarray, expected: np.ndarray) -> float:
     return worst
 
 
-def eval_graph_outputs(files: Artifacts, checkpoint: Path, info: dict, eval_batch: dict,
+def eval_graph_outputs(files: Artifacts, checkpoint: Path, info: ModelDescription, eval_batch: dict,
                        data_label: str) -> tuple[float, np.ndarray]:
     """(loss, logits) of the eval graph on `eval_batch` with the merged `checkpoint`'s weights,
     fed as the training Module's eval step feeds them, as inputs; here to a plain session, from
@@ -110,25 +111,25 @@ def eval_graph_outputs(files: Artifacts, checkpoint: Path, info: dict, eval_batc
     session = ort.InferenceSession(str(files.eval_model), training_options(), providers=["CPUExecutionProvider"])
     names = [value.name for value in session.get_inputs()]
     data = [name for name in names if name not in weights]
-    inputs = dict(zip(data, feeds(eval_batch, data, info["label"]["name"], data_label)))
+    inputs = dict(zip(data, feeds(eval_batch, data, info.label.name, data_label)))
     return outputs_of(session.run(None, inputs | {name: weights[name] for name in names if name in weights}))
 
 
-def check_outputs(path: Path, info: dict, batch: dict, expected: tuple[float, np.ndarray],
+def check_outputs(path: Path, info: ModelDescription, batch: dict, expected: tuple[float, np.ndarray],
                   data_label: str) -> np.ndarray:
     """The exported model on `batch` against the eval graph's (loss, logits) on the same
     weights and records (`expected`, from eval_graph_outputs: standardized where the exported
     model standardizes itself), then ONNX's reference evaluator, each with the other's weights
     out of memory. Returns the exported model's output on `batch`."""
-    names = list(dict.fromkeys([inference_output(info), info["outputs"]["logits"]]))
+    names = list(dict.fromkeys([inference_output(info), info.outputs.logits]))
     session = inference_session(path, also=tuple(names), prepacked=False)
     results = dict(zip(names, session.run(names, input_feeds(session, batch))))
     few = {name: array[:REFERENCE_RECORDS] for name, array in input_feeds(session, batch).items()}
     del session
-    logits = results[info["outputs"]["logits"]]
+    logits = results[info.outputs.logits]
     eval_loss, eval_logits = expected
     worst = compare("exported logits vs the eval graph's", logits, eval_logits)
-    loss = loss_of(logits, batch[data_label], info["loss"])
+    loss = loss_of(logits, batch[data_label], info.loss)
     compare("loss from the exported logits vs the eval graph's", np.array(loss), np.array(eval_loss))
     log.info("%d eval records: logits within %.3g of the eval graph's, loss %.6g (eval graph %.6g)",
              len(batch[data_label]), worst, loss, eval_loss)
@@ -205,7 +206,7 @@ def lengthened(tokens: np.ndarray, length: int) -> np.ndarray:
     return np.concatenate([tokens] * -(-length // tokens.shape[1]), axis=1)[:, :length]
 
 
-def check_sequence_lengths(path: Path, info: dict, batch: dict, output: np.ndarray, limit: int | None) -> None:
+def check_sequence_lengths(path: Path, info: ModelDescription, batch: dict, output: np.ndarray, limit: int | None) -> None:
     """A text model exported with a dynamic sequence dimension (models/torch_export.py) run on
     `batch` at 1 token and at twice data.context (or the most positions the model has, `limit`):
     its output must have that length where the training length's `output` has it and, for a
@@ -242,11 +243,11 @@ def check_sequence_lengths(path: Path, info: dict, batch: dict, output: np.ndarr
         if list(scores.shape) != expected:
             raise ExportError(f"{path}: at {length} token(s) its output has shape {list(scores.shape)}, expected "
                               f"{expected} (at data.context={context}: {list(output.shape)})")
-        if info["task"] == "language_model" and axis is not None:
+        if info.task == "language_model" and axis is not None:
             shared = min(length, context)
             compare(f"the first {shared} position(s)' logits at {length} token(s) vs at data.context={context}",
                     scores.take(range(shared), axis), output.take(range(shared), axis))
     log.info("dynamic sequence length: %d eval records at %s token(s) (data.context %d%s) give outputs of that "
              "length%s", len(output), " and ".join(map(str, lengths)), context,
              f", positions up to {limit}" if limit else "",
-             ", and the first positions' logits those of data.context" if info["task"] == "language_model" else "")
+             ", and the first positions' logits those of data.context" if info.task == "language_model" else "")

@@ -21,6 +21,8 @@ import numpy as np
 
 from .. import atomic
 from ..config import Config
+from ..data.manifest import Manifest
+from ..graphs.description import ModelDescription
 from ..graphs.forward_model import base_torch_module, torch_module
 from ..models import lora, save_trained
 from ..models.user import forward_features
@@ -29,20 +31,20 @@ from .checks import compare
 log = logging.getLogger("ortflow.export")
 
 
-def trained_torch_module(config: Config, info: dict, manifest: dict, checkpoint_dir: Path):
+def trained_torch_module(config: Config, info: ModelDescription, manifest: Manifest, checkpoint_dir: Path):
     """The torch module of a `kind: torch` or `transformers` model, built as build_artifacts built
     it (with model.lora's adapters), with the merged checkpoint's weights; None for other kinds."""
     if config.model.kind not in ("torch", "transformers"):
         return None
     with save_trained.quietly():
-        module = torch_module(config.model, manifest, info["loss"], config.run.seed)
-        if "lora" in info:
+        module = torch_module(config.model, manifest, info.loss, config.run.seed)
+        if info.lora:
             module = lora.apply(module, config.model.lora)
         save_trained.load_trained(module, checkpoint_dir)
     return module.eval()
 
 
-def write_torch_formats(config: Config, module, info: dict, manifest: dict, batch: dict, output: np.ndarray,
+def write_torch_formats(config: Config, module, info: ModelDescription, manifest: Manifest, batch: dict, output: np.ndarray,
                         folder: Path) -> None:
     """Into `folder`, the trained model in its own framework's format (models/save_trained.py):
     `transformers/` for kind transformers, `model.safetensors` for kind torch, each read back as
@@ -51,7 +53,7 @@ def write_torch_formats(config: Config, module, info: dict, manifest: dict, batc
     import shutil
 
     kind = config.model.kind
-    if "lora" in info:
+    if info.lora:
         module = write_adapter(config, module, info, manifest, batch, output, folder)
     else:
         shutil.rmtree(folder / lora.ADAPTER, ignore_errors=True)
@@ -62,7 +64,7 @@ def write_torch_formats(config: Config, module, info: dict, manifest: dict, batc
     if kind == "transformers":
         target = folder / save_trained.TRANSFORMERS
         with atomic.folder(target) as tmp, save_trained.quietly():
-            save_trained.save_pretrained(module, config.model.path, config.data.tokenizer, manifest.get("tokenizer"),
+            save_trained.save_pretrained(module, config.model.path, config.data.tokenizer, manifest.tokenizer,
                                          tmp)
             loaded = save_trained.from_pretrained(module, tmp)
             check_torch_outputs(f"{target} through {type(loaded.model).__name__}.from_pretrained", loaded, manifest,
@@ -72,12 +74,12 @@ def write_torch_formats(config: Config, module, info: dict, manifest: dict, batc
         with atomic.file(target) as tmp:
             save_trained.save_state_dict(module, tmp)
             with save_trained.quietly():
-                fresh = torch_module(config.model, manifest, info["loss"], config.run.seed)
+                fresh = torch_module(config.model, manifest, info.loss, config.run.seed)
             save_trained.read_state_dict(fresh, tmp)
             check_torch_outputs(f"{target} through load_state_dict", fresh, manifest, batch, output)
 
 
-def write_adapter(config: Config, module, info: dict, manifest: dict, batch: dict, output: np.ndarray,
+def write_adapter(config: Config, module, info: ModelDescription, manifest: Manifest, batch: dict, output: np.ndarray,
                   folder: Path):
     """The LoRA `module`'s adapters alone into `folder`/adapter/ (models/lora.py), read back with
     PeftModel.from_pretrained on the base model as build_artifacts built it (model.path's,
@@ -87,13 +89,13 @@ def write_adapter(config: Config, module, info: dict, manifest: dict, batch: dic
     with atomic.folder(target) as tmp:
         lora.save_adapter(module, tmp)
         with save_trained.quietly():
-            base = base_torch_module(config.model, manifest, info["loss"], config.run.seed)
+            base = base_torch_module(config.model, manifest, info.loss, config.run.seed)
             loaded = lora.load_adapter(base, tmp)
         check_torch_outputs(f"{target} through PeftModel.from_pretrained", loaded, manifest, batch, output)
     return lora.merge(module)
 
 
-def check_torch_outputs(name: str, module, manifest: dict, batch: dict, output: np.ndarray) -> None:
+def check_torch_outputs(name: str, module, manifest: Manifest, batch: dict, output: np.ndarray) -> None:
     worst = compare(f"{name}: its output vs the exported model's",
                     save_trained.outputs(module, forward_features(module, manifest), batch), output)
     log.info("%s: output on %d eval records within %.3g of the exported model's", name, len(output), worst)

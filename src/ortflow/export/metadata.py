@@ -17,11 +17,12 @@ from pathlib import Path
 
 from .. import atomic
 from ..checkpoints.best import chosen
+from ..data.manifest import Manifest
 from ..data.shards import TOKENIZER
 from ..errors import DataError
 
 
-def properties(run: str, meta: dict, manifest: dict) -> dict:
+def properties(run: str, meta: dict, manifest: Manifest) -> dict:
     """The model's metadata properties: where it came from (run `run`, the merged checkpoint's
     `meta`) and what its outputs and inputs mean (the eval split's `manifest`)."""
     from .. import __version__
@@ -36,29 +37,29 @@ def properties(run: str, meta: dict, manifest: dict) -> dict:
     return props | data_properties(manifest)
 
 
-def data_properties(manifest: dict) -> dict:
+def data_properties(manifest: Manifest) -> dict:
     """The metadata properties that say what the model's outputs and inputs mean: class names, the tokenizer."""
     props = {}
-    if manifest.get("classes"):
-        props["ortflow.classes"] = json.dumps(manifest["classes"])
-    if manifest.get("tokenizer"):
+    if manifest.classes:
+        props["ortflow.classes"] = json.dumps(manifest.classes)
+    if manifest.tokenizer:
         props["ortflow.tokenizer"] = TOKENIZER
-        props["ortflow.tokenizer_sha256"] = manifest["tokenizer"]["sha256"]
+        props["ortflow.tokenizer_sha256"] = manifest.tokenizer["sha256"]
     return props
 
 
-def copy_tokenizer(eval_dir: Path, manifest: dict, folder: Path) -> None:
+def copy_tokenizer(eval_dir: Path, manifest: Manifest, folder: Path) -> None:
     """The tokenizer of the data (the eval split's TOKENIZER, checked against its
     manifest) into `folder`, beside the model; an earlier run's removed when there is none."""
     import hashlib
 
     target = folder / TOKENIZER
-    if not manifest.get("tokenizer"):
+    if not manifest.tokenizer:
         target.unlink(missing_ok=True)
         return
     source = eval_dir / TOKENIZER
     content = source.read_bytes() if source.is_file() else b""
-    if hashlib.sha256(content).hexdigest() != manifest["tokenizer"]["sha256"]:
+    if hashlib.sha256(content).hexdigest() != manifest.tokenizer["sha256"]:
         raise DataError(f"{source}: missing, or changed since prepare_data wrote it (its sha256 is not the one in "
                         f"{eval_dir / 'manifest.json'}); rerun prepare_data")
     atomic.write_bytes(target, content)

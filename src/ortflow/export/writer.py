@@ -21,6 +21,7 @@ from ..artifacts import Artifacts
 from ..checkpoints.ort_format import read_ort_checkpoint
 from ..data import standardize
 from ..graphs import inference_model
+from ..graphs.description import ModelDescription
 from ..inference import inference_output, set_metadata
 from ..models import lora
 from ..models.torch_export import add_inputs
@@ -29,7 +30,7 @@ from .checks import check_interface
 log = logging.getLogger("ortflow.export")
 
 
-def write_inference_model(files: Artifacts, checkpoint: Path, info: dict, tmp: Path, out: Path, reader, props: dict,
+def write_inference_model(files: Artifacts, checkpoint: Path, info: ModelDescription, tmp: Path, out: Path, reader, props: dict,
                           adapted=None) -> None:
     """The inference graph (graphs/inference_model.py: the eval graph cut down to the model's output)
     with the merged `checkpoint`'s weights into `tmp` (in `<out>.data` over
@@ -46,7 +47,7 @@ def write_inference_model(files: Artifacts, checkpoint: Path, info: dict, tmp: P
     inference_model.add_weights(model, weights, tmp, out)
     del weights
     base = external_data.load_model(files.base_model, load_data=False)
-    if inference_output(info) != info["outputs"]["logits"]:
+    if inference_output(info) != info.outputs.logits:
         # The eval graph returns the logits; the model's own output keeps the type the model gave it.
         model.graph.output[0].CopyFrom(base.graph.output[0])
     # An input that nothing reads (models/hugging_face.py), which the cut graph drops, as the model had it.

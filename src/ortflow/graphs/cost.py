@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import math
 
+from ..data.manifest import Manifest
 from ..models import is_float
 from ..models.export_fixes import symbolic_shape_inference
 from ..models.torch_export import sequence_features, sequence_name
@@ -14,7 +15,7 @@ from ..models.torch_export import sequence_features, sequence_name
 log = logging.getLogger("ortflow.build_artifacts")
 
 
-def per_sample_values(base, manifest: dict) -> dict[str, tuple[list[int], int]]:
+def per_sample_values(base, manifest: Manifest) -> dict[str, tuple[list[int], int]]:
     """Name -> (shape, bytes per element) of every value of the forward model whose
     shape is known for a batch of one sample of the data of `manifest` (a text model's
     dynamic sequence dimension at the data's length). ONNX Runtime's symbolic shape
@@ -28,8 +29,8 @@ def per_sample_values(base, manifest: dict) -> dict[str, tuple[list[int], int]]:
     del model.graph.value_info[:]
     initializers = {t.name for t in model.graph.initializer}
     # A dimension named like the sequence's has the length of the data's text (models/torch_export.py).
-    lengths = {"batch": 1} | {sequence_name(f["name"]): f["shape"][0] for f in manifest["features"]
-                              if f["name"] in sequence_features(manifest, manifest["features"])}
+    lengths = {"batch": 1} | {sequence_name(f.name): f.shape[0] for f in manifest.features
+                              if f.name in sequence_features(manifest, manifest.features)}
     for value in [*model.graph.input, *model.graph.output]:
         if value.name not in initializers and value.type.tensor_type.shape.dim:
             value.type.tensor_type.shape.dim[0].dim_param = "batch"

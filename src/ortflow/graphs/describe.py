@@ -13,11 +13,13 @@ from pathlib import Path
 from ..artifacts import Artifacts
 from ..models.logits import Logits
 from . import recompute
+from .description import Flops, ModelDescription, Outputs, Tensor
 from .cost import batch_values, eval_bytes, forward_flops, per_sample_values
 from .parameters import embedding_tables, float_initializers
 
 
-def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logits: Logits, blocks: list) -> dict:
+def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logits: Logits,
+             blocks: list) -> ModelDescription:
     """model.json's description of the forward model `base` of kind `kind`, trained on the data of
     `manifest` with `loss`, from the training graph generated into `out` (with the recomputed
     `blocks`), but for what build_artifacts adds (see above)."""
@@ -28,34 +30,33 @@ def describe(base, manifest, loss, trainable, frozen, out: Path, kind: str, logi
     values = per_sample_values(base, manifest)
     forward = forward_flops(base, values)
     batch = batch_values(base, values)
-    label = manifest["label"]
+    label = manifest.label
     with_blocks = None if blocks else recompute.activation_bytes_with_blocks(training.graph, batch)
-    return {
-        "kind": kind,
-        "task": manifest["task"],
-        "loss": loss,
-        "num_classes": manifest["num_classes"],
-        "inputs": [{"name": f["name"], "dtype": f["dtype"], "shape": ["batch", *f["shape"]]} for f in manifest["features"]],
-        "label": {"name": label["name"], "dtype": label["dtype"], "shape": ["batch", *label["shape"]]},
+    return ModelDescription(
+        kind=kind,
+        task=manifest.task,
+        loss=loss,
+        num_classes=manifest.num_classes,
+        inputs=tuple(Tensor(f.name, f.dtype, ("batch", *f.shape)) for f in manifest.features),
+        label=Tensor(label.name, label.dtype, ("batch", *label.shape)),
         # The graphs return the loss and the logits; the inference model returns the model's own output,
         # which differs from the logits after a final Softmax (models/logits.py).
-        "outputs": {"loss": training.graph.output[0].name, "logits": logits.name,
-                    "inference": base.graph.output[0].name},
-        "parameters": sum(sizes.values()),
-        "trainable_parameters": sum(sizes[n] for n in trainable),
-        "trainable": trainable,
-        "frozen": frozen,
-        "embeddings": embedding_tables(base, trainable),
+        outputs=Outputs(training.graph.output[0].name, logits.name, base.graph.output[0].name),
+        parameters=sum(sizes.values()),
+        trainable_parameters=sum(sizes[n] for n in trainable),
+        trainable=tuple(trainable),
+        frozen=tuple(frozen),
+        embeddings=tuple(embedding_tables(base, trainable)),
         # Backward is counted as twice the forward (a gradient for the input and
         # one for the weights per multiply-add), the usual estimate.
-        "flops_per_sample": {"forward": forward, "backward": 2 * forward},
+        flops_per_sample=Flops(forward, 2 * forward),
         # What training keeps for the backward pass at most, the part of a rank's memory that
         # grows with the micro-batch (preflight.memory_estimate); with train.recompute, what
         # the rewritten graph keeps plus the largest block recomputed (graphs/recompute.py).
-        "activation_bytes_per_sample": recompute.activation_bytes(training.graph, blocks, batch) if blocks
+        activation_bytes_per_sample=recompute.activation_bytes(training.graph, blocks, batch) if blocks
         else sum(batch.values()),
-        # Without train.recompute, what `blocks` would make it, for preflight's fixes (absent
+        # Without train.recompute, what `blocks` would make it, for preflight's fixes (None
         # where recompute is on or the model has no blocks).
-        **({"activation_bytes_per_sample_recompute_blocks": with_blocks} if with_blocks else {}),
-        "eval_bytes_per_sample": eval_bytes(base, batch, logits.name),
-    }
+        activation_bytes_per_sample_recompute_blocks=with_blocks or None,
+        eval_bytes_per_sample=eval_bytes(base, batch, logits.name),
+    )

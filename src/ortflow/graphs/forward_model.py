@@ -7,11 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import external_data
+from ..data.manifest import Manifest
 from ..errors import ModelError
 from ..models.torch_export import export_torch
 
 
-def base_model(model, manifest: dict, loss: str, seed: int, path: Path):
+def base_model(model, manifest: Manifest, loss: str, seed: int, path: Path):
     """Write the forward ONNX model to `path`, with `model.weights` loaded if given and
     `model.lora`'s adapters added after them; return it, the names of the torch parameters
     that train (None for an ONNX file: every float initializer) and what model.json records
@@ -42,7 +43,7 @@ def base_model(model, manifest: dict, loss: str, seed: int, path: Path):
     return export_torch(module, manifest, path), trainable, described
 
 
-def base_torch_module(model, manifest: dict, loss: str, seed: int):
+def base_torch_module(model, manifest: Manifest, loss: str, seed: int):
     """The torch module of `model` with `model.weights` loaded: what build_artifacts exports,
     or with model.lora the base that the adapters go on."""
     from ..models import weights
@@ -54,7 +55,7 @@ def base_torch_module(model, manifest: dict, loss: str, seed: int):
     return module
 
 
-def torch_module(model, manifest: dict, loss: str, seed: int):
+def torch_module(model, manifest: Manifest, loss: str, seed: int):
     """The torch module of a `model.kind` other than onnx, as constructed (before `model.weights`):
     what build_artifacts exports, and what export_model loads the trained weights into."""
     import torch
@@ -71,7 +72,7 @@ def torch_module(model, manifest: dict, loss: str, seed: int):
     return built_in(model, manifest, loss)
 
 
-def check_interface(base, manifest: dict) -> None:
+def check_interface(base, manifest: Manifest) -> None:
     """The model's inputs are the data's features (names and element types),
     and it has one output, the logits."""
     import onnx
@@ -79,13 +80,13 @@ def check_interface(base, manifest: dict) -> None:
     initializers = {t.name for t in base.graph.initializer}
     inputs = [i for i in base.graph.input if i.name not in initializers]
     model_names = [i.name for i in inputs]
-    data_names = [f["name"] for f in manifest["features"]]
+    data_names = [f.name for f in manifest.features]
     if sorted(model_names) != sorted(data_names):
         raise ModelError(
             f"model inputs {model_names} do not match the data's feature names {data_names}; "
             "name the model's inputs like data.features (or set data.features to the model's input names)"
         )
-    dtypes = {f["name"]: f["dtype"] for f in manifest["features"]}
+    dtypes = {f.name: f.dtype for f in manifest.features}
     for i in inputs:
         dtype = onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type).name
         if dtype != dtypes[i.name]:
@@ -94,10 +95,10 @@ def check_interface(base, manifest: dict) -> None:
         raise ModelError(
             f"the model has outputs {[o.name for o in base.graph.output]}; ortflow trains a model with one output (the logits)"
         )
-    if manifest["label"]["name"] in {n for node in base.graph.node for n in [*node.input, *node.output]} | set(
+    if manifest.label.name in {n for node in base.graph.node for n in [*node.input, *node.output]} | set(
         model_names
     ):
         raise ModelError(
-            f"the data's label name {manifest['label']['name']!r} is already a tensor name in the model; "
+            f"the data's label name {manifest.label.name!r} is already a tensor name in the model; "
             "rename data.label"
         )

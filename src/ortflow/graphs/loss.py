@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..data.manifest import Column, Manifest
 from ..errors import ModelError
 from ..models import CLASS_LOSSES, IGNORE_INDEX
 from ..models.logits import Logits
@@ -13,18 +14,18 @@ from ..models.logits import Logits
 LOSS_BLOCKS = {"cross_entropy": "CrossEntropyLoss", "mse": "MSELoss", "l1": "L1Loss"}
 
 
-def resolve_loss(loss: str, manifest: dict, model_task: str | None = None) -> str:
+def resolve_loss(loss: str, manifest: Manifest, model_task: str | None = None) -> str:
     """`model.loss`, with `auto` chosen by the task (the data's, and a `kind: transformers`
     model's `model_task`), checked against the label."""
-    task, label = manifest["task"], manifest["label"]
+    task, label = manifest.task, manifest.label
     if loss == "auto" and model_task:
         from ..models.hugging_face import default_loss, task_of
 
         loss = default_loss(task_of(model_task, manifest), manifest)
     if loss == "auto":
         loss = "mse" if task == "regression" else "cross_entropy"
-    integral = np.issubdtype(np.dtype(label["dtype"]), np.integer) or label["dtype"] == "bool"
-    described = f"the data's label {label['name']!r} is {label['dtype']} (task {task})"
+    integral = np.issubdtype(np.dtype(label.dtype), np.integer) or label.dtype == "bool"
+    described = f"the data's label {label.name!r} is {label.dtype} (task {task})"
     if loss in CLASS_LOSSES and not integral:
         raise ModelError(
             f"model.loss: {loss!r} needs integer class labels but {described}; "
@@ -34,15 +35,15 @@ def resolve_loss(loss: str, manifest: dict, model_task: str | None = None) -> st
         raise ModelError(
             f"model.loss: {loss!r} compares outputs with float targets but {described}; use cross_entropy for classes"
         )
-    if loss == "bce_with_logits" and integral and manifest["num_classes"] != 2:
+    if loss == "bce_with_logits" and integral and manifest.num_classes != 2:
         raise ModelError(
             f"model.loss: 'bce_with_logits' needs float targets in [0, 1] or two classes but {described} "
-            f"with {manifest['num_classes']} classes; use cross_entropy"
+            f"with {manifest.num_classes} classes; use cross_entropy"
         )
     return loss
 
 
-def loss_block(loss: str, label: dict, logits: Logits):
+def loss_block(loss: str, label: Column, logits: Logits):
     """ORT's loss block behind a label input that has the data's name, dtype
     and shape ([batch, *label shape]); ORT's own blocks would derive the label's
     shape from the logits, which is wrong for [batch, classes, time] logits.
@@ -71,18 +72,18 @@ def loss_block(loss: str, label: dict, logits: Logits):
                 dims = f"{logits_name}.label_layout_shape"
                 kept = [0, 0] if loss in CLASS_LOSSES else [0]
                 self.base.graph.initializer.append(
-                    onnx.numpy_helper.from_array(np.array([*kept, *label["shape"]], np.int64), dims))
+                    onnx.numpy_helper.from_array(np.array([*kept, *label.shape], np.int64), dims))
                 squeezed = f"{logits_name}.label_layout"
                 self.base.graph.node.append(onnx.helper.make_node("Reshape", [logits_name, dims], [squeezed]))
                 logits_name = squeezed
-            elem_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(label["dtype"]))
-            shape = ["batch", *label["shape"]]
-            self.base.graph.input.append(onnx.helper.make_tensor_value_info(label["name"], elem_type, shape))
+            elem_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(label.dtype))
+            shape = ["batch", *label.shape]
+            self.base.graph.input.append(onnx.helper.make_tensor_value_info(label.name, elem_type, shape))
             # A node's output, not the graph input itself: ORT's loss blocks
             # look for their target among node arguments and add another input otherwise.
             wanted = onnx.TensorProto.INT64 if loss in CLASS_LOSSES else onnx.TensorProto.FLOAT
-            target = f"{label['name']}.{onnx.TensorProto.DataType.Name(wanted).lower()}"
-            self.base.graph.node.append(onnx.helper.make_node("Cast", [label["name"]], [target], to=wanted))
+            target = f"{label.name}.{onnx.TensorProto.DataType.Name(wanted).lower()}"
+            self.base.graph.node.append(onnx.helper.make_node("Cast", [label.name], [target], to=wanted))
             return self.inner(logits_name, target)
 
     return LabelledLoss()

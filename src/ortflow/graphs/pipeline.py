@@ -87,6 +87,7 @@ import numpy as np
 
 from .. import external_data
 from ..artifacts import Artifacts
+from ..data.manifest import Column, Manifest
 from ..errors import ConfigError, ModelError
 from ..models import is_float
 from ..models.export_fixes import infer_shapes
@@ -262,7 +263,7 @@ def boundaries(graph, weighted: set[str]) -> list[tuple[int, str]]:
     return found
 
 
-def node_costs(model, balance: str, manifest: dict | None) -> list[int]:
+def node_costs(model, balance: str, manifest: Manifest | None) -> list[int]:
     """Per node in graph order: the elements of the float initializers it is the first to
     read (`parameters`), or its forward FLOPs per sample (`flops`, graphs/cost.py)."""
     from .cost import node_flops, per_sample_values
@@ -312,7 +313,7 @@ def balanced_cuts(candidates: list[tuple[int, str]], costs: list[int], stages: i
 
 
 def cut(base, stages: int, balance: str = "parameters", at: list[str] | None = None,
-        manifest: dict | None = None) -> Plan:
+        manifest: Manifest | None = None) -> Plan:
     """Cut the forward model `base` (with its weights) into `stages` stages, at the
     tensors `at` if given, else balanced by `balance` (`flops` reads the data's shapes
     from `manifest`); refuse an impossible cut in one line."""
@@ -446,7 +447,7 @@ def upstream_product(output):
     return UpstreamProduct()
 
 
-def build(plan: Plan, trainable: list[str], loss: str, label: dict, optimizer, out: Path, logits) -> list[Path]:
+def build(plan: Plan, trainable: list[str], loss: str, label: Column, optimizer, out: Path, logits) -> list[Path]:
     """Each stage's artifacts in `out`/stage-<s> (Artifacts.stage): its forward model, training,
     eval and optimizer graphs and initial checkpoint; and the plan in `out`/pipeline.json.
     Returns the stages' folders."""

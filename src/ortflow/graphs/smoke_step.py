@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..artifacts import Artifacts
+from ..data.manifest import Manifest
 from ..errors import ModelError
 from ..sessions import inference_session, quiet_logging, training_options
 from . import precision
@@ -21,7 +22,7 @@ log = logging.getLogger("ortflow.build_artifacts")
 SMOKE_RECORDS = 2
 
 
-def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
+def smoke_step(out: Path, train_dir: Path, manifest: Manifest) -> float:
     """One forward and backward on the first train records, so that a model
     whose output does not fit the loss fails here, not on the training ranks."""
     from onnxruntime.training import api
@@ -46,7 +47,7 @@ def smoke_step(out: Path, train_dir: Path, manifest: dict) -> float:
     return float(loss)
 
 
-def smoke_step_error(error: Exception, batch: dict, manifest: dict, base_model: Path) -> ModelError:
+def smoke_step_error(error: Exception, batch: dict, manifest: Manifest, base_model: Path) -> ModelError:
     """What failed in the smoke step: a node of the backward pass (ONNX Runtime's
     gradient nodes are named `<node>_Grad/...` and `AccumulateGrad_...`), or the
     forward pass and loss, where the model's output most often does not fit the
@@ -55,7 +56,7 @@ def smoke_step_error(error: Exception, batch: dict, manifest: dict, base_model: 
     import re
 
     text = str(error).strip()
-    label = batch[manifest["label"]["name"]]
+    label = batch[manifest.label.name]
     node = re.search(r"running (\w+) node\. Name:'([^']*)' Status Message: (.*)", text)
     if node and ("_Grad/" in node[2] or node[2].startswith("AccumulateGrad")):
         return ModelError(
@@ -70,7 +71,7 @@ def smoke_step_error(error: Exception, batch: dict, manifest: dict, base_model: 
     except Exception:  # the forward model fails on its own: ORT's message below says why
         output = "?"
     return ModelError(
-        f"the model's output is {output} and the data's label {manifest['label']['name']!r} is {list(label.shape)} "
+        f"the model's output is {output} and the data's label {manifest.label.name!r} is {list(label.shape)} "
         f"on a batch of {len(label)} records, which model.loss cannot take ({(status[1] if status else text)[:300]}); "
         "the logits must be [batch, classes, *label dims] for cross_entropy, the label's shape for the other losses"
     )

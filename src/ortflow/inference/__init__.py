@@ -8,13 +8,13 @@ import numpy as np
 
 from ..errors import ModelError
 from ..evaluation import label_layout
+from ..graphs.description import ModelDescription
 from ..models import IGNORE_INDEX
 
 
-def inference_output(info: dict) -> str:
-    """The inference model's output: the model's own, which is the logits unless the model ends in a Softmax
-    (model.json `outputs`; artifacts built before that distinction have only `logits`)."""
-    return info["outputs"].get("inference", info["outputs"]["logits"])
+def inference_output(info: ModelDescription) -> str:
+    """The inference model's output: the model's own, which is the logits unless the model ends in a Softmax."""
+    return info.inference_output
 
 
 def input_feeds(session, batch: dict) -> dict:

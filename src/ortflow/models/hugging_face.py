@@ -88,17 +88,17 @@ def attention(model_type: str) -> str:
 
 
 def is_image(feature: dict) -> bool:
-    return feature["dtype"].startswith("float") and len(feature["shape"]) == 3
+    return feature.dtype.startswith("float") and len(feature.shape) == 3
 
 
-def task_of(task: str, manifest: dict) -> str:
+def task_of(task: str, manifest) -> str:
     """`model.task` with `auto` resolved from the data, checked against it."""
-    data_task, label, features = manifest["task"], manifest["label"], manifest["features"]
-    per_token = data_task == "classification" and len(label["shape"]) == 1 and any(
-        f["shape"] == label["shape"] and not f["dtype"].startswith("float") for f in features)
+    data_task, label, features = manifest.task, manifest.label, manifest.features
+    per_token = data_task == "classification" and len(label.shape) == 1 and any(
+        f.shape == label.shape and not f.dtype.startswith("float") for f in features)
     image = any(is_image(f) for f in features)
     if data_task == "language_model":
-        found = "seq2seq" if any(f["name"] == DECODER_INPUT_IDS for f in features) else "causal-lm"
+        found = "seq2seq" if any(f.name == DECODER_INPUT_IDS for f in features) else "causal-lm"
     elif data_task == "regression":
         found = "regression"
     elif image:
@@ -119,18 +119,18 @@ def task_of(task: str, manifest: dict) -> str:
     return task
 
 
-def describe(manifest: dict) -> str:
-    label = manifest["label"]
-    what = {"language_model": "target texts" if any(f["name"] == DECODER_INPUT_IDS for f in manifest["features"])
+def describe(manifest) -> str:
+    label = manifest.label
+    what = {"language_model": "target texts" if any(f.name == DECODER_INPUT_IDS for f in manifest.features)
             else "text windows (next-token prediction)", "regression": "float targets",
-            "classification": f"{manifest['num_classes']} classes"}[manifest["task"]]
-    return f"{what}, label {label['name']!r} of shape {label['shape']}"
+            "classification": f"{manifest.num_classes} classes"}[manifest.task]
+    return f"{what}, label {label.name!r} of shape {list(label.shape)}"
 
 
-def default_loss(task: str, manifest: dict) -> str:
+def default_loss(task: str, manifest) -> str:
     """`model.loss: auto` for a task: multi-label classification trains with bce_with_logits, as
     transformers' `problem_type: multi_label_classification` does; the rest as for any model."""
-    return "bce_with_logits" if task == "sequence-classification" and manifest["task"] == "regression" else "auto"
+    return "bce_with_logits" if task == "sequence-classification" and manifest.task == "regression" else "auto"
 
 
 def load_config(folder: Path):
@@ -143,27 +143,27 @@ def load_config(folder: Path):
         raise ModelError(f"{MODEL_KEY}: transformers cannot read the model config of {folder} ({reason})") from None
 
 
-def head_config(config, task: str, manifest: dict) -> None:
+def head_config(config, task: str, manifest) -> None:
     """The data's head on the model's config: how many outputs, the classes' names, the problem type."""
     if task in ("causal-lm", "seq2seq"):
         config.use_cache = False
         return
-    label = manifest["label"]
-    if task == "regression" or manifest["task"] == "regression":
+    label = manifest.label
+    if task == "regression" or manifest.task == "regression":
         size = 1
-        for dim in label["shape"]:
+        for dim in label.shape:
             size *= dim
         config.num_labels = size
         config.problem_type = "multi_label_classification" if task == "sequence-classification" else "regression"
         return
-    names = manifest.get("classes") or [str(i) for i in range(manifest["num_classes"])]
+    names = list(manifest.classes or [str(i) for i in range(manifest.num_classes)])
     config.num_labels = len(names)
     config.id2label = dict(enumerate(names))
     config.label2id = {name: i for i, name in enumerate(names)}
     config.problem_type = "single_label_classification" if task == "sequence-classification" else None
 
 
-def pretrained(folder: Path, task: str, manifest: dict):
+def pretrained(folder: Path, task: str, manifest):
     """The AutoModelFor<task> of `folder`, its head fitted to the data, in training mode, float32."""
     import transformers
 
@@ -283,7 +283,7 @@ def origin(module: TaskModel) -> dict:
             "new_head": new or []}
 
 
-def build(model, manifest: dict) -> TaskModel:
+def build(model, manifest) -> TaskModel:
     """The TaskModel of config `model` (model.path, model.task) for the data of `manifest`."""
     task = task_of(model.task, manifest)
     folder = Path(model.path)
@@ -293,8 +293,8 @@ def build(model, manifest: dict) -> TaskModel:
                          "starts the decoder's inputs; set it (T5 uses its pad_token_id, BART its eos_token_id)")
     accepted = list(inspect.signature(hf.forward).parameters)
     arguments = []
-    for feature in manifest["features"]:
-        name = feature["name"]
+    for feature in manifest.features:
+        name = feature.name
         if name in accepted:
             arguments.append(name)
         elif name == TEXT_WINDOWS and task == "causal-lm":
@@ -311,7 +311,7 @@ def build(model, manifest: dict) -> TaskModel:
                 f"({', '.join(a for a in accepted if a not in ('kwargs', 'labels'))}); name the features like them")
 
     window = None
-    if manifest.get("source", {}).get("examples", {}).get("packing") == SEPARATE:
+    if manifest.source.get("examples", {}).get("packing") == SEPARATE:
         window = packing_window(hf, folder) or 0
     log.info("%s: %s (%s) for model.task %s", MODEL_KEY, type(hf).__name__, folder, task)
-    return TaskModel(hf, task, [f["name"] for f in manifest["features"]], arguments, window)
+    return TaskModel(hf, task, [f.name for f in manifest.features], arguments, window)

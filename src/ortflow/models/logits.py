@@ -42,7 +42,7 @@ class Logits(NamedTuple):
     reshape: bool  # reshaped to the label's layout before the loss (they differ by size-1 dimensions only)
 
 
-def find(base, loss: str, manifest: dict) -> Logits:
+def find(base, loss: str, manifest) -> Logits:
     """The logits of `base` for `loss` against the data's label, logging what differs from the model's output."""
     output = base.graph.output[0].name
     shapes = per_sample_shapes(base)
@@ -58,33 +58,33 @@ def find(base, loss: str, manifest: dict) -> Logits:
     elif softmax is not None:
         log.warning("the model's output %r comes from %s: model.loss %s takes it as it is; end the model before the "
                     "%s if it should take logits", output, node, loss, softmax.op_type)
-    label = manifest["label"]
+    label = manifest.label
     shape = shapes.get(name)
     if shape is None or fits(shape, loss, manifest, reshaped=False):
         return Logits(name, reshape=False)
     if not fits(shape, loss, manifest, reshaped=True):
-        classes = f", {manifest['num_classes']} classes" if loss in CLASS_LOSSES else ""
+        classes = f", {manifest.num_classes} classes" if loss in CLASS_LOSSES else ""
         raise ModelError(
             f"the model's {'output' if name == output else 'logits'} {name!r} is {dims(shape)} but model.loss {loss} "
-            f"with the data's label {label['name']!r} ({dims(label['shape'])}{classes}) needs "
+            f"with the data's label {label.name!r} ({dims(label.shape)}{classes}) needs "
             f"{dims(layout(shape, loss, manifest))}; " + fix(loss)
         )
     log.warning("the model's logits %r are %s and the data's label %r is %s: the logits are reshaped to %s for "
-                "model.loss %s (they differ in size-1 dimensions only)", name, dims(shape), label["name"],
-                dims(label["shape"]), dims(layout(shape, loss, manifest)), loss)
+                "model.loss %s (they differ in size-1 dimensions only)", name, dims(shape), label.name,
+                dims(label.shape), dims(layout(shape, loss, manifest)), loss)
     return Logits(name, reshape=True)
 
 
-def layout(shape: list, loss: str, manifest: dict) -> list:
+def layout(shape: list, loss: str, manifest) -> list:
     """The per-sample shape the loss takes: [classes, *label dims] for cross-entropy
     (the model's classes, or the data's where the model has fewer or cannot tell),
     else the label's."""
-    label = list(manifest["label"]["shape"])
+    label = list(manifest.label.shape)
     if loss not in CLASS_LOSSES:
         return label
     classes = shape[0] if shape and shape[0] is not None else None
-    if classes is None or classes < (manifest["num_classes"] or 0):
-        classes = manifest["num_classes"]
+    if classes is None or classes < (manifest.num_classes or 0):
+        classes = manifest.num_classes
     return [classes, *label]
 
 
@@ -100,14 +100,14 @@ def fix(loss: str) -> str:
     return "make the model's output the label's shape, or reshape the label (data.label) to fit"
 
 
-def fits(shape: list, loss: str, manifest: dict, reshaped: bool) -> bool:
+def fits(shape: list, loss: str, manifest, reshaped: bool) -> bool:
     """Whether `shape` (per sample; a dim is None where not static, and then fits
     any) is the loss's layout, with at least a score per class for cross-entropy;
     `reshaped`: after a Reshape, which needs every dimension known and lets size-1
     dimensions differ."""
-    label = list(manifest["label"]["shape"])
+    label = list(manifest.label.shape)
     if loss in CLASS_LOSSES:
-        if not shape or (shape[0] is not None and manifest["num_classes"] and shape[0] < manifest["num_classes"]):
+        if not shape or (shape[0] is not None and manifest.num_classes and shape[0] < manifest.num_classes):
             return False
         shape = shape[1:]
     if not reshaped:

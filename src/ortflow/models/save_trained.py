@@ -165,10 +165,10 @@ def from_pretrained(task_model, folder: Path):
     return TaskModel(hf, task_model.task, task_model.input_names, task_model.arguments, task_model.window)
 
 
-def outputs(module, features: list[dict], batch: dict) -> np.ndarray:
+def outputs(module, features, batch: dict) -> np.ndarray:
     """The module's output in eval mode on `batch` (the arrays of the features it takes, in its order)."""
     import torch
 
     module.eval()
     with torch.no_grad():
-        return module(*(torch.from_numpy(np.ascontiguousarray(batch[f["name"]])) for f in features)).numpy()
+        return module(*(torch.from_numpy(np.ascontiguousarray(batch[f.name])) for f in features)).numpy()

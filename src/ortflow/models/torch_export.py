@@ -26,7 +26,7 @@ def sequence_name(feature: str) -> str:
     return TARGET_SEQUENCE if feature == DECODER_INPUT_IDS else SEQUENCE
 
 
-def export_torch(module, manifest: dict, path: Path):
+def export_torch(module, manifest, path: Path):
     """torch -> ONNX (written to `path`, returned): the batch (and a text model's sequence, `sequence_axes`)
     dynamic, in training mode, no constant folding (every parameter stays an initializer); export_fixes' repairs
     (torch.diff, cumsum, the attention's dropout, padding rows' lookups marked, initializers merged by value,
@@ -39,8 +39,8 @@ def export_torch(module, manifest: dict, path: Path):
     export_fixes.register_symbolics(OPSET)
     export_fixes.check_embeddings(module)
     features = user.forward_features(module, manifest)
-    example = tuple(torch.zeros([2, *f["shape"]], dtype=getattr(torch, f["dtype"])) for f in features)
-    names = [f["name"] for f in features]
+    example = tuple(torch.zeros([2, *f.shape], dtype=getattr(torch, f.dtype)) for f in features)
+    names = [f.name for f in features]
     buffers = batchnorm.buffers_before_export(module)
     sequence = sequence_axes(module, manifest, features, example)
     axes = {name: {0: "batch"} | sequence.get(name, {}) for name in [*names, LOGITS]}
@@ -106,16 +106,16 @@ def weights_as_initializers(model, module) -> None:
                                     raw_data=tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
-def sequence_features(manifest: dict, features: list[dict]) -> list[str]:
+def sequence_features(manifest, features) -> list[str]:
     """The features that are a text's token positions (token ids, their attention mask and types):
     every one-dimensional feature of text, read as windows of `data.context` (a language model) or
     through data.tokenizer."""
-    if manifest.get("task") != "language_model" and not manifest.get("tokenizer"):
+    if manifest.task != "language_model" and not manifest.tokenizer:
         return []
-    return [f["name"] for f in features if len(f["shape"]) == 1 and not f["dtype"].startswith("float")]
+    return [f.name for f in features if len(f.shape) == 1 and not f.dtype.startswith("float")]
 
 
-def sequence_axes(module, manifest: dict, features: list[dict], example: tuple) -> dict[str, dict[int, str]]:
+def sequence_axes(module, manifest, features, example: tuple) -> dict[str, dict[int, str]]:
     """Input or output name -> {its sequence dimension: SEQUENCE}, for a text model that takes another length:
     dim 1 of the token features, and the dimension of the logits that follows their length, found
     by running the module at the training length and one shorter. None for a module that cannot
@@ -123,10 +123,10 @@ def sequence_axes(module, manifest: dict, features: list[dict], example: tuple) 
     import torch
 
     sequences = sequence_features(manifest, features)
-    length = next((f["shape"][0] for f in features if f["name"] in sequences), 0)
+    length = next((f.shape[0] for f in features if f.name in sequences), 0)
     if length < 2:
         return {}
-    shorter = tuple(tensor[:, :length - 1] if f["name"] in sequences else tensor
+    shorter = tuple(tensor[:, :length - 1] if f.name in sequences else tensor
                     for f, tensor in zip(features, example))
     try:
         with torch.no_grad():
@@ -146,7 +146,7 @@ def sequence_axes(module, manifest: dict, features: list[dict], example: tuple) 
     return {name: {1: sequence_name(name)} for name in sequences} | ({LOGITS: {moved[0]: logits}} if moved else {})
 
 
-def unread_inputs(exported, module, features: list[dict], axes: dict[str, dict[int, str]]) -> list[str]:
+def unread_inputs(exported, module, features, axes: dict[str, dict[int, str]]) -> list[str]:
     """The features a module takes but does not read (`ignored_inputs`: a tokenizer's
     token_type_ids for a model without them), which torch.onnx leaves out of the graph:
     added back (`add_inputs`), with the dynamic `axes` of the export."""
@@ -154,9 +154,9 @@ def unread_inputs(exported, module, features: list[dict], axes: dict[str, dict[i
 
     ignored = getattr(module, "ignored_inputs", ())
     values = [onnx.helper.make_tensor_value_info(
-        f["name"], onnx.helper.np_dtype_to_tensor_dtype(np.dtype(f["dtype"])),
-        [axes.get(f["name"], {}).get(axis, size) for axis, size in enumerate([None, *f["shape"]])])
-        for f in features if f["name"] in ignored]
+        f.name, onnx.helper.np_dtype_to_tensor_dtype(np.dtype(f.dtype)),
+        [axes.get(f.name, {}).get(axis, size) for axis, size in enumerate([None, *f.shape])])
+        for f in features if f.name in ignored]
     return add_inputs(exported, values)
 
 

@@ -337,27 +337,27 @@ def import_torch(path: str, kwargs):
         raise ModelError(f"model.kwargs: {path}(**{dict(kwargs)!r}) failed: {error}") from None
 
 
-def forward_features(module, manifest: dict) -> list[dict]:
-    """The data's features in the order `module.forward` takes them: by name where
+def forward_features(module, manifest) -> list:
+    """The data's features (the columns of the split's manifest, data/manifest.py) in the order `module.forward` takes them: by name where
     its parameters are named like every feature (a tokenizer's input_ids,
     attention_mask and token_type_ids, in whatever order transformers' forward
     lists them), else in the data's order. Text columns (data.text) must go by
     name: a forward that does not take one of the tokenizer's inputs is refused."""
     import inspect
 
-    features = manifest["features"]
+    features = manifest.features
     # A module that takes its features positionally names them (models/hugging_face.py's TaskModel).
     parameters = list(getattr(module, "input_names", None) or inspect.signature(module.forward).parameters)
-    names = [f["name"] for f in features]
+    names = [f.name for f in features]
     if all(name in parameters for name in names):
-        return sorted(features, key=lambda f: parameters.index(f["name"]))
-    if (manifest.get("tokenizer") or {}).get("text"):
+        return sorted(features, key=lambda f: parameters.index(f.name))
+    if (manifest.tokenizer or {}).get("text"):
         missing = [name for name in names if name not in parameters]
         raise ModelError(
             f"model.path: {type(module).__name__}.forward({', '.join(parameters)}) takes no {', '.join(missing)}, "
             f"which data.tokenizer gives for data.text; name its parameters {', '.join(names)} (any order)"
         )
-    return features
+    return list(features)
 
 
 def _kind_of(value) -> str:

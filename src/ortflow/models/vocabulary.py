@@ -34,11 +34,11 @@ def token_embedding(base, ids: str) -> tuple[str, int] | None:
     return None
 
 
-def check(base, manifest: dict) -> None:
+def check(base, manifest) -> None:
     """Refuse a table with fewer rows than the tokenizer's vocabulary (its ids would
     index past it); warn about more rows (never looked up, as where a model pads its
     vocabulary to a round size)."""
-    tokenizer = manifest.get("tokenizer")
+    tokenizer = manifest.tokenizer
     if not tokenizer:
         return
     vocab, ids = tokenizer["vocab_size"], tokenizer["input"]

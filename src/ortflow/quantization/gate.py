@@ -68,7 +68,7 @@ def remedies(export_cfg, how: str, reader) -> list[str]:
     as the model takes it), static quantization, per-channel weights."""
     found = []
     if not reader.standardized:
-        columns = reader.manifest["source"]["data"]["features"]
+        columns = reader.manifest.source["data"]["features"]
         batches = ({name: batch[name] for name in reader.feature_names} for batch in reader.eval_batches(0, 1, 256))
         problem = standardize.unscaled(batches, columns)
         if problem:

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..evaluation import batch_totals, eval_results
+from ..graphs.description import ModelDescription
 from ..inference import input_feeds, loss_of
 from ..machine import available_memory
 from ..sessions import inference_session
@@ -29,26 +30,26 @@ LATENCY_BUDGET_S = 10.0
 MIN_ROUNDS = 3
 
 
-def evaluate(path: Path, reader, info: dict, batch_size: int) -> dict:
+def evaluate(path: Path, reader, info: ModelDescription, batch_size: int) -> dict:
     """What training's evaluation reports (`evaluation.eval_results`), for an inference model."""
-    logits_name = info["outputs"]["logits"]
+    logits_name = info.outputs.logits
     session = inference_session(path, also=(logits_name,), prepacked=False)
     totals = np.zeros(3)
     for batch in reader.eval_batches(0, 1, batch_size):
         logits = session.run([logits_name], input_feeds(session, batch))[0]
         labels = batch[reader.label_name]
-        totals += batch_totals(loss_of(logits, labels, info["loss"]), logits, labels, info)
-    return eval_results(totals, info["task"])
+        totals += batch_totals(loss_of(logits, labels, info.loss), logits, labels, info)
+    return eval_results(totals, info.task)
 
 
-def latency_batches(info: dict, sessions: int) -> tuple[int, ...]:
+def latency_batches(info: ModelDescription, sessions: int) -> tuple[int, ...]:
     """(1, LATENCY_BATCH), or a second batch as large as fits (none where one record is all that
     fits, rather than timing batch 1 twice): `sessions` sessions timed side by
     side, each holding what model.json's eval_bytes_per_sample says an evaluation holds per
     record, within half the memory available (machine.available_memory: MemAvailable, the
     cgroup's limit or ORTFLOW_MEMORY_AVAILABLE), the rest for the weights and ONNX Runtime's
     arenas, which hold more than that ideal node-by-node count."""
-    per_record = sessions * info.get("eval_bytes_per_sample", 0)
+    per_record = sessions * info.eval_bytes_per_sample
     if not per_record:  # artifacts built before evaluations were counted
         return 1, LATENCY_BATCH
     available, where = available_memory()

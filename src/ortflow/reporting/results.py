@@ -32,10 +32,10 @@ def count(number: int) -> str:
     return f"{number / 1e6:.2f}M" if number >= 1e5 else f"{number:,}"
 
 
-def lora_trained(description: dict) -> str:
+def lora_trained(description) -> str:
     """What a LoRA run trains, from build_artifacts' model.json: "LoRA r=8 on c_attn: 0.29M of
     4.40M parameters trained (6.59%)" (of all: the base's and the adapters')."""
-    lora, trained, total = description["lora"], description["trainable_parameters"], description["parameters"]
+    lora, trained, total = description.lora, description.trainable_parameters, description.parameters
     return (f"LoRA r={lora['r']} on {','.join(lora['targets'])}: {count(trained)} of {count(total)} parameters "
             f"trained ({fmt(trained / total, 'percent')})")
 

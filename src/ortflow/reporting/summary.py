@@ -7,10 +7,12 @@ import shlex
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from ..artifacts import Artifacts
 from ..checkpoints.best import chosen
 from ..export.ecosystem import MODEL as OPTIMUM_MODEL
 from ..export.ecosystem import OPTIMUM
 from ..generation import GENAI_CONFIG, GENERATION, SAMPLES
+from ..graphs.description import ModelDescription, read_description
 from ..wording import plural
 from .results import (baseline_shown, fmt, large_batch, lora_trained, not_beaten, quality, read_json, refusal,
                       speedup)
@@ -29,12 +31,14 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     `kind: transformers` model was fine-tuned from."""
     results, model, int8 = Path(results), Path(model), Path(int8)
     train, export = read_json(Path(train_metrics)), read_json(Path(export_metrics))
-    description = read_json(Path(artifacts) / "model.json") if artifacts else None
+    model_json = Artifacts(artifacts).model_json if artifacts else None
+    # None where the targets stopped before build_artifacts (the doctor alone).
+    description = read_description(model_json) if model_json and model_json.is_file() else None
     lines = [f"ortflow: run {results.name} in {results}"]
-    outputs = description["outputs"] if description else {}
-    lines += model_lines(description or {})
-    if "inference" in outputs and outputs["inference"] != outputs["logits"]:
-        lines.append(f"  output    {outputs['inference']!r} follows the logits {outputs['logits']!r} (a final Softmax "
+    outputs = description.outputs if description else None
+    lines += model_lines(description) if description else []
+    if outputs and outputs.inference and outputs.inference != outputs.logits:
+        lines.append(f"  output    {outputs.inference!r} follows the logits {outputs.logits!r} (a final Softmax "
                      "or LogSoftmax, kept in the exported model); the loss is computed on the logits")
     # An int8 model the gate refused, or no smaller than the fp32 one, is not offered (the lines below say why).
     offered = (bool(export) and "int8" in export and not refusal(export)
@@ -108,16 +112,16 @@ def int4_line(int4: dict, folder: Path) -> str:
             f"{outcome}")
 
 
-def model_lines(description: dict) -> list[str]:
+def model_lines(description: ModelDescription) -> list[str]:
     """What build_artifacts' model.json (`description`) says of the model fine-tuned: a `kind:
     transformers` model's class, task and weights, and with LoRA what trained."""
     lines = []
-    origin = description.get("transformers")
+    origin = description.transformers
     if origin:
         weights = "weights drawn from run.seed" if origin["weights"] == "run.seed" else "the folder's weights" + (
             f", a new head drawn from run.seed ({', '.join(origin['new_head'])})" if origin["new_head"] else "")
         lines.append(f"  fine-tune {origin['class']} ({origin['task']}) from {weights}")
-    if "lora" in description:
+    if description.lora:
         lines.append(f"  trained   {lora_trained(description)}")
     return lines
 

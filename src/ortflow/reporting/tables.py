@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .. import atomic
 from ..config import Config, as_dict
+from ..graphs.description import ModelDescription, read_description
 from .results import baseline_shown, count, fmt, large_batch, not_beaten, quality, read_json, refusal, speedup
 
 TABLES = ("summary", "samples", "quantization", "stages", "profile", "config")
@@ -40,7 +41,7 @@ def table(header: list[str], rows: list[tuple]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def summary_rows(train: dict | None, export: dict | None, description: dict | None = None) -> list[tuple]:
+def summary_rows(train: dict | None, export: dict | None, description: ModelDescription | None = None) -> list[tuple]:
     """The run at a glance: quality, baseline, training; from build_artifacts' model.json
     (`description`), the parameters trained of all, and with LoRA its adapters."""
     rows = []
@@ -67,11 +68,11 @@ def summary_rows(train: dict | None, export: dict | None, description: dict | No
             ("ranks", "ranks", str(len(train["peak_rss_mb"]))),
         ]
     if description:
-        trained, total = description["trainable_parameters"], description["parameters"]
+        trained, total = description.trainable_parameters, description.parameters
         rows.append(("trainable_parameters", "parameters trained",
                      f"{count(trained)} of {count(total)} ({fmt(trained / total, 'percent')})"))
-    if description and "lora" in description:
-        lora = description["lora"]
+    if description and description.lora:
+        lora = description.lora
         rows.append(("lora", "LoRA adapters", f"r={lora['r']}, alpha={lora['alpha']:g}, dropout={lora['dropout']:g} "
                                               f"on {', '.join(lora['targets'])}"))
     return rows
@@ -164,7 +165,7 @@ def write_tables(config: Config, train_metrics: Path, export_metrics: Path, benc
     import yaml
 
     train, export = read_json(train_metrics), read_json(export_metrics)
-    description = read_json(model_json) if model_json else None
+    description = read_description(model_json) if model_json and Path(model_json).is_file() else None
     classes = class_rows(train)
     per_class = ("<h3>Per class (eval split, last evaluation)</h3>"
                  + table(["class", "eval records", "accuracy", "precision", "recall", "F1"], classes)) if classes else ""

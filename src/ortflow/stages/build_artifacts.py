@@ -36,17 +36,19 @@ Everything is written to `<out>.tmp` and renamed to `<out>` when complete (atomi
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-import json
 import logging
 from pathlib import Path
 
 from .. import atomic
 from ..artifacts import Artifacts
 from ..config import Config
+from ..data.manifest import MANIFEST, read_manifest
 from ..errors import MissingInputError
 from ..graphs import pipeline, precision, recompute
 from ..graphs.describe import describe
+from ..graphs.description import ModelDescription, write_description
 from ..graphs.forward_model import base_model, check_interface
 from ..graphs.generate import drop_weights, generate
 from ..graphs.loss import resolve_loss
@@ -59,17 +61,16 @@ from ..reporting.results import lora_trained
 log = logging.getLogger("ortflow.build_artifacts")
 
 
-def build(config: Config, train_dir: Path, out: Path) -> dict:
+def build(config: Config, train_dir: Path, out: Path) -> ModelDescription:
     # Imported first here, where nothing large is alive: onnxruntime's first import keeps the
     # traceback of an ImportError it handles (ORTModule's missing torch extensions), and with it
     # every frame of the import's callers, which held the exported torch module (W) to the end.
     importlib.import_module("onnxruntime")
 
     train_dir, out = Path(train_dir), Path(out)
-    manifest_path = train_dir / "manifest.json"
-    if not manifest_path.is_file():
-        raise MissingInputError(f"{manifest_path}: no train manifest (run the prepare_data rule first)")
-    manifest = json.loads(manifest_path.read_text())
+    if not (train_dir / MANIFEST).is_file():
+        raise MissingInputError(f"{train_dir / MANIFEST}: no train manifest (run the prepare_data rule first)")
+    manifest = read_manifest(train_dir)
     model = config.model
     loss = resolve_loss(model.loss, manifest, model.task if model.kind == "transformers" else None)
     with atomic.folder(out) as tmp:
@@ -81,7 +82,7 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
         trainable, frozen = split_parameters(base, model, torch_trainable)
         log.info("model %s, loss %s: %d trainable, %d frozen parameter tensors", model.kind, loss, len(trainable),
                  len(frozen))
-        generate(base, trainable, frozen, loss, manifest["label"], config.train.optimizer, tmp, logits)
+        generate(base, trainable, frozen, loss, manifest.label, config.train.optimizer, tmp, logits)
         blocks = recompute.apply(Artifacts(tmp).training_model, config.train.recompute)
         if blocks:
             log.info("train.recompute: %d block(s) recomputed in the backward (%s ...)", len(blocks), blocks[0].name)
@@ -92,7 +93,7 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
                      "in bfloat16 (ortflow.BF16MatMul)", rewritten["training"], rewritten["eval"])
         if config.train.pipeline_stages > 1:  # from the weights, which drop_weights clears
             plan = pipeline.cut(base, config.train.pipeline_stages, manifest=manifest)
-            for stage in pipeline.build(plan, trainable, loss, manifest["label"], config.train.optimizer, tmp, logits):
+            for stage in pipeline.build(plan, trainable, loss, manifest.label, config.train.optimizer, tmp, logits):
                 # Each stage's own training graph recomputes those of the whole model's blocks it holds.
                 if blocks:
                     held = recompute.apply(Artifacts(stage).training_model, [b.name for b in blocks], every_item=False)
@@ -100,27 +101,33 @@ def build(config: Config, train_dir: Path, out: Path) -> dict:
                 precision.apply(stage, config.train.precision)
         drop_weights(base)
         running_stats = batchnorm.adapt(tmp)
-        description = describe(base, manifest, loss, trainable, frozen, tmp, model.kind, logits, blocks) | {
-            "running_stats": running_stats,
-            # The multiplies rewritten to bfloat16 in each graph ({} at fp32; graphs/precision.py).
-            "bf16_matmuls": rewritten,
-        } | described
+        description = dataclasses.replace(
+            describe(base, manifest, loss, trainable, frozen, tmp, model.kind, logits, blocks),
+            running_stats=running_stats,
+            bf16_matmuls=rewritten,  # the multiplies rewritten to bfloat16 in each graph ({} at fp32; graphs/precision.py)
+            **described)
         # Last: what ONNX Runtime's step held (the weights, their gradients) stays partly in the
         # process, and the shape inferences of describe() would come on top of it.
         smoke_step(tmp, train_dir, manifest)
-        Artifacts(tmp).model_json.write_text(json.dumps(description, indent=2) + "\n")
+        write_description(Artifacts(tmp).model_json, description)
     log.info(
         "%d parameters (%d trainable), %d forward FLOPs per sample -> %s",
-        description["parameters"],
-        description["trainable_parameters"],
-        description["flops_per_sample"]["forward"],
+        description.parameters,
+        description.trainable_parameters,
+        description.flops_per_sample.forward,
         out,
     )
-    if "lora" in description:
+    if description.lora:
         log.info("%s", lora_trained(description))
     return description
 
 
+# The config keys this stage reads, which its rule passes (stages/__init__.py), the data aside (its
+# manifest): the graphs bake in the optimizer's name, betas and eps, train.recompute's copies,
+# train.precision's bfloat16 multiplies and train.pipeline_stages' stages; the learning rate and the
+# weight decay are training's, so the other train.* keys do not rebuild the artifacts.
+KEYS = ("run.seed", "model", "train.optimizer.name", "train.optimizer.betas", "train.optimizer.eps",
+        "train.recompute", "train.precision", "train.pipeline_stages")
 HELP = "export or load the model and build its training, eval and optimizer graphs and initial checkpoint"
 
 

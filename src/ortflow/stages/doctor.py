@@ -78,6 +78,8 @@ def render(checks: list[Check]) -> str:
     return tabulate(rows, headers=("check", "status", "detail"), maxcolwidths=[None, None, 100])
 
 
+# The config keys this stage reads, which its rule passes (stages/__init__.py).
+KEYS = ("train",)
 HELP = "check the installation, MPI and a config against this machine; exit non-zero when something required fails"
 
 

@@ -46,6 +46,7 @@ from ..export.ecosystem import write_optimum
 from ..export.writer import write_inference_model
 from ..generation.run_export import write_generation
 from ..generation.samples import write_samples
+from ..graphs.description import read_description
 from ..inference import inference_output
 from ..models import save_trained
 from ..sessions import quiet_logging
@@ -61,7 +62,7 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
 
     quiet_logging()
     files = Artifacts(artifacts)
-    info = files.description()
+    info = read_description(files.model_json)
     meta_path = checkpoint_dir / "meta.json"
     if not meta_path.is_file():
         raise MissingInputError(f"{meta_path}: no merged checkpoint (run the merge_checkpoint rule first)")
@@ -72,7 +73,7 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
     batch = reader.gather(np.arange(min(checks.CHECK_RECORDS, len(reader))))
     # With LoRA, the torch module's adapters are merged into the inference model's weights; without,
     # the torch module is built once the ONNX checks' sessions are gone, so that the weights are held fewer times.
-    adapted = formats.trained_torch_module(config, info, reader.manifest, checkpoint_dir) if "lora" in info else None
+    adapted = formats.trained_torch_module(config, info, reader.manifest, checkpoint_dir) if info.lora else None
     with atomic.file(out) as tmp:
         write_inference_model(files, checkpoint_dir / "checkpoint", info, tmp, out, reader, props, adapted)
         # Standardized from the raw features as the exported model does it: both graphs see the same values.
@@ -88,17 +89,21 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
         formats.write_torch_formats(config, trained, info, reader.manifest,
                                     standardize.apply(few, reader.standardized), output, out.parent)
         metadata.copy_tokenizer(eval_dir, reader.manifest, out.parent)
-        task = info.get("transformers", {}).get("task")
+        task = (info.transformers or {}).get("task")
         write_generation(task, batch, out.parent, positions)
         write_optimum(task, batch, out.parent)
         del trained, adapted  # the starting weights' module is built next: the weights held once more at most
         write_samples(config.export.samples, out.parent, reader, positions,
                       lambda: formats.trained_torch_module(config, info, reader.manifest, files.folder))
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config.run.name, out,
-             external_data.model_bytes(out), [i["name"] for i in info["inputs"]], inference_output(info))
+             external_data.model_bytes(out), [i.name for i in info.inputs], inference_output(info))
     return props
 
 
+# The config keys this stage reads, which its rule passes (stages/__init__.py): the run's name (the
+# model's metadata) and, for the torch module it builds again (kind torch, transformers), the
+# model, its seed and the tokenizer it saves beside a transformers model.
+KEYS = ("run.name", "run.seed", "model", "data.tokenizer", "export.samples")
 HELP = "write the inference ONNX model of the merged checkpoint, checked against the eval graph"
 
 

@@ -17,6 +17,9 @@ from pathlib import Path
 from .. import atomic
 from ..errors import DataError, ModelError
 
+# The config keys this stage reads, which the workflow's generate rule passes (stages/__init__.py):
+# its prompts and how many tokens to add; the model is the folder it is given.
+KEYS = ("generate",)
 HELP = "generate text from an exported decoder folder (export/generation), streaming the tokens"
 MAX_NEW_TOKENS = 64
 REPLACEMENT = "\ufffd"  # what decoding gives for the first bytes of a character whose last bytes are to come

@@ -78,8 +78,8 @@ def prepare(config: config_mod.Config, train_dir: Path, eval_dir: Path) -> dict:
             "%s: %d records in %d shards of %d-byte records -> %s",
             split,
             len(rows),
-            len(manifests[split]["shards"]),
-            manifests[split]["record_bytes"],
+            len(manifests[split].shards),
+            manifests[split].record_bytes,
             out,
         )
     log.info("task %s, classes/vocabulary %s%s", dataset.task, dataset.num_classes,
@@ -92,6 +92,9 @@ def prepare(config: config_mod.Config, train_dir: Path, eval_dir: Path) -> dict:
     return manifests
 
 
+# The config keys this stage reads, which its rule passes (stages/__init__.py): its split's seed is
+# data.split_seed, so that a sweep's repeats over run.seed share the data.
+KEYS = ("data",)
 HELP = "read data.source, split it by data.split_seed, write checksummed shards"
 
 

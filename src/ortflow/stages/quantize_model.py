@@ -34,6 +34,7 @@ from pathlib import Path
 from .. import atomic, external_data
 from ..artifacts import Artifacts
 from ..config import Config
+from ..graphs.description import read_description
 from ..quantization import gate, int4_measure, measure, quantizer
 from ..sessions import quiet_logging
 
@@ -49,7 +50,7 @@ def quantize(config: Config, model: Path, artifacts: Path, eval_dir: Path, int8:
     from ..data.shards import ShardReader
 
     quiet_logging()
-    info = Artifacts(artifacts).description()
+    info = read_description(Artifacts(artifacts).model_json)
     export_cfg = config.export
     how = quantizer.method(export_cfg, onnx.load(str(model), load_external_data=False))
     if how == "none" and int8.exists():
@@ -92,6 +93,9 @@ def quantize(config: Config, model: Path, artifacts: Path, eval_dir: Path, int8:
     return report
 
 
+# The config keys this stage reads, which its rule passes (stages/__init__.py): its section and the
+# evaluation batch.
+KEYS = ("train.eval_batch_size", "export")
 HELP = "quantize the inference model to int8 and report fp32 versus int8 (quality, latency, size), with a quality gate"
 
 

@@ -10,6 +10,10 @@ from ..reporting.plots import plot_training
 from ..reporting.results import read_json
 from ..reporting.tables import write_tables
 
+# The config keys each subcommand reads, which its rule passes (stages/__init__.py): what it plots
+# or shows.
+PLOT_KEYS = ("train.steps", "train.optimizer.lr", "train.lr_schedule")
+TABLES_KEYS = ("run", "data", "model", "train", "export")
 HELP = "plots and tables of a run for `snakemake --report`"
 
 

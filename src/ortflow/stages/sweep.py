@@ -9,6 +9,9 @@ from .. import atomic
 from ..sweeps.comparison import compare, summary, survivors
 from ..sweeps.points import HALVING, folder, points
 
+# The config keys this stage reads, which its rules pass (stages/__init__.py): the comparison and
+# halving read every section of the config.
+KEYS = ("run", "data", "model", "train", "export", "sweep")
 HELP = "compare the points of a sweep (the table, the plots and the best point's model)"
 
 

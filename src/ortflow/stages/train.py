@@ -27,12 +27,17 @@ from pathlib import Path
 from .. import config as config_mod
 from ..artifacts import Artifacts
 from ..graphs import pipeline
+from ..graphs.description import read_description
 from ..launcher import launcher_env
 from ..training.attempt import append_to_log, end_attempt, lock_attempt, start_attempt
 from ..training.preflight import preflight, raise_if_problems
 from ..training.run_folder import TrainFolder
 from ..training.supervisor import Ranks, note_stop_signals, rank_command, supervise
 
+# The config keys this stage reads, which its rule passes (stages/__init__.py): the training identity,
+# and export.checkpoint (training keeps the best checkpoint when the export will want it). The merge
+# that picks the run's newest checkpoint by that identity is passed the same.
+KEYS = ("run", "data", "model", "train", "export.checkpoint")
 HELP = "train the artifacts on the shards with W ranks (mpirun or srun)"
 
 
@@ -57,7 +62,7 @@ def run(args) -> int:
     model = Artifacts(args.artifacts)
     pipeline.check_stages(model, config.train.pipeline_stages)
     # Without model.json the ranks stop at once, naming the missing artifacts.
-    description = model.description() if model.model_json.is_file() else None
+    description = read_description(model.model_json) if model.model_json.is_file() else None
     raise_if_problems(preflight(config, args.mpi, folder.folder.parent, description, pipeline.held_by_stages(model)))
     append_to_log()
     lock = lock_attempt(folder)

@@ -69,6 +69,7 @@ from ..checkpoints.checks import MOMENTS
 from ..data.shards import ShardReader
 from ..evaluation import Tally, feeds as feeds_in_order
 from ..graphs import pipeline
+from ..graphs.description import read_description
 from . import sharding, weight_decay
 from .engine import initial_state, open_sessions, seed_random_operators, trainable
 from .gradients import allreduce_in_buckets, gradients, scale_and_clip
@@ -149,7 +150,7 @@ class StageRunner:
         self.data_label = data_label  # the train split's name of the label
         self.stage = plan.stages[grid.stage]
         self.last = grid.stage == grid.stages - 1
-        self.info = artifacts.description()  # the whole model's: its label, loss and embeddings
+        self.info = read_description(artifacts.model_json)  # the whole model's: its label, loss and embeddings
         own = artifacts.stage(grid.stage)
         self.state = initial_state(own)
         self.module, self.optimizer_step = open_sessions(own, self.state, "cpu", threads, train_cfg.optimizer, np)
@@ -288,7 +289,7 @@ class StageRunner:
     def call(self, fed: dict):
         """The Module (in the mode set) on the inputs it takes of `fed`: its outputs as it returns them."""
         names = self.module.input_names()
-        return self.module(*feeds_in_order(fed, names, self.info["label"]["name"], self.data_label))
+        return self.module(*feeds_in_order(fed, names, self.info.label.name, self.data_label))
 
     def evaluate(self, reader: ShardReader, batch_size: int, records: int | None = None) -> dict:
         """The eval split (or `records` of it) through the stages with Dropout off, each copy

@@ -19,6 +19,7 @@ from .. import cuda_libraries
 from ..checkpoints.checks import MOMENTS
 from ..config import Config
 from ..errors import PreflightError
+from ..graphs.description import ModelDescription
 from ..machine import available_memory, gib
 from ..wording import plural
 
@@ -300,7 +301,7 @@ def check_disk(results: Path) -> Check:
     return Check("free disk", OK, detail)
 
 
-def largest_stage(description: dict, stages: int, held: list[int] | None = None) -> tuple[int | None, float]:
+def largest_stage(description: ModelDescription, stages: int, held: list[int] | None = None) -> tuple[int | None, float]:
     """(stage, share) of the stage that holds the most of the model's parameters, and its share of
     them: from the cut's `held` (pipeline.json: each stage's parameter elements, a weight that two
     stages read counted in both) or, before the artifacts are cut into P stages, (None, 1/P) of a
@@ -310,10 +311,10 @@ def largest_stage(description: dict, stages: int, held: list[int] | None = None)
     if not held or len(held) != stages:
         return None, 1 / stages
     stage = max(range(len(held)), key=held.__getitem__)
-    return stage, held[stage] / description["parameters"]
+    return stage, held[stage] / description.parameters
 
 
-def memory_estimate(description: dict, train, world_size: int, micro_batch: int,
+def memory_estimate(description: ModelDescription, train, world_size: int, micro_batch: int,
                     share: float = 1.0) -> dict[str, float]:
     """A rank's peak memory in bytes, by part, from model.json: float32 weights, their
     gradients, the optimizer's moments (with train.zero 1, a 1/D share of them, D = world_size
@@ -327,17 +328,17 @@ def memory_estimate(description: dict, train, world_size: int, micro_batch: int,
     and its training step (forward again, and backward) one micro-batch at a time; what they
     keep is the activation received at the stage's boundary, one a micro-batch, not counted.
     An evaluation batch is counted whole: the last stage holds the logits, most of it."""
-    trainable = share * description["trainable_parameters"]
+    trainable = share * description.trainable_parameters
     moments = len(MOMENTS[train.optimizer.name]) * 4 * trainable
     if train.zero == 1:
         moments /= world_size // train.pipeline_stages
-    training = share * micro_batch * description["activation_bytes_per_sample"]
+    training = share * micro_batch * description.activation_bytes_per_sample
     # model.json of artifacts built before evaluations were counted has no eval_bytes_per_sample.
-    evaluation = train.eval_batch_size * description.get("eval_bytes_per_sample", 0)
+    evaluation = train.eval_batch_size * description.eval_bytes_per_sample
     batch = ({f"activations of {micro_batch} samples": training} if training >= evaluation
              else {f"an evaluation batch of {train.eval_batch_size} samples": evaluation})
     return {
-        "weights": STATE_COPIES * 4 * share * description["parameters"],
+        "weights": STATE_COPIES * 4 * share * description.parameters,
         "gradients": STATE_COPIES * 4 * trainable,
         "optimizer moments": STATE_COPIES * moments,
         **batch,
@@ -345,7 +346,7 @@ def memory_estimate(description: dict, train, world_size: int, micro_batch: int,
     }
 
 
-def memory_fixes(description: dict, train, world_size: int, available: int, share: float = 1.0) -> list[str]:
+def memory_fixes(description: ModelDescription, train, world_size: int, available: int, share: float = 1.0) -> list[str]:
     """The settings that would fit `world_size` ranks (of stages whose largest holds `share` of the
     model) in `available` bytes, each alone; where an evaluation batch is the larger part and no
     smaller one fits alone, each together with evaluation batches no larger than a training step's
@@ -358,8 +359,8 @@ def memory_fixes(description: dict, train, world_size: int, available: int, shar
     # Smaller evaluation batches read the same records: the cheapest fix, where it is one.
     eval_batch = next((e for e in range(train.eval_batch_size - 1, 0, -1)
                        if fits(world_size, micro, replace(train, eval_batch_size=e))), None)
-    step_bytes = share * micro * description["activation_bytes_per_sample"]
-    sample_eval_bytes = description.get("eval_bytes_per_sample", 0)
+    step_bytes = share * micro * description.activation_bytes_per_sample
+    sample_eval_bytes = description.eval_bytes_per_sample
     if eval_batch:
         fixes.append(f"set train.eval_batch_size to {eval_batch} (an evaluation reads the same records, in smaller "
                      "batches)")
@@ -375,8 +376,8 @@ def memory_fixes(description: dict, train, world_size: int, available: int, shar
         fixes.append(f"set {also}train.zero: 1 (each rank keeps 1/world_size of the AdamW moments)" if stages == 1
                      else f"set {also}train.zero: 1 (each rank keeps 1/{copies} of its stage's AdamW moments)")
     # build_artifacts counts what train.recompute: blocks would keep (absent: no blocks, or recompute on).
-    recomputed = description.get("activation_bytes_per_sample_recompute_blocks")
-    if recomputed and fits(world_size, micro, train, {**description, "activation_bytes_per_sample": recomputed}):
+    recomputed = description.activation_bytes_per_sample_recompute_blocks
+    if recomputed and fits(world_size, micro, train, replace(description, activation_bytes_per_sample=recomputed)):
         fixes.append(f"set {also}train.recompute: blocks (activations of {micro} samples "
                      f"{gib(share * micro * recomputed)} instead of {gib(step_bytes)}, a step {RECOMPUTE_STEP_TIME} "
                      "as long)")
@@ -391,7 +392,7 @@ def memory_fixes(description: dict, train, world_size: int, available: int, shar
     return fixes or ["the model does not fit this host's memory at any of these settings: use a host with more"]
 
 
-def check_memory(description: dict, train, launcher: str = "mpirun", held: list[int] | None = None) -> Check:
+def check_memory(description: ModelDescription, train, launcher: str = "mpirun", held: list[int] | None = None) -> Check:
     """Whether train.world_size ranks of this model fit this host's memory; with train.pipeline_stages
     P > 1, each as the rank of the largest stage (largest_stage, from the cut's `held` where built)."""
     name = "memory"
@@ -415,13 +416,13 @@ def check_memory(description: dict, train, launcher: str = "mpirun", held: list[
     return Check(name, OK, detail)
 
 
-def checkpoint_bytes(description: dict, train) -> int:
+def checkpoint_bytes(description: ModelDescription, train) -> int:
     """One checkpoint on disk: float32 weights and the optimizer's moments (all ranks' shards)."""
-    moments = len(MOMENTS[train.optimizer.name]) * 4 * description["trainable_parameters"]
-    return 4 * description["parameters"] + moments
+    moments = len(MOMENTS[train.optimizer.name]) * 4 * description.trainable_parameters
+    return 4 * description.parameters + moments
 
 
-def check_checkpoint_disk(description: dict, train, results: Path) -> Check:
+def check_checkpoint_disk(description: ModelDescription, train, results: Path) -> Check:
     """Whether the checkpoints a run keeps fit the free disk under `results`."""
     (free, where), size = free_disk(results), checkpoint_bytes(description, train)
     count = train.keep_checkpoints + EXTRA_CHECKPOINTS
@@ -437,7 +438,7 @@ def check_checkpoint_disk(description: dict, train, results: Path) -> Check:
 
 
 def preflight(config: Config, launcher: str = "mpirun", results: Path = Path("results"),
-              description: dict | None = None, held: list[int] | None = None) -> list[Problem]:
+              description: ModelDescription | None = None, held: list[int] | None = None) -> list[Problem]:
     """The cheap checks (no ranks started) for a validated config; with model.json's
     `description`, also whether the model fits memory (with pipeline stages, the largest's rank;
     `held`: each stage's parameter elements, pipeline.json's) and its checkpoints the disk."""

@@ -42,6 +42,7 @@ from ..data.shards import ShardReader
 from ..errors import OrtflowError, TrainingError
 from ..evaluation import evaluate, feeds, outputs_of
 from ..graphs import pipeline
+from ..graphs.description import read_description
 from ..sessions import quiet_logging
 from ..wording import plural
 from ..checkpoints.checks import MOMENTS
@@ -83,9 +84,9 @@ class Trainer:
                                 f"{self.train_cfg.world_size}")
         # Checked before the first step: checksums, batch size against the data.
         self.train_data, self.eval_data = ShardReader(train_data), ShardReader(eval_data)
-        self.artifacts, self.info = artifacts, artifacts.description()
+        self.artifacts, self.info = artifacts, read_description(artifacts.model_json)
         # What the model must beat on the eval split, as prepare_data scored it.
-        self.baseline = baseline_mod.for_training(eval_data, self.info["loss"])
+        self.baseline = baseline_mod.for_training(eval_data, self.info.loss)
         self.global_batch = config_mod.global_batch_size(config)
         self.train_data.check_batch(self.global_batch)
         # The data-parallel copy of the model this rank is, of how many: with P = 1, its rank of all.
@@ -99,7 +100,7 @@ class Trainer:
         self.metrics = Metrics(folder.tensorboard, self.comm.rank == 0, self.start_step, self.train_cfg,
                                self.global_batch,
                                resume_mod.read_history(resume) if resume else None)
-        self.best = Best(self.train_cfg.early_stopping, self.info["task"], self.metrics.history["eval"])
+        self.best = Best(self.train_cfg.early_stopping, self.info.task, self.metrics.history["eval"])
         self.keep_best = config_mod.export_checkpoint(config) == "best"  # the export will want it
         self.fault = Fault()
         self.last_eval: dict = {}
@@ -112,7 +113,7 @@ class Trainer:
         sums (sharding.py), the optimizer and weight decay, and what the rank writes of a checkpoint."""
         self.state = with_parameters(self.artifacts, whole, self.comm.xp) if whole else initial_state(self.artifacts)
         self.sessions = Sessions(self.artifacts, self.state, self.comm, self.train_cfg, self.folder.profile,
-                                 self.info.get("running_stats", {}))  # absent from artifacts built before BatchNorm
+                                 self.info.running_stats)  # absent from artifacts built before BatchNorm
         self.threads = self.sessions.threads
         self.input_names = self.sessions.module.input_names()
         self.trainable = trainable(self.state)
@@ -203,7 +204,7 @@ class Trainer:
 
     def feeds(self, batch: dict) -> list[np.ndarray]:
         """`batch` as the Module's inputs, in order."""
-        return feeds(batch, self.input_names, self.info["label"]["name"], self.train_data.label_name)
+        return feeds(batch, self.input_names, self.info.label.name, self.train_data.label_name)
 
     def evaluate(self, done: int, whole: bool) -> None:
         """Evaluate after step `done`: the `whole` eval split, or train.eval_batches of it."""
@@ -241,10 +242,10 @@ class Trainer:
         that: a run resumed at its end, or stopped early, still reports its quality) and metrics.json."""
         if self.whole_eval_at != done:
             self.evaluate(done, whole=True)
-        flops_per_sample = sum(self.info["flops_per_sample"].values())
+        flops_per_sample = self.info.flops_per_sample.forward + self.info.flops_per_sample.backward
         summary = self.metrics.summary(done, flops_per_sample, self.last_eval, self.comm.allgather(peak_rss_mb()))
         summary.update(best=self.best.describe(), stopped_early=done < self.steps, baseline=self.baseline,
-                       parameters=self.info["parameters"], trainable_parameters=self.info["trainable_parameters"],
+                       parameters=self.info.parameters, trainable_parameters=self.info.trainable_parameters,
                        **self.engine_summary())
         behind = baseline_mod.not_beaten(self.last_eval, self.baseline)
         if behind and self.comm.rank == 0:

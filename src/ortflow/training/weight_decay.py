@@ -78,14 +78,14 @@ class WeightDecay:
                 array *= factor
 
 
-def for_run(state, names: list[str], info: dict, optimizer, xp) -> WeightDecay:
+def for_run(state, names: list[str], info, optimizer, xp) -> WeightDecay:
     """The groups of the trainable parameters `names` of a live CheckpointState,
     with the embedding tables that model.json (`info`) names, logged."""
-    if EMBEDDING in optimizer.no_decay and "embeddings" not in info:
+    if EMBEDDING in optimizer.no_decay and info.embeddings is None:
         raise TrainingError("the artifacts' model.json names no embeddings (built by an older ortflow), which "
                             "train.optimizer.no_decay's <embedding> needs; rebuild them (--forcerun build_artifacts)")
     arrays = parameters(state, names, xp)
-    decay = WeightDecay({name: tuple(array.shape) for name, array in zip(names, arrays)}, info.get("embeddings", []),
+    decay = WeightDecay({name: tuple(array.shape) for name, array in zip(names, arrays)}, info.embeddings or (),
                         optimizer)
     log.info("%s", decay.describe())  # rank 0's: the other ranks log warnings only
     return decay
