@@ -27,6 +27,7 @@ from ortflow.evaluation import feeds, outputs_of
 from ortflow.training.run_folder import TrainFolder
 from ortflow.models import torch_export
 from ortflow.sessions import inference_session
+from conftest import shard_manifest
 from torch_layers import LayerNet, key_bias
 from torch_reference import load_initial, train_like_ortflow, with_weights
 
@@ -167,6 +168,5 @@ class Bag(torch.nn.Module):
 ], ids=["scale_grad_by_freq", "functional_scale_grad_by_freq"])
 def test_embedding_that_cannot_train_as_in_torch_is_refused_in_one_line(module, message, tmp_path):
     with pytest.raises(ModelError) as error:
-        torch_export.export_torch(module(), {"features": [{"name": "ids", "dtype": "int64", "shape": [TIME]}]},
-                            tmp_path / "model.onnx")
+        torch_export.export_torch(module(), shard_manifest([("ids", "int64", [TIME])]), tmp_path / "model.onnx")
     assert str(error.value) == message

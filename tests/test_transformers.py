@@ -17,7 +17,7 @@ import onnx
 import pytest
 import torch
 
-from conftest import gate_judged, run_snakemake
+from conftest import gate_judged, run_snakemake, shard_manifest
 from ortflow.errors import ModelError
 from ortflow.graphs import cost, generate
 from ortflow.models import torch_export
@@ -28,7 +28,7 @@ FEATURE = [{"name": "x", "dtype": "float32", "shape": [6]}]
 
 def _export(module, features, tmp_path) -> onnx.ModelProto:
     path = tmp_path / "model.onnx"
-    torch_export.export_torch(module, {"features": features}, path)
+    torch_export.export_torch(module, shard_manifest([(f["name"], f["dtype"], f["shape"]) for f in features]), path)
     return onnx.load(str(path))
 
 
@@ -237,5 +237,6 @@ def test_flops_per_sample_count_every_matmul_of_transformers_models(kind, tmp_pa
     by_hand = {"gpt2": 16 * (2 * (24 * 64**2 + 4 * 16 * 64) + 2 * 64 * 256)}
     base = _export(module, features, tmp_path)
     generate.drop_weights(base)  # as build counts them: once the checkpoint holds the weights
-    assert cost.forward_flops(base, cost.per_sample_values(base, {"features": features})) == counter.get_total_flops()
+    manifest = shard_manifest([(f["name"], f["dtype"], f["shape"]) for f in features])
+    assert cost.forward_flops(base, cost.per_sample_values(base, manifest)) == counter.get_total_flops()
     assert counter.get_total_flops() == by_hand.get(kind, counter.get_total_flops())
