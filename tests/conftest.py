@@ -38,6 +38,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
                     "pytest that pyproject.toml's dev extra pins", pytrace=False)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-xdist hands out the groups biggest first by their count of tests (a module of
+    many quick unit tests before the Slurm cluster's 12 slow ones); in collection order
+    instead, which pytest_collection_modifyitems below makes longest first."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups (--dist loadgroup)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist, a module's tests run on one worker, so that its module-scoped
@@ -83,7 +91,8 @@ def once_per_run(tmp_path_factory, name: str, make) -> Path:
 
 def require_e2e(what: str) -> None:
     if running is not None and not any(running.get_closest_marker(mark) for mark in ("e2e", "cluster")):
-        pytest.fail(f"{running.nodeid} {what}: mark it @pytest.mark.e2e (see pyproject.toml's markers)")
+        test = running.nodeid.partition("@")[0]  # without the group pytest-xdist appends
+        pytest.fail(f"{test} {what}: mark it @pytest.mark.e2e (see pyproject.toml's markers)")
 
 
 def fault(step: int, rank: int, mode: str) -> dict:

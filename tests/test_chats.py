@@ -23,6 +23,7 @@ from ortflow.data.manifest import Manifest, read_manifest
 from ortflow.data.shards import ShardReader
 from ortflow.errors import DataError
 from ortflow.generation.samples import SAMPLES
+from ortflow.graphs.description import read_description
 from ortflow.models import IGNORE_INDEX, save_trained
 from ortflow.stages import build_artifacts, export_model
 from ortflow.stages.prepare_data import prepare
@@ -318,7 +319,7 @@ def assert_eval_is_over_the_assistants_tokens(artifacts: Artifacts, tmp_path: Pa
     module = Module(str(artifacts.training_model), state, str(artifacts.eval_model))
     reader = ShardReader(tmp_path / "data/eval")
     one_rank = SimpleNamespace(rank=0, world_size=1, allreduce_sum=lambda totals: totals)
-    results = evaluate(module, reader, one_rank, artifacts.description(), 3, reader.label_name)
+    results = evaluate(module, reader, one_rank, read_description(artifacts.model_json), 3, reader.label_name)
     records = reader.gather(np.arange(len(reader)))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / save_trained.TRANSFORMERS)).eval()
     ids, mask = torch.from_numpy(records["input_ids"]), torch.from_numpy(records["attention_mask"])

@@ -116,10 +116,7 @@ def test_user_npz_through_snakemake(workdir):
     config = {"run": {"name": "npz"}, "data": {"source": "arrays.npz", "features": ["image", "extra"], "label": "target"}}
     run_snakemake(workdir, config, "prepare_data")
     reader = ShardReader(workdir / "results" / "npz" / "data" / "train")
-    assert reader.manifest.features == [
-        {"name": "image", "dtype": "float32", "shape": [4, 4]},
-        {"name": "extra", "dtype": "int64", "shape": [2]},
-    ]
+    assert reader.manifest.features == (Column("image", "float32", (4, 4)), Column("extra", "int64", (2,)))
     assert reader.manifest.label == Column("target", "float32", ())
     assert (len(reader), reader.manifest.task) == (96, "regression")
     batch = reader.gather(np.arange(len(reader)))

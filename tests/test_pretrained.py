@@ -539,7 +539,7 @@ def test_pretrain_on_text_then_fine_tune_on_labels_in_one_snakemake_call(tmp_pat
     monkeypatch.syspath_prepend(str(TESTS))
     seeded = build_artifacts.build(config_mod.load(overrides={**fine, "model": bag}), workdir / "results/fine/data/train",
                                    tmp_path / "seeded")
-    assert seeded["trainable"] == ["embed.weight", "head.weight", "head.bias"]
+    assert seeded.trainable == ("embed.weight", "head.weight", "head.bias")
     for name in ("head.weight", "head.bias"):
         assert bits(initial[name]) == bits(checkpoint_of(tmp_path / "seeded").parameters[name]), name
     log = (workdir / "logs/fine/build_artifacts.log").read_text()
