@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 from bench_quantize import cpu_model  # the CPU's name from /proc/cpuinfo (this script's folder is on sys.path)
+from bench_tokenize import child_result
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}"
             "{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>"
@@ -85,7 +85,7 @@ def with_ortflow(chats: Path, folder: Path, scratch: Path, context: int, packing
     tokens = 0
     for split in ("train", "eval"):
         reader = ShardReader(scratch / "data" / split)
-        examples = reader.manifest["source"]["examples"]  # of both splits
+        examples = reader.manifest.source["examples"]  # of both splits
         for start in range(0, len(reader), 4096):
             batch = reader.gather(np.arange(start, min(start + 4096, len(reader))))
             tokens += int(batch["attention_mask"].sum())
@@ -132,10 +132,7 @@ def measure(way: str, chats: Path, folder: Path, scratch: Path, context: int) ->
 def run_child(way: str, chats: Path, folder: Path, scratch: Path, context: int) -> dict:
     command = [sys.executable, __file__, "--child", way, "--chats", str(chats), "--tokenizer", str(folder),
                "--scratch", str(scratch), "--context", str(context)]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode:
-        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_result(command)
 
 
 def main() -> None:

@@ -123,6 +123,11 @@ def measure(way: str, text: Path, tokenizer_file: Path, scratch: Path) -> dict:
 def run_child(way: str, text: Path, tokenizer_file: Path, scratch: Path) -> dict:
     command = [sys.executable, __file__, "--child", way, "--text", str(text), "--tokenizer", str(tokenizer_file),
                "--scratch", str(scratch)]
+    return child_result(command)
+
+
+def child_result(command: list[str]) -> dict:
+    """Run one way in a process of its own: the JSON of its last output line, or its error's last line."""
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
