@@ -22,6 +22,8 @@ pytestmark = pytest.mark.cluster
 PROFILE = REPO / "profiles" / "slurm"
 # Small runs; the default world size (2) stays: training must be one 2-task job.
 CONFIG = {"train": {"steps": 30, "log_every": 10, "eval_every": 30, "checkpoint_every": 30}}
+SWEEP = {**CONFIG, "sweep": {"name": "slurm", "grid": {"train.optimizer.lr": [0.01, 0.001]}}}
+POINTS = ["lr-0.01", "lr-0.001"]
 # The first status check after 2 s instead of the profile's 20 s keeps the run short.
 SLURM_ARGS = ("--workflow-profile", str(PROFILE), "--slurm-init-seconds-before-status-checks", "2")
 
@@ -38,9 +40,12 @@ def slurm_cluster():
 
 @pytest.fixture(scope="module")
 def slurm_run(slurm_cluster, tmp_path_factory):
-    """The default workflow (`all`), run once through the Slurm profile."""
+    """A sweep of two points (docs/sweeps.md), run once through the Slurm profile:
+    each point is the default workflow (`all`'s stages, its rules named
+    point_<point>_<rule>) and the sweep adds its comparison, so one run puts
+    every rule through Slurm, and a point's training beside another's."""
     workdir = tmp_path_factory.mktemp("slurm") / "work"
-    result = run_snakemake(workdir, CONFIG, *SLURM_ARGS)
+    result = run_snakemake(workdir, SWEEP, *SLURM_ARGS)
     return workdir, result
 
 
@@ -69,11 +74,11 @@ def snakemake_job_counts(stderr: str) -> dict[str, int]:
     return {rule: int(count) for rule, count in re.findall(r"^(\w+)\s+(\d+)$", table, re.M)}
 
 
-def test_default_workflow_runs_on_slurm(slurm_run):
+def test_the_workflow_runs_on_slurm_each_job_its_rules(slurm_run):
     workdir, result = slurm_run
-    # Every target of `all` is there and newer than its inputs: a dry run finds
-    # nothing to do (by modification times: the code may change during a test).
-    dry = run_snakemake(workdir, CONFIG, "--dry-run", "--rerun-triggers", "mtime")
+    # Every target is there and newer than its inputs: a dry run finds nothing
+    # to do (by modification times: the code may change during a test).
+    dry = run_snakemake(workdir, SWEEP, "--dry-run", "--rerun-triggers", "mtime")
     assert "Nothing to be done" in dry.stdout + dry.stderr, dry.stdout + dry.stderr
 
     # Each job of the run was a Slurm job of its rule, and it completed.
@@ -83,35 +88,54 @@ def test_default_workflow_runs_on_slurm(slurm_run):
         assert job["State"] == "COMPLETED", (job_id, job)
         by_rule.setdefault(job["Comment"], []).append(job_id)
     expected = {f"rule_{rule}": count for rule, count in snakemake_job_counts(result.stderr).items()
-                if rule != "all"}  # `all` has no command: Snakemake runs it locally
+                if rule != "sweep"}  # the default target has no command: Snakemake runs it locally
     assert {rule: len(ids) for rule, ids in by_rule.items()} == expected
+    # Each point ran every stage of the default workflow's `all`.
+    stages = ["prepare_data", "build_artifacts", "train", "merge_checkpoint", "export_model",
+              "quantize_model", "plot_training", "report_tables"]
+    shared = {"prepare_data", "build_artifacts"}  # made once, by the first point: their keys are equal
+    assert set(expected) == {"rule_sweep_compare"} | {
+        f"rule_point_{point}_{stage}" for point in ("lr_0_01", "lr_0_001") for stage in stages
+        if stage not in shared or point == "lr_0_01"}, expected
 
-    metrics = json.loads((workdir / "results/digits/train/metrics.json").read_text())
-    assert metrics["steps"] == 30
+    for point in POINTS:
+        metrics = json.loads((workdir / "results/sweeps/slurm" / point / "train/metrics.json").read_text())
+        assert metrics["steps"] == 30
 
 
-def test_training_is_one_slurm_job_of_two_tasks(slurm_run):
+def test_each_training_is_one_slurm_job_of_two_tasks(slurm_run):
+    """Each point's training is one Slurm job of train.world_size tasks: the
+    profile's settings for the rule `train` reach the points' training rules."""
     workdir, _ = slurm_run
-    train_jobs = [rows for rows in slurm_jobs(workdir).values() if rows[0]["Comment"] == "rule_train"]
-    assert len(train_jobs) == 1, train_jobs
-    job, *steps = train_jobs[0]
-    assert job["AllocCPUS"] == "2", job  # 2 tasks x cpus_per_task 1 (the profile)
-    # The launcher's `srun` is the job's one parallel step: both ranks in it.
-    srun_steps = [step for step in steps if re.fullmatch(r"\d+\.\d+", step["JobID"])]
-    assert [(step["NTasks"], step["State"]) for step in srun_steps] == [("2", "COMPLETED")], steps
-    log = (workdir / "logs/digits/train.log").read_text()
-    assert re.search(r"srun --mpi=pmix -n 2 ", log), log
-    assert "2 ranks" in log, log
+    train_jobs = {rows[0]["Comment"]: rows for rows in slurm_jobs(workdir).values()
+                  if rows[0]["Comment"].endswith("_train")}
+    assert sorted(train_jobs) == ["rule_point_lr_0_001_train", "rule_point_lr_0_01_train"], train_jobs
+    for job, *steps in train_jobs.values():
+        assert (job["State"], job["AllocCPUS"]) == ("COMPLETED", "2"), job  # 2 tasks x cpus_per_task 1
+        # The launcher's `srun` is the job's one parallel step: both ranks in it.
+        srun_steps = [step for step in steps if re.fullmatch(r"\d+\.\d+", step["JobID"])]
+        assert [(step["NTasks"], step["State"]) for step in srun_steps] == [("2", "COMPLETED")], steps
+    for point in POINTS:
+        log = (workdir / "logs/sweeps/slurm" / point / "train.log").read_text()
+        assert re.search(r"srun --mpi=pmix -n 2 ", log), log
+        assert "2 ranks" in log, log
 
 
-def test_cuda_training_asks_for_one_gpu_per_task(slurm_run, tmp_path):
+def test_the_sweep_compares_its_points_trained_on_slurm(slurm_run):
+    workdir, _ = slurm_run
+    with open(workdir / "results" / "sweeps" / "slurm" / "comparison.tsv") as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    assert sorted((row["point"], row["status"]) for row in rows) == [("lr-0.001", "finished"),
+                                                                       ("lr-0.01", "finished")]
+
+
+def test_cuda_training_asks_for_one_gpu_per_task(slurm_cluster, tmp_path):
     """Without a GPU Slurm refuses the job, but Snakemake's error shows the
     sbatch call it generated: one GPU per task for 4 tasks."""
-    finished, _ = slurm_run
     workdir = tmp_path / "work"
-    shutil.copytree(finished, workdir, symlinks=True)  # only `train` is out of date below
+    run_snakemake(workdir, CONFIG, "build_artifacts")  # locally: only `train` goes to Slurm below
     config = {"train": {**CONFIG["train"], "device": "cuda", "world_size": 4}}
-    result = run_snakemake(workdir, config, *SLURM_ARGS, check=False)
+    result = run_snakemake(workdir, config, "train", *SLURM_ARGS, check=False)
     assert result.returncode != 0, result.stderr
     calls = re.findall(r"^\s*(sbatch .*--comment rule_train .*)$", result.stderr, re.M)
     assert len(calls) == 2, result.stderr[-4000:]  # the profile retries a training job once
@@ -135,20 +159,3 @@ def test_only_training_is_retried(slurm_cluster, tmp_path):
     assert "column(s) c not found" in result.stderr, result.stderr[-4000:]
     jobs = [rows[0] for rows in slurm_jobs(workdir).values()]
     assert [(job["Comment"], job["State"]) for job in jobs] == [("rule_prepare_data", "FAILED")], jobs
-
-
-def test_each_sweep_points_training_is_its_own_slurm_job(slurm_cluster, tmp_path):
-    """A sweep (docs/sweeps.md) through the profile: each point's training is one Slurm
-    job of train.world_size tasks (the profile's settings for `train`), seen in sacct."""
-    workdir = tmp_path / "work"
-    config = {**CONFIG, "sweep": {"name": "slurm", "grid": {"train.optimizer.lr": [0.01, 0.001]}}}
-    run_snakemake(workdir, config, *SLURM_ARGS)
-    jobs = slurm_jobs(workdir)
-    training = {rows[0]["Comment"]: rows[0] for rows in jobs.values() if rows[0]["Comment"].endswith("_train")}
-    assert sorted(training) == ["rule_point_lr_0_001_train", "rule_point_lr_0_01_train"], jobs
-    for job in training.values():
-        assert (job["State"], job["AllocCPUS"]) == ("COMPLETED", "2"), job
-    with open(workdir / "results" / "sweeps" / "slurm" / "comparison.tsv") as f:
-        rows = list(csv.DictReader(f, delimiter="\t"))
-    assert sorted((row["point"], row["status"]) for row in rows) == [("lr-0.001", "finished"),
-                                                                       ("lr-0.01", "finished")]
