@@ -184,9 +184,12 @@ PIPELINED = with_train(world_size=2, pipeline_stages=2, grad_accum_steps=4)
 
 
 @pytest.fixture(scope="module")
-def pipelined_inputs(tmp_path_factory) -> Path:
-    """The artifacts cut into 2 stages (the whole model's beside them)."""
-    return inputs_of(PIPELINED, tmp_path_factory)
+def pipelined_inputs(inputs, tmp_path_factory) -> Path:
+    """The artifacts cut into 2 stages (the whole model's beside them), from
+    the shards of `inputs`: their data keys are the same, only build_artifacts runs."""
+    workdir = workdir_with_inputs(inputs, tmp_path_factory.mktemp("two-node-inputs") / "work")
+    run_snakemake(workdir, PIPELINED, "build_artifacts")
+    return workdir
 
 
 @pytest.fixture(scope="module")
