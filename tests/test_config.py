@@ -128,6 +128,17 @@ def test_identity_knows_user_files_by_content_not_path(tmp_path, monkeypatch):
         f"model.path: {first['model']['path']!r} in the checkpoint, {identity('a.onnx')['model']['path']!r} now"]
 
 
+def test_identity_keeps_a_template_longer_than_a_file_name_as_it_is():
+    """data.chat_template may be the Jinja template itself: longer than a file name may be (255 bytes),
+    it is no path (asking the filesystem raised ENAMETOOLONG in every rank of a chat run)."""
+    from ortflow.config.derived import by_content
+
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}" * 6
+    assert len(template) > 255
+    assert by_content({"chat_template": template, "source": "chats.jsonl"}) == {
+        "chat_template": template, "source": "chats.jsonl"}
+
+
 @pytest.mark.e2e
 def test_workflow_refuses_bad_config_before_any_job(workdir):
     result = run_snakemake(workdir, {"train": {"world_size": -1}}, check=False)

@@ -4,6 +4,7 @@ files by their content)."""
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 from .convert import as_dict
@@ -67,10 +68,15 @@ def by_content(section: dict) -> dict:
 
     def content(key: str, value):
         path = Path(value) if isinstance(value, str) else None
-        if path is not None and key in checked and (path.exists() or path.is_symlink()):
-            return user_files.content(checked[key], value)
-        if path is not None and path.is_file():
-            return f"sha256:{sha256_file(path)}"
+        try:
+            if path is not None and key in checked and (path.exists() or path.is_symlink()):
+                return user_files.content(checked[key], value)
+            if path is not None and path.is_file():
+                return f"sha256:{sha256_file(path)}"
+        except OSError as error:
+            if error.errno != errno.ENAMETOOLONG:
+                raise
+            # Not a path: a value longer than a file name can be (data.chat_template's template itself).
         return value
 
     return {key: content(key, value) for key, value in section.items()}
