@@ -11,13 +11,16 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .. import atomic
 from ..export.ecosystem import copy_tokenizer_files
 from . import GENAI_CONFIG, MODEL
 from .check import Agreement, GenerationCheck, check_generation
-from .decoder import CacheLayout, export_decoder
 from .generate import Decoder
+
+if TYPE_CHECKING:  # the decoder's export needs torch, imported when a folder is written (cli.py)
+    from .decoder import CacheLayout
 
 # The language-model types onnxruntime-genai knows by name (its src/models/model_type.h, ModelType::IsLLM,
 # read in 2026); any other decoder of the standard inputs and outputs it runs as its generic "decoder".
@@ -50,6 +53,8 @@ def write_folder(model, tokenizer_source: Path | None, folder: Path,
     `check`, the folder's greedy generation must be `model`'s (check.check_generation) before the
     folder is renamed into place; its agreement is returned."""
     with atomic.folder(folder) as building:
+        from .decoder import export_decoder
+
         layout = export_decoder(model, building / MODEL)
         config = copy.deepcopy(model.config)  # the caller's model keeps its own
         config.use_cache = True  # optimum feeds the cache only to a model whose config says it has one

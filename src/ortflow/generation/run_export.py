@@ -18,7 +18,7 @@ import numpy as np
 
 from ..data.tokenizer import ATTENTION_MASK, INPUT_IDS
 from ..export.checks import TOLERANCE
-from ..models.hugging_face import TEXT_WINDOWS
+from ..models import TEXT_WINDOWS
 from ..models.save_trained import TRANSFORMERS
 from . import GENERATION
 from .check import GenerationCheck

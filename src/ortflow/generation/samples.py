@@ -23,7 +23,7 @@ import numpy as np
 from .. import atomic
 from ..data.tokenizer import ATTENTION_MASK, INPUT_IDS
 from ..models import IGNORE_INDEX
-from ..models.hugging_face import TEXT_WINDOWS
+from ..models import TEXT_WINDOWS
 from . import GENERATION, SAMPLES, TOKENIZER
 from .check import transformers_greedy
 from .generate import Decoder, generate

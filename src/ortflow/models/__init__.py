@@ -19,6 +19,8 @@ CLASS_LOSSES = ("cross_entropy",)
 IGNORE_INDEX = -100
 # A sequence-to-sequence model's third input: its target shifted right (data/tokenizer.py's encode_targets).
 DECODER_INPUT_IDS = "decoder_input_ids"
+# The token windows of text (data.source text, a .txt file) are one feature of this name.
+TEXT_WINDOWS = "x"
 
 
 def is_float(tensor) -> bool:

@@ -38,7 +38,7 @@ import torch
 
 from ..errors import ModelError
 from ..machine import available_memory, gib
-from . import DECODER_INPUT_IDS
+from . import DECODER_INPUT_IDS, TEXT_WINDOWS
 from ..user_files import MODEL_CONFIG, MODEL_KEY, model_files
 
 log = logging.getLogger("ortflow.build_artifacts")
@@ -54,8 +54,6 @@ CLASSES = {
 }
 # Tasks whose logits have a score per position: [batch, time, classes] -> [batch, classes, time].
 PER_TOKEN = ("causal-lm", "token-classification", "seq2seq")
-# The token windows of text (data.source text, a .txt file) are one feature of this name.
-TEXT_WINDOWS = "x"
 # model_type -> its attention implementation: `sdpa` (transformers' default, whose export trains
 # faster: GPT-2's step was 13% slower with eager, docs/benchmarks.md) where the family matrix
 # (tests/test_hf_families.py) trains it as torch does, `eager` (the attention written out in

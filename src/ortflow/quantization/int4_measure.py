@@ -23,7 +23,7 @@ from ..errors import MissingInputError
 from ..generation import GENAI_CONFIG, MODEL
 from ..generation.generate import Decoder, generate
 from ..models import IGNORE_INDEX
-from ..models.hugging_face import TEXT_WINDOWS
+from ..models import TEXT_WINDOWS
 from . import gate
 from .int4 import Int4, decoder_losses, quantize_folder, weight_bytes
 
