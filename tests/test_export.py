@@ -462,8 +462,8 @@ def test_transposed_weights_fold_as_onnx_runtime_folds_them(tmp_path, monkeypatc
     """fold_transposed_weights does before ONNX Runtime's session what its constant folding
     did: the pre-processed model is the same, node for node and initializer for initializer
     (by name; their order in the file may differ), with the weights inline or in external data.
-    A weight read by a Gather too stays (tied embeddings), a 3-D Transpose keeps its perm,
-    and a Transpose of a graph input stays."""
+    A weight read by a Gather too stays (tied embeddings), a 3-D Transpose keeps its perm, a
+    Transpose of a graph input stays, and a weight two Transposes read is left to ONNX Runtime."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -472,10 +472,15 @@ def test_transposed_weights_fold_as_onnx_runtime_folds_them(tmp_path, monkeypatc
     rng = np.random.default_rng(3)
     tokens = rng.standard_normal((50, 16), dtype=np.float32)
     heads = rng.standard_normal((2, 8, 16), dtype=np.float32)
-    initializers = [numpy_helper.from_array(tokens, "tokens"), numpy_helper.from_array(heads, "heads")]
+    initializers = [numpy_helper.from_array(tokens, "tokens"), numpy_helper.from_array(heads, "heads"),
+                    numpy_helper.from_array(rng.standard_normal((16, 16), dtype=np.float32), "twice")]
     nodes = [helper.make_node("Gather", ["tokens", "ids"], ["embedded"]),
              helper.make_node("Transpose", ["heads"], ["heads_t"], perm=[0, 2, 1]),
              helper.make_node("MatMul", ["embedded", "heads_t"], ["per_head"]),  # [n, 16] @ [2, 16, 8]
+             helper.make_node("Transpose", ["twice"], ["twice_t"]),
+             helper.make_node("Transpose", ["twice"], ["twice_t2"]),
+             helper.make_node("MatMul", ["embedded", "twice_t"], ["once"]),
+             helper.make_node("MatMul", ["embedded", "twice_t2"], ["again"]),
              helper.make_node("Transpose", ["tokens"], ["tokens_t"]),
              helper.make_node("MatMul", ["embedded", "tokens_t"], ["logits"]),
              helper.make_node("Transpose", ["mask"], ["mask_t"]),
@@ -483,7 +488,9 @@ def test_transposed_weights_fold_as_onnx_runtime_folds_them(tmp_path, monkeypatc
     graph = helper.make_graph(nodes, "tied", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"]),
                                               helper.make_tensor_value_info("mask", TensorProto.FLOAT, [50, 1])],
                               [helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["n", 50]),
-                               helper.make_tensor_value_info("per_head", TensorProto.FLOAT, [2, "n", 8])],
+                               helper.make_tensor_value_info("per_head", TensorProto.FLOAT, [2, "n", 8]),
+                               helper.make_tensor_value_info("once", TensorProto.FLOAT, ["n", 16]),
+                               helper.make_tensor_value_info("again", TensorProto.FLOAT, ["n", 16])],
                               initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
     model.ir_version = 8
@@ -504,7 +511,7 @@ def test_transposed_weights_fold_as_onnx_runtime_folds_them(tmp_path, monkeypatc
                 for tensor in model.graph.initializer}
 
     # ONNX Runtime's basic level fuses MatMul and Add into a Gemm, which needs tokens_t constant.
-    assert [node.op_type for node in ours.graph.node] == ["Transpose", "Gather", "Gemm", "MatMul"]
+    assert [node.op_type for node in ours.graph.node] == ["Transpose", "Gather", "Gemm", "MatMul", "MatMul", "MatMul"]
     assert ours.graph.node == theirs.graph.node and ours.graph.value_info == theirs.graph.value_info
     assert initializers_of(ours) == initializers_of(theirs)
     assert np.array_equal(numpy_helper.to_array(next(t for t in ours.graph.initializer if t.name == "heads_t")),

@@ -7,6 +7,7 @@ run on a model, it is skipped with a warning, and at worst the model is quantize
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -110,13 +111,16 @@ def fold_transposed_weights(graph, source_folder: Path, data: Path) -> None:
     # Initializers that are also graph inputs can be fed another value: ONNX Runtime folds none of them.
     overridable = {value.name for value in graph.graph.input}
     outputs = {value.name for value in graph.graph.output}
+    # A weight two Transposes read is left to ONNX Runtime, whose common subexpression elimination
+    # makes the two one before it folds them.
+    transposes = collections.Counter(node.input[0] for node in graph.graph.node if node.op_type == "Transpose")
     folded, kept = [], []
     with open(data, "wb") as file:
         for node in graph.graph.node:
             weight = initializers.get(node.input[0]) if node.op_type == "Transpose" and node.domain in ("", "ai.onnx") \
                 else None
             if weight is None or weight.name in overridable or node.output[0] in outputs or \
-                    weight.data_type == onnx.TensorProto.STRING:
+                    transposes[weight.name] > 1 or weight.data_type == onnx.TensorProto.STRING:
                 kept.append(node)
                 continue
             # A copy reads the bytes: to_array leaves them in the tensor it reads (external_data.weights_as_inputs).
