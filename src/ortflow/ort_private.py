@@ -16,6 +16,9 @@ each accessor first checks the installed version and refuses another in one line
   (`onnxruntime.capi.onnxruntime_pybind11_state.NotImplemented`): quantize names that node.
 - The AdamW block's operator attributes (`AdamWOptimizer._build_optimizer_node`,
   `AdamW._adamw`): build_artifacts asks for torch's AdamW (adam_mode 0).
+- The shape inference that ONNXQuantizer runs for dynamic quantization by saving the
+  model and reading it back (`onnx_quantizer.save_and_reload_model_with_shape_infer`):
+  quantize runs the same inference on the graph alone, not holding every weight twice.
 - The counter onnxblock names the nodes it adds from (`_graph_utils._GRAPH_TOKEN`,
   `generate_graph_name`): build_artifacts restarts it, so that the graphs depend on
   the model alone, and ortflow's own loss blocks name their nodes by it (models/losses.py).
@@ -23,6 +26,7 @@ each accessor first checks the installed version and refuses another in one line
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 
@@ -100,3 +104,63 @@ def new_node_name(prefix: str) -> str:
     from onnxruntime.training.onnxblock import _graph_utils
 
     return _graph_utils.generate_graph_name(prefix)
+
+
+@contextlib.contextmanager
+def dynamic_quantizer_reads_weights_once():
+    """Within it, ONNXQuantizer (dynamic) infers its model's shapes on the graph alone. It
+    saves the model given, every initializer of 1 KiB or more to external data, infers
+    shapes on that file and reads the model back: a second copy of every weight, while
+    protobuf keeps the first one's memory (a message's is freed with the message, which
+    quantize_dynamic holds): 2.5 times the weights at its peak. Here ONNX's same shape
+    inference runs on the graph as that file has it (those initializers without their
+    bytes), and what it infers (value_info, inputs, outputs) is written into the model given."""
+    check_version()
+    from onnxruntime.quantization import onnx_quantizer
+
+    reload = onnx_quantizer.save_and_reload_model_with_shape_infer
+    onnx_quantizer.save_and_reload_model_with_shape_infer = infer_shapes_in_place
+    try:
+        yield
+    finally:
+        onnx_quantizer.save_and_reload_model_with_shape_infer = reload
+
+
+def infer_shapes_in_place(model):
+    """`model` with ONNX's shape inference done on its graph as save_and_reload_model_with_shape_infer
+    saves it (onnx.save_model with save_as_external_data: a tensor whose raw bytes take 1 KiB
+    or more, as sys.getsizeof counts them, written out), and ONNX Runtime's inference metadata."""
+    import sys
+
+    import onnx
+    from onnxruntime.quantization.quant_utils import add_infer_metadata
+
+    skeleton = onnx.ModelProto()
+    copy_fields(model, skeleton, skip="graph")
+    copy_fields(model.graph, skeleton.graph, skip="initializer")
+    for tensor in model.graph.initializer:
+        if tensor.HasField("raw_data") and sys.getsizeof(tensor.raw_data) >= 1024:
+            stub = skeleton.graph.initializer.add(name=tensor.name, data_type=tensor.data_type, dims=tensor.dims,
+                                                  data_location=onnx.TensorProto.EXTERNAL)
+            stub.external_data.add(key="location", value="weights")
+        else:
+            skeleton.graph.initializer.add().CopyFrom(tensor)
+    inferred = onnx.shape_inference.infer_shapes(skeleton).graph
+    for field in ("value_info", "input", "output"):
+        getattr(model.graph, field).clear()
+        getattr(model.graph, field).extend(getattr(inferred, field))
+    add_infer_metadata(model)
+    return model
+
+
+def copy_fields(source, target, skip: str) -> None:
+    """Every field set in the protobuf message `source` but `skip`, copied into `target`."""
+    for field, value in source.ListFields():
+        if field.name == skip:
+            continue
+        if field.is_repeated:
+            getattr(target, field.name).extend(value)
+        elif field.message_type is not None:
+            getattr(target, field.name).CopyFrom(value)
+        else:
+            setattr(target, field.name, value)

@@ -111,8 +111,9 @@ def quantize_once(source: Path, target: Path, how: str, op_types: list[str], exp
 
     per_channel = export_cfg.per_channel
     if how == "dynamic":
-        quantize_dynamic(str(source), str(target), op_types_to_quantize=op_types, per_channel=per_channel,
-                         weight_type=QuantType.QInt8, use_external_data_format=external)
+        with ort_private.dynamic_quantizer_reads_weights_once():
+            quantize_dynamic(str(source), str(target), op_types_to_quantize=op_types, per_channel=per_channel,
+                             weight_type=QuantType.QInt8, use_external_data_format=external)
         return
     names = [i.name for i in inference_session(source, prepacked=False).get_inputs()]
     batches = export_cfg.calibration_batches
