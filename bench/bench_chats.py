@@ -7,13 +7,14 @@ template whose assistant turns are marked with {% generation %} (so both ways ge
 from the same call), then runs, each in a process of its own (its peak RSS is its own):
 
 - ortflow: `prepare()` of the prepare_data stage, shards written (data.context `--context`);
-- packed: the same with data.packing: separate (fewer records: less padding written and mapped);
+- packed: the same with data.packing: separate (fewer records: less padding written);
 - datasets: `load_dataset("json")` and `Dataset.map(batched=True)` calling the folder's tokenizer's
   `apply_chat_template(tokenize=True, return_assistant_tokens_mask=True)`, its cache in a temporary
   folder: the rows tokenized as Arrow columns, nothing padded, no shard written.
 
 Both must find the same tokens and the same tokens in the loss. Rounds alternate the ways (the machine
-may be shared). Peak RSS is the process's maximum resident memory (ru_maxrss), imports included.
+may be shared). Seconds and peak RSS (the process's maximum resident memory, ru_maxrss, imports included)
+are the way's until its output is written; the tokens are counted after that.
 
     python bench/bench_chats.py --rows 100000 --rounds 2
 """
@@ -74,7 +75,7 @@ def write_tokenizer(chats: Path, folder: Path, vocab: int) -> None:
     tokenizer.save_pretrained(str(folder))
 
 
-def with_ortflow(chats: Path, folder: Path, scratch: Path, context: int, packing: str = "none") -> dict:
+def with_ortflow(chats: Path, folder: Path, scratch: Path, context: int, finished, packing: str = "none") -> dict:
     from ortflow import config as config_mod
     from ortflow.data.shards import ShardReader
     from ortflow.stages.prepare_data import prepare
@@ -82,6 +83,7 @@ def with_ortflow(chats: Path, folder: Path, scratch: Path, context: int, packing
     config = config_mod.load(overrides={"data": {"source": str(chats), "tokenizer": str(folder), "context": context,
                                                  "too_long": "drop", "packing": packing}})
     prepare(config, scratch / "data/train", scratch / "data/eval")
+    finished()
     tokens = 0
     for split in ("train", "eval"):
         reader = ShardReader(scratch / "data" / split)
@@ -93,7 +95,7 @@ def with_ortflow(chats: Path, folder: Path, scratch: Path, context: int, packing
             "loss_tokens": examples["loss_tokens"]}
 
 
-def with_datasets(chats: Path, folder: Path, scratch: Path, context: int) -> dict:
+def with_datasets(chats: Path, folder: Path, scratch: Path, context: int, finished) -> dict:
     import datasets
     from transformers import AutoTokenizer
 
@@ -107,6 +109,7 @@ def with_datasets(chats: Path, folder: Path, scratch: Path, context: int) -> dic
         return {"input_ids": out["input_ids"], "assistant_masks": out["assistant_masks"]}
 
     encoded = rows.map(encode, batched=True, remove_columns=["messages"])
+    finished()
     tokens = loss = examples = dropped = 0
     for batch in encoded.iter(batch_size=4096):  # counted as prepare_data counts (data.too_long: drop)
         for ids, mask in zip(batch["input_ids"], batch["assistant_masks"]):
@@ -122,11 +125,16 @@ WAYS = {"ortflow": with_ortflow, "datasets": with_datasets,
 
 
 def measure(way: str, chats: Path, folder: Path, scratch: Path, context: int) -> dict:
-    """Run in a child process: time one way, and report what it found and its peak RSS."""
-    started = time.perf_counter()
-    found = WAYS[way](chats, folder, scratch, context)
-    return {"seconds": time.perf_counter() - started, **found,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    """Run in a child process: time one way up to the end of its work (`finished`: the shards or the Arrow
+    cache written), its peak RSS until then, and what it found (counted after: the ways read their output
+    back differently, ortflow mapping its shards)."""
+    started, stage = time.perf_counter(), {}
+
+    def finished() -> None:
+        stage.update(seconds=time.perf_counter() - started,
+                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+
+    return WAYS[way](chats, folder, scratch, context, finished) | stage
 
 
 def run_child(way: str, chats: Path, folder: Path, scratch: Path, context: int) -> dict:

@@ -42,6 +42,11 @@ def test_defaults_fill_every_section():
         ({"data": {"shards": "true"}}, "config key 'data.shards': 'true' is not of type 'integer'"),
         ({"model": {"kind": "onnx"}}, "config key 'model.path': required when model.kind is 'onnx'"),
         ({"model": {"kind": "gpt"}}, "config key 'model.kind': 'gpt' needs text data"),
+        # Only a transformers model builds the mask that keeps separately packed examples apart.
+        ({"model": {"kind": "torch", "path": "nets:Net"}, "data": {"packing": "separate"}},
+         "config key 'data.packing': 'separate' keeps the examples of a window apart with a mask that only "
+         "model.kind: transformers builds; model.kind is 'torch': set data.packing: cross (examples attend to each "
+         "other) or none"),
         # Python's `$` matches before a trailing newline: patterns must match the whole string.
         ({"run": {"name": "x\n"}}, "config key 'run.name': 'x\\n' is not allowed; expected letters, digits"),
         ({"data": {"source": "my.csv\nrm -rf ~"}}, "config key 'data.source': 'my.csv\\nrm -rf ~' is not allowed; "

@@ -424,3 +424,36 @@ def test_a_bounded_evaluation_reads_records_spread_over_the_split_and_the_ranks(
     expected = np.linspace(0, 898, 100, endpoint=False).astype(int)
     assert chosen == [everything[i] for i in expected]  # from the first records to the last ones
     assert read(0, 1, 10_000) == everything
+
+
+def mapped_rss_kb(array: np.ndarray) -> int:
+    """The resident kB of the mapping that holds `array`'s first byte, from /proc/self/smaps."""
+    address, inside = array.__array_interface__["data"][0], False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if "-" in line.split(" ", 1)[0] and ":" not in line.split(" ", 1)[0]:
+            start, end = (int(part, 16) for part in line.split(" ", 1)[0].split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("Rss:"):
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the array")
+
+
+def test_write_split_lets_go_of_a_mapped_token_streams_pages(tmp_path):
+    """The windows of a tokenized text are views of a mapped scratch file (tokenizer.py): written, their
+    pages no longer count in the process's memory, which would otherwise grow with the text."""
+    from ortflow.data.shards import drop_mapped_pages, write_split
+    from ortflow.data.sources import Dataset, windows
+
+    stream = tmp_path / "tokens"
+    np.arange(1 << 20, dtype=np.int64).tofile(stream)  # 8 MB
+    tokens = np.memmap(stream, dtype=np.int64, mode="r")
+    inputs, labels = windows(tokens, 64)
+    dataset = Dataset({"input_ids": inputs}, labels, "y", "language_model", 1 << 20)
+    write_split(dataset, np.arange(len(labels)), tmp_path / "train", "train", 2, {})
+    assert mapped_rss_kb(tokens) < 1024  # the last block's pages at most were it not dropped
+    batch = ShardReader(tmp_path / "train").gather(np.array([0, len(labels) - 1]))
+    last = (len(labels) - 1) * 64
+    np.testing.assert_array_equal(batch["input_ids"][1], tokens[last:last + 64])  # read again from the file
+    assert mapped_rss_kb(tokens) > 0
+    drop_mapped_pages(labels)
+    assert mapped_rss_kb(tokens) == 0

@@ -77,6 +77,14 @@ def _check_cross_keys(config: Config) -> None:
             f"config key 'model.kind': 'gpt' needs text data (data.source: text or a .txt file), "
             f"got data.source={data.source!r}"
         )
+    if data.packing == "separate" and model.kind in ("onnx", "torch"):
+        # Only models/hugging_face.py builds the mask that keeps packed examples apart from their position ids:
+        # a model of one's own would take them as positions only, every example attending to those before it.
+        raise ConfigError(
+            f"config key 'data.packing': 'separate' keeps the examples of a window apart with a mask that only "
+            f"model.kind: transformers builds; model.kind is {model.kind!r}: set data.packing: cross (examples "
+            "attend to each other) or none"
+        )
     if model.kind == "gpt" and model.width % model.heads:
         raise ConfigError(
             f"config key 'model.heads': {model.heads} does not divide model.width={model.width}"

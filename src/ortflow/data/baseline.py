@@ -17,10 +17,12 @@ import numpy as np
 
 from .. import atomic
 from ..models import IGNORE_INDEX
+from .shards import drop_mapped_pages
 
 BASELINE = "baseline.json"
-# Records at a time: a language model's labels are windows over a token stream that may not fit in memory.
-BLOCK = 1 << 14
+# Labels read at a time (8 MB of int64): a language model's labels are windows over a token stream that may
+# not fit in memory, and a block's copies were the peak RSS of prepare_data on documents (docs/benchmarks.md).
+BLOCK = 1 << 20
 # Which way each measure is better.
 HIGHER_IS_BETTER = {"accuracy": True, "loss": False, "perplexity": False}
 # A model within this (relative) of the baseline has not beaten it: the eval measures are sums
@@ -53,20 +55,23 @@ def unigram_perplexity(label: np.ndarray, train_rows: np.ndarray, eval_rows: np.
     """The perplexity on the eval tokens of a model that knows only how often each
     token occurs in the train split, add-one smoothed (a token it never saw counts once)."""
     counts = np.ones(vocab_size)
-    for rows in blocks(train_rows):
+    for rows in blocks(train_rows, int(np.prod(label.shape[1:]))):
         chosen = label[rows].reshape(-1)
         counts += np.bincount(chosen[chosen != IGNORE_INDEX], minlength=vocab_size)
+        drop_mapped_pages(label)
     log_p = np.log(counts / counts.sum())
     total, tokens = 0.0, 0
-    for rows in blocks(eval_rows):
+    for rows in blocks(eval_rows, int(np.prod(label.shape[1:]))):
         chosen = label[rows].reshape(-1)
         chosen = chosen[chosen != IGNORE_INDEX]  # a target's padding (sequence-to-sequence)
         total, tokens = total + float(log_p[chosen].sum()), tokens + len(chosen)
+        drop_mapped_pages(label)
     return float(np.exp(-total / tokens))
 
 
-def blocks(rows: np.ndarray) -> list[np.ndarray]:
-    return np.array_split(rows, max(1, -(-len(rows) // BLOCK)))
+def blocks(rows: np.ndarray, labels_a_row: int) -> list[np.ndarray]:
+    per_block = max(1, BLOCK // labels_a_row)
+    return np.array_split(rows, max(1, -(-len(rows) // per_block)))
 
 
 def write(eval_dir: Path, baseline: dict) -> None:

@@ -19,7 +19,7 @@ turns (TRL's `assistant_only_loss`) or the completion are, with `all` every toke
 the assistant's: the template's own `{% generation %}` marks (transformers' assistant mask), else the
 text that each assistant turn adds to the rendering of the turns before it with the generation
 prompt (as TRL finds them). A longer example is truncated or dropped (`data.too_long`), and both
-are counted. Examples go to a scratch file, not memory, as a tokenized text's stream does.
+are counted. Examples go to scratch files, unpadded (ragged.py), not memory, as a tokenized text's stream does.
 
 `data.packing` puts several examples into a record of `data.context` tokens (Windows) with the labels
 each had alone, so that the loss is on the same tokens: `separate` places whole examples first-fit into
@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -42,7 +41,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..models import IGNORE_INDEX
-from . import tokenizer as tokenizers
+from . import ragged, tokenizer as tokenizers
 
 log = logging.getLogger("ortflow.prepare_data")
 
@@ -52,7 +51,8 @@ DATASET_DICT = "dataset_dict.json"  # save_to_disk of a DatasetDict
 DATASET_FILES = ("dataset_info.json", "state.json")  # save_to_disk of a Dataset
 EVAL_SPLITS = ("validation", "test")  # a datasets folder's eval split, the first present
 GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")  # transformers' mark of the assistant's tokens
-FIELDS = 3  # input ids, attention mask, labels: an example's arrays in the scratch file
+IDS, LABELS, POSITIONS = 0, 1, 2  # a record's fields in its scratch files (ragged.py); positions: separate's
+FIELDS = 2  # input ids and labels: the attention mask is 1 on every token a record holds
 POSITION_IDS = "position_ids"  # data.packing separate: each example's positions, from 0, a field before the labels
 OPEN_WINDOWS = 64  # windows that data.packing separate fills at once: first fit among them, in bounded memory
 
@@ -369,8 +369,8 @@ def _chat_tokenizer(tokenizer: tokenizers.Tokenizer, template: str | None):
 
 def encode(data, tokenizer: tokenizers.Tokenizer, splits: dict[str, Rows], fmt: str, scratch: Path | None):
     """The examples of the rows of `splits` in format `fmt`: ({input_ids, attention_mask}, labels), each
-    [examples, data.context] int64 mapped from a scratch file in `scratch`; the Counts; and (train rows,
-    eval rows) of a source with its own splits, else None."""
+    [examples, data.context] int64 read padded from unpadded scratch files in `scratch` (ragged.py); the
+    Counts; and (train rows, eval rows) of a source with its own splits, else None."""
     renderer = Renderer(data, tokenizer, fmt)
     pad = tokenizer.pad_token or tokenizer.eos_token
     if pad is None:
@@ -379,32 +379,30 @@ def encode(data, tokenizer: tokenizers.Tokenizer, splits: dict[str, Rows], fmt: 
     tokenizer.pad_token, tokenizer.input = pad, tokenizers.INPUT_IDS  # what the manifest records
     counts = Counts(packing=data.packing)
     written = {}  # split -> records
-    with tempfile.TemporaryFile(dir=scratch, prefix="ortflow-examples-") as out:
-        windows = Windows(out, data.packing, data.context, tokenizer.token_id(pad))
-        for name, rows in splits.items():
-            _require(rows, renderer.columns(), "data.messages, or data.prompt and data.completion")
-            before, records = counts.examples, windows.written
-            progress = tokenizers.Progress(rows.where, 0, "rows", 1)
-            start = 0
-            for batch in rows.batches():
-                for row, (ids, loss) in enumerate(renderer.examples(rows.where, start, batch), start):
-                    record = _record(ids, loss, f"{rows.where}: row {row}", data, counts, tokenizer.token_id(pad))
-                    if record is not None:
-                        windows.add(record)
-                    progress.done = row + 1
-                    progress.update(len(ids))
-                start += len(batch)
-            progress.update(0, final=True)
-            windows.end()  # the examples of two splits share no window
-            counts.splits[name] = counts.examples - before
-            written[name] = windows.written - records
-        out.flush()
-        if counts.examples == 0:
-            raise DataError(f"data.source {data.source!r}: no example left (data.too_long: drop dropped all "
-                            f"{counts.dropped}, longer than data.context={data.context} tokens)")
-        # The mapping keeps the (already unlinked) file alive after it is closed.
-        mapped = np.memmap(out, dtype=np.int64, mode="r", shape=(windows.written, windows.fields, data.context))
-    counts.windows, counts.padding = windows.written, windows.padding
+    windows = Windows(scratch, data.packing, data.context)
+    for name, rows in splits.items():
+        _require(rows, renderer.columns(), "data.messages, or data.prompt and data.completion")
+        before, records = counts.examples, len(windows.records)
+        progress = tokenizers.Progress(rows.where, 0, "rows", 1)
+        start = 0
+        for batch in rows.batches():
+            for row, (ids, loss) in enumerate(renderer.examples(rows.where, start, batch), start):
+                example = _example(ids, loss, f"{rows.where}: row {row}", data, counts)
+                if example is not None:
+                    windows.add(*example)
+                progress.done = row + 1
+                progress.update(len(ids))
+            start += len(batch)
+        progress.update(0, final=True)
+        windows.end()  # the examples of two splits share no window
+        counts.splits[name] = counts.examples - before
+        written[name] = len(windows.records) - records
+    if counts.examples == 0:
+        raise DataError(f"data.source {data.source!r}: no example left (data.too_long: drop dropped all "
+                        f"{counts.dropped}, longer than data.context={data.context} tokens)")
+    records = windows.records
+    records.end()
+    counts.windows, counts.padding = len(records), windows.padding
     log.info("%s: %d examples, %d truncated and %d dropped (longer than data.context=%d tokens, data.too_long: "
              "%s); %d tokens in the loss (data.loss_on: %s)", fmt, counts.examples, counts.truncated, counts.dropped,
              data.context, data.too_long, counts.loss_tokens, data.loss_on)
@@ -414,33 +412,34 @@ def encode(data, tokenizer: tokenizers.Tokenizer, splits: dict[str, Rows], fmt: 
     split = None
     if "train" in written:
         train = written["train"]
-        split = (np.arange(train), np.arange(train, windows.written))
-    features = {tokenizers.INPUT_IDS: mapped[:, 0], tokenizers.ATTENTION_MASK: mapped[:, 1]}
-    if windows.fields > FIELDS:
-        features[POSITION_IDS] = mapped[:, 2]
-    return features, mapped[:, -1], counts, split
+        split = (np.arange(train), np.arange(train, len(records)))
+    features = {tokenizers.INPUT_IDS: ragged.Padded(records, IDS, tokenizer.token_id(pad)),
+                tokenizers.ATTENTION_MASK: ragged.Padded(records, None, 0)}
+    if data.packing == "separate":
+        features[POSITION_IDS] = ragged.Padded(records, POSITIONS, None)
+    return features, ragged.Padded(records, LABELS, IGNORE_INDEX), counts, split
 
 
 class Windows:
-    """Where the examples' records go: the scratch file `out`, one a record (data.packing: none), or packed
-    into windows of `context` tokens (separate, cross), each example's labels as they were alone. A
-    `separate` window has a field more, the position ids, before the labels; its padding is a last
-    "example" of positions from 0 too, in the loss nowhere, which only attends to itself."""
+    """Where the examples go: `records` (ragged.Ragged, in `scratch`), one a record (data.packing: none), or
+    packed into windows of `context` tokens (separate, cross), each example's labels as they were alone. A
+    `separate` window has a field more, the position ids; its padding is a last "example" of positions from
+    0 too, in the loss nowhere, which only attends to itself (ragged.Padded pads them so)."""
 
-    def __init__(self, out, packing: str, context: int, pad: int):
-        self.out, self.packing, self.context, self.pad = out, packing, context, pad
-        self.fields = FIELDS + (packing == "separate")
-        self.written = self.padding = 0
-        self.open: list[list] = []  # [window, tokens used] being filled, oldest first
+    def __init__(self, scratch: Path | None, packing: str, context: int):
+        self.packing, self.context = packing, context
+        self.records = ragged.Ragged(scratch, FIELDS + (packing == "separate"), context)
+        self.padding = 0
+        self.open: list[list] = []  # [window: [fields, context] int32, tokens used] being filled, oldest first
 
-    def add(self, record: np.ndarray) -> None:
-        length = int(record[1].sum())
+    def add(self, ids: np.ndarray, labels: np.ndarray) -> None:
         if self.packing == "none":
-            self._write(record, length)
+            self.records.append(ids, labels)
+            self.padding += self.context - len(ids)
         elif self.packing == "cross":
-            self._stream(record, length)
+            self._stream(ids, labels)
         else:
-            self._first_fit(record, length)
+            self._first_fit(ids, labels)
 
     def end(self) -> None:
         for window, used in self.open:
@@ -448,19 +447,15 @@ class Windows:
         self.open = []
 
     def _write(self, window: np.ndarray, used: int) -> None:
-        if self.packing == "separate":
-            window[2, used:] = np.arange(self.context - used)
-        window.tofile(self.out)
-        self.written += 1
+        self.records.append(*window[:, :used])
         self.padding += self.context - used
 
     def _new(self) -> list:
-        window = np.full((self.fields, self.context), IGNORE_INDEX, dtype=np.int64)
-        window[0], window[1] = self.pad, 0
-        self.open.append([window, 0])
+        self.open.append([np.empty((self.records.fields, self.context), ragged.TOKEN), 0])
         return self.open[-1]
 
-    def _first_fit(self, record: np.ndarray, length: int) -> None:
+    def _first_fit(self, ids: np.ndarray, labels: np.ndarray) -> None:
+        length = len(ids)
         place = next((i for i, (_, used) in enumerate(self.open) if used + length <= self.context), None)
         if place is None:
             if len(self.open) == OPEN_WINDOWS:  # the fullest window has the least room left for another
@@ -468,40 +463,37 @@ class Windows:
             self._new()
             place = len(self.open) - 1
         window, used = self.open[place]
-        window[0, used:used + length], window[1, used:used + length] = record[0, :length], 1
-        window[2, used:used + length], window[3, used:used + length] = np.arange(length), record[2, :length]
+        window[IDS, used:used + length], window[LABELS, used:used + length] = ids, labels
+        window[POSITIONS, used:used + length] = np.arange(length)
         self.open[place][1] = used + length
         if used + length == self.context:
             self._write(*self.open.pop(place))
 
-    def _stream(self, record: np.ndarray, length: int) -> None:
+    def _stream(self, ids: np.ndarray, labels: np.ndarray) -> None:
         taken = 0
-        while taken < length:
+        while taken < len(ids):
             window, used = self.open[0] if self.open else self._new()
-            n = min(length - taken, self.context - used)
-            window[0, used:used + n], window[1, used:used + n] = record[0, taken:taken + n], 1
-            window[2, used:used + n] = record[2, taken:taken + n]
+            n = min(len(ids) - taken, self.context - used)
+            window[IDS, used:used + n], window[LABELS, used:used + n] = ids[taken:taken + n], labels[taken:taken + n]
             self.open[0][1], taken = used + n, taken + n
             if used + n == self.context:
                 self._write(*self.open.pop())
 
 
-def _record(ids: list[int], loss: list[bool], where: str, data, counts: Counts, pad: int) -> np.ndarray | None:
-    """An example's input ids, attention mask and labels, [FIELDS, data.context], truncated or None when
-    dropped (data.too_long): the labels are the ids shifted by one (the next token, as the windows of a
-    text are), IGNORE_INDEX where that token is not in the loss or is padding."""
+def _example(ids: list[int], loss: list[bool], where: str, data, counts: Counts) -> tuple | None:
+    """An example's input ids and labels, unpadded, truncated to data.context or None when dropped
+    (data.too_long): the labels are the ids shifted by one (the next token, as the windows of a text are),
+    IGNORE_INDEX where that token is not in the loss."""
     context = data.context
     truncated = len(ids) > context
     if truncated and data.too_long == "drop":
         counts.dropped += 1
         return None
     counts.truncated += truncated
-    ids, loss = np.asarray(ids[:context], dtype=np.int64), np.asarray(loss[:context], dtype=bool)
-    record = np.full((FIELDS, context), IGNORE_INDEX, dtype=np.int64)
-    record[0], record[1] = pad, 0
-    record[0, :len(ids)], record[1, :len(ids)] = ids, 1
-    record[2, :max(len(ids) - 1, 0)] = np.where(loss[1:], ids[1:], IGNORE_INDEX)  # a template may render nothing
-    kept = int((record[2] != IGNORE_INDEX).sum())
+    ids, loss = np.asarray(ids[:context], dtype=ragged.TOKEN), np.asarray(loss[:context], dtype=bool)
+    labels = np.full(len(ids), IGNORE_INDEX, dtype=ragged.TOKEN)
+    labels[:-1] = np.where(loss[1:], ids[1:], IGNORE_INDEX)  # a template may render nothing
+    kept = int((labels != IGNORE_INDEX).sum())
     if not kept:
         learned = "its assistant turns (or completion)"
         raise DataError(f"{where}: {learned} are empty after truncation to data.context={context} tokens; raise "
@@ -509,7 +501,7 @@ def _record(ids: list[int], loss: list[bool], where: str, data, counts: Counts, 
                         f"{where}: nothing to learn: {learned} have no token (data.loss_on: all trains on every token)")
     counts.examples += 1
     counts.loss_tokens += kept
-    return record
+    return ids, labels
 
 
 def template_file(template: str | None) -> Path | None:

@@ -92,7 +92,21 @@ def _record_bytes(dataset: Dataset, dtype: np.dtype, rows: np.ndarray, block: in
         records[dataset.label_name] = dataset.label[chosen]
         data = records.tobytes()
         digest.update(data)
+        drop_mapped_pages(*dataset.features.values(), dataset.label)
         yield data
+
+
+def drop_mapped_pages(*arrays) -> None:
+    """Let go of the pages read so far from a file mapped under `arrays` (a tokenized text's token stream,
+    tokenizer.py): the split is read once, a block at a time, and pages kept mapped count in the process's
+    resident memory, which then grew with the text (docs/benchmarks.md). The kernel reads them again if
+    they are read again."""
+    for array in arrays:
+        base = array
+        while base is not None and not isinstance(base, mmap.mmap):
+            base = getattr(base, "base", None)  # a view's array, as_strided's holder, a memmap's mapping
+        if base is not None:
+            base.madvise(mmap.MADV_DONTNEED)
 
 
 class ShardReader:
