@@ -7,8 +7,6 @@ and the light ResNet-50 beside it, which ONNX Runtime cannot differentiate; and
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ import pytest
 from onnxruntime.training.api import CheckpointState
 
 from conftest import run_snakemake, shard_manifest
+from ortflow import cli
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.graphs.description import read_description
@@ -66,37 +65,26 @@ def test_model_zoo_squeezenet_trains_as_shipped(workdir):
     assert exported.graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
 
 
-def test_model_zoo_resnet50_is_adapted_then_stops_in_ort_backward(tmp_path):
+def test_model_zoo_resnet50_is_adapted_then_stops_in_ort_backward(tmp_path, monkeypatch, capsys, caplog):
     """The light ResNet-50 of onnx's test data (Caffe2's: opset 9, BatchNorms in
     inference mode, residual Sums, a data-queue initializer no node reads, a
     Reshape to [1, 2048]) gets through every adaptation; then ONNX Runtime
     1.19.2's backward pass fails on it, and the stage says so in one line naming
     the node, instead of blaming the loss."""
-    import subprocess
-    import sys
-
-    import yaml
-
     rng = np.random.default_rng(0)
     np.savez(tmp_path / "images.npz", **{"gpu_0/data_0": rng.random((8, 3, 224, 224), dtype=np.float32),
                                           "y": np.arange(8) % 2})
-    (tmp_path / "config.yaml").write_text(yaml.safe_dump({
-        "data": {"source": "images.npz", "features": ["gpu_0/data_0"], "shards": 1},
-        "model": {"kind": "onnx", "path": str(SQUEEZENET.with_name("light_resnet50.onnx"))},
-    }))
-
-    def ortflow(*arguments: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ortflow.cli", *arguments, "--config", "config.yaml"],
-                              cwd=tmp_path, capture_output=True, text=True)
-
-    assert ortflow("prepare-data", "--train", "data/train", "--eval", "data/eval").returncode == 0
-    built = ortflow("build-artifacts", "--train", "data/train", "--out", "artifacts")
-    assert built.returncode == 1 and not (tmp_path / "artifacts").exists()
+    with caplog.at_level("INFO"):  # the adaptations are logged (the stage's log), the error printed
+        code, stderr = build_artifacts_cli(tmp_path, {
+            "data": {"source": "images.npz", "features": ["gpu_0/data_0"], "shards": 1},
+            "model": {"kind": "onnx", "path": str(SQUEEZENET.with_name("light_resnet50.onnx"))},
+        }, monkeypatch, capsys)
+    assert code == 1 and not (tmp_path / "artifacts").exists()
     for change in ("1 initializer(s) that no node reads removed: ['gpu_0/imagenet1k_blobs_queue_",
                    "16 Sum node(s) written as Add", "Reshape node(s) ['n173'] to a fixed batch of 1 now reshape",
                    "7 BatchNormalization nodes switched to training mode"):
-        assert change in built.stderr, change
-    error = built.stderr.strip().splitlines()[-1]
+        assert change in caplog.text, change
+    error = stderr.strip().splitlines()[-1]
     assert error.startswith("ortflow build-artifacts: error: ONNX Runtime's backward pass fails at its node "
                             "'AccumulateGrad_r161_grad' (Sum) on a batch of 2 records: "), error
     assert error.endswith("freeze the parameters before that node (model.frozen) or replace the operator it "
@@ -273,18 +261,18 @@ def test_a_final_softmax_is_trained_through_its_input_and_kept_in_the_export(wor
     assert quantized["fp32"]["loss"] == pytest.approx(evaluation["loss"], rel=1e-4) and quantized["warnings"] == []
 
 
-def build_artifacts_cli(folder: Path, config: dict) -> subprocess.CompletedProcess:
-    """`ortflow prepare-data`, then `ortflow build-artifacts`, as a user runs them, in `folder`."""
+def build_artifacts_cli(folder: Path, config: dict, monkeypatch, capsys) -> tuple[int, str]:
+    """`ortflow prepare-data`, then `ortflow build-artifacts`, as a user runs them in `folder`, here in
+    this process (cli.main, which the console script calls; no Python started twice): the second's exit
+    code and what it wrote to stderr."""
     import yaml
 
     (folder / "config.yaml").write_text(yaml.safe_dump(config))
-
-    def ortflow(*arguments: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "ortflow.cli", *arguments, "--config", "config.yaml"],
-                              cwd=folder, capture_output=True, text=True)
-
-    assert ortflow("prepare-data", "--train", "data/train", "--eval", "data/eval").returncode == 0
-    return ortflow("build-artifacts", "--train", "data/train", "--out", "artifacts")
+    monkeypatch.chdir(folder)
+    assert cli.main(["prepare-data", "--train", "data/train", "--eval", "data/eval", "--config", "config.yaml"]) == 0
+    capsys.readouterr()
+    code = cli.main(["build-artifacts", "--train", "data/train", "--out", "artifacts", "--config", "config.yaml"])
+    return code, capsys.readouterr().err
 
 
 def iris_csv(folder: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -297,7 +285,7 @@ def iris_csv(folder: Path) -> tuple[np.ndarray, np.ndarray]:
     return x.astype(np.float32), y
 
 
-def test_a_scikit_learn_model_converted_to_onnx_is_refused_naming_its_operators(tmp_path):
+def test_a_scikit_learn_model_converted_to_onnx_is_refused_naming_its_operators(tmp_path, monkeypatch, capsys):
     """skl2onnx's LogisticRegression: ai.onnx.ml operators, no gradients, nothing trainable. It was sent to
     onnx's version converter, and the message asked to re-export it at opset 16, which cannot help."""
     from sklearn.linear_model import LogisticRegression
@@ -305,11 +293,11 @@ def test_a_scikit_learn_model_converted_to_onnx_is_refused_naming_its_operators(
 
     x, y = iris_csv(tmp_path)
     onnx.save(to_onnx(LogisticRegression(max_iter=500).fit(x, y), x[:1]), str(tmp_path / "logreg.onnx"))
-    built = build_artifacts_cli(tmp_path, {
+    code, stderr = build_artifacts_cli(tmp_path, {
         "data": {"source": "iris.csv", "features": ["f0", "f1", "f2", "f3"], "label": "target", "shards": 1},
-        "model": {"kind": "onnx", "path": "logreg.onnx"}})
-    assert built.returncode == 1 and not (tmp_path / "artifacts").exists()
-    assert built.stderr.strip().splitlines()[-1] == (
+        "model": {"kind": "onnx", "path": "logreg.onnx"}}, monkeypatch, capsys)
+    assert code == 1 and not (tmp_path / "artifacts").exists()
+    assert stderr.strip().splitlines()[-1] == (
         "ortflow build-artifacts: error: model.path: logreg.onnx has operators of the ai.onnx.ml domain "
         "(LinearClassifier, Normalizer, ZipMap), as scikit-learn models converted to ONNX have; ONNX Runtime has no "
         "gradients for them, so ortflow cannot train it (it trains networks of standard ONNX operators whose "
@@ -317,7 +305,7 @@ def test_a_scikit_learn_model_converted_to_onnx_is_refused_naming_its_operators(
         "your own with model.kind: torch)")
 
 
-def test_a_model_without_float_initializers_is_refused_saying_so(tmp_path):
+def test_a_model_without_float_initializers_is_refused_saying_so(tmp_path, monkeypatch, capsys):
     """Weights in a Constant node, none as initializers: nothing that ONNX Runtime could train."""
     from onnx import TensorProto, helper, numpy_helper
 
@@ -330,11 +318,11 @@ def test_a_model_without_float_initializers_is_refused_saying_so(tmp_path):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
     model.ir_version = 8
     onnx.save(model, str(tmp_path / "constant.onnx"))
-    built = build_artifacts_cli(tmp_path, {
+    code, stderr = build_artifacts_cli(tmp_path, {
         "data": {"source": "iris.csv", "features": ["f0", "f1", "f2", "f3"], "label": "target", "shards": 1},
-        "model": {"kind": "onnx", "path": "constant.onnx"}})
-    assert built.returncode == 1 and not (tmp_path / "artifacts").exists()
-    assert built.stderr.strip().splitlines()[-1] == (
+        "model": {"kind": "onnx", "path": "constant.onnx"}}, monkeypatch, capsys)
+    assert code == 1 and not (tmp_path / "artifacts").exists()
+    assert stderr.strip().splitlines()[-1] == (
         "ortflow build-artifacts: error: model.path: constant.onnx has no float initializer, so nothing to train "
         "(its weights, if any, are held in Constant nodes or node attributes); export the model with its weights as "
         "initializers (torch.onnx.export(..., do_constant_folding=False) keeps parameters as initializers), or use "

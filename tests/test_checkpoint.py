@@ -8,7 +8,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_identical, copy_inputs, fault, run_snakemake
-from ortflow import config as config_mod
+from ortflow import cli, config as config_mod
 from ortflow.checkpoints import ort_format, reader, resume
 from ortflow.training.schedule import learning_rate
 
@@ -374,13 +373,17 @@ def test_another_identity_is_skipped_and_refused(reference, tmp_path):
     assert {p: p.read_bytes() for p in (root / "step-00000040").iterdir()} == before
 
 
-def _cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ortflow.cli", "checkpoint", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+def _cli(capsys, *args) -> subprocess.CompletedProcess:
+    """`ortflow checkpoint *args` in this process (cli.main, what the console script calls): its exit
+    code and what it printed, without starting Python and importing ONNX Runtime again for each."""
+    capsys.readouterr()
+    code = cli.main(["checkpoint", *map(str, args)])
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, printed.out, printed.err)
 
 
 @pytest.mark.parametrize("damage", ["missing", "checksum", "mixed"])
-def test_bad_checkpoints_are_refused_and_nothing_is_overwritten(reference, tmp_path, damage):
+def test_bad_checkpoints_are_refused_and_nothing_is_overwritten(reference, tmp_path, capsys, damage):
     folder = shutil.copytree(_root(reference) / "step-00000040", tmp_path / "step-00000040")
     shard = folder / "shard-00001-of-00002.h5"
     if damage == "missing":
@@ -397,7 +400,7 @@ def test_bad_checkpoints_are_refused_and_nothing_is_overwritten(reference, tmp_p
     out = shutil.copytree(reference / RUN / "checkpoint", tmp_path / "merged")
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     for args in (("merge", folder, out), ("reshard", folder, out, "-n", "3"), ("inspect", folder)):
-        result = _cli(*args)
+        result = _cli(capsys, *args)
         assert result.returncode == 1, result.stderr
         assert reason in result.stderr, result.stderr
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
@@ -406,12 +409,12 @@ def test_bad_checkpoints_are_refused_and_nothing_is_overwritten(reference, tmp_p
         resume.load_state(resume.Resume(folder, 40, {}))
 
 
-def test_reshard_and_inspect(reference, tmp_path):
+def test_reshard_and_inspect(reference, tmp_path, capsys):
     source = _root(reference) / "step-00000040"
-    result = _cli("reshard", source, tmp_path / "three", "-n", "3")
+    result = _cli(capsys, "reshard", source, tmp_path / "three", "-n", "3")
     assert result.returncode == 0, result.stderr
     assert_identical(_state(tmp_path / "three"), _state(source))
-    report = _cli("inspect", tmp_path / "three")
+    report = _cli(capsys, "inspect", tmp_path / "three")
     assert report.returncode == 0, report.stderr
     assert "step 40, 3 shards (checksums verified)" in report.stdout
     assert "shard-00002-of-00003.h5" in report.stdout and "momentum0, momentum1" in report.stdout

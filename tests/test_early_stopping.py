@@ -122,24 +122,32 @@ def _assert_ends_as_uninterrupted(workdir: Path, reference: Path) -> None:
                      reader.read_checkpoint(_train(reference).checkpoints / "step-00000030").state)
 
 
-# Rank 1 sends SIGTERM to `ortflow train` before step S (0-based) and waits until the
-# SIGUSR1 it forwards reaches it: the ranks stop after step S + 1, in the middle of the
-# run or in step 30, whose evaluation runs out of patience (the stop is decided in it).
-@pytest.mark.e2e
-@pytest.mark.parametrize("step", [14, 29], ids=["mid-run", "in-the-step-that-stops-early"])
-def test_sigterm_stops_an_early_stopping_run_with_a_checkpoint_and_the_rerun_ends_it_the_same(
-        early_run, digits_workdir, step):
-    reference, _ = early_run
-    stopped = run_snakemake(digits_workdir, EARLY, "train", check=False, env=fault(step, 1, "sigterm"))
+def _stopped_by_sigterm(workdir: Path, step: int, resumed_at: int | None) -> None:
+    """Rank 1 sends SIGTERM to `ortflow train` before step `step` (0-based) and waits until the
+    SIGUSR1 it forwards reaches it: the ranks stop after step `step` + 1 with a checkpoint."""
+    stopped = run_snakemake(workdir, EARLY, "train", check=False, env=fault(step, 1, "sigterm"))
     assert stopped.returncode != 0
-    log = _log(digits_workdir)
+    log = _log(workdir)
+    if resumed_at is not None:
+        assert f"resuming at step {resumed_at} from results/digits/train/checkpoints/step-{resumed_at:08d}" in log
     assert f"stopping after step {step + 1} of 300: SIGUSR1 on" in log
     assert f"ortflow train: stopped by SIGTERM after step {step + 1}, with a checkpoint; rerun to resume from it" in log
-    assert not _train(digits_workdir).metrics.exists()
+    assert not _train(workdir).metrics.exists()
 
+
+@pytest.mark.e2e
+def test_sigterm_stops_an_early_stopping_run_with_a_checkpoint_and_the_rerun_ends_it_the_same(
+        early_run, digits_workdir):
+    """Stopped twice: in the middle of the run (before step 14), then, resumed from there, in step 30,
+    whose evaluation runs out of patience (the stop is decided in it); the run resumed from that ends
+    as the uninterrupted one, with its evaluations and the checkpoint of step 30 (which the run
+    resumed mid-run wrote) bit for bit. One chain of three runs rather than two of two, each stop
+    resumed once."""
+    reference, _ = early_run
+    _stopped_by_sigterm(digits_workdir, 14, None)
+    _stopped_by_sigterm(digits_workdir, 29, 15)
     run_snakemake(digits_workdir, EARLY, "train")
-    assert f"resuming at step {step + 1} from results/digits/train/checkpoints/step-{step + 1:08d}" in \
-        _log(digits_workdir)
+    assert "resuming at step 30 from results/digits/train/checkpoints/step-00000030" in _log(digits_workdir)
     _assert_ends_as_uninterrupted(digits_workdir, reference)
 
 

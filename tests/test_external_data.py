@@ -14,8 +14,8 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from conftest import BIN, run_snakemake
-from ortflow import external_data
+from conftest import run_snakemake
+from ortflow import cli, external_data
 from ortflow.checkpoints import ort_format
 from ortflow.checkpoints.reader import read_checkpoint
 from ortflow.errors import CheckpointError, ConfigError, ModelError
@@ -133,7 +133,7 @@ def test_a_model_whose_data_file_is_a_link_out_of_its_folder_is_refused(tmp_path
 
 
 @pytest.mark.e2e
-def test_every_stage_runs_with_external_data(workdir):
+def test_every_stage_runs_with_external_data(workdir, monkeypatch, capsys):
     """The default MLP with ORTFLOW_EXTERNAL_DATA_BYTES=0: every ONNX model and ONNX Runtime
     checkpoint ortflow writes keeps its weights in a `.data` file beside it, and the run
     goes through build, train, merge, export, quantize and `checkpoint inspect`."""
@@ -156,10 +156,13 @@ def test_every_stage_runs_with_external_data(workdir):
     assert trained and all(np.array_equal(exported[name], array) for name, array in trained.items())
     metrics = json.loads((results / "export/metrics.json").read_text())
     assert metrics["int8"]["size_bytes"] == external_data.model_bytes(results / "export/model.int8.onnx")
-    inspect = subprocess.run([str(BIN / "ortflow"), "checkpoint", "inspect", str(results / "train/checkpoints"),
-                              "--artifacts", "results/digits/artifacts"],
-                             cwd=workdir, env={**os.environ, **FORCED}, capture_output=True,
-                             text=True, check=True).stdout
+    # `ortflow checkpoint inspect` (cli.main, which the console script calls) here, in the folder of the run.
+    monkeypatch.setenv(external_data.VARIABLE, FORCED[external_data.VARIABLE])
+    monkeypatch.chdir(workdir)
+    capsys.readouterr()
+    assert cli.main(["checkpoint", "inspect", str(results / "train/checkpoints"),
+                     "--artifacts", "results/digits/artifacts"]) == 0
+    inspect = capsys.readouterr().out
     assert "step 20, 2 shards (checksums verified)" in inspect
     assert f"checked against the model {Path('results/digits/artifacts')}" in inspect
 

@@ -95,6 +95,21 @@ def trained(folder: Path, config, artifacts: Path, train: Path) -> tuple[Path, d
             json.loads((folder / "train" / "metrics.json").read_text())["eval"], ranks.stderr)
 
 
+@pytest.fixture(scope="module")
+def unpipelined(tmp_path_factory):
+    """trained() of a run in 1 stage, once per config and artifacts: the recompute test compares
+    against the same P = 1 run as the 2-stage one of 4 micro-batches, and trains it once."""
+    runs = {}
+
+    def train(config, artifacts: Path, data: Path) -> tuple[Path, dict, str]:
+        key = (json.dumps(config_mod.as_dict(config), sort_keys=True), str(artifacts), str(data))
+        if key not in runs:
+            runs[key] = trained(tmp_path_factory.mktemp("p1") / "run", config, artifacts, data)
+        return runs[key]
+
+    return train
+
+
 def largest_difference(got: TrainingState, expected: TrainingState) -> float:
     """Of every parameter and optimizer moment: both states hold the same names."""
     assert sorted(got.parameters) == sorted(expected.parameters)
@@ -110,7 +125,7 @@ def largest_difference(got: TrainingState, expected: TrainingState) -> float:
     ("gpt", 2, 1, 1), ("gpt", 2, 1, 4), ("gpt", 2, 2, 4), ("gpt2", 2, 1, 4),
     ("gpt", 3, 1, 4),  # a middle stage, which receives and sends both ways
 ])
-def test_stages_train_the_weights_of_one(model, stages, copies, accumulated, root, tmp_path):
+def test_stages_train_the_weights_of_one(model, stages, copies, accumulated, root, unpipelined, tmp_path):
     """P = stages x D = copies against P = 1 on D ranks, the same global batch and seed, both
     through the Trainer: the checkpoint after 20 steps (AdamW, clipped to the global norm), with
     one micro-batch a step and with 4 (1F1B's warm-up, steady part and cool-down), every
@@ -120,8 +135,7 @@ def test_stages_train_the_weights_of_one(model, stages, copies, accumulated, roo
     checkpoints merge_checkpoint makes of both. Measured: 0 in all five, bit for bit. And
     metrics.json's evaluation (through the stages) is the P = 1 run's."""
     artifacts, train = built(root, model, stages), root / "train"
-    expected, expected_eval, _ = trained(tmp_path / "p1", settings(root, copies, 1, accumulated, model), artifacts,
-                                         train)
+    expected, expected_eval, _ = unpipelined(settings(root, copies, 1, accumulated, model), artifacts, train)
     got, got_eval, _ = trained(tmp_path / "pipelined", settings(root, stages * copies, stages, accumulated, model),
                                artifacts, train)
     # Every rank wrote its part of its stage; read together (and checked against the whole model), the
@@ -151,7 +165,7 @@ def test_stages_train_the_weights_of_one(model, stages, copies, accumulated, roo
 
 
 @pytest.mark.e2e
-def test_zero_1_within_a_stage_trains_the_weights_of_one(root, tmp_path):
+def test_zero_1_within_a_stage_trains_the_weights_of_one(root, unpipelined, tmp_path):
     """P = 2 x D = 2 under train.zero 1 (each stage's optimizer moments sharded over its 2
     copies by sharding.py's ZeRO-1, as at P = 1) against P = 1 on 2 ranks with train.zero 0
     and 1: every parameter and moment of the checkpoints after 20 steps of 4 micro-batches,
@@ -175,8 +189,7 @@ def test_zero_1_within_a_stage_trains_the_weights_of_one(root, tmp_path):
     merged_got = read_ort_checkpoint(merge(got, tmp_path / "merged-pipelined", model=artifacts)
                                      / "checkpoint")
     for zero in (0, 1):
-        expected, expected_eval, _ = trained(tmp_path / f"p1-zero{zero}",
-                                             settings(root, 2, 1, 4, zero=zero, clip=None), artifacts, train)
+        expected, expected_eval, _ = unpipelined(settings(root, 2, 1, 4, zero=zero, clip=None), artifacts, train)
         worst = largest_difference(reader.read_checkpoint(got, artifacts).state,
                                    reader.read_checkpoint(expected, artifacts).state)
         merged = read_ort_checkpoint(merge(expected, tmp_path / f"merged-p1-zero{zero}",
@@ -187,13 +200,13 @@ def test_zero_1_within_a_stage_trains_the_weights_of_one(root, tmp_path):
               f"the checkpoints, {worst_merged:.3g} merged")
         assert worst < 1e-6 and worst_merged < 1e-6
         assert got_eval == pytest.approx(expected_eval, rel=1e-6)  # perplexity is exp(loss): relative
-        norms = [[entry["grad_norm"] for entry in json.loads((tmp_path / run / "train/metrics.json").read_text())
-                  ["history"]["train"]] for run in ("pipelined", f"p1-zero{zero}")]
+        norms = [[entry["grad_norm"] for entry in json.loads((run / "train/metrics.json").read_text())
+                  ["history"]["train"]] for run in (tmp_path / "pipelined", expected.parents[2])]
         assert len(norms[0]) == STEPS and norms[0] == pytest.approx(norms[1], rel=1e-6)
 
 
 @pytest.mark.e2e
-def test_recompute_within_stages_trains_the_weights_of_one(root, tmp_path):
+def test_recompute_within_stages_trains_the_weights_of_one(root, unpipelined, tmp_path):
     """train.recompute: blocks with P = 2: each stage's own training graph rewritten as the whole
     model's is (graphs/recompute.py), 20 steps of 4 micro-batches against P = 1 without
     recomputation: every parameter and moment within 1e-6. Measured: 0."""
@@ -209,7 +222,7 @@ def test_recompute_within_stages_trains_the_weights_of_one(root, tmp_path):
                   for stage in range(2)]
     assert recomputed == [set(), {"blocks.0", "blocks.1"}]
     got, got_eval, _ = trained(tmp_path / "pipelined", settings(root, 2, 2, 4, recompute="blocks"), artifacts, train)
-    expected, expected_eval, _ = trained(tmp_path / "p1", settings(root, 1, 1, 4), built(root, "gpt", 2), train)
+    expected, expected_eval, _ = unpipelined(settings(root, 1, 1, 4), built(root, "gpt", 2), train)
     worst = largest_difference(reader.read_checkpoint(got, artifacts).state,
                                reader.read_checkpoint(expected, artifacts).state)
     print(f"P=2 with train.recompute: blocks against P=1 without, after {STEPS} steps: largest difference {worst:.3g}")
@@ -250,8 +263,9 @@ def one_stage(train):
 def workflow(tmp_path_factory) -> tuple[Path, Path, str, int]:
     """A Snakemake work folder with the run `staged` (2 stages) trained, merged and exported
     under a memory cap (ORTFLOW_MEMORY_AVAILABLE) that its 2 ranks fit only in stages, and the
-    run `whole` (1 stage, the same global batch) trained; their text; what Snakemake printed of
-    the first; the cap."""
+    run `whole` (1 stage, the same global batch) trained in results/whole by the Trainer on its
+    ranks from staged's data and artifacts (which hold the whole model's graphs too; Snakemake
+    would prepare and build them again); their text; what Snakemake printed of the first; the cap."""
     corpus = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     corpus.write_text("the quick brown fox jumps over the lazy dog. " * 20)
     work = tmp_path_factory.mktemp("workflow") / "work"
@@ -259,7 +273,8 @@ def workflow(tmp_path_factory) -> tuple[Path, Path, str, int]:
     run_snakemake(work, staged, "build_artifacts")
     cap = between_the_estimates(work / "results/staged/artifacts", staged)
     printed = run_snakemake(work, staged, "export_model", env={machine.MEMORY_ENV: str(cap)}).stdout
-    run_snakemake(work, workflow_config(corpus, "whole", 1), "train")
+    trained(work / "results/whole", config_mod.load(overrides=workflow_config(corpus, "whole", 1)),
+            work / "results/staged/artifacts", work / "results/staged/data/train")
     return work, corpus, printed, cap
 
 

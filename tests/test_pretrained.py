@@ -23,7 +23,7 @@ from safetensors.numpy import load_file, save_file
 
 from conftest import run_snakemake
 from ortflow.stages import build_artifacts
-from ortflow import config as config_mod
+from ortflow import cli, config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.errors import ConfigError, ModelError
@@ -198,19 +198,25 @@ def test_safetensors_into_an_onnx_model_bit_for_bit(data, tmp_path):
         name: bits(array) for name, array in weights.items()}
 
 
-@pytest.mark.parametrize("suffix", [".bin", ".pt", ".pth", ".ckpt"])
-def test_pickle_files_are_refused_with_the_conversion(data, tmp_path, suffix):
+def test_pickle_files_are_refused_with_the_conversion(data, tmp_path):
     """The file is never opened (its content would run as it unpickles); the
-    message's command converts it (run here on a state_dict that torch.save wrote)."""
-    pickled = tmp_path / f"model{suffix}"
-    torch.save({name: torch.from_numpy(np.full(shape, 0.5, np.float32)) for name, shape in MLP_SHAPES.items()}, pickled)
-    with pytest.raises(ModelError) as error:
-        build_mlp(data, tmp_path / "out", weights=str(pickled))
-    message = str(error.value)
-    assert message.startswith(f"model.weights: {pickled} is a pickle file (torch.save), and loading one could run code; "
-                              "convert it once, where you trust it, to safetensors: python -c ")
-    command = message.split("to safetensors: ", 1)[1]
-    subprocess.run(command, shell=True, check=True, cwd=tmp_path)
+    message's command converts it (run here on a state_dict that torch.save wrote,
+    once: the commands of the 4 suffixes differ by the file's name alone)."""
+    commands = {}
+    for suffix in (".bin", ".pt", ".pth", ".ckpt"):
+        pickled = tmp_path / f"model{suffix}"
+        torch.save({name: torch.from_numpy(np.full(shape, 0.5, np.float32)) for name, shape in MLP_SHAPES.items()},
+                   pickled)
+        with pytest.raises(ModelError) as error:
+            build_mlp(data, tmp_path / "out", weights=str(pickled))
+        message = str(error.value)
+        assert message.startswith(f"model.weights: {pickled} is a pickle file (torch.save), and loading one could run "
+                                  "code; convert it once, where you trust it, to safetensors: python -c ")
+        commands[suffix] = message.split("to safetensors: ", 1)[1]
+        assert pickled.name in commands[suffix]
+    assert {command.replace(f"model{suffix}", "model.bin") for suffix, command in commands.items()} == \
+        {commands[".bin"]}
+    subprocess.run(commands[".ckpt"], shell=True, check=True, cwd=tmp_path)
     converted = load_file(str(tmp_path / "model.safetensors"))
     assert {name: array.shape for name, array in converted.items()} == MLP_SHAPES
 
@@ -272,15 +278,18 @@ def test_other_sources_are_refused_by_their_message(data, tmp_path):
         assert str(error.value).startswith(f"model.weights: {path}") and str(error.value).endswith(expected), error.value
 
 
-def test_the_command_prints_one_line(data, tmp_path):
+def test_the_command_prints_one_line(data, tmp_path, monkeypatch, capsys):
+    """`ortflow build-artifacts` (cli.main, which the console script calls, here in this process) in the
+    folder the config names the file from: exit code 1 and one line, no traceback."""
     config = tmp_path / "config.yaml"
     config.write_text(json.dumps({"model": {"kind": "mlp", "weights": "pretrained.pth"}}))
-    result = subprocess.run([sys.executable, "-m", "ortflow.cli", "build-artifacts", "--config", str(config),
-                             "--train", str(data["digits"]), "--out", str(tmp_path / "out")],
-                            capture_output=True, text=True, cwd=tmp_path, timeout=120)
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert result.stderr.strip().splitlines()[-1].startswith(
-        "ortflow build-artifacts: error: model.weights: pretrained.pth is a pickle file"), result.stderr
+    monkeypatch.chdir(tmp_path)
+    code = cli.main(["build-artifacts", "--config", str(config), "--train", str(data["digits"]),
+                     "--out", str(tmp_path / "out")])
+    stderr = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in stderr
+    assert stderr.strip().splitlines()[-1].startswith(
+        "ortflow build-artifacts: error: model.weights: pretrained.pth is a pickle file"), stderr
 
 
 def test_frozen_and_trainable_take_patterns(data, tmp_path):
