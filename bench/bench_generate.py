@@ -234,7 +234,8 @@ def main() -> None:
         worker(json.loads(args.worker))
         return
 
-    from test_serving_venv import GENAI, environment
+    from conftest import environment
+    from test_serving_venv import GENAI
 
     serving = environment("genai-builder-venv", [*GENAI, "torch==2.13.0", "transformers", "onnx", "onnx-ir"])
     version = subprocess.run([str(serving), "-c", "import onnxruntime as o, onnxruntime_genai as g; "

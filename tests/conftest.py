@@ -89,6 +89,35 @@ def once_per_run(tmp_path_factory, name: str, make) -> Path:
     return folder
 
 
+def cache_folder() -> Path:
+    return Path(os.environ.get("ORTFLOW_TEST_CACHE") or Path.home() / ".cache" / "ortflow-tests")
+
+
+def environment(name: str, packages: list[str], borrow: bool = False, pip: tuple[str, ...] = ()) -> Path:
+    """The python of the cache folder's environment `name`: created once, `packages` installed (or
+    checked) each run with pip's options `pip`. `borrow` puts the test environment's site-packages
+    after its own (a .pth file), so that only what it lacks is installed."""
+    import sysconfig
+
+    from filelock import FileLock
+
+    venv = cache_folder() / name
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    python = venv / "bin" / "python"
+    with FileLock(str(venv) + ".lock"):  # two test runs share the folder
+        if not python.exists():
+            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        if borrow:  # written each run: the test environment may be another one (a fresh clone's)
+            site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                  capture_output=True, text=True, check=True).stdout.strip()
+            Path(site, "test-environment.pth").write_text(
+                f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+        install = subprocess.run([str(python), "-m", "pip", "install", "-q", *pip, *packages],
+                                 capture_output=True, text=True, timeout=1800)
+    assert install.returncode == 0, install.stderr[-3000:]
+    return python
+
+
 def require_e2e(what: str) -> None:
     if running is not None and not any(running.get_closest_marker(mark) for mark in ("e2e", "cluster")):
         test = running.nodeid.partition("@")[0]  # without the group pytest-xdist appends

@@ -2,28 +2,30 @@
 Runtime's CUDA provider then finds every library it links against, and the
 doctor reports only what a GPU-less machine lacks: the GPU.
 
-This is the one slow test (marked `slow`): it downloads the extra's wheels, about
-3 GB (cuDNN 8 and cuBLAS 11 alone are 1.1 GB), which took 75 s on the development
-machine and fills 5 GB on disk until the test removes it. The environment reuses
-the test environment's packages (a .pth file adds its site-packages after its
-own), so only the extra's wheels are installed into it.
+Marked `slow`: fresh, it downloads the extra's wheels, about 3 GB (cuDNN 8 and
+cuBLAS 11 alone are 1.1 GB), which took 75 s on the development machine and fills
+5 GB on disk. The environment is kept in the test cache folder (ORTFLOW_TEST_CACHE,
+else ~/.cache/ortflow-tests, as tests/test_serving_venv.py's), so later runs only
+check it. It reuses the test environment's packages (a .pth file adds its
+site-packages after its own), so only the extra's wheels are installed into it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import sysconfig
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 
-from conftest import BIN, REPO
+from conftest import BIN, REPO, cache_folder, environment
 from test_doctor import parse_table
 
 # Creating a CUDA session: ONNX Runtime loads its CUDA provider when the session asks for it.
@@ -56,21 +58,22 @@ def nvidia_driver_present() -> bool:
 
 
 @pytest.fixture(scope="module")
-def cuda_venv(tmp_path_factory):
-    """A venv with the `cuda` extra installed as a user installs it (pip install -e '.[cuda]')."""
-    venv = tmp_path_factory.mktemp("cuda") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    python = venv / "bin" / "python"
+def cuda_venv():
+    """A venv with the `cuda` extra installed as a user installs it (pip install -e '.[cuda]'), kept
+    in the test cache folder under the extra's requirements, so that the next run only checks it; an
+    environment of other requirements is removed (5 GB each)."""
+    requirements = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["cuda"]
+    key = hashlib.sha256(json.dumps(requirements).encode()).hexdigest()[:12]
+    for stale in cache_folder().glob("cuda-venv-*"):
+        if stale.is_dir() and stale.name != f"cuda-venv-{key}":
+            shutil.rmtree(stale)
+    started = time.monotonic()
+    # --no-cache-dir: the wheels are installed once into the environment, not kept again by pip.
+    python = environment(f"cuda-venv-{key}", ["-e", f"{REPO}[cuda]"], borrow=True, pip=("--no-cache-dir",))
+    print(f"pip install -e '.[cuda]': {time.monotonic() - started:.0f} s")
     site = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           capture_output=True, text=True, check=True).stdout.strip()
-    Path(site, "test-environment.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
-    started = time.monotonic()
-    install = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-cache-dir", "-e", f"{REPO}[cuda]"],
-                             capture_output=True, text=True, timeout=1800)
-    assert install.returncode == 0, install.stderr[-3000:]
-    print(f"pip install -e '.[cuda]': {time.monotonic() - started:.0f} s")
-    yield python, Path(site)
-    shutil.rmtree(venv.parent)  # 5 GB: not left to pytest's keep-the-last-three temporary folders
+    return python, Path(site)
 
 
 @pytest.mark.slow

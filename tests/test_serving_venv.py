@@ -24,9 +24,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from filelock import FileLock
 
-from conftest import REPO
+from conftest import REPO, environment
 from ortflow.generation import folder as generation_folder
 from ortflow.generation.check import transformers_greedy
 from ortflow.generation.generate import Decoder, generate
@@ -107,24 +106,6 @@ for folder, loader, texts, ids in json.loads(sys.argv[1]):
 print(json.dumps(found))
 """
 TEXTS = ["the woof said it", "the moo said loud here was it it loud", "the meow"]
-
-
-def cache_folder() -> Path:
-    return Path(os.environ.get("ORTFLOW_TEST_CACHE") or Path.home() / ".cache" / "ortflow-tests")
-
-
-def environment(name: str, packages: list[str]) -> Path:
-    """The python of the cache folder's environment `name`: created once, `packages` installed (or
-    checked) each run."""
-    venv = cache_folder() / name
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(venv) + ".lock"):  # two test runs share the folder
-        if not (venv / "bin" / "python").exists():
-            subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", *packages],
-                                 capture_output=True, text=True, timeout=1800)
-    assert install.returncode == 0, install.stderr[-3000:]
-    return venv / "bin" / "python"
 
 
 @pytest.fixture(scope="module")
