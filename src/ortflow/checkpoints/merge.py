@@ -42,8 +42,8 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
         folder = checkpoint_folder(source, identity_digest)
     checkpoint = read_checkpoint(folder, model)
     manifest = checkpoint.manifest
-    attrs = shard_attrs(manifest["checkpoint_id"], manifest["step"], 0, 1, manifest["identity"],
-                         manifest["identity_digest"], checkpoint.state.version)
+    attrs = shard_attrs(manifest.checkpoint_id, manifest.step, 0, 1, manifest.identity,
+                         manifest.identity_digest, checkpoint.state.version)
     state = checkpoint.state
     meta = {key: manifest[key] for key in ("checkpoint_id", "step", "world_size", "identity", "identity_digest",
                                            "properties")}
@@ -56,5 +56,5 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
         write_hdf5(tmp / "checkpoint.h5", state.part(partition(state, 1)[0]), attrs)
         (tmp / META).write_text(json.dumps({**meta, "merged_from": str(checkpoint.path)}, indent=2,
                                            sort_keys=True) + "\n")
-    log.info("merged %s (%d shards, step %d) -> %s", checkpoint.path, manifest["world_size"], manifest["step"], out_dir)
+    log.info("merged %s (%d shards, step %d) -> %s", checkpoint.path, manifest.world_size, manifest.step, out_dir)
     return out_dir
