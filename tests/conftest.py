@@ -195,6 +195,14 @@ def model_description(**fields):
         "activation_bytes_per_sample": 64} | fields)
 
 
+def merged_meta(folder: Path, step: int, identity_digest: str = "0" * 64) -> None:
+    """A merged checkpoint's meta.json (checkpoints/meta.py) of the last checkpoint at `step`, beside
+    a checkpoint a test wrote itself (without training and merging)."""
+    from ortflow.checkpoints.meta import Merged, write_merged
+
+    write_merged(folder, Merged(f"{step}-test", step, 1, {}, identity_digest, {}, str(folder)))
+
+
 def assert_identical(a, b) -> None:
     """Training states `a` and `b` (ort_format.TrainingState) are bit-identical: parameters,
     optimizer states, the optimizer's and the checkpoint's properties."""

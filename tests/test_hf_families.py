@@ -23,6 +23,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import merged_meta
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
@@ -199,7 +200,7 @@ def train_in_ort(artifacts: Artifacts, config: config_mod.Config, train_dir: Pat
     checkpoint.mkdir()
     # With the moments, as merge_checkpoint writes a run's.
     CheckpointState.save_checkpoint(state, str(checkpoint / "checkpoint"), include_optimizer_state=True)
-    (checkpoint / "meta.json").write_text(json.dumps({"step": train.steps, "identity_digest": "test"}))
+    merged_meta(checkpoint, train.steps, "test")
     return losses
 
 

@@ -1,7 +1,8 @@
 """The files one stage writes and others read, as records (records.py): a split's shard manifest
-(data/manifest.py) and the model description (graphs/description.py), each read in one place, a
-missing or mistyped field refused in one line naming the file and the key, and written back as the
-same JSON."""
+(data/manifest.py), the model description (graphs/description.py), a checkpoint's manifest
+(checkpoints/manifest.py), a merged checkpoint's meta.json (checkpoints/meta.py), each read in one
+place, a missing or mistyped field refused in one line naming the file and the key, and written
+back as the same JSON."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ import pytest
 
 from conftest import model_description
 from ortflow import config as config_mod
+from ortflow.checkpoints import manifest as checkpoint_manifest
+from ortflow.checkpoints.layout import Listed, Manifest, ShardEntry
+from ortflow.checkpoints.meta import META, Chosen, Merged, read_merged, write_merged
+from ortflow.checkpoints.ort_format import CheckpointError
 from ortflow.data.manifest import MANIFEST, Column, read_manifest, write_manifest
 from ortflow.data.sources import DataError
 from ortflow.errors import MissingInputError, ModelError
@@ -102,3 +107,65 @@ def test_a_model_description_of_an_earlier_ortflow_reads_with_the_later_fields_a
     description = read_description(tmp_path / "model.json")
     assert (description.embeddings, description.eval_bytes_per_sample, description.running_stats) == (None, 0, {})
     assert description.inference_output == "logits"  # the logits', before the inference output was told apart
+
+
+def rewritten(path, read, write) -> str:
+    """The text of `path` after `write` wrote back what `read` read of it."""
+    write(read())
+    return path.read_text()
+
+
+CHECKPOINT = Manifest("40-abc", 40, 2, {"optimizer": {"name": "adamw"}}, "d" * 64, {"lr": 0.001, "step": 40},
+                      (ShardEntry("shard-00000-of-00002.h5", 100, "a" * 64, {"b": [0, 3], "w": [0, 5]}),
+                       ShardEntry("shard-00001-of-00002.h5", 90, "b" * 64, {"w": [5, 12]})),
+                      Listed("history.json", 30, "c" * 64))
+
+
+def test_a_checkpoint_manifest_is_written_back_as_it_was_read(tmp_path):
+    path = tmp_path / "manifest.json"
+    checkpoint_manifest.write_manifest(path, CHECKPOINT)
+    written = path.read_text()
+    assert json.loads(written)["shards"][1] == {"file": "shard-00001-of-00002.h5", "bytes": 90, "sha256": "b" * 64,
+                                                "parameters": {"w": [5, 12]}}
+    assert checkpoint_manifest.read_manifest(path) == CHECKPOINT
+    assert rewritten(path, lambda: checkpoint_manifest.read_manifest(path),
+                     lambda m: checkpoint_manifest.write_manifest(path, m)) == written
+    # A checkpoint saved before the history was kept has no entry of it, and none is added.
+    checkpoint_manifest.write_manifest(path, dataclasses.replace(CHECKPOINT, history=None))
+    assert "history" not in json.loads(path.read_text())
+    assert checkpoint_manifest.read_manifest(path).history is None
+
+
+def test_a_checkpoint_manifest_missing_or_mistyping_a_field_names_the_file_and_the_key(tmp_path):
+    path = tmp_path / "manifest.json"
+    for change, message in ((lambda d: d["shards"][1].pop("sha256"), "no 'shards\\[1\\].sha256'"),
+                            (lambda d: d.update(step="40"), "'step' is \"40\", expected an integer"),
+                            (lambda d: d["history"].update(bytes=None), "'history.bytes' is null, expected an integer")):
+        data = json.loads(json.dumps(dataclasses.asdict(CHECKPOINT)))
+        change(data)
+        path.write_text(json.dumps(data))
+        with pytest.raises(CheckpointError, match=rf"^{path}: {message}; the file is damaged$"):
+            checkpoint_manifest.read_manifest(path)
+
+
+def test_a_merged_checkpoints_meta_is_written_back_as_it_was_read_and_says_which_it_is(tmp_path):
+    best = Merged("40-abc", 40, 2, {"seed": 0}, "d" * 64, {"step": 40}, "/runs/step-00000040",
+                  Chosen("best", "loss", "min", 0.123456789))
+    write_merged(tmp_path, best)
+    written = (tmp_path / META).read_text()
+    assert json.loads(written)["chosen"] == {"checkpoint": "best", "metric": "loss", "mode": "min", "value": 0.123456789}
+    assert read_merged(tmp_path) == best and read_merged(tmp_path).chosen.shown() == "best (eval loss 0.123457)"
+    assert rewritten(tmp_path / META, lambda: read_merged(tmp_path), lambda m: write_merged(tmp_path, m)) == written
+    write_merged(tmp_path, dataclasses.replace(best, chosen=Chosen("last")))
+    assert json.loads((tmp_path / META).read_text())["chosen"] == {"checkpoint": "last"}
+    # Merged before export.checkpoint: no `chosen`, the last checkpoint.
+    data = json.loads((tmp_path / META).read_text())
+    del data["chosen"]
+    (tmp_path / META).write_text(json.dumps(data))
+    assert read_merged(tmp_path).chosen.shown() == "last"
+    (tmp_path / META).write_text(json.dumps({**data, "step": 4.5}))
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / META}: 'step' is 4.5, expected an integer; run the "
+                                              "merge_checkpoint rule again$"):
+        read_merged(tmp_path)
+    with pytest.raises(MissingInputError, match="no merged checkpoint \\(run the merge_checkpoint rule first\\)"):
+        read_merged(tmp_path / "none")

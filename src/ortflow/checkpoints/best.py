@@ -41,10 +41,3 @@ def read_best(root: Path) -> dict | None:
         raise CheckpointError(f"{path}: 'checkpoint' must name a step-XXXXXXXX folder beside it, not {name!r}")
     return record
 
-
-def chosen(meta: dict) -> str:
-    """Which checkpoint a merged checkpoint's meta.json says it is: `best (eval loss 0.1234)` or `last`."""
-    choice = meta.get("chosen", {"checkpoint": "last"})
-    if choice["checkpoint"] != "best":
-        return choice["checkpoint"]
-    return f"best (eval {choice['metric']} {choice['value']:.6g})"

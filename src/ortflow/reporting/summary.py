@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ..artifacts import Artifacts
-from ..checkpoints.best import chosen
+from ..checkpoints.meta import META, read_merged
 from ..export.ecosystem import MODEL as OPTIMUM_MODEL
 from ..export.ecosystem import OPTIMUM
 from ..generation import GENAI_CONFIG, GENERATION, SAMPLES
@@ -69,9 +69,9 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
             best = train["best"]
             lines.append(f"  stopped   early after step {train['steps']}: eval {best['metric']} had not improved "
                          f"since step {best['step']}")
-    merged = read_json(Path(checkpoint) / "meta.json")
-    if merged:
-        lines.append(f"  exported  the checkpoint of step {merged['step']}, the {chosen(merged)}")
+    if (Path(checkpoint) / META).is_file():
+        merged = read_merged(checkpoint)
+        lines.append(f"  exported  the checkpoint of step {merged.step}, the {merged.chosen.shown()}")
     lines += [f"  warning   {warning}" for warning in [not_beaten(train), *(export or {}).get("warnings", [])]
               if warning]
     if len(lines) == 1:
