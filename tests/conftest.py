@@ -195,6 +195,17 @@ def model_description(**fields):
         "activation_bytes_per_sample": 64} | fields)
 
 
+def train_summary(**fields):
+    """A train/metrics.json record (training/run_summary.py) of a short run on one rank, with `fields`
+    changed: for the report, the summary and a sweep's comparison, without training."""
+    from ortflow.training.run_summary import RunSummary
+
+    return RunSummary(**{
+        "steps": 60, "train_loss": 0.3, "eval": {"loss": 0.25}, "samples_per_s": 1536.0, "step_time_p50_s": 0.04,
+        "step_time_p95_s": 0.05, "flops_per_s": 1e9, "peak_rss_mb": (300.0,), "global_batch_size": 64,
+        "wall_time_s": 12.5, "history": {"train": [], "eval": []}} | fields)
+
+
 def merged_meta(folder: Path, step: int, identity_digest: str = "0" * 64) -> None:
     """A merged checkpoint's meta.json (checkpoints/meta.py) of the last checkpoint at `step`, beside
     a checkpoint a test wrote itself (without training and merging)."""

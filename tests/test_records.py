@@ -1,8 +1,8 @@
 """The files one stage writes and others read, as records (records.py): a split's shard manifest
 (data/manifest.py), the model description (graphs/description.py), a checkpoint's manifest
-(checkpoints/manifest.py), a merged checkpoint's meta.json (checkpoints/meta.py), each read in one
-place, a missing or mistyped field refused in one line naming the file and the key, and written
-back as the same JSON."""
+(checkpoints/manifest.py), a merged checkpoint's meta.json (checkpoints/meta.py), a run's
+train/metrics.json (training/run_summary.py), each read in one place, a missing or mistyped field
+refused in one line naming the file and the key, and written back as the same JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import model_description
+from conftest import model_description, train_summary
 from ortflow import config as config_mod
 from ortflow.checkpoints import manifest as checkpoint_manifest
 from ortflow.checkpoints.layout import Listed, Manifest, ShardEntry
@@ -20,9 +20,10 @@ from ortflow.checkpoints.meta import META, Chosen, Merged, read_merged, write_me
 from ortflow.checkpoints.ort_format import CheckpointError
 from ortflow.data.manifest import MANIFEST, Column, read_manifest, write_manifest
 from ortflow.data.sources import DataError
-from ortflow.errors import MissingInputError, ModelError
+from ortflow.errors import MissingInputError, ModelError, TrainingError
 from ortflow.graphs.description import read_description, write_description
 from ortflow.stages.prepare_data import prepare
+from ortflow.training.run_summary import BestEval, read_run_summary, write_run_summary
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +170,30 @@ def test_a_merged_checkpoints_meta_is_written_back_as_it_was_read_and_says_which
         read_merged(tmp_path)
     with pytest.raises(MissingInputError, match="no merged checkpoint \\(run the merge_checkpoint rule first\\)"):
         read_merged(tmp_path / "none")
+
+
+def test_a_runs_summary_is_written_back_as_it_was_read_and_null_where_there_is_no_measure(tmp_path):
+    """train/metrics.json: its keys in the trainer's order, a NaN (an attempt that ran no step) as null,
+    no pipeline entries unless pipelined; a file missing a later key or mistyping one."""
+    path = tmp_path / "metrics.json"
+    summary = train_summary(samples_per_s=float("nan"), best=BestEval(40, "loss", "min", 0.25),
+                            baseline={"of": "the train split's mean", "loss": 1.5})
+    write_run_summary(path, summary)
+    written = path.read_text()
+    data = json.loads(written)
+    assert list(data)[:3] == ["steps", "steps_this_attempt", "train_loss"] and "pipeline_bubble" not in data
+    assert data["samples_per_s"] is None and data["best"] == {"step": 40, "metric": "loss", "mode": "min", "value": 0.25}
+    read = read_run_summary(path)
+    assert read == dataclasses.replace(summary, samples_per_s=None)
+    assert rewritten(path, lambda: read_run_summary(path), lambda s: write_run_summary(path, s)) == written
+    for key in ("steps_this_attempt", "best", "stopped_early", "baseline", "parameters", "trainable_parameters"):
+        del data[key]  # a run of an earlier ortflow
+    path.write_text(json.dumps(data))
+    assert (read_run_summary(path).steps_this_attempt, read_run_summary(path).best) == (None, None)
+    for change, message in ((lambda d: d.pop("history"), "no 'history'"),
+                            (lambda d: d.update(peak_rss_mb=[300.0, "x"]), "'peak_rss_mb\\[1\\]' is \"x\", expected a number")):
+        edited_data = json.loads(json.dumps(data))
+        change(edited_data)
+        path.write_text(json.dumps(edited_data))
+        with pytest.raises(TrainingError, match=rf"^{path}: {message}; run the train rule again$"):
+            read_run_summary(path)

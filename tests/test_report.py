@@ -19,12 +19,13 @@ from pathlib import Path
 import pytest
 
 from chromium import Chromium
-from conftest import fault, model_description, run_snakemake
+from conftest import fault, model_description, run_snakemake, train_summary
 from ortflow.graphs.description import write_description
 from ortflow.reporting.results import fmt, quality, speedup
 from ortflow.reporting.summary import run_summary
 from ortflow.reporting.tables import summary_rows
 from ortflow.training.run_folder import TrainFolder
+from ortflow.training.run_summary import write_run_summary
 
 # A run other than the default one: its own run.name, from its own --configfile.
 RUN = "seen"
@@ -199,16 +200,15 @@ def test_summary_of_a_run_with_training_alone_or_nothing(tmp_path):
     show its eval, steps and speed and no model; an empty folder, that nothing trained."""
     partial = tmp_path / "results" / "digits"
     (partial / "train").mkdir(parents=True)
-    train = {"steps": 60, "steps_this_attempt": 20, "wall_time_s": 12.5, "samples_per_s": 1536.0,
-             "peak_rss_mb": [300.0, 310.0], "eval": {"loss": 0.25, "accuracy": 0.9375}}
-    (partial / "train" / "metrics.json").write_text(json.dumps(train))
+    train = train_summary(steps_this_attempt=20, peak_rss_mb=(300.0, 310.0), eval={"loss": 0.25, "accuracy": 0.9375})
+    write_run_summary(partial / "train" / "metrics.json", train)
     lines = run_summary(partial, **files_of(partial)).splitlines()
     assert lines[:3] == [f"ortflow: run digits in {partial}", "  accuracy  93.75% (eval at step 60)",
                          "  training  60 steps (20 in this attempt) in 12.50 s, 1,536 samples/s on 2 ranks"]
     nothing = tmp_path / "nothing"
     assert run_summary(nothing, **files_of(nothing)).splitlines()[1] == "  nothing trained yet"
-    train["peak_rss_mb"] = [300.0]  # one rank, not "1 ranks"
-    (partial / "train" / "metrics.json").write_text(json.dumps(train))
+    # One rank, not "1 ranks".
+    write_run_summary(partial / "train" / "metrics.json", dataclasses.replace(train, peak_rss_mb=(300.0,)))
     assert run_summary(partial, **files_of(partial)).splitlines()[2].endswith(" samples/s on 1 rank")
 
 
@@ -233,10 +233,9 @@ def test_summary_and_report_say_what_lora_trained(tmp_path):
 def test_summary_shows_the_baseline_and_says_when_the_model_does_not_beat_it(tmp_path):
     run = tmp_path / "results" / "digits"
     (run / "train").mkdir(parents=True)
-    train = {"steps": 60, "steps_this_attempt": 60, "wall_time_s": 12.5, "samples_per_s": 1536.0,
-             "peak_rss_mb": [300.0], "eval": {"loss": 2.25, "accuracy": 0.09},
-             "baseline": {"of": "the train split's most frequent class (1)", "accuracy": 0.1}}
-    (run / "train" / "metrics.json").write_text(json.dumps(train))
+    train = train_summary(steps_this_attempt=60, eval={"loss": 2.25, "accuracy": 0.09},
+                          baseline={"of": "the train split's most frequent class (1)", "accuracy": 0.1})
+    write_run_summary(run / "train" / "metrics.json", train)
     lines = run_summary(run, **files_of(run)).splitlines()
     assert lines[1:5] == [
         "  accuracy  9.00% (eval at step 60)",
@@ -246,8 +245,8 @@ def test_summary_shows_the_baseline_and_says_when_the_model_does_not_beat_it(tmp
         "the train split's most frequent class (1)"]
     rows = summary_rows(train, None)
     assert ("beats_baseline", "beats the baseline", "no") in rows
-    train["eval"]["accuracy"] = 0.5
-    assert ("beats_baseline", "beats the baseline", "yes") in summary_rows(train, None)
+    better = dataclasses.replace(train, eval={"loss": 2.25, "accuracy": 0.5})
+    assert ("beats_baseline", "beats the baseline", "yes") in summary_rows(better, None)
 
 
 def test_summary_and_report_of_a_run_whose_int8_model_the_gate_refused(tmp_path):

@@ -12,11 +12,12 @@ import pytest
 import yaml
 
 from chromium import Chromium
-from conftest import run_snakemake
+from conftest import run_snakemake, train_summary
 from ortflow import config as ortflow_config
 from ortflow.sweeps import comparison as sweep_comparison, points as sweep
 from ortflow.errors import ConfigError
 from ortflow.training.run_folder import TrainFolder
+from ortflow.training.run_summary import write_run_summary
 
 
 def validated(config: dict) -> ortflow_config.Config:
@@ -113,10 +114,10 @@ def fake_point(folder: Path, losses: list[float], exported: bool, baseline: dict
     `trained` of its 4.40M parameters trained), and the exported model."""
     history = {"train": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)],
                "eval": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)]}
-    metrics = {"steps": 10 * len(losses), "eval": {"loss": losses[-1]}, "wall_time_s": 1.5, "samples_per_s": 100.0,
-               "history": history, "baseline": baseline, "parameters": 4_400_000, "trainable_parameters": trained}
+    metrics = train_summary(steps=10 * len(losses), eval={"loss": losses[-1]}, wall_time_s=1.5, samples_per_s=100.0,
+                            history=history, baseline=baseline, parameters=4_400_000, trainable_parameters=trained)
     TrainFolder(folder / "train").folder.mkdir(parents=True)
-    TrainFolder(folder / "train").metrics.write_text(json.dumps(metrics))
+    write_run_summary(TrainFolder(folder / "train").metrics, metrics)
     if exported:
         (folder / "export").mkdir()
         (folder / "export" / "model.onnx").write_bytes(folder.name.encode())

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..data import baseline
+from ..training.run_summary import RunSummary, read_run_summary
 
 
 def fmt(value: float, kind: str) -> str:
@@ -44,6 +45,11 @@ def read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def read_train(path: Path) -> RunSummary | None:
+    """train/metrics.json (training/run_summary.py), None before the run trained."""
+    return read_run_summary(path) if Path(path).is_file() else None
+
+
 def quality(results: dict) -> tuple[str, str]:
     """(name, shown value) of the quality measure of an eval: accuracy, perplexity or loss."""
     if "perplexity" in results:
@@ -53,10 +59,10 @@ def quality(results: dict) -> tuple[str, str]:
     return "loss", fmt(results["loss"], "float")
 
 
-def baseline_shown(train: dict | None) -> str | None:
+def baseline_shown(train: RunSummary | None) -> str | None:
     """The shown baseline of a run (train/metrics.json's `baseline`, data/baseline.py), beside its
     measures: `mse 7042.1008, R^2 -0.0024 (predicting the train split's mean)`."""
-    measures = (train or {}).get("baseline")
+    measures = train.baseline if train else None
     if not measures:
         return None
     shown = {"accuracy": ("accuracy", "percent"), "loss": ("mse", "float"), "r2": ("R^2", "float"),
@@ -65,9 +71,9 @@ def baseline_shown(train: dict | None) -> str | None:
     return f"{', '.join(parts)} (predicting {measures['of']})"
 
 
-def not_beaten(train: dict | None) -> str | None:
+def not_beaten(train: RunSummary | None) -> str | None:
     """What a run's summary warns of when its last evaluation does not beat the baseline."""
-    return baseline.not_beaten(train["eval"], train.get("baseline")) if train else None
+    return baseline.not_beaten(train.eval, train.baseline) if train else None
 
 
 def refusal(export: dict | None) -> str | None:

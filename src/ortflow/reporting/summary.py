@@ -14,8 +14,8 @@ from ..export.ecosystem import OPTIMUM
 from ..generation import GENAI_CONFIG, GENERATION, SAMPLES
 from ..graphs.description import ModelDescription, read_description
 from ..wording import plural
-from .results import (baseline_shown, fmt, large_batch, lora_trained, not_beaten, quality, read_json, refusal,
-                      speedup)
+from .results import (baseline_shown, fmt, large_batch, lora_trained, not_beaten, quality, read_json, read_train,
+                      refusal, speedup)
 
 
 def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
@@ -30,7 +30,7 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     folder) tells whether the model's output follows its logits (a final Softmax), and what a
     `kind: transformers` model was fine-tuned from."""
     results, model, int8 = Path(results), Path(model), Path(int8)
-    train, export = read_json(Path(train_metrics)), read_json(Path(export_metrics))
+    train, export = read_train(train_metrics), read_json(Path(export_metrics))
     model_json = Artifacts(artifacts).model_json if artifacts else None
     # None where the targets stopped before build_artifacts (the doctor alone).
     description = read_description(model_json) if model_json and model_json.is_file() else None
@@ -56,19 +56,18 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
         if "int4" in export:
             lines.append(int4_line(export["int4"], model.parent / f"{GENERATION}-int4"))
     elif train:
-        name, shown = quality(train["eval"])
-        lines.append(f"  {name:<9} {shown} (eval at step {train['steps']})")
+        name, shown = quality(train.eval)
+        lines.append(f"  {name:<9} {shown} (eval at step {train.steps})")
     if baseline_shown(train):
         lines.append(f"  baseline  {baseline_shown(train)}")
     if train:
-        this_attempt = train.get("steps_this_attempt", train["steps"])
-        lines.append(f"  training  {train['steps']} steps ({this_attempt} in this attempt) in "
-                     f"{fmt(train['wall_time_s'], 'seconds')}, {fmt(train['samples_per_s'], 'rate')} samples/s "
-                     f"on {plural(len(train['peak_rss_mb']), 'rank')}")
-        if train.get("stopped_early"):
-            best = train["best"]
-            lines.append(f"  stopped   early after step {train['steps']}: eval {best['metric']} had not improved "
-                         f"since step {best['step']}")
+        this_attempt = train.steps if train.steps_this_attempt is None else train.steps_this_attempt
+        lines.append(f"  training  {train.steps} steps ({this_attempt} in this attempt) in "
+                     f"{fmt(train.wall_time_s, 'seconds')}, {fmt(train.samples_per_s, 'rate')} samples/s "
+                     f"on {plural(len(train.peak_rss_mb), 'rank')}")
+        if train.stopped_early:
+            lines.append(f"  stopped   early after step {train.steps}: eval {train.best.metric} had not improved "
+                         f"since step {train.best.step}")
     if (Path(checkpoint) / META).is_file():
         merged = read_merged(checkpoint)
         lines.append(f"  exported  the checkpoint of step {merged.step}, the {merged.chosen.shown()}")

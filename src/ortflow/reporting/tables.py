@@ -13,7 +13,9 @@ from pathlib import Path
 from .. import atomic
 from ..config import Config, as_dict
 from ..graphs.description import ModelDescription, read_description
-from .results import baseline_shown, count, fmt, large_batch, not_beaten, quality, read_json, refusal, speedup
+from ..training.run_summary import RunSummary
+from .results import (baseline_shown, count, fmt, large_batch, not_beaten, quality, read_json, read_train, refusal,
+                      speedup)
 
 TABLES = ("summary", "samples", "quantization", "stages", "profile", "config")
 # The stages in pipeline order, as the rules and their benchmark files are named.
@@ -41,7 +43,7 @@ def table(header: list[str], rows: list[tuple]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def summary_rows(train: dict | None, export: dict | None, description: ModelDescription | None = None) -> list[tuple]:
+def summary_rows(train: RunSummary | None, export: dict | None, description: ModelDescription | None = None) -> list[tuple]:
     """The run at a glance: quality, baseline, training; from build_artifacts' model.json
     (`description`), the parameters trained of all, and with LoRA its adapters."""
     rows = []
@@ -55,17 +57,17 @@ def summary_rows(train: dict | None, export: dict | None, description: ModelDesc
         if refusal(export):
             rows.append(("gate", "int8", refusal(export)))
     elif train:
-        name, shown = quality(train["eval"])
+        name, shown = quality(train.eval)
         rows.append(("eval", f"{name} (eval at the last step)", shown))
     if baseline_shown(train):
         rows.append(("baseline", "baseline (eval split)", baseline_shown(train)))
         rows.append(("beats_baseline", "beats the baseline", "no" if not_beaten(train) else "yes"))
     if train:
         rows += [
-            ("steps", "optimizer steps", str(train["steps"])),
-            ("wall_time_s", "training time", fmt(train["wall_time_s"], "seconds")),
-            ("samples_per_s", "samples/s (steady state)", fmt(train["samples_per_s"], "rate")),
-            ("ranks", "ranks", str(len(train["peak_rss_mb"]))),
+            ("steps", "optimizer steps", str(train.steps)),
+            ("wall_time_s", "training time", fmt(train.wall_time_s, "seconds")),
+            ("samples_per_s", "samples/s (steady state)", fmt(train.samples_per_s, "rate")),
+            ("ranks", "ranks", str(len(train.peak_rss_mb))),
         ]
     if description:
         trained, total = description.trainable_parameters, description.parameters
@@ -81,12 +83,12 @@ def summary_rows(train: dict | None, export: dict | None, description: ModelDesc
 SCORES = ("precision", "recall", "f1")
 
 
-def class_rows(train: dict | None) -> list[tuple]:
+def class_rows(train: RunSummary | None) -> list[tuple]:
     """Each class of a classifier (by its name: a label of strings' own, else its id)
     with its eval records, accuracy, precision, recall and F1 (n/a in metrics of runs
     from before they were recorded), from the last evaluation of train/metrics.json;
     then, for BIO tags, the entities' scores (seqeval's), as a row `entities`."""
-    evaluation = (train or {}).get("eval", {})
+    evaluation = train.eval if train else {}
     rows = [(name, name, str(entry["count"]), fmt(entry["accuracy"], "percent"),
              *(fmt(entry.get(score), "float") for score in SCORES))
             for name, entry in evaluation.get("per_class", {}).items()]
@@ -164,7 +166,7 @@ def write_tables(config: Config, train_metrics: Path, export_metrics: Path, benc
                  samples: Path | None = None) -> None:
     import yaml
 
-    train, export = read_json(train_metrics), read_json(export_metrics)
+    train, export = read_train(train_metrics), read_json(export_metrics)
     description = read_description(model_json) if model_json and Path(model_json).is_file() else None
     classes = class_rows(train)
     per_class = ("<h3>Per class (eval split, last evaluation)</h3>"
