@@ -206,6 +206,14 @@ def train_summary(**fields):
         "wall_time_s": 12.5, "history": {"train": [], "eval": []}} | fields)
 
 
+def export_metrics(fp32: dict, int8: dict | None = None, gate: dict | None = None):
+    """An export/metrics.json record (quantization/export_metrics.py) of dynamic int8 with these
+    entries: for the summary, the report and a sweep's comparison, without quantizing."""
+    from ortflow.quantization.export_metrics import ExportMetrics, Gate
+
+    return ExportMetrics("dynamic", False, 1, fp32=fp32, int8=int8, gate=Gate(**gate) if gate else None)
+
+
 def merged_meta(folder: Path, step: int, identity_digest: str = "0" * 64) -> None:
     """A merged checkpoint's meta.json (checkpoints/meta.py) of the last checkpoint at `step`, beside
     a checkpoint a test wrote itself (without training and merging)."""

@@ -273,6 +273,6 @@ def test_family_trains_like_torch_exports_and_quantizes(family, tmp_path, monkey
     report = quantize_model.quantize(config, tmp_path / "model.onnx", artifacts.folder, eval_dir,
                                      tmp_path / "model.int8.onnx", tmp_path / "metrics.json",
                                      tmp_path / "generation", tmp_path / "generation-int4")
-    assert (tmp_path / "model.int8.onnx").is_file() and report["quantize"] in ("dynamic", "static"), report
-    assert not (tmp_path / "generation-int4").exists() and "int4" not in report
-    assert np.isfinite(report["int8"]["loss"]), report
+    assert (tmp_path / "model.int8.onnx").is_file() and report.quantize in ("dynamic", "static"), report
+    assert not (tmp_path / "generation-int4").exists() and report.int4 is None
+    assert np.isfinite(report.int8["loss"]), report

@@ -1,8 +1,9 @@
 """The files one stage writes and others read, as records (records.py): a split's shard manifest
 (data/manifest.py), the model description (graphs/description.py), a checkpoint's manifest
 (checkpoints/manifest.py), a merged checkpoint's meta.json (checkpoints/meta.py), a run's
-train/metrics.json (training/run_summary.py), each read in one place, a missing or mistyped field
-refused in one line naming the file and the key, and written back as the same JSON."""
+train/metrics.json (training/run_summary.py) and export/metrics.json (quantization/export_metrics.py),
+each read in one place, a missing or mistyped field refused in one line naming the file and the key,
+and written back as the same JSON."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import json
 import numpy as np
 import pytest
 
-from conftest import model_description, train_summary
+from conftest import export_metrics, model_description, train_summary
 from ortflow import config as config_mod
 from ortflow.checkpoints import manifest as checkpoint_manifest
 from ortflow.checkpoints.layout import Listed, Manifest, ShardEntry
@@ -22,6 +23,7 @@ from ortflow.data.manifest import MANIFEST, Column, read_manifest, write_manifes
 from ortflow.data.sources import DataError
 from ortflow.errors import MissingInputError, ModelError, TrainingError
 from ortflow.graphs.description import read_description, write_description
+from ortflow.quantization.export_metrics import read_export_metrics, write_export_metrics
 from ortflow.stages.prepare_data import prepare
 from ortflow.training.run_summary import BestEval, read_run_summary, write_run_summary
 
@@ -197,3 +199,27 @@ def test_a_runs_summary_is_written_back_as_it_was_read_and_null_where_there_is_n
         path.write_text(json.dumps(edited_data))
         with pytest.raises(TrainingError, match=rf"^{path}: {message}; run the train rule again$"):
             read_run_summary(path)
+
+
+def test_export_metrics_are_written_back_as_they_were_read_without_the_entries_a_run_has_not(tmp_path):
+    path = tmp_path / "metrics.json"
+    latency = {"b1_p50": 0.02, "b1_p95": 0.03, "b64_p50": 0.04, "b64_p95": 0.05}
+    gate = {"metric": "accuracy", "drop": 3.57, "unit": "points", "max_accuracy_drop": 1, "outcome": "refused"}
+    metrics = export_metrics({"loss": 0.2, "accuracy": 0.95, "per_class": {"a": {"count": 3}}, "latency_ms": latency,
+                              "size_bytes": 4000}, {"loss": 0.3, "latency_ms": latency, "size_bytes": 1000}, gate)
+    write_export_metrics(path, metrics)
+    written = path.read_text()
+    assert list(json.loads(written)) == ["quantize", "per_channel", "threads", "warnings", "fp32", "int8", "gate"]
+    assert '"max_accuracy_drop": 1,' in written  # as the config gave it, not 1.0
+    assert read_export_metrics(path) == metrics
+    assert rewritten(path, lambda: read_export_metrics(path), lambda m: write_export_metrics(path, m)) == written
+    fp32_only = dataclasses.replace(metrics, quantize="none", int8=None, gate=None)
+    write_export_metrics(path, fp32_only)
+    assert list(json.loads(path.read_text())) == ["quantize", "per_channel", "threads", "warnings", "fp32"]
+    data = json.loads(written)
+    del data["gate"]["outcome"], data["warnings"]  # before a refusal was kept, and before warnings
+    path.write_text(json.dumps(data))
+    assert (read_export_metrics(path).gate.outcome, read_export_metrics(path).warnings) == (None, ())
+    path.write_text(json.dumps({**data, "int4": {"settings": {}, "gate": gate}}))
+    with pytest.raises(ModelError, match=rf"^{path}: no 'int4.weights_quantized'; run the quantize_model rule again$"):
+        read_export_metrics(path)

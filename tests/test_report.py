@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from chromium import Chromium
-from conftest import fault, model_description, run_snakemake, train_summary
+from conftest import export_metrics, fault, model_description, run_snakemake, train_summary
 from ortflow.graphs.description import write_description
+from ortflow.quantization.export_metrics import Gate, read_export_metrics, write_export_metrics
 from ortflow.reporting.results import fmt, quality, speedup
 from ortflow.reporting.summary import run_summary
 from ortflow.reporting.tables import summary_rows
@@ -174,7 +175,8 @@ def test_end_of_run_summary_is_printed_and_copes_with_a_partial_run(report_run, 
     train = json.loads((results / "train" / "metrics.json").read_text())
     assert f"results/{RUN}/export/model.onnx" in stdout
     assert f"accuracy  {fmt(export['fp32']['accuracy'], 'percent')}, int8 " \
-           f"{fmt(export['int8']['accuracy'], 'percent')}, int8 speed-up {fmt(speedup(export), 'ratio')}" in stdout
+           f"{fmt(export['int8']['accuracy'], 'percent')}, int8 speed-up " \
+           f"{fmt(speedup(read_export_metrics(results / 'export' / 'metrics.json')), 'ratio')}" in stdout
     assert f"60 steps (60 in this attempt) in {fmt(train['wall_time_s'], 'seconds')}" in stdout
 
     # Training alone has run: its eval and its speed, no model.
@@ -259,12 +261,11 @@ def test_summary_and_report_of_a_run_whose_int8_model_the_gate_refused(tmp_path)
     for name in ("model.onnx", "model.int8.onnx"):
         (results / "export" / name).write_bytes(b"onnx")
     latency = {"b1_p50": 0.02, "b1_p95": 0.03, "b64_p50": 0.04, "b64_p95": 0.05}
-    export = {"quantize": "dynamic", "warnings": [],
-              "fp32": {"loss": 0.2, "accuracy": 0.95, "latency_ms": latency, "size_bytes": 4000},
-              "int8": {"loss": 0.3, "accuracy": 0.9143, "latency_ms": latency, "size_bytes": 1000},
-              "gate": {"metric": "accuracy", "drop": 3.57, "unit": "points", "max_accuracy_drop": 1.0,
-                       "outcome": "refused"}}
-    (results / "export" / "metrics.json").write_text(json.dumps(export))
+    export = export_metrics({"loss": 0.2, "accuracy": 0.95, "latency_ms": latency, "size_bytes": 4000},
+                            {"loss": 0.3, "accuracy": 0.9143, "latency_ms": latency, "size_bytes": 1000},
+                            {"metric": "accuracy", "drop": 3.57, "unit": "points", "max_accuracy_drop": 1.0,
+                             "outcome": "refused"})
+    write_export_metrics(results / "export" / "metrics.json", export)
     lines = run_summary(results, **files_of(results)).splitlines()
     assert lines[1:4] == [f"  model     {results}/export/model.onnx",
                           "  accuracy  95.00%, int8 91.43%, int8 speed-up 1.00x at batch 64",
@@ -272,12 +273,12 @@ def test_summary_and_report_of_a_run_whose_int8_model_the_gate_refused(tmp_path)
                           "deploy the fp32 model"]
     assert ("gate", "int8", "refused by the gate, -3.57 points (export.max_accuracy_drop: 1)") in summary_rows(None, export)
     # A perplexity's drop is a relative increase; a gate that passed is not mentioned.
-    export["gate"] = {"metric": "perplexity", "drop": 12.5, "unit": "%", "max_accuracy_drop": 5.0, "outcome": "refused"}
-    (results / "export" / "metrics.json").write_text(json.dumps(export))
+    gate = Gate("perplexity", 12.5, "%", 5.0, "refused")
+    write_export_metrics(results / "export" / "metrics.json", dataclasses.replace(export, gate=gate))
     assert "  int8      refused by the gate, +12.5% perplexity (export.max_accuracy_drop: 5): deploy the fp32 model" \
         in run_summary(results, **files_of(results)).splitlines()
-    export["gate"]["outcome"] = "passed"
-    (results / "export" / "metrics.json").write_text(json.dumps(export))
+    passed = dataclasses.replace(export, gate=dataclasses.replace(gate, outcome="passed"))
+    write_export_metrics(results / "export" / "metrics.json", passed)
     shown = run_summary(results, **files_of(results))
     assert "refused" not in shown and f"(int8: {results}/export/model.int8.onnx)" in shown
 

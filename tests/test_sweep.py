@@ -12,10 +12,11 @@ import pytest
 import yaml
 
 from chromium import Chromium
-from conftest import run_snakemake, train_summary
+from conftest import export_metrics, run_snakemake, train_summary
 from ortflow import config as ortflow_config
 from ortflow.sweeps import comparison as sweep_comparison, points as sweep
 from ortflow.errors import ConfigError
+from ortflow.quantization.export_metrics import write_export_metrics
 from ortflow.training.run_folder import TrainFolder
 from ortflow.training.run_summary import write_run_summary
 
@@ -160,8 +161,8 @@ def test_the_comparison_says_which_attempt_a_resumed_point_timed_and_which_int8_
     resumed = TrainFolder(folder / "lr-0.1" / "train").metrics
     resumed.write_text(json.dumps({**json.loads(resumed.read_text()), "steps_this_attempt": 5}))
     gate = {"metric": "loss", "drop": 36.0, "unit": "%", "max_accuracy_drop": 1.0, "outcome": "refused"}
-    (folder / "lr-0.01" / "export" / "metrics.json").write_text(json.dumps(
-        {"fp32": {"loss": 0.5, "size_bytes": 4000}, "int8": {"loss": 0.68, "size_bytes": 1000}, "gate": gate}))
+    write_export_metrics(folder / "lr-0.01" / "export" / "metrics.json", export_metrics(
+        {"loss": 0.5, "size_bytes": 4000}, {"loss": 0.68, "size_bytes": 1000}, gate))
     best = sweep_comparison.compare(config)
     rows = {row["point"]: row for row in comparison(folder)}
     assert (rows["lr-0.1"]["steps"], rows["lr-0.01"]["steps"]) == ("20 (5 in the last attempt)", "20")

@@ -13,9 +13,10 @@ from pathlib import Path
 from .. import atomic
 from ..config import Config, as_dict
 from ..graphs.description import ModelDescription, read_description
+from ..quantization.export_metrics import ExportMetrics
 from ..training.run_summary import RunSummary
-from .results import (baseline_shown, count, fmt, large_batch, not_beaten, quality, read_json, read_train, refusal,
-                      speedup)
+from .results import (baseline_shown, count, fmt, large_batch, not_beaten, quality, read_export, read_json,
+                      read_train, refusal, speedup)
 
 TABLES = ("summary", "samples", "quantization", "stages", "profile", "config")
 # The stages in pipeline order, as the rules and their benchmark files are named.
@@ -43,15 +44,15 @@ def table(header: list[str], rows: list[tuple]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def summary_rows(train: RunSummary | None, export: dict | None, description: ModelDescription | None = None) -> list[tuple]:
+def summary_rows(train: RunSummary | None, export: ExportMetrics | None, description: ModelDescription | None = None) -> list[tuple]:
     """The run at a glance: quality, baseline, training; from build_artifacts' model.json
     (`description`), the parameters trained of all, and with LoRA its adapters."""
     rows = []
     if export:
-        name, shown = quality(export["fp32"])
+        name, shown = quality(export.fp32)
         rows.append(("fp32", f"{name} (fp32, eval split)", shown))
-        if "int8" in export:
-            rows.append(("int8", f"{name} (int8, {export['quantize']})", quality(export["int8"])[1]))
+        if export.int8 is not None:
+            rows.append(("int8", f"{name} (int8, {export.quantize})", quality(export.int8)[1]))
             rows.append(("speedup", f"int8 speed-up (batch {large_batch(export)}, 1 thread)",
                          fmt(speedup(export), "ratio")))
         if refusal(export):
@@ -99,16 +100,15 @@ def class_rows(train: RunSummary | None) -> list[tuple]:
     return rows
 
 
-def quantization_rows(export: dict) -> list[tuple]:
-    models = [m for m in ("fp32", "int8") if m in export]
+def quantization_rows(export: ExportMetrics) -> list[tuple]:
+    models = [entry for entry in (export.fp32, export.int8) if entry is not None]
     measures = [("loss", "loss", "float")]
     measures += [(k, k, "percent" if k == "accuracy" else "float")
-                 for k in ("accuracy", "perplexity") if k in export["fp32"]]
-    rows = [(k, label, *(fmt(export[m][k], kind) for m in models)) for k, label, kind in measures]
-    rows.append(("size_bytes", "size", *(fmt(export[m]["size_bytes"] / 1e6, "mb") for m in models)))
-    rows += [(f"latency_ms.{k}", f"latency {k.replace('_', ' ')}", *(fmt(export[m]["latency_ms"][k], "ms")
-                                                                    for m in models))
-             for k in export["fp32"]["latency_ms"]]
+                 for k in ("accuracy", "perplexity") if k in export.fp32]
+    rows = [(k, label, *(fmt(m[k], kind) for m in models)) for k, label, kind in measures]
+    rows.append(("size_bytes", "size", *(fmt(m["size_bytes"] / 1e6, "mb") for m in models)))
+    rows += [(f"latency_ms.{k}", f"latency {k.replace('_', ' ')}", *(fmt(m["latency_ms"][k], "ms") for m in models))
+             for k in export.fp32["latency_ms"]]
     return rows
 
 
@@ -166,7 +166,7 @@ def write_tables(config: Config, train_metrics: Path, export_metrics: Path, benc
                  samples: Path | None = None) -> None:
     import yaml
 
-    train, export = read_train(train_metrics), read_json(export_metrics)
+    train, export = read_train(train_metrics), read_export(export_metrics)
     description = read_description(model_json) if model_json and Path(model_json).is_file() else None
     classes = class_rows(train)
     per_class = ("<h3>Per class (eval split, last evaluation)</h3>"

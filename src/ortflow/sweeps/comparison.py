@@ -32,7 +32,7 @@ def point_row(point: Point, sweep: Sweep, failed_stage: str | None = None) -> di
     """A point's line of the comparison, from its train/metrics.json and export/metrics.json.
     Its status: `finished` (exported), `trained` (its export not run yet), `failed: <stage>`
     (`failed_stage`: ranked by its training metric when training finished), `not run`."""
-    from ..reporting.results import count, read_json, read_train, refusal  # numpy, ONNX: not for every Snakefile
+    from ..reporting.results import count, read_export, read_train, refusal  # numpy, ONNX: not for every Snakefile
 
     run = results(point.config)
     train = read_train(TrainFolder(run / "train").metrics)
@@ -46,8 +46,8 @@ def point_row(point: Point, sweep: Sweep, failed_stage: str | None = None) -> di
     evals = [e for e in train.history["eval"] if e.get(key) is not None]
     pick = max if goal(sweep) == "max" else min
     best = pick(evals, key=lambda e: e[key]) if evals else None
-    export = read_json(run / EXPORT_METRICS) or {}
-    int8 = export.get("int8") or {}
+    export = read_export(run / EXPORT_METRICS)
+    fp32, int8 = (export.fp32, export.int8 or {}) if export else ({}, {})
     # Only a `finished` point, exported without a failed stage, can be the sweep's model.
     status = failed or ("finished" if (run / EXPORTED_MODEL).is_file() else "trained")
     return {**row, "status": status, "best": best[key] if best else None, "best_step": best["step"] if best else None,
@@ -56,7 +56,7 @@ def point_row(point: Point, sweep: Sweep, failed_stage: str | None = None) -> di
             # Parameters trained of all: a LoRA point trains its adapters alone (runs before this had no counts).
             "trained": f"{count(train.trainable_parameters)} of {count(train.parameters)}"
             if train.parameters is not None else None,
-            "fp32_mb": megabytes(export.get("fp32", {}).get("size_bytes")), "int8_mb": megabytes(int8.get("size_bytes")),
+            "fp32_mb": megabytes(fp32.get("size_bytes")), "int8_mb": megabytes(int8.get("size_bytes")),
             "int8_metric": refusal(export) or int8.get(key), "int8_refused": refusal(export) is not None,
             **beside_baseline(best, key, train.baseline), "history": train.history}
 
