@@ -35,7 +35,7 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
                 f"{source}: no best checkpoint of this run (no {BEST}): training keeps one when export.checkpoint "
                 "is best (or auto with train.early_stopping.patience set); retrain with that, or export the last "
                 "step's with export.checkpoint: last")
-        folder = Path(source) / best["checkpoint"]
+        folder = Path(source) / best.checkpoint
     else:
         folder = checkpoint_folder(source, identity_digest)
     checkpoint = read_checkpoint(folder, model)
@@ -43,7 +43,7 @@ def merge(source: Path, out_dir: Path, identity_digest: str | None = None, model
     attrs = shard_attrs(manifest.checkpoint_id, manifest.step, 0, 1, manifest.identity,
                          manifest.identity_digest, checkpoint.state.version)
     state = checkpoint.state
-    chosen = Chosen(which, **({key: best[key] for key in ("metric", "mode", "value")} if best else {}))
+    chosen = Chosen(which, best.metric, best.mode, best.value) if best else Chosen(which)
     merged = Merged(manifest.checkpoint_id, manifest.step, manifest.world_size, manifest.identity,
                     manifest.identity_digest, manifest.properties, str(checkpoint.path), chosen)
     out_dir = Path(out_dir)
