@@ -224,6 +224,33 @@ def model_description(**fields):
         "activation_bytes_per_sample": 64} | fields)
 
 
+def train_summary(**fields):
+    """A train/metrics.json record (training/run_summary.py) of a short run on one rank, with `fields`
+    changed: for the report, the summary and a sweep's comparison, without training."""
+    from ortflow.training.run_summary import RunSummary
+
+    return RunSummary(**{
+        "steps": 60, "train_loss": 0.3, "eval": {"loss": 0.25}, "samples_per_s": 1536.0, "step_time_p50_s": 0.04,
+        "step_time_p95_s": 0.05, "flops_per_s": 1e9, "peak_rss_mb": (300.0,), "global_batch_size": 64,
+        "wall_time_s": 12.5, "history": {"train": [], "eval": []}} | fields)
+
+
+def export_metrics(fp32: dict, int8: dict | None = None, gate: dict | None = None):
+    """An export/metrics.json record (quantization/export_metrics.py) of dynamic int8 with these
+    entries: for the summary, the report and a sweep's comparison, without quantizing."""
+    from ortflow.quantization.export_metrics import ExportMetrics, Gate
+
+    return ExportMetrics("dynamic", False, 1, fp32=fp32, int8=int8, gate=Gate(**gate) if gate else None)
+
+
+def merged_meta(folder: Path, step: int, identity_digest: str = "0" * 64) -> None:
+    """A merged checkpoint's meta.json (checkpoints/meta.py) of the last checkpoint at `step`, beside
+    a checkpoint a test wrote itself (without training and merging)."""
+    from ortflow.checkpoints.meta import Merged, write_merged
+
+    write_merged(folder, Merged(f"{step}-test", step, 1, {}, identity_digest, {}, str(folder)))
+
+
 def assert_identical(a, b) -> None:
     """Training states `a` and `b` (ort_format.TrainingState) are bit-identical: parameters,
     optimizer states, the optimizer's and the checkpoint's properties."""

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import h5py
@@ -17,6 +18,8 @@ import pytest
 
 from conftest import opened_paths, outside
 from ortflow.checkpoints import checks, layout, reader, resume, summary, writer
+from ortflow.checkpoints.layout import Manifest
+from ortflow.checkpoints.manifest import write_manifest
 from ortflow.checkpoints.ort_format import CheckpointError, TrainingState, ort_checkpoint_bytes
 
 SHAPES = {"w": (4, 3), "b": (3,)}
@@ -41,8 +44,8 @@ def write_checkpoint(folder: Path, world_size: int = 2) -> Path:
     for rank, ranges in enumerate(layout.partition(state, world_size)):
         attrs = layout.shard_attrs("40-abc", 40, rank, world_size, IDENTITY, "d" * 64, state.version)
         entries.append(writer.write_shard(folder, state.part(ranges), attrs))
-    layout.write_json(folder / layout.MANIFEST, layout.new_manifest(
-        "40-abc", 40, world_size, IDENTITY, "d" * 64, state.properties, entries))
+    write_manifest(folder / layout.MANIFEST, Manifest(
+        "40-abc", 40, world_size, IDENTITY, "d" * 64, state.properties, tuple(entries)))
     (folder / layout.COMPLETE).write_bytes(b"")
     return folder
 
@@ -257,7 +260,7 @@ HISTORY = {"train": [{"step": 40, "loss": 0.5}], "eval": [{"step": 40, "loss": 0
 
 def with_history(folder: Path) -> Path:
     """The checkpoint with the metrics logged up to its step, as training writes them."""
-    edit_manifest(folder, lambda m: m.update(history=writer.write_history(folder, HISTORY)))
+    edit_manifest(folder, lambda m: m.update(history=asdict(writer.write_history(folder, HISTORY))))
     return folder
 
 
@@ -310,7 +313,7 @@ def test_the_history_is_verified_like_the_shards(folder, monkeypatch, damage):
         history.write_text(json.dumps(HISTORY).replace("0.5", "0.4") + "\n")
         reason = f"history file {history}: checksum mismatch (sha256 "
     else:  # rewritten with its checksum: intact, but not what training reads
-        edit_manifest(folder, lambda m: m.update(history=writer.write_history(folder, {"train": 5})))
+        edit_manifest(folder, lambda m: m.update(history=asdict(writer.write_history(folder, {"train": 5}))))
         reason = f"history file {history}: not the metrics of a run (a JSON object of 'train' and 'eval' lists)"
     with opened_paths() as paths:
         assert reason in refused(folder)

@@ -3,12 +3,12 @@ are split over ranks, and which checkpoints are pruned. Through real runs: test_
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pytest
 
 from ortflow.checkpoints import layout, retention
+from ortflow.checkpoints.layout import Manifest
+from ortflow.checkpoints.manifest import write_manifest
 from ortflow.checkpoints.ort_format import TrainingState
 
 
@@ -44,7 +44,7 @@ def test_partition_splits_one_large_parameter_across_ranks():
 def _checkpoint(root, step: int, digest: str, complete: bool = True):
     folder = layout.step_dir(root, step)
     folder.mkdir(parents=True)
-    (folder / layout.MANIFEST).write_text(json.dumps({"identity_digest": digest}))
+    write_manifest(folder / layout.MANIFEST, Manifest(f"{step}-x", step, 1, {}, digest, {}, ()))
     if complete:
         (folder / layout.COMPLETE).write_text("")
     return folder

@@ -54,12 +54,21 @@ def test_export_checkpoint_auto_is_best_with_early_stopping():
     assert config_mod.export_checkpoint(config_mod.load(overrides={"export": {"checkpoint": "best"}})) == "best"
 
 
-def test_best_json_names_a_step_folder_beside_it_only(tmp_path):
-    (tmp_path / layout.BEST).write_text(json.dumps({"checkpoint": "../../etc", "identity_digest": "d"}))
+def test_best_json_is_written_back_as_read_and_names_a_step_folder_beside_it_only(tmp_path):
+    record = {"step": 20, "metric": "loss", "mode": "min", "value": 0.25}
+    best.mark_best(tmp_path, tmp_path / "step-00000020", "d", record)
+    written = (tmp_path / layout.BEST).read_text()
+    assert json.loads(written) == {**record, "checkpoint": "step-00000020", "identity_digest": "d"}
+    assert best.best_of(tmp_path, "d").checkpoint == "step-00000020"
+    best.write_best(tmp_path, best.read_best(tmp_path))
+    assert (tmp_path / layout.BEST).read_text() == written
+    (tmp_path / layout.BEST).write_text(written.replace("step-00000020", "../../etc"))
     with pytest.raises(CheckpointError, match="'checkpoint' must name a step-XXXXXXXX folder beside it"):
         best.best_of(tmp_path, "d")
-    (tmp_path / layout.BEST).write_text(json.dumps({"checkpoint": "step-00000020", "identity_digest": "d"}))
-    assert best.best_of(tmp_path, "d")["checkpoint"] == "step-00000020"
+    (tmp_path / layout.BEST).write_text(written.replace('"mode"', '"modus"'))
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / layout.BEST}: no 'mode'; the file is damaged$"):
+        best.best_of(tmp_path, "d")
+    (tmp_path / layout.BEST).write_text(written)
     assert best.best_of(tmp_path, "another identity") is None
 
 

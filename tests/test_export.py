@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import gate_judged, model_description, run_snakemake
+from conftest import export_metrics, gate_judged, model_description, run_snakemake
 from ortflow import config as config_mod
 from ortflow.data.shards import ShardReader
 
@@ -681,8 +681,7 @@ def test_latency_is_timed_at_a_batch_whose_activations_fit(monkeypatch, caplog):
     assert "latency timed at batch 1 alone, not 64" in caplog.text
     assert latency_batches(model_description(eval_bytes_per_sample=1000), sessions=2) == (1, 64)
     assert latency_batches(model_description(), sessions=2) == (1, 64)  # artifacts from before evaluations were counted
-    export = {"quantize": "dynamic",
-              "fp32": {"accuracy": 0.9, "latency_ms": {"b1_p50": 1.0, "b1_p95": 1.0, "b10_p50": 9.0, "b10_p95": 9.0}},
-              "int8": {"accuracy": 0.9, "latency_ms": {"b1_p50": 1.0, "b1_p95": 1.0, "b10_p50": 3.0, "b10_p95": 3.0}}}
+    export = export_metrics({"accuracy": 0.9, "latency_ms": {"b1_p50": 1.0, "b1_p95": 1.0, "b10_p50": 9.0, "b10_p95": 9.0}},
+                            {"accuracy": 0.9, "latency_ms": {"b1_p50": 1.0, "b1_p95": 1.0, "b10_p50": 3.0, "b10_p95": 3.0}})
     assert speedup(export) == 3.0
     assert ("speedup", "int8 speed-up (batch 10, 1 thread)", "3.00x") in summary_rows(None, export)

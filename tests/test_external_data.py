@@ -14,7 +14,7 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from conftest import run_snakemake
+from conftest import merged_meta, run_snakemake
 from ortflow import cli, external_data
 from ortflow.checkpoints import ort_format
 from ortflow.checkpoints.reader import read_checkpoint
@@ -254,7 +254,7 @@ def test_build_artifacts_and_export_model_hold_the_weights_about_once(tmp_path):
     (tmp_path / "merged").mkdir()
     for name in ("checkpoint", "checkpoint.data"):
         shutil.copy(tmp_path / "artifacts" / name, tmp_path / "merged" / name)
-    (tmp_path / "merged" / "meta.json").write_text(json.dumps({"step": 0, "identity_digest": "0" * 64}))
+    merged_meta(tmp_path / "merged", 0)
     exported = held("export")
     assert exported < 2.5 * weight_bytes, f"export_model held {exported / weight_bytes:.2f} times the weights"
     assert (tmp_path / "export" / "model.onnx.data").stat().st_size == weight_bytes

@@ -27,6 +27,7 @@ from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
 from ortflow.data.shards import ShardReader
 from ortflow.graphs.description import read_description
+from ortflow.quantization.export_metrics import read_export_metrics
 from ortflow.reporting.summary import int4_line
 from ortflow.stages.prepare_data import split_rows
 from test_pretrained import bits
@@ -171,7 +172,7 @@ def assert_int4_folder(workdir: Path, export: Path, said: str) -> None:
         assert entry[side]["tokens_scored"] > 0 and entry[side]["tokens_per_s"] > 0, entry
     log = (workdir / "logs/gpt2/quantize_model.log").read_text()
     assert gate_judged(entry["gate"], log, "int4"), log
-    assert int4_line(entry, int4_folder.relative_to(workdir)) in said
+    assert int4_line(read_export_metrics(export / "metrics.json").int4, int4_folder.relative_to(workdir)) in said
 
 
 def assert_generation_folder(workdir: Path, generation: Path, said: str, capsys) -> None:

@@ -23,6 +23,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import merged_meta
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
@@ -199,7 +200,7 @@ def train_in_ort(artifacts: Artifacts, config: config_mod.Config, train_dir: Pat
     checkpoint.mkdir()
     # With the moments, as merge_checkpoint writes a run's.
     CheckpointState.save_checkpoint(state, str(checkpoint / "checkpoint"), include_optimizer_state=True)
-    (checkpoint / "meta.json").write_text(json.dumps({"step": train.steps, "identity_digest": "test"}))
+    merged_meta(checkpoint, train.steps, "test")
     return losses
 
 
@@ -272,6 +273,6 @@ def test_family_trains_like_torch_exports_and_quantizes(family, tmp_path, monkey
     report = quantize_model.quantize(config, tmp_path / "model.onnx", artifacts.folder, eval_dir,
                                      tmp_path / "model.int8.onnx", tmp_path / "metrics.json",
                                      tmp_path / "generation", tmp_path / "generation-int4")
-    assert (tmp_path / "model.int8.onnx").is_file() and report["quantize"] in ("dynamic", "static"), report
-    assert not (tmp_path / "generation-int4").exists() and "int4" not in report
-    assert np.isfinite(report["int8"]["loss"]), report
+    assert (tmp_path / "model.int8.onnx").is_file() and report.quantize in ("dynamic", "static"), report
+    assert not (tmp_path / "generation-int4").exists() and report.int4 is None
+    assert np.isfinite(report.int8["loss"]), report

@@ -6,6 +6,7 @@ its summary line."""
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from dataclasses import asdict
 from types import SimpleNamespace
@@ -23,6 +24,8 @@ from ortflow.generation import folder as generation_folder
 from ortflow.generation.generate import Decoder, generate
 from ortflow.models import IGNORE_INDEX
 from ortflow.quantization import int4_measure
+from ortflow.quantization.export_metrics import Gate
+from ortflow.quantization.export_metrics import Int4 as Int4Entry
 from ortflow.quantization.gate import QualityGateError
 from ortflow.quantization.int4 import Int4, quantize_folder, quantize_model, quantize_weight, token_losses, weight_bytes
 from ortflow.reporting.summary import int4_line
@@ -280,12 +283,11 @@ def test_int4_remedies_name_only_settings_not_set():
 
 
 def test_summary_line_of_int4(tmp_path):
-    entry = {"weight_ratio": 0.1563, "fp32": {"perplexity": 12.3456}, "int4": {"perplexity": 12.5},
-             "gate": {"metric": "perplexity", "drop": 1.251, "unit": "%", "max_accuracy_drop": 1.0,
-                      "outcome": "refused"}}
+    entry = Int4Entry({}, 24, 8, {"perplexity": 12.3456}, {"perplexity": 12.5}, 0.1563,
+                      Gate("perplexity", 1.251, "%", 1.0, "refused"))
     folder = tmp_path / "generation-int4"
     assert int4_line(entry, folder) == (f"  int4      {folder}: weights 0.16x fp32's, perplexity 12.5000 (fp32 "
                                         "12.3456), refused by the gate, +1.25% perplexity "
                                         "(export.max_accuracy_drop: 1): deploy the fp32 folder")
-    entry["gate"]["outcome"] = "passed"
+    entry = dataclasses.replace(entry, gate=dataclasses.replace(entry.gate, outcome="passed"))
     assert int4_line(entry, folder).endswith("(fp32 12.3456), passed the gate")

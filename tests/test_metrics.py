@@ -1,10 +1,10 @@
-"""The training metrics (ortflow.training.metrics): metrics.json is strict JSON."""
+"""The training metrics (ortflow.training.metrics, run_summary.py): metrics.json is strict JSON."""
 
 from __future__ import annotations
 
 import json
 
-from ortflow.training.metrics import strict
+from ortflow.training.run_summary import strict
 
 
 def test_metrics_are_strict_json():

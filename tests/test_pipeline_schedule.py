@@ -141,10 +141,10 @@ def test_stages_train_the_weights_of_one(model, stages, copies, accumulated, roo
     # Every rank wrote its part of its stage; read together (and checked against the whole model), the
     # shards are the whole model's state, each parameter covered once.
     pipelined = reader.read_checkpoint(got, artifacts)
-    assert pipelined.manifest["world_size"] == stages * copies
+    assert pipelined.manifest.world_size == stages * copies
     tied = {"gpt": "tokens.weight", "gpt2": "model.transformer.wte.weight"}[model]  # the head tied to the embedding
-    holders = [int(entry["file"].split("-")[1]) for entry in pipelined.manifest["shards"]
-               if tied in entry["parameters"]]
+    holders = [int(entry.file.split("-")[1]) for entry in pipelined.manifest.shards
+               if tied in entry.parameters]
     assert holders and max(holders) < copies  # written by stage 0's ranks only, though the last stage holds it too
     worst = largest_difference(pipelined.state, reader.read_checkpoint(expected, artifacts).state)
     # merge_checkpoint's whole-model checkpoints (ONNX Runtime's format, which export and quantize read).

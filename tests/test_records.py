@@ -1,7 +1,9 @@
 """The files one stage writes and others read, as records (records.py): a split's shard manifest
-(data/manifest.py) and the model description (graphs/description.py), each read in one place, a
-missing or mistyped field refused in one line naming the file and the key, and written back as the
-same JSON."""
+(data/manifest.py), the model description (graphs/description.py), a checkpoint's manifest
+(checkpoints/manifest.py), a merged checkpoint's meta.json (checkpoints/meta.py), a run's
+train/metrics.json (training/run_summary.py) and export/metrics.json (quantization/export_metrics.py),
+each read in one place, a missing or mistyped field refused in one line naming the file and the key,
+and written back as the same JSON."""
 
 from __future__ import annotations
 
@@ -11,13 +13,19 @@ import json
 import numpy as np
 import pytest
 
-from conftest import model_description
+from conftest import export_metrics, model_description, train_summary
 from ortflow import config as config_mod
+from ortflow.checkpoints import manifest as checkpoint_manifest
+from ortflow.checkpoints.layout import Listed, Manifest, ShardEntry
+from ortflow.checkpoints.meta import META, Chosen, Merged, read_merged, write_merged
+from ortflow.checkpoints.ort_format import CheckpointError
 from ortflow.data.manifest import MANIFEST, Column, read_manifest, write_manifest
 from ortflow.data.sources import DataError
-from ortflow.errors import MissingInputError, ModelError
+from ortflow.errors import MissingInputError, ModelError, TrainingError
 from ortflow.graphs.description import read_description, write_description
+from ortflow.quantization.export_metrics import read_export_metrics, write_export_metrics
 from ortflow.stages.prepare_data import prepare
+from ortflow.training.run_summary import BestEval, read_run_summary, write_run_summary
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +110,116 @@ def test_a_model_description_of_an_earlier_ortflow_reads_with_the_later_fields_a
     description = read_description(tmp_path / "model.json")
     assert (description.embeddings, description.eval_bytes_per_sample, description.running_stats) == (None, 0, {})
     assert description.inference_output == "logits"  # the logits', before the inference output was told apart
+
+
+def rewritten(path, read, write) -> str:
+    """The text of `path` after `write` wrote back what `read` read of it."""
+    write(read())
+    return path.read_text()
+
+
+CHECKPOINT = Manifest("40-abc", 40, 2, {"optimizer": {"name": "adamw"}}, "d" * 64, {"lr": 0.001, "step": 40},
+                      (ShardEntry("shard-00000-of-00002.h5", 100, "a" * 64, {"b": [0, 3], "w": [0, 5]}),
+                       ShardEntry("shard-00001-of-00002.h5", 90, "b" * 64, {"w": [5, 12]})),
+                      Listed("history.json", 30, "c" * 64))
+
+
+def test_a_checkpoint_manifest_is_written_back_as_it_was_read(tmp_path):
+    path = tmp_path / "manifest.json"
+    checkpoint_manifest.write_manifest(path, CHECKPOINT)
+    written = path.read_text()
+    assert json.loads(written)["shards"][1] == {"file": "shard-00001-of-00002.h5", "bytes": 90, "sha256": "b" * 64,
+                                                "parameters": {"w": [5, 12]}}
+    assert checkpoint_manifest.read_manifest(path) == CHECKPOINT
+    assert rewritten(path, lambda: checkpoint_manifest.read_manifest(path),
+                     lambda m: checkpoint_manifest.write_manifest(path, m)) == written
+    # A checkpoint saved before the history was kept has no entry of it, and none is added.
+    checkpoint_manifest.write_manifest(path, dataclasses.replace(CHECKPOINT, history=None))
+    assert "history" not in json.loads(path.read_text())
+    assert checkpoint_manifest.read_manifest(path).history is None
+
+
+def test_a_checkpoint_manifest_missing_or_mistyping_a_field_names_the_file_and_the_key(tmp_path):
+    path = tmp_path / "manifest.json"
+    for change, message in ((lambda d: d["shards"][1].pop("sha256"), "no 'shards\\[1\\].sha256'"),
+                            (lambda d: d.update(step="40"), "'step' is \"40\", expected an integer"),
+                            (lambda d: d["history"].update(bytes=None), "'history.bytes' is null, expected an integer")):
+        data = json.loads(json.dumps(dataclasses.asdict(CHECKPOINT)))
+        change(data)
+        path.write_text(json.dumps(data))
+        with pytest.raises(CheckpointError, match=rf"^{path}: {message}; the file is damaged$"):
+            checkpoint_manifest.read_manifest(path)
+
+
+def test_a_merged_checkpoints_meta_is_written_back_as_it_was_read_and_says_which_it_is(tmp_path):
+    best = Merged("40-abc", 40, 2, {"seed": 0}, "d" * 64, {"step": 40}, "/runs/step-00000040",
+                  Chosen("best", "loss", "min", 0.123456789))
+    write_merged(tmp_path, best)
+    written = (tmp_path / META).read_text()
+    assert json.loads(written)["chosen"] == {"checkpoint": "best", "metric": "loss", "mode": "min", "value": 0.123456789}
+    assert read_merged(tmp_path) == best and read_merged(tmp_path).chosen.shown() == "best (eval loss 0.123457)"
+    assert rewritten(tmp_path / META, lambda: read_merged(tmp_path), lambda m: write_merged(tmp_path, m)) == written
+    write_merged(tmp_path, dataclasses.replace(best, chosen=Chosen("last")))
+    assert json.loads((tmp_path / META).read_text())["chosen"] == {"checkpoint": "last"}
+    # Merged before export.checkpoint: no `chosen`, the last checkpoint.
+    data = json.loads((tmp_path / META).read_text())
+    del data["chosen"]
+    (tmp_path / META).write_text(json.dumps(data))
+    assert read_merged(tmp_path).chosen.shown() == "last"
+    (tmp_path / META).write_text(json.dumps({**data, "step": 4.5}))
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path / META}: 'step' is 4.5, expected an integer; run the "
+                                              "merge_checkpoint rule again$"):
+        read_merged(tmp_path)
+    with pytest.raises(MissingInputError, match="no merged checkpoint \\(run the merge_checkpoint rule first\\)"):
+        read_merged(tmp_path / "none")
+
+
+def test_a_runs_summary_is_written_back_as_it_was_read_and_null_where_there_is_no_measure(tmp_path):
+    """train/metrics.json: its keys in the trainer's order, a NaN (an attempt that ran no step) as null,
+    no pipeline entries unless pipelined; a file missing a later key or mistyping one."""
+    path = tmp_path / "metrics.json"
+    summary = train_summary(samples_per_s=float("nan"), best=BestEval(40, "loss", "min", 0.25),
+                            baseline={"of": "the train split's mean", "loss": 1.5})
+    write_run_summary(path, summary)
+    written = path.read_text()
+    data = json.loads(written)
+    assert list(data)[:3] == ["steps", "steps_this_attempt", "train_loss"] and "pipeline_bubble" not in data
+    assert data["samples_per_s"] is None and data["best"] == {"step": 40, "metric": "loss", "mode": "min", "value": 0.25}
+    read = read_run_summary(path)
+    assert read == dataclasses.replace(summary, samples_per_s=None)
+    assert rewritten(path, lambda: read_run_summary(path), lambda s: write_run_summary(path, s)) == written
+    for key in ("steps_this_attempt", "best", "stopped_early", "baseline", "parameters", "trainable_parameters"):
+        del data[key]  # a run of an earlier ortflow
+    path.write_text(json.dumps(data))
+    assert (read_run_summary(path).steps_this_attempt, read_run_summary(path).best) == (None, None)
+    for change, message in ((lambda d: d.pop("history"), "no 'history'"),
+                            (lambda d: d.update(peak_rss_mb=[300.0, "x"]), "'peak_rss_mb\\[1\\]' is \"x\", expected a number")):
+        edited_data = json.loads(json.dumps(data))
+        change(edited_data)
+        path.write_text(json.dumps(edited_data))
+        with pytest.raises(TrainingError, match=rf"^{path}: {message}; run the train rule again$"):
+            read_run_summary(path)
+
+
+def test_export_metrics_are_written_back_as_they_were_read_without_the_entries_a_run_has_not(tmp_path):
+    path = tmp_path / "metrics.json"
+    latency = {"b1_p50": 0.02, "b1_p95": 0.03, "b64_p50": 0.04, "b64_p95": 0.05}
+    gate = {"metric": "accuracy", "drop": 3.57, "unit": "points", "max_accuracy_drop": 1, "outcome": "refused"}
+    metrics = export_metrics({"loss": 0.2, "accuracy": 0.95, "per_class": {"a": {"count": 3}}, "latency_ms": latency,
+                              "size_bytes": 4000}, {"loss": 0.3, "latency_ms": latency, "size_bytes": 1000}, gate)
+    write_export_metrics(path, metrics)
+    written = path.read_text()
+    assert list(json.loads(written)) == ["quantize", "per_channel", "threads", "warnings", "fp32", "int8", "gate"]
+    assert '"max_accuracy_drop": 1,' in written  # as the config gave it, not 1.0
+    assert read_export_metrics(path) == metrics
+    assert rewritten(path, lambda: read_export_metrics(path), lambda m: write_export_metrics(path, m)) == written
+    fp32_only = dataclasses.replace(metrics, quantize="none", int8=None, gate=None)
+    write_export_metrics(path, fp32_only)
+    assert list(json.loads(path.read_text())) == ["quantize", "per_channel", "threads", "warnings", "fp32"]
+    data = json.loads(written)
+    del data["gate"]["outcome"], data["warnings"]  # before a refusal was kept, and before warnings
+    path.write_text(json.dumps(data))
+    assert (read_export_metrics(path).gate.outcome, read_export_metrics(path).warnings) == (None, ())
+    path.write_text(json.dumps({**data, "int4": {"settings": {}, "gate": gate}}))
+    with pytest.raises(ModelError, match=rf"^{path}: no 'int4.weights_quantized'; run the quantize_model rule again$"):
+        read_export_metrics(path)

@@ -19,12 +19,14 @@ from pathlib import Path
 import pytest
 
 from chromium import Chromium
-from conftest import fault, model_description, run_snakemake
+from conftest import export_metrics, fault, model_description, run_snakemake, train_summary
 from ortflow.graphs.description import write_description
+from ortflow.quantization.export_metrics import Gate, read_export_metrics, write_export_metrics
 from ortflow.reporting.results import fmt, quality, speedup
 from ortflow.reporting.summary import run_summary
 from ortflow.reporting.tables import summary_rows
 from ortflow.training.run_folder import TrainFolder
+from ortflow.training.run_summary import write_run_summary
 
 # A run other than the default one: its own run.name, from its own --configfile.
 RUN = "seen"
@@ -173,7 +175,8 @@ def test_end_of_run_summary_is_printed_and_copes_with_a_partial_run(report_run, 
     train = json.loads((results / "train" / "metrics.json").read_text())
     assert f"results/{RUN}/export/model.onnx" in stdout
     assert f"accuracy  {fmt(export['fp32']['accuracy'], 'percent')}, int8 " \
-           f"{fmt(export['int8']['accuracy'], 'percent')}, int8 speed-up {fmt(speedup(export), 'ratio')}" in stdout
+           f"{fmt(export['int8']['accuracy'], 'percent')}, int8 speed-up " \
+           f"{fmt(speedup(read_export_metrics(results / 'export' / 'metrics.json')), 'ratio')}" in stdout
     assert f"60 steps (60 in this attempt) in {fmt(train['wall_time_s'], 'seconds')}" in stdout
 
     # Training alone has run: its eval and its speed, no model.
@@ -199,16 +202,15 @@ def test_summary_of_a_run_with_training_alone_or_nothing(tmp_path):
     show its eval, steps and speed and no model; an empty folder, that nothing trained."""
     partial = tmp_path / "results" / "digits"
     (partial / "train").mkdir(parents=True)
-    train = {"steps": 60, "steps_this_attempt": 20, "wall_time_s": 12.5, "samples_per_s": 1536.0,
-             "peak_rss_mb": [300.0, 310.0], "eval": {"loss": 0.25, "accuracy": 0.9375}}
-    (partial / "train" / "metrics.json").write_text(json.dumps(train))
+    train = train_summary(steps_this_attempt=20, peak_rss_mb=(300.0, 310.0), eval={"loss": 0.25, "accuracy": 0.9375})
+    write_run_summary(partial / "train" / "metrics.json", train)
     lines = run_summary(partial, **files_of(partial)).splitlines()
     assert lines[:3] == [f"ortflow: run digits in {partial}", "  accuracy  93.75% (eval at step 60)",
                          "  training  60 steps (20 in this attempt) in 12.50 s, 1,536 samples/s on 2 ranks"]
     nothing = tmp_path / "nothing"
     assert run_summary(nothing, **files_of(nothing)).splitlines()[1] == "  nothing trained yet"
-    train["peak_rss_mb"] = [300.0]  # one rank, not "1 ranks"
-    (partial / "train" / "metrics.json").write_text(json.dumps(train))
+    # One rank, not "1 ranks".
+    write_run_summary(partial / "train" / "metrics.json", dataclasses.replace(train, peak_rss_mb=(300.0,)))
     assert run_summary(partial, **files_of(partial)).splitlines()[2].endswith(" samples/s on 1 rank")
 
 
@@ -233,10 +235,9 @@ def test_summary_and_report_say_what_lora_trained(tmp_path):
 def test_summary_shows_the_baseline_and_says_when_the_model_does_not_beat_it(tmp_path):
     run = tmp_path / "results" / "digits"
     (run / "train").mkdir(parents=True)
-    train = {"steps": 60, "steps_this_attempt": 60, "wall_time_s": 12.5, "samples_per_s": 1536.0,
-             "peak_rss_mb": [300.0], "eval": {"loss": 2.25, "accuracy": 0.09},
-             "baseline": {"of": "the train split's most frequent class (1)", "accuracy": 0.1}}
-    (run / "train" / "metrics.json").write_text(json.dumps(train))
+    train = train_summary(steps_this_attempt=60, eval={"loss": 2.25, "accuracy": 0.09},
+                          baseline={"of": "the train split's most frequent class (1)", "accuracy": 0.1})
+    write_run_summary(run / "train" / "metrics.json", train)
     lines = run_summary(run, **files_of(run)).splitlines()
     assert lines[1:5] == [
         "  accuracy  9.00% (eval at step 60)",
@@ -246,8 +247,8 @@ def test_summary_shows_the_baseline_and_says_when_the_model_does_not_beat_it(tmp
         "the train split's most frequent class (1)"]
     rows = summary_rows(train, None)
     assert ("beats_baseline", "beats the baseline", "no") in rows
-    train["eval"]["accuracy"] = 0.5
-    assert ("beats_baseline", "beats the baseline", "yes") in summary_rows(train, None)
+    better = dataclasses.replace(train, eval={"loss": 2.25, "accuracy": 0.5})
+    assert ("beats_baseline", "beats the baseline", "yes") in summary_rows(better, None)
 
 
 def test_summary_and_report_of_a_run_whose_int8_model_the_gate_refused(tmp_path):
@@ -260,12 +261,11 @@ def test_summary_and_report_of_a_run_whose_int8_model_the_gate_refused(tmp_path)
     for name in ("model.onnx", "model.int8.onnx"):
         (results / "export" / name).write_bytes(b"onnx")
     latency = {"b1_p50": 0.02, "b1_p95": 0.03, "b64_p50": 0.04, "b64_p95": 0.05}
-    export = {"quantize": "dynamic", "warnings": [],
-              "fp32": {"loss": 0.2, "accuracy": 0.95, "latency_ms": latency, "size_bytes": 4000},
-              "int8": {"loss": 0.3, "accuracy": 0.9143, "latency_ms": latency, "size_bytes": 1000},
-              "gate": {"metric": "accuracy", "drop": 3.57, "unit": "points", "max_accuracy_drop": 1.0,
-                       "outcome": "refused"}}
-    (results / "export" / "metrics.json").write_text(json.dumps(export))
+    export = export_metrics({"loss": 0.2, "accuracy": 0.95, "latency_ms": latency, "size_bytes": 4000},
+                            {"loss": 0.3, "accuracy": 0.9143, "latency_ms": latency, "size_bytes": 1000},
+                            {"metric": "accuracy", "drop": 3.57, "unit": "points", "max_accuracy_drop": 1.0,
+                             "outcome": "refused"})
+    write_export_metrics(results / "export" / "metrics.json", export)
     lines = run_summary(results, **files_of(results)).splitlines()
     assert lines[1:4] == [f"  model     {results}/export/model.onnx",
                           "  accuracy  95.00%, int8 91.43%, int8 speed-up 1.00x at batch 64",
@@ -273,12 +273,12 @@ def test_summary_and_report_of_a_run_whose_int8_model_the_gate_refused(tmp_path)
                           "deploy the fp32 model"]
     assert ("gate", "int8", "refused by the gate, -3.57 points (export.max_accuracy_drop: 1)") in summary_rows(None, export)
     # A perplexity's drop is a relative increase; a gate that passed is not mentioned.
-    export["gate"] = {"metric": "perplexity", "drop": 12.5, "unit": "%", "max_accuracy_drop": 5.0, "outcome": "refused"}
-    (results / "export" / "metrics.json").write_text(json.dumps(export))
+    gate = Gate("perplexity", 12.5, "%", 5.0, "refused")
+    write_export_metrics(results / "export" / "metrics.json", dataclasses.replace(export, gate=gate))
     assert "  int8      refused by the gate, +12.5% perplexity (export.max_accuracy_drop: 5): deploy the fp32 model" \
         in run_summary(results, **files_of(results)).splitlines()
-    export["gate"]["outcome"] = "passed"
-    (results / "export" / "metrics.json").write_text(json.dumps(export))
+    passed = dataclasses.replace(export, gate=dataclasses.replace(gate, outcome="passed"))
+    write_export_metrics(results / "export" / "metrics.json", passed)
     shown = run_summary(results, **files_of(results))
     assert "refused" not in shown and f"(int8: {results}/export/model.int8.onnx)" in shown
 

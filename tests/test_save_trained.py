@@ -20,6 +20,7 @@ import onnxruntime
 import pytest
 import torch
 
+from conftest import merged_meta
 from ortflow import config as config_mod
 from ortflow.checkpoints.ort_format import read_ort_checkpoint, write_ort_checkpoint
 from ortflow.data.shards import ShardReader
@@ -45,7 +46,7 @@ def exported(work: Path, data: dict, model: dict) -> Path:
         state.parameters[name] = (array + 0.05 * rng.standard_normal(array.shape)).astype(array.dtype)
     (work / "checkpoint").mkdir()
     write_ort_checkpoint(work / "checkpoint/checkpoint", state)
-    (work / "checkpoint/meta.json").write_text(json.dumps({"step": 7, "identity_digest": "0"}))
+    merged_meta(work / "checkpoint", 7, "0")
     export_model.export(config, work / "artifacts", work / "checkpoint", work / "data/eval", work / "export/model.onnx")
     return work / "export"
 

@@ -146,7 +146,7 @@ def test_shards_written_on_two_nodes_form_one_checkpoint(two_node_run):
     folder = workdir / TRAIN_DIR / "checkpoints" / "step-00000030"
     # read_checkpoint checks every shard against the manifest (sizes, digests, step).
     read = reader.read_checkpoint(folder)
-    assert read.manifest["world_size"] == 4
+    assert read.manifest.world_size == 4
     assert sorted(p.name for p in folder.glob("shard-*")) == [f"shard-0000{r}-of-00004.h5" for r in range(4)]
     assert json.loads((workdir / TRAIN_DIR / "metrics.json").read_text())["steps"] == 30
 

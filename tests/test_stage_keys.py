@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, train_summary
 from ortflow import config as config_mod
 from ortflow.errors import ConfigError
 from ortflow.stages import declared_keys
@@ -128,7 +128,7 @@ def test_the_training_plots_read_only_their_rules_keys(tmp_path):
     from ortflow.reporting.plots import plot_training
 
     train = [{"step": step, "loss": 1 / step, "lr": 0.001, "samples_per_s": 100.0} for step in (10, 20)]
-    metrics = {"history": {"train": train, "eval": [{"step": 20, "loss": 0.4, "accuracy": 0.9}]},
-               "samples_per_s": 100.0, "global_batch_size": 64, "step_time_p50_s": 0.6, "step_time_p95_s": 0.7}
+    metrics = train_summary(history={"train": train, "eval": [{"step": 20, "loss": 0.4, "accuracy": 0.9}]},
+                            samples_per_s=100.0, global_batch_size=64, step_time_p50_s=0.6, step_time_p95_s=0.7)
     plot_training(metrics, only(config_mod.load(), "plot_training"), tmp_path)
     assert sorted(path.name for path in tmp_path.iterdir()) == ["learning_rate.png", "loss.png", "throughput.png"]

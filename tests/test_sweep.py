@@ -12,11 +12,13 @@ import pytest
 import yaml
 
 from chromium import Chromium
-from conftest import run_snakemake
+from conftest import export_metrics, run_snakemake, train_summary
 from ortflow import config as ortflow_config
 from ortflow.sweeps import comparison as sweep_comparison, points as sweep
 from ortflow.errors import ConfigError
+from ortflow.quantization.export_metrics import write_export_metrics
 from ortflow.training.run_folder import TrainFolder
+from ortflow.training.run_summary import write_run_summary
 
 
 def validated(config: dict) -> ortflow_config.Config:
@@ -113,10 +115,10 @@ def fake_point(folder: Path, losses: list[float], exported: bool, baseline: dict
     `trained` of its 4.40M parameters trained), and the exported model."""
     history = {"train": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)],
                "eval": [{"step": 10 * (i + 1), "loss": loss} for i, loss in enumerate(losses)]}
-    metrics = {"steps": 10 * len(losses), "eval": {"loss": losses[-1]}, "wall_time_s": 1.5, "samples_per_s": 100.0,
-               "history": history, "baseline": baseline, "parameters": 4_400_000, "trainable_parameters": trained}
+    metrics = train_summary(steps=10 * len(losses), eval={"loss": losses[-1]}, wall_time_s=1.5, samples_per_s=100.0,
+                            history=history, baseline=baseline, parameters=4_400_000, trainable_parameters=trained)
     TrainFolder(folder / "train").folder.mkdir(parents=True)
-    TrainFolder(folder / "train").metrics.write_text(json.dumps(metrics))
+    write_run_summary(TrainFolder(folder / "train").metrics, metrics)
     if exported:
         (folder / "export").mkdir()
         (folder / "export" / "model.onnx").write_bytes(folder.name.encode())
@@ -159,8 +161,8 @@ def test_the_comparison_says_which_attempt_a_resumed_point_timed_and_which_int8_
     resumed = TrainFolder(folder / "lr-0.1" / "train").metrics
     resumed.write_text(json.dumps({**json.loads(resumed.read_text()), "steps_this_attempt": 5}))
     gate = {"metric": "loss", "drop": 36.0, "unit": "%", "max_accuracy_drop": 1.0, "outcome": "refused"}
-    (folder / "lr-0.01" / "export" / "metrics.json").write_text(json.dumps(
-        {"fp32": {"loss": 0.5, "size_bytes": 4000}, "int8": {"loss": 0.68, "size_bytes": 1000}, "gate": gate}))
+    write_export_metrics(folder / "lr-0.01" / "export" / "metrics.json", export_metrics(
+        {"loss": 0.5, "size_bytes": 4000}, {"loss": 0.68, "size_bytes": 1000}, gate))
     best = sweep_comparison.compare(config)
     rows = {row["point"]: row for row in comparison(folder)}
     assert (rows["lr-0.1"]["steps"], rows["lr-0.01"]["steps"]) == ("20 (5 in the last attempt)", "20")

@@ -35,6 +35,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ..user_files import NotRegular, open_regular
+from .layout import Listed, Manifest, ShardEntry
 from .ort_format import CheckpointError, TrainingState
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -44,33 +45,29 @@ FLOAT_KINDS = ("float16", "float32", "float64", "bfloat16")
 MOMENTS = {"adamw": {"momentum0", "momentum1"}, "sgd": {"momentum0"}, "lamb": {"momentum0", "momentum1"}}
 
 
-def check_manifest(manifest, where: Path, expected_files: list[str], history: str) -> list[dict]:
-    """The manifest's shard entries, checked: file names, sizes, checksums, slices;
-    and its entry of the history file, if it has one, named `history`."""
-    shards = manifest.get("shards")
-    if not (_is_count(manifest.get("step")) and isinstance(manifest.get("checkpoint_id"), str)):
-        raise CheckpointError(f"{where}: needs step (a count) and checkpoint_id (a string)")
-    if not isinstance(shards, list) or len(shards) != len(expected_files):
+def check_manifest(manifest: Manifest, where: Path, expected_files: list[str], history: str) -> tuple[ShardEntry, ...]:
+    """The manifest's shard entries (their fields' types checked by manifest.read_manifest), checked:
+    file names, sizes, checksums, slices; and its entry of the history file, if it has one, named `history`."""
+    if manifest.step < 0:
+        raise CheckpointError(f"{where}: step {manifest.step} is not a count of steps")
+    if len(manifest.shards) != len(expected_files):
         raise CheckpointError(f"{where}: 'shards' must list {len(expected_files)} shards (its world_size)")
-    for entry, expected in zip(shards, expected_files):
+    for entry, expected in zip(manifest.shards, expected_files):
         check_listed(entry, expected, where, "shard file", "a shard")
-        slices = entry.get("parameters")
-        if not (isinstance(slices, dict) and all(isinstance(r, list) and len(r) == 2 and all(map(_is_count, r))
-                                                 and r[0] <= r[1] for r in slices.values())):
+        if not all(isinstance(r, list) and len(r) == 2 and all(map(_is_count, r)) and r[0] <= r[1]
+                   for r in entry.parameters.values()):
             raise CheckpointError(f"{where}: the entry of {expected} needs parameters ({{name: [start, stop]}})")
-    if manifest.get("history") is not None:
-        check_listed(manifest["history"], history, where, "history file", "the history")
-    return shards
+    if manifest.history is not None:
+        check_listed(manifest.history, history, where, "history file", "the history")
+    return manifest.shards
 
 
-def check_listed(entry, expected: str, where: Path, kind: str, named: str) -> None:
+def check_listed(entry: Listed, expected: str, where: Path, kind: str, named: str) -> None:
     """An entry of a file the manifest lists: its plain file name `expected`, its size and sha256."""
-    name = entry.get("file") if isinstance(entry, dict) else entry
-    if name != expected:
-        raise CheckpointError(f"{where}: {kind} {name!r} is not allowed; {named} is named by its plain file "
+    if entry.file != expected:
+        raise CheckpointError(f"{where}: {kind} {entry.file!r} is not allowed; {named} is named by its plain file "
                               f"name in the checkpoint folder ({expected!r} here)")
-    if not (_is_count(entry.get("bytes")) and isinstance(entry.get("sha256"), str)
-            and SHA256.fullmatch(entry["sha256"])):
+    if not (_is_count(entry.bytes) and SHA256.fullmatch(entry.sha256)):
         raise CheckpointError(f"{where}: the entry of {expected} needs bytes (a count) and sha256 (64 hex digits)")
 
 

@@ -52,13 +52,41 @@ FORMAT = "ortflow-checkpoint-shard/1"
 MAX_SHARDS = 99999  # shard names have five digits
 
 
+@dataclass(frozen=True)
+class Listed:
+    """A file the manifest lists, by its plain name in the folder, with its size and sha256."""
+
+    file: str
+    bytes: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class ShardEntry(Listed):
+    parameters: dict  # {name: [start, stop]}: the flat slice of each parameter the shard holds
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """manifest.json (read and written by manifest.py, every field checked as it is read)."""
+
+    checkpoint_id: str  # "<step>-<uuid>", in every shard's attributes too
+    step: int  # optimizer steps done
+    world_size: int  # its number of shards
+    identity: dict  # the training identity (config.training_identity)
+    identity_digest: str
+    properties: dict  # ONNX Runtime's property bag (step, lr, samples_seen)
+    shards: tuple[ShardEntry, ...]
+    history: Listed | None = None  # the metrics logged up to the step; none in checkpoints saved before
+
+
 @dataclass
 class Checkpoint:
     """A verified checkpoint folder: its manifest, the training state of all its shards
     and the metrics logged up to its step (None if it has none)."""
 
     path: Path
-    manifest: dict
+    manifest: Manifest
     state: TrainingState = field(repr=False)
     history: dict | None = field(default=None, repr=False)
 
@@ -105,12 +133,6 @@ def shard_attrs(checkpoint_id: str, step: int, rank: int, world_size: int, ident
                  version: int) -> dict:
     return {"format": FORMAT, "checkpoint_id": checkpoint_id, "step": step, "rank": rank, "world_size": world_size,
             "identity": identity, "identity_digest": identity_digest, "ort_checkpoint_version": version}
-
-
-def new_manifest(checkpoint_id: str, step: int, world_size: int, identity: dict, identity_digest: str,
-              properties: dict, shards: list[dict]) -> dict:
-    return {"checkpoint_id": checkpoint_id, "step": step, "world_size": world_size, "identity": identity,
-            "identity_digest": identity_digest, "properties": properties, "shards": shards}
 
 
 def write_json(path: Path, obj: dict) -> None:

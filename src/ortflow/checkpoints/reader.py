@@ -12,12 +12,13 @@ import numpy as np
 
 from ..artifacts import Artifacts
 from . import checks
-from .layout import COMPLETE, HISTORY, MANIFEST, MAX_SHARDS, Checkpoint, shard_name
+from .layout import COMPLETE, HISTORY, MANIFEST, MAX_SHARDS, Checkpoint, Manifest, ShardEntry, shard_name
+from .manifest import read_manifest
 from .ort_format import CheckpointError, TrainingState, read_ort_checkpoint
 from .verify import open_verified, refuse_changed_shard
 
 
-def read_shard(file, entry: dict | None = None, where=None) -> tuple[dict, TrainingState]:
+def read_shard(file, entry: ShardEntry | None = None, where=None) -> tuple[dict, TrainingState]:
     """(attrs, part) of one shard (a path or an open file); `part.slices` says where its
     flat arrays belong. Each dataset is checked before it is read, against the manifest's
     `entry` of the shard if given (checkpoint_checks)."""
@@ -34,18 +35,18 @@ def read_shard(file, entry: dict | None = None, where=None) -> tuple[dict, Train
         raise CheckpointError(f"shard {where}: not a readable ortflow checkpoint shard ({error})") from None
 
 
-def _shard_contents(f, entry: dict | None, where, size: int) -> tuple[dict, TrainingState]:
+def _shard_contents(f, entry: ShardEntry | None, where, size: int) -> tuple[dict, TrainingState]:
     import h5py
 
     def length(name: str) -> int | None:
-        return None if entry is None else entry["parameters"][name][1] - entry["parameters"][name][0]
+        return None if entry is None else entry.parameters[name][1] - entry.parameters[name][0]
 
     attrs = {k: (v.item() if isinstance(v, np.generic) else v) for k, v in f.attrs.items()}
     attrs["identity"] = json.loads(attrs["identity"])
     names = [unquote(key) for key in f["parameters"]]
-    if entry is not None and sorted(names) != sorted(entry["parameters"]):
+    if entry is not None and sorted(names) != sorted(entry.parameters):
         raise CheckpointError(f"shard {where} holds parameters {sorted(names)}; its {MANIFEST} entry lists "
-                              f"{sorted(entry['parameters'])}")
+                              f"{sorted(entry.parameters)}")
     parameters, requires_grad, slices = {}, {}, {}
     for key, name in zip(f["parameters"], names):
         dataset = checks.check_dataset(f["parameters"], key, where, size, length(name))
@@ -103,12 +104,12 @@ def assemble(parts: list[TrainingState], where: Path) -> TrainingState:
 
 def digest_of(folder: Path) -> str | None:
     try:
-        return read_manifest(folder / MANIFEST)["identity_digest"]
-    except (CheckpointError, KeyError, TypeError):
+        return read_manifest(folder / MANIFEST).identity_digest
+    except CheckpointError:
         return None
 
 
-def manifest_of(path: Path) -> dict:
+def manifest_of(path: Path) -> Manifest:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path}: not a folder")
@@ -118,61 +119,48 @@ def manifest_of(path: Path) -> dict:
     return read_manifest(path / MANIFEST)
 
 
-def read_manifest(file: Path) -> dict:
-    """manifest.json, a regular file (a link to /dev/zero would be read forever) holding a JSON object."""
-    with checks.open_listed(file, "manifest", "every checkpoint folder has one") as handle:
-        data = handle.read()
-    try:
-        manifest = json.loads(data)
-    except (ValueError, RecursionError) as error:
-        raise CheckpointError(f"{file}: not readable as JSON ({error}): the file is damaged") from None
-    if not isinstance(manifest, dict):
-        raise CheckpointError(f"{file}: not a JSON object: the file is damaged")
-    return manifest
-
-
 def read_checkpoint(path: Path, model: Path | None = None) -> Checkpoint:
     """Every shard of the checkpoint folder `path`, checked against its manifest (and
     against the parameters of `model`, an artifacts folder or its initial `checkpoint`
     file, if given) before anything large is read, merged. See checkpoint_checks."""
     path = Path(path)
     manifest = manifest_of(path)
-    world_size = manifest.get("world_size") if isinstance(manifest, dict) else None
-    if not (isinstance(world_size, int) and 1 <= world_size <= MAX_SHARDS):
-        raise CheckpointError(f"{path / MANIFEST}: world_size {world_size!r} is not a shard count (1..{MAX_SHARDS})")
-    names = [shard_name(rank, world_size) for rank in range(world_size)]
+    if not 1 <= manifest.world_size <= MAX_SHARDS:
+        raise CheckpointError(f"{path / MANIFEST}: world_size {manifest.world_size!r} is not a shard count "
+                              f"(1..{MAX_SHARDS})")
+    names = [shard_name(rank, manifest.world_size) for rank in range(manifest.world_size)]
     entries = checks.check_manifest(manifest, path / MANIFEST, names, HISTORY)
     for stray in sorted(path.glob("shard-*.h5")):
         if stray.name not in names:
             raise CheckpointError(f"shard {stray}: not part of this checkpoint (its {MANIFEST} lists "
-                                  f"{manifest['world_size']} shards of step {manifest['step']}): shards of two "
+                                  f"{manifest.world_size} shards of step {manifest.step}): shards of two "
                                   "checkpoints are mixed")
-    parts = [_checked_shard(path / entry["file"], entry, manifest) for entry in entries]
+    parts = [_checked_shard(path / entry.file, entry, manifest) for entry in entries]
     history = _checked_history(path, manifest)
     checks.check_parts(parts, names, path)
     if model is not None:
         model = Artifacts(model).checkpoint if Path(model).is_dir() else Path(model)
-        optimizer = (manifest.get("identity") or {}).get("optimizer", {}).get("name")
+        optimizer = manifest.identity.get("optimizer", {}).get("name")
         checks.check_against_model(parts, read_ort_checkpoint(model), optimizer, path, model)
     return Checkpoint(path, manifest, assemble(parts, path), history)
 
 
-def _checked_shard(file: Path, entry: dict, manifest: dict) -> TrainingState:
+def _checked_shard(file: Path, entry: ShardEntry, manifest: Manifest) -> TrainingState:
     """One shard, verified against its manifest `entry`, then its datasets."""
     def refuse(handle, damaged: str) -> None:
         refuse_changed_shard(handle, file, manifest, damaged)
 
-    with open_verified(file, entry, "shard", f"{MANIFEST} lists {manifest['world_size']} shards", refuse) as handle:
+    with open_verified(file, entry, "shard", f"{MANIFEST} lists {manifest.world_size} shards", refuse) as handle:
         return read_shard(handle, entry, file)[1]
 
 
-def _checked_history(path: Path, manifest: dict) -> dict | None:
+def _checked_history(path: Path, manifest: Manifest) -> dict | None:
     """The metrics logged up to the checkpoint `path`, verified like a shard
     against the manifest's entry of them (None if it has none)."""
-    entry = manifest.get("history")
+    entry = manifest.history
     if entry is None:
         return None
-    file = path / entry["file"]
+    file = path / entry.file
 
     def refuse(handle, damaged: str) -> None:
         raise CheckpointError(damaged)

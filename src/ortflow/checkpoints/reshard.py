@@ -4,11 +4,13 @@ for tools that want the other layout."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
 from .. import atomic
-from .layout import COMPLETE, MANIFEST, new_manifest, partition, shard_attrs, write_json
+from .layout import COMPLETE, MANIFEST, partition, shard_attrs
+from .manifest import write_manifest
 from .reader import read_checkpoint
 from .resume import checkpoint_folder
 from .writer import write_history, write_shard
@@ -26,16 +28,14 @@ def reshard(source: Path, out_dir: Path, world_size: int, model: Path | None = N
     with atomic.folder(out_dir) as tmp:
         entries = []
         for rank, ranges in enumerate(partition(state, world_size)):
-            attrs = shard_attrs(manifest["checkpoint_id"], manifest["step"], rank, world_size,
-                                 manifest["identity"], manifest["identity_digest"], state.version)
+            attrs = shard_attrs(manifest.checkpoint_id, manifest.step, rank, world_size,
+                                 manifest.identity, manifest.identity_digest, state.version)
             entries.append(write_shard(tmp, state.part(ranges), attrs))
-        resharded = new_manifest(manifest["checkpoint_id"], manifest["step"], world_size, manifest["identity"],
-                                 manifest["identity_digest"], manifest["properties"], entries)
         # The metrics logged up to this step: a run resumed from the copy still reports all of them.
-        if checkpoint.history is not None:
-            resharded["history"] = write_history(tmp, checkpoint.history)
-        write_json(tmp / MANIFEST, resharded)
+        history = write_history(tmp, checkpoint.history) if checkpoint.history is not None else None
+        write_manifest(tmp / MANIFEST, dataclasses.replace(manifest, world_size=world_size, shards=tuple(entries),
+                                                           history=history))
         atomic.write_bytes(tmp / COMPLETE, b"")
-    log.info("resharded %s (%d shards) -> %s (%d shards)", checkpoint.path, manifest["world_size"], out_dir,
+    log.info("resharded %s (%d shards) -> %s (%d shards)", checkpoint.path, manifest.world_size, out_dir,
              world_size)
     return out_dir

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .ort_format import CheckpointError, TrainingState
-from .layout import COMPLETE, MANIFEST, Checkpoint
+from .layout import COMPLETE, MANIFEST, Checkpoint, Manifest
 from .reader import digest_of, manifest_of, read_checkpoint
 
 log = logging.getLogger("ortflow.checkpoint")
@@ -18,7 +18,7 @@ log = logging.getLogger("ortflow.checkpoint")
 class Resume:
     path: Path  # the checkpoint folder
     step: int
-    meta: dict  # its manifest
+    meta: Manifest
     checkpoint: Checkpoint | None = field(default=None, repr=False)  # its shards, once read and checked
 
 
@@ -41,10 +41,10 @@ def find_resume(root: Path, identity: dict, identity_digest: str, resume_from: s
     intact one of this identity at or before `steps`; damaged ones are skipped with a warning."""
     if resume_from:
         manifest = manifest_of(Path(resume_from))
-        if manifest["identity_digest"] != identity_digest:
+        if manifest.identity_digest != identity_digest:
             raise CheckpointError(
                 f"train.resume_from: checkpoint {resume_from} belongs to another training identity; differs: "
-                + ", ".join(_differences(manifest["identity"], identity))
+                + ", ".join(_differences(manifest.identity, identity))
             )
         resume = _resume_at(Path(resume_from), identity, identity_digest, steps, model)
         if isinstance(resume, str):
@@ -67,11 +67,11 @@ def _resume_at(path: Path, identity: dict, identity_digest: str, steps: int, mod
     """The checkpoint `path`, every file checked, or why it does not belong to this training.
     Raises CheckpointError if it is incomplete or damaged."""
     manifest = manifest_of(path)
-    if manifest["identity_digest"] != identity_digest:
-        return f"another training identity ({', '.join(_differences(manifest['identity'], identity))})"
-    if manifest["step"] > steps:
-        return f"step {manifest['step']} is beyond train.steps {steps}"
-    return Resume(path, manifest["step"], manifest, read_checkpoint(path, model))
+    if manifest.identity_digest != identity_digest:
+        return f"another training identity ({', '.join(_differences(manifest.identity, identity))})"
+    if manifest.step > steps:
+        return f"step {manifest.step} is beyond train.steps {steps}"
+    return Resume(path, manifest.step, manifest, read_checkpoint(path, model))
 
 
 def _differences(old: dict, new: dict, prefix: str = "") -> list[str]:
@@ -90,7 +90,7 @@ def latest(root: Path, identity_digest: str | None = None) -> Resume:
     for path in sorted(Path(root).glob("step-*"), reverse=True):
         if (path / COMPLETE).exists() and identity_digest in (None, digest_of(path)):
             manifest = manifest_of(path)
-            return Resume(path, manifest["step"], manifest)
+            return Resume(path, manifest.step, manifest)
     of = f" of training identity {identity_digest}" if identity_digest else ""
     raise CheckpointError(f"no complete checkpoint{of} under {root}")
 

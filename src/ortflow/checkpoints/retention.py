@@ -18,7 +18,7 @@ def prune(root: Path, identity_digest: str, keep: int) -> None:
     ours = [p for p in folders if (p / COMPLETE).exists() and digest_of(p) == identity_digest]
     kept = ours[-keep:]
     best_record = best_of(root, identity_digest)
-    best = Path(root) / best_record["checkpoint"] if best_record else None
+    best = Path(root) / best_record.checkpoint if best_record else None
     for folder in folders:
         incomplete = not (folder / COMPLETE).exists()
         if (folder in ours and folder not in kept and folder != best) or (incomplete and kept and folder < kept[0]):

@@ -20,15 +20,15 @@ def inspect(source: Path, model: Path | None = None) -> str:
     checkpoint = read_checkpoint(folder, model)
     manifest, state = checkpoint.manifest, checkpoint.state
     where: dict[str, list[str]] = {}
-    for entry in manifest["shards"]:
-        for name in entry["parameters"]:
-            where.setdefault(name, []).append(entry["file"])
+    for entry in manifest.shards:
+        for name in entry.parameters:
+            where.setdefault(name, []).append(entry.file)
     rows = [(name, "x".join(map(str, state.parameters[name].shape)) or "scalar", str(state.parameters[name].dtype),
              "yes" if state.requires_grad[name] else "frozen", ", ".join(sorted(state.optimizer_states.get(name, {}))),
              ", ".join(where[name])) for name in sorted(state.parameters)]
-    shards = [(e["file"], e["bytes"], e["sha256"][:16], len(e["parameters"])) for e in manifest["shards"]]
+    shards = [(e.file, e.bytes, e.sha256[:16], len(e.parameters)) for e in manifest.shards]
     return "\n".join([
-        f"checkpoint {checkpoint.path}: step {manifest['step']}, {manifest['world_size']} shards (checksums verified)",
+        f"checkpoint {checkpoint.path}: step {manifest.step}, {manifest.world_size} shards (checksums verified)",
         "checked: shards named in manifest.json as plain files of the folder, regular files (no links) of the "
         "listed sizes; their sha256; every dataset a flat float array stored in its shard, of the listed length; "
         "each parameter's shape covered exactly by its shards",
@@ -36,7 +36,7 @@ def inspect(source: Path, model: Path | None = None) -> str:
         if model else "not checked against a model (no artifacts beside the checkpoints; give --artifacts)",
         f"history {HISTORY}: {len(checkpoint.history['train'])} train and {len(checkpoint.history['eval'])} eval "
         "entries, checked like the shards" if checkpoint.history else "no history (the metrics logged up to this step)",
-        f"training identity {manifest['identity_digest']}",
+        f"training identity {manifest.identity_digest}",
         f"optimizer {json.dumps(state.optimizer, sort_keys=True)}",
         f"properties {json.dumps(state.properties, sort_keys=True)}",
         "",

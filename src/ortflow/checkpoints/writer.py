@@ -16,7 +16,8 @@ import numpy as np
 
 from .. import atomic, storage
 from . import checks
-from .layout import COMPLETE, HISTORY, MANIFEST, new_manifest, shard_attrs, shard_name, step_dir, write_json
+from .layout import COMPLETE, HISTORY, MANIFEST, Listed, Manifest, ShardEntry, shard_attrs, shard_name, step_dir
+from .manifest import write_manifest
 from .ort_format import TrainingState
 from .reader import digest_of
 from .retention import prune
@@ -73,21 +74,21 @@ def _synced_digest(path: Path) -> tuple[int, str]:
     return size, digest
 
 
-def write_shard(folder: Path, state: TrainingState, attrs: dict) -> dict:
+def write_shard(folder: Path, state: TrainingState, attrs: dict) -> ShardEntry:
     """Write one shard into `folder` (under its temporary name, renamed into place once
     it is on disk and hashed: atomic.file); its manifest entry."""
     name = shard_name(attrs["rank"], attrs["world_size"])
     with atomic.file(folder / name) as tmp:
         size, digest = write_hdf5(tmp, state, attrs)
-    return {"file": name, "bytes": size, "sha256": digest,
-            "parameters": {n: [start, start + state.parameters[n].size] for n, (_, start) in state.slices.items()}}
+    return ShardEntry(name, size, digest,
+                      {n: [start, start + state.parameters[n].size] for n, (_, start) in state.slices.items()})
 
 
-def write_history(folder: Path, history: dict) -> dict:
+def write_history(folder: Path, history: dict) -> Listed:
     """Write the metrics logged so far into `folder`; their manifest entry."""
     data = (json.dumps(history, allow_nan=False) + "\n").encode()
     atomic.write_bytes(folder / HISTORY, data)
-    return {"file": HISTORY, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return Listed(HISTORY, len(data), hashlib.sha256(data).hexdigest())
 
 
 def save(root: Path, step: int, part: TrainingState, comm, identity: dict, identity_digest: str, properties: dict,
@@ -110,11 +111,9 @@ def save(root: Path, step: int, part: TrainingState, comm, identity: dict, ident
     attrs = shard_attrs(checkpoint_id, step, comm.rank, comm.world_size, identity, identity_digest, part.version)
     entries = comm.allgather(write_shard(final, part, attrs))
     if comm.rank == 0:
-        manifest = new_manifest(checkpoint_id, step, comm.world_size, identity, identity_digest, part.properties,
-                                entries)
-        if history is not None:
-            manifest["history"] = write_history(final, history)
-        write_json(final / MANIFEST, manifest)
+        listed = write_history(final, history) if history is not None else None
+        write_manifest(final / MANIFEST, Manifest(checkpoint_id, step, comm.world_size, identity, identity_digest,
+                                                  part.properties, tuple(entries), listed))
         atomic.write_bytes(final / COMPLETE, b"")
         prune(root, identity_digest, keep)
     return final

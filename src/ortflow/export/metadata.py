@@ -16,22 +16,22 @@ import json
 from pathlib import Path
 
 from .. import atomic
-from ..checkpoints.best import chosen
+from ..checkpoints.meta import Merged
 from ..data.manifest import Manifest
 from ..data.shards import TOKENIZER
 from ..errors import DataError
 
 
-def properties(run: str, meta: dict, manifest: Manifest) -> dict:
+def properties(run: str, meta: Merged, manifest: Manifest) -> dict:
     """The model's metadata properties: where it came from (run `run`, the merged checkpoint's
     `meta`) and what its outputs and inputs mean (the eval split's `manifest`)."""
     from .. import __version__
 
     props = {
         "ortflow.run": run,
-        "ortflow.step": meta["step"],
-        "ortflow.checkpoint": chosen(meta),
-        "ortflow.identity_digest": meta["identity_digest"],
+        "ortflow.step": meta.step,
+        "ortflow.checkpoint": meta.chosen.shown(),
+        "ortflow.identity_digest": meta.identity_digest,
         "ortflow.version": __version__,
     }
     return props | data_properties(manifest)

@@ -7,11 +7,12 @@ from pathlib import Path
 
 from .. import atomic
 from ..config import Config
+from ..training.run_summary import RunSummary
 
 PLOTS = ("loss", "learning_rate", "throughput")
 
 
-def plot_training(metrics: dict, config: Config, out_dir: Path) -> None:
+def plot_training(metrics: RunSummary, config: Config, out_dir: Path) -> None:
     """loss.png (train and eval loss, eval quality), learning_rate.png (the
     whole schedule and the logged rates), throughput.png (samples/s and step time)."""
     import matplotlib
@@ -21,7 +22,7 @@ def plot_training(metrics: dict, config: Config, out_dir: Path) -> None:
 
     from ..training.schedule import learning_rate
 
-    train, evals = metrics["history"]["train"], metrics["history"]["eval"]
+    train, evals = metrics.history["train"], metrics.history["eval"]
     steps = [row["step"] for row in train]
 
     figure, (loss_axes, quality_axes) = plt.subplots(1, 2, figsize=(10, 4))
@@ -49,15 +50,15 @@ def plot_training(metrics: dict, config: Config, out_dir: Path) -> None:
     figure, (rate_axes, time_axes) = plt.subplots(1, 2, figsize=(10, 4))
     rates = [row["samples_per_s"] for row in train]
     rate_axes.plot(steps, rates, marker=".", label="logged step")
-    if metrics["samples_per_s"] is not None:  # None: the last attempt ran no step
-        rate_axes.axhline(metrics["samples_per_s"], color="C2", linestyle="--", label="steady state (run)")
+    if metrics.samples_per_s is not None:  # None: the last attempt ran no step
+        rate_axes.axhline(metrics.samples_per_s, color="C2", linestyle="--", label="steady state (run)")
     rate_axes.set(xlabel="optimizer step", ylabel="samples/s", title="Throughput")
     rate_axes.legend()
-    time_axes.plot(steps, [1000 * metrics["global_batch_size"] / rate for rate in rates], marker=".",
+    time_axes.plot(steps, [1000 * metrics.global_batch_size / rate for rate in rates], marker=".",
                    label="logged step")
     for key, style in (("step_time_p50_s", "--"), ("step_time_p95_s", ":")):
-        if metrics[key] is not None:
-            time_axes.axhline(1000 * metrics[key], color="C3", linestyle=style, label=key[10:13] + " (run)")
+        if getattr(metrics, key) is not None:
+            time_axes.axhline(1000 * getattr(metrics, key), color="C3", linestyle=style, label=key[10:13] + " (run)")
     time_axes.set(xlabel="optimizer step", ylabel="ms", title="Step time")
     time_axes.legend()
     save(figure, out_dir / "throughput.png")

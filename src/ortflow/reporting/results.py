@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 
 from ..data import baseline
+from ..quantization.export_metrics import ExportMetrics, Int4, read_export_metrics
+from ..training.run_summary import RunSummary, read_run_summary
 
 
 def fmt(value: float, kind: str) -> str:
@@ -44,6 +46,16 @@ def read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def read_train(path: Path) -> RunSummary | None:
+    """train/metrics.json (training/run_summary.py), None before the run trained."""
+    return read_run_summary(path) if Path(path).is_file() else None
+
+
+def read_export(path: Path) -> ExportMetrics | None:
+    """export/metrics.json (quantization/export_metrics.py), None before quantize_model ran."""
+    return read_export_metrics(path) if Path(path).is_file() else None
+
+
 def quality(results: dict) -> tuple[str, str]:
     """(name, shown value) of the quality measure of an eval: accuracy, perplexity or loss."""
     if "perplexity" in results:
@@ -53,10 +65,10 @@ def quality(results: dict) -> tuple[str, str]:
     return "loss", fmt(results["loss"], "float")
 
 
-def baseline_shown(train: dict | None) -> str | None:
+def baseline_shown(train: RunSummary | None) -> str | None:
     """The shown baseline of a run (train/metrics.json's `baseline`, data/baseline.py), beside its
     measures: `mse 7042.1008, R^2 -0.0024 (predicting the train split's mean)`."""
-    measures = (train or {}).get("baseline")
+    measures = train.baseline if train else None
     if not measures:
         return None
     shown = {"accuracy": ("accuracy", "percent"), "loss": ("mse", "float"), "r2": ("R^2", "float"),
@@ -65,30 +77,30 @@ def baseline_shown(train: dict | None) -> str | None:
     return f"{', '.join(parts)} (predicting {measures['of']})"
 
 
-def not_beaten(train: dict | None) -> str | None:
+def not_beaten(train: RunSummary | None) -> str | None:
     """What a run's summary warns of when its last evaluation does not beat the baseline."""
-    return baseline.not_beaten(train["eval"], train.get("baseline")) if train else None
+    return baseline.not_beaten(train.eval, train.baseline) if train else None
 
 
-def refusal(export: dict | None) -> str | None:
+def refusal(export: ExportMetrics | Int4 | None) -> str | None:
     """`refused by the gate, -3.6 points (export.max_accuracy_drop: 1)` when the quality gate
     refused the int8 model (export/metrics.json), or given its int4 entry the int4 folder, else None."""
-    gate = (export or {}).get("gate")
-    if not gate or gate.get("outcome") != "refused":  # before the outcome was kept, a refusal failed the stage
+    gate = export.gate if export else None
+    if not gate or gate.outcome != "refused":  # before the outcome was kept, a refusal failed the stage
         return None
-    change = f"{-gate['drop']:+.3g} points" if gate["unit"] == "points" else f"{gate['drop']:+.3g}% {gate['metric']}"
-    return f"refused by the gate, {change} (export.max_accuracy_drop: {gate['max_accuracy_drop']:g})"
+    change = f"{-gate.drop:+.3g} points" if gate.unit == "points" else f"{gate.drop:+.3g}% {gate.metric}"
+    return f"refused by the gate, {change} (export.max_accuracy_drop: {gate.max_accuracy_drop:g})"
 
 
-def speedup(export: dict) -> float | None:
+def speedup(export: ExportMetrics) -> float | None:
     """How many times faster int8 runs than fp32 at the larger batch timed (median latency):
     64 records, or fewer where they would not fit (quantization/measure.py's latency_batches)."""
-    if "int8" not in export:
+    if export.int8 is None:
         return None
     key = f"b{large_batch(export)}_p50"
-    return export["fp32"]["latency_ms"][key] / export["int8"]["latency_ms"][key]
+    return export.fp32["latency_ms"][key] / export.int8["latency_ms"][key]
 
 
-def large_batch(export: dict) -> int:
+def large_batch(export: ExportMetrics) -> int:
     """The larger batch the latencies were timed at (their keys: b1_p50, b64_p50, ...)."""
-    return max(int(key[1:].split("_")[0]) for key in export["fp32"]["latency_ms"])
+    return max(int(key[1:].split("_")[0]) for key in export.fp32["latency_ms"])

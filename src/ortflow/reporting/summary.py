@@ -8,14 +8,15 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from ..artifacts import Artifacts
-from ..checkpoints.best import chosen
+from ..checkpoints.meta import META, read_merged
 from ..export.ecosystem import MODEL as OPTIMUM_MODEL
 from ..export.ecosystem import OPTIMUM
 from ..generation import GENAI_CONFIG, GENERATION, SAMPLES
 from ..graphs.description import ModelDescription, read_description
+from ..quantization.export_metrics import Int4
 from ..wording import plural
-from .results import (baseline_shown, fmt, large_batch, lora_trained, not_beaten, quality, read_json, refusal,
-                      speedup)
+from .results import (baseline_shown, fmt, large_batch, lora_trained, not_beaten, quality, read_export, read_json,
+                      read_train, refusal, speedup)
 
 
 def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
@@ -30,7 +31,7 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     folder) tells whether the model's output follows its logits (a final Softmax), and what a
     `kind: transformers` model was fine-tuned from."""
     results, model, int8 = Path(results), Path(model), Path(int8)
-    train, export = read_json(Path(train_metrics)), read_json(Path(export_metrics))
+    train, export = read_train(train_metrics), read_export(export_metrics)
     model_json = Artifacts(artifacts).model_json if artifacts else None
     # None where the targets stopped before build_artifacts (the doctor alone).
     description = read_description(model_json) if model_json and model_json.is_file() else None
@@ -41,38 +42,37 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
         lines.append(f"  output    {outputs.inference!r} follows the logits {outputs.logits!r} (a final Softmax "
                      "or LogSoftmax, kept in the exported model); the loss is computed on the logits")
     # An int8 model the gate refused, or no smaller than the fp32 one, is not offered (the lines below say why).
-    offered = (bool(export) and "int8" in export and not refusal(export)
-               and export["int8"]["size_bytes"] < export["fp32"]["size_bytes"])
+    offered = (export is not None and export.int8 is not None and not refusal(export)
+               and export.int8["size_bytes"] < export.fp32["size_bytes"])
     lines += exported_lines(model, int8 if int8.is_file() and offered else None)
     if export:
-        name, shown = quality(export["fp32"])
+        name, shown = quality(export.fp32)
         line = f"  {name:<9} {shown}"
-        if "int8" in export:
-            line += (f", int8 {quality(export['int8'])[1]}, int8 speed-up {fmt(speedup(export), 'ratio')} "
+        if export.int8 is not None:
+            line += (f", int8 {quality(export.int8)[1]}, int8 speed-up {fmt(speedup(export), 'ratio')} "
                      f"at batch {large_batch(export)}")
         lines.append(line)
         if refusal(export):
             lines.append(f"  int8      {refusal(export)}: deploy the fp32 model")
-        if "int4" in export:
-            lines.append(int4_line(export["int4"], model.parent / f"{GENERATION}-int4"))
+        if export.int4 is not None:
+            lines.append(int4_line(export.int4, model.parent / f"{GENERATION}-int4"))
     elif train:
-        name, shown = quality(train["eval"])
-        lines.append(f"  {name:<9} {shown} (eval at step {train['steps']})")
+        name, shown = quality(train.eval)
+        lines.append(f"  {name:<9} {shown} (eval at step {train.steps})")
     if baseline_shown(train):
         lines.append(f"  baseline  {baseline_shown(train)}")
     if train:
-        this_attempt = train.get("steps_this_attempt", train["steps"])
-        lines.append(f"  training  {train['steps']} steps ({this_attempt} in this attempt) in "
-                     f"{fmt(train['wall_time_s'], 'seconds')}, {fmt(train['samples_per_s'], 'rate')} samples/s "
-                     f"on {plural(len(train['peak_rss_mb']), 'rank')}")
-        if train.get("stopped_early"):
-            best = train["best"]
-            lines.append(f"  stopped   early after step {train['steps']}: eval {best['metric']} had not improved "
-                         f"since step {best['step']}")
-    merged = read_json(Path(checkpoint) / "meta.json")
-    if merged:
-        lines.append(f"  exported  the checkpoint of step {merged['step']}, the {chosen(merged)}")
-    lines += [f"  warning   {warning}" for warning in [not_beaten(train), *(export or {}).get("warnings", [])]
+        this_attempt = train.steps if train.steps_this_attempt is None else train.steps_this_attempt
+        lines.append(f"  training  {train.steps} steps ({this_attempt} in this attempt) in "
+                     f"{fmt(train.wall_time_s, 'seconds')}, {fmt(train.samples_per_s, 'rate')} samples/s "
+                     f"on {plural(len(train.peak_rss_mb), 'rank')}")
+        if train.stopped_early:
+            lines.append(f"  stopped   early after step {train.steps}: eval {train.best.metric} had not improved "
+                         f"since step {train.best.step}")
+    if (Path(checkpoint) / META).is_file():
+        merged = read_merged(checkpoint)
+        lines.append(f"  exported  the checkpoint of step {merged.step}, the {merged.chosen.shown()}")
+    lines += [f"  warning   {warning}" for warning in [not_beaten(train), *(export.warnings if export else ())]
               if warning]
     if len(lines) == 1:
         lines.append("  nothing trained yet")
@@ -103,12 +103,12 @@ def exported_lines(model: Path, int8: Path | None) -> list[str]:
     return lines
 
 
-def int4_line(int4: dict, folder: Path) -> str:
+def int4_line(int4: Int4, folder: Path) -> str:
     """export.int4's folder with what metrics.json's int4 entry says of it against fp32: the weights'
     size, perplexity and the gate's outcome (a refused folder is named, as deploying it is a choice)."""
     outcome = f"{refusal(int4)}: deploy the fp32 folder" if refusal(int4) else "passed the gate"
-    return (f"  int4      {folder}: weights {fmt(int4['weight_ratio'], 'ratio')} fp32's, perplexity "
-            f"{fmt(int4['int4']['perplexity'], 'float')} (fp32 {fmt(int4['fp32']['perplexity'], 'float')}), "
+    return (f"  int4      {folder}: weights {fmt(int4.weight_ratio, 'ratio')} fp32's, perplexity "
+            f"{fmt(int4.int4['perplexity'], 'float')} (fp32 {fmt(int4.fp32['perplexity'], 'float')}), "
             f"{outcome}")
 
 

@@ -13,7 +13,10 @@ from pathlib import Path
 from .. import atomic
 from ..config import Config, as_dict
 from ..graphs.description import ModelDescription, read_description
-from .results import baseline_shown, count, fmt, large_batch, not_beaten, quality, read_json, refusal, speedup
+from ..quantization.export_metrics import ExportMetrics
+from ..training.run_summary import RunSummary
+from .results import (baseline_shown, count, fmt, large_batch, not_beaten, quality, read_export, read_json,
+                      read_train, refusal, speedup)
 
 TABLES = ("summary", "samples", "quantization", "stages", "profile", "config")
 # The stages in pipeline order, as the rules and their benchmark files are named.
@@ -41,31 +44,31 @@ def table(header: list[str], rows: list[tuple]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
-def summary_rows(train: dict | None, export: dict | None, description: ModelDescription | None = None) -> list[tuple]:
+def summary_rows(train: RunSummary | None, export: ExportMetrics | None, description: ModelDescription | None = None) -> list[tuple]:
     """The run at a glance: quality, baseline, training; from build_artifacts' model.json
     (`description`), the parameters trained of all, and with LoRA its adapters."""
     rows = []
     if export:
-        name, shown = quality(export["fp32"])
+        name, shown = quality(export.fp32)
         rows.append(("fp32", f"{name} (fp32, eval split)", shown))
-        if "int8" in export:
-            rows.append(("int8", f"{name} (int8, {export['quantize']})", quality(export["int8"])[1]))
+        if export.int8 is not None:
+            rows.append(("int8", f"{name} (int8, {export.quantize})", quality(export.int8)[1]))
             rows.append(("speedup", f"int8 speed-up (batch {large_batch(export)}, 1 thread)",
                          fmt(speedup(export), "ratio")))
         if refusal(export):
             rows.append(("gate", "int8", refusal(export)))
     elif train:
-        name, shown = quality(train["eval"])
+        name, shown = quality(train.eval)
         rows.append(("eval", f"{name} (eval at the last step)", shown))
     if baseline_shown(train):
         rows.append(("baseline", "baseline (eval split)", baseline_shown(train)))
         rows.append(("beats_baseline", "beats the baseline", "no" if not_beaten(train) else "yes"))
     if train:
         rows += [
-            ("steps", "optimizer steps", str(train["steps"])),
-            ("wall_time_s", "training time", fmt(train["wall_time_s"], "seconds")),
-            ("samples_per_s", "samples/s (steady state)", fmt(train["samples_per_s"], "rate")),
-            ("ranks", "ranks", str(len(train["peak_rss_mb"]))),
+            ("steps", "optimizer steps", str(train.steps)),
+            ("wall_time_s", "training time", fmt(train.wall_time_s, "seconds")),
+            ("samples_per_s", "samples/s (steady state)", fmt(train.samples_per_s, "rate")),
+            ("ranks", "ranks", str(len(train.peak_rss_mb))),
         ]
     if description:
         trained, total = description.trainable_parameters, description.parameters
@@ -81,12 +84,12 @@ def summary_rows(train: dict | None, export: dict | None, description: ModelDesc
 SCORES = ("precision", "recall", "f1")
 
 
-def class_rows(train: dict | None) -> list[tuple]:
+def class_rows(train: RunSummary | None) -> list[tuple]:
     """Each class of a classifier (by its name: a label of strings' own, else its id)
     with its eval records, accuracy, precision, recall and F1 (n/a in metrics of runs
     from before they were recorded), from the last evaluation of train/metrics.json;
     then, for BIO tags, the entities' scores (seqeval's), as a row `entities`."""
-    evaluation = (train or {}).get("eval", {})
+    evaluation = train.eval if train else {}
     rows = [(name, name, str(entry["count"]), fmt(entry["accuracy"], "percent"),
              *(fmt(entry.get(score), "float") for score in SCORES))
             for name, entry in evaluation.get("per_class", {}).items()]
@@ -97,16 +100,15 @@ def class_rows(train: dict | None) -> list[tuple]:
     return rows
 
 
-def quantization_rows(export: dict) -> list[tuple]:
-    models = [m for m in ("fp32", "int8") if m in export]
+def quantization_rows(export: ExportMetrics) -> list[tuple]:
+    models = [entry for entry in (export.fp32, export.int8) if entry is not None]
     measures = [("loss", "loss", "float")]
     measures += [(k, k, "percent" if k == "accuracy" else "float")
-                 for k in ("accuracy", "perplexity") if k in export["fp32"]]
-    rows = [(k, label, *(fmt(export[m][k], kind) for m in models)) for k, label, kind in measures]
-    rows.append(("size_bytes", "size", *(fmt(export[m]["size_bytes"] / 1e6, "mb") for m in models)))
-    rows += [(f"latency_ms.{k}", f"latency {k.replace('_', ' ')}", *(fmt(export[m]["latency_ms"][k], "ms")
-                                                                    for m in models))
-             for k in export["fp32"]["latency_ms"]]
+                 for k in ("accuracy", "perplexity") if k in export.fp32]
+    rows = [(k, label, *(fmt(m[k], kind) for m in models)) for k, label, kind in measures]
+    rows.append(("size_bytes", "size", *(fmt(m["size_bytes"] / 1e6, "mb") for m in models)))
+    rows += [(f"latency_ms.{k}", f"latency {k.replace('_', ' ')}", *(fmt(m["latency_ms"][k], "ms") for m in models))
+             for k in export.fp32["latency_ms"]]
     return rows
 
 
@@ -164,7 +166,7 @@ def write_tables(config: Config, train_metrics: Path, export_metrics: Path, benc
                  samples: Path | None = None) -> None:
     import yaml
 
-    train, export = read_json(train_metrics), read_json(export_metrics)
+    train, export = read_train(train_metrics), read_export(export_metrics)
     description = read_description(model_json) if model_json and Path(model_json).is_file() else None
     classes = class_rows(train)
     per_class = ("<h3>Per class (eval split, last evaluation)</h3>"

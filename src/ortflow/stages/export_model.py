@@ -30,7 +30,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -38,9 +37,9 @@ import numpy as np
 
 from .. import atomic, external_data
 from ..artifacts import Artifacts
+from ..checkpoints.meta import read_merged
 from ..config import Config
 from ..data import standardize
-from ..errors import MissingInputError
 from ..export import checks, formats, metadata
 from ..export.ecosystem import write_optimum
 from ..export.writer import write_inference_model
@@ -63,10 +62,7 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
     quiet_logging()
     files = Artifacts(artifacts)
     info = read_description(files.model_json)
-    meta_path = checkpoint_dir / "meta.json"
-    if not meta_path.is_file():
-        raise MissingInputError(f"{meta_path}: no merged checkpoint (run the merge_checkpoint rule first)")
-    meta = json.loads(meta_path.read_text())
+    meta = read_merged(checkpoint_dir)
 
     reader = ShardReader(eval_dir, raw=True)
     props = metadata.properties(config.run.name, meta, reader.manifest)
@@ -95,7 +91,7 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
         del trained, adapted  # the starting weights' module is built next: the weights held once more at most
         write_samples(config.export.samples, out.parent, reader, positions,
                       lambda: formats.trained_torch_module(config, info, reader.manifest, files.folder))
-    log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta["step"], config.run.name, out,
+    log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta.step, config.run.name, out,
              external_data.model_bytes(out), [i.name for i in info.inputs], inference_output(info))
     return props
 

@@ -25,24 +25,24 @@ Outputs are written to temporary names and renamed when complete.
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import tempfile
 from pathlib import Path
 
-from .. import atomic, external_data
+from .. import external_data
 from ..artifacts import Artifacts
 from ..config import Config
 from ..graphs.description import read_description
 from ..quantization import gate, int4_measure, measure, quantizer
+from ..quantization.export_metrics import ExportMetrics, Gate, Int4, write_export_metrics
 from ..sessions import quiet_logging
 
 log = logging.getLogger("ortflow.quantize")
 
 
 def quantize(config: Config, model: Path, artifacts: Path, eval_dir: Path, int8: Path, metrics: Path,
-             generation: Path, int4: Path) -> dict:
+             generation: Path, int4: Path) -> ExportMetrics:
     """Quantize `model` into `int8` (unless export.quantize is none), with export.int4 the `generation`
     folder into `int4`, and write the report to `metrics`."""
     import onnx
@@ -59,9 +59,7 @@ def quantize(config: Config, model: Path, artifacts: Path, eval_dir: Path, int8:
         log.info("export.quantize is none: removed %s from an earlier run", int8)
     reader = ShardReader(eval_dir, raw=True)  # the exported model standardizes raw features itself
     batch_size = config.train.eval_batch_size
-    report: dict = {"quantize": how, "per_channel": export_cfg.per_channel, "threads": 1, "warnings": []}
-    if how == "static":
-        report["calibration_batches"] = export_cfg.calibration_batches
+    warnings, gated, int4_entry = [], None, None
 
     metrics.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=metrics.parent, prefix=".quantize-") as scratch:
@@ -70,26 +68,29 @@ def quantize(config: Config, model: Path, artifacts: Path, eval_dir: Path, int8:
             paths["int8"] = Path(scratch) / "model.int8.onnx"
             quantizer.write(model, paths["int8"], int8, how, export_cfg, reader, batch_size)
         timings = measure.latencies(paths, reader, measure.latency_batches(info, len(paths)))
-        for name, path in paths.items():
-            report[name] = {**measure.evaluate(path, reader, info, batch_size), "latency_ms": timings[name],
-                            "size_bytes": external_data.model_bytes(path)}
+        measured = {name: {**measure.evaluate(path, reader, info, batch_size), "latency_ms": timings[name],
+                           "size_bytes": external_data.model_bytes(path)} for name, path in paths.items()}
         log.info("fp32 %s int8 (%s%s):\n%s", "without" if how == "none" else "versus", how,
-                 ", per channel" if export_cfg.per_channel else "", measure.table(report))
+                 ", per channel" if export_cfg.per_channel else "", measure.table(measured))
         if how != "none":
-            report["gate"] = gate.gate(report, export_cfg, model, len(reader), gate.remedies(export_cfg, how, reader))
+            gated = gate.gate(measured, export_cfg, model, len(reader), gate.remedies(export_cfg, how, reader))
             external_data.replace(paths["int8"], int8)
-            report["int8"]["size_bytes"] = external_data.model_bytes(int8)
+            measured["int8"]["size_bytes"] = external_data.model_bytes(int8)
             # Snakemake wants the int8 file; metrics.json and the end-of-run summary say when not to use it.
-            warning = gate.size_warning(report, model)
+            warning = gate.size_warning(measured, model)
             if warning:
                 log.warning(warning)
-                report["warnings"].append(warning)
+                warnings.append(warning)
         if export_cfg.int4 is not None:
-            report["int4"] = int4_measure.write_int4(export_cfg, generation, int4, reader, Path(scratch))
+            entry = int4_measure.write_int4(export_cfg, generation, int4, reader, Path(scratch))
+            int4_entry = Int4(**{**entry, "gate": Gate(**entry["gate"])})
         elif int4.exists():  # as with export.quantize: none, no folder left from an earlier run
             shutil.rmtree(int4)
             log.info("export.int4 is null: removed %s from an earlier run", int4)
-        atomic.write_text(metrics, json.dumps(report, indent=2) + "\n")
+        report = ExportMetrics(how, export_cfg.per_channel, 1, fp32=measured["fp32"], int8=measured.get("int8"),
+                               gate=gated and Gate(**gated), int4=int4_entry, warnings=tuple(warnings),
+                               calibration_batches=export_cfg.calibration_batches if how == "static" else None)
+        write_export_metrics(metrics, report)
     return report
 
 

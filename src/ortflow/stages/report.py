@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..errors import MissingInputError
 from ..reporting.plots import plot_training
-from ..reporting.results import read_json
 from ..reporting.tables import write_tables
+from ..training.run_summary import read_run_summary
 
 # The config keys each subcommand reads, which its rule passes (stages/__init__.py): what it plots
 # or shows.
@@ -41,10 +40,7 @@ def run(args) -> int:
 
     config = load_config(args)
     if args.action == "plots":
-        metrics = read_json(args.metrics)
-        if metrics is None:
-            raise MissingInputError(f"{args.metrics}: no training metrics (run the train stage first)")
-        plot_training(metrics, config, args.out)
+        plot_training(read_run_summary(args.metrics), config, args.out)
     else:
         write_tables(config, args.train_metrics, args.export_metrics, args.benchmarks, args.profile, args.out,
                      args.model_json, args.samples)

@@ -32,10 +32,10 @@ def point_row(point: Point, sweep: Sweep, failed_stage: str | None = None) -> di
     """A point's line of the comparison, from its train/metrics.json and export/metrics.json.
     Its status: `finished` (exported), `trained` (its export not run yet), `failed: <stage>`
     (`failed_stage`: ranked by its training metric when training finished), `not run`."""
-    from ..reporting.results import count, read_json, refusal  # numpy and ONNX behind them: not for every Snakefile
+    from ..reporting.results import count, read_export, read_train, refusal  # numpy, ONNX: not for every Snakefile
 
     run = results(point.config)
-    train = read_json(TrainFolder(run / "train").metrics)
+    train = read_train(TrainFolder(run / "train").metrics)
     # `repeat_of`: the point that a repeat over run.seed is of (`lr-0.01` of `lr-0.01_seed-1235`).
     row = {"point": point.name, "repeat_of": point_name({k: v for k, v in point.values.items() if k != "run.seed"}),
            **point.values}
@@ -43,22 +43,22 @@ def point_row(point: Point, sweep: Sweep, failed_stage: str | None = None) -> di
     if train is None:
         return {**row, "status": failed or "not run"}
     key = EVAL_KEYS[sweep.metric]
-    evals = [e for e in train["history"]["eval"] if e.get(key) is not None]
+    evals = [e for e in train.history["eval"] if e.get(key) is not None]
     pick = max if goal(sweep) == "max" else min
     best = pick(evals, key=lambda e: e[key]) if evals else None
-    export = read_json(run / EXPORT_METRICS) or {}
-    int8 = export.get("int8") or {}
+    export = read_export(run / EXPORT_METRICS)
+    fp32, int8 = (export.fp32, export.int8 or {}) if export else ({}, {})
     # Only a `finished` point, exported without a failed stage, can be the sweep's model.
     status = failed or ("finished" if (run / EXPORTED_MODEL).is_file() else "trained")
     return {**row, "status": status, "best": best[key] if best else None, "best_step": best["step"] if best else None,
-            "last": train["eval"].get(key), "steps": train["steps"], "wall_time_s": train["wall_time_s"],
-            "samples_per_s": train["samples_per_s"], "steps_this_attempt": train.get("steps_this_attempt"),
+            "last": train.eval.get(key), "steps": train.steps, "wall_time_s": train.wall_time_s,
+            "samples_per_s": train.samples_per_s, "steps_this_attempt": train.steps_this_attempt,
             # Parameters trained of all: a LoRA point trains its adapters alone (runs before this had no counts).
-            "trained": f"{count(train['trainable_parameters'])} of {count(train['parameters'])}"
-            if "parameters" in train else None,
-            "fp32_mb": megabytes(export.get("fp32", {}).get("size_bytes")), "int8_mb": megabytes(int8.get("size_bytes")),
+            "trained": f"{count(train.trainable_parameters)} of {count(train.parameters)}"
+            if train.parameters is not None else None,
+            "fp32_mb": megabytes(fp32.get("size_bytes")), "int8_mb": megabytes(int8.get("size_bytes")),
             "int8_metric": refusal(export) or int8.get(key), "int8_refused": refusal(export) is not None,
-            **beside_baseline(best, key, train.get("baseline")), "history": train["history"]}
+            **beside_baseline(best, key, train.baseline), "history": train.history}
 
 
 def beside_baseline(best: dict | None, key: str, measures: dict | None) -> dict:

@@ -9,7 +9,7 @@ from ..checkpoints import best, layout, resume, writer
 from ..checkpoints.ort_format import TrainingState
 from ..digests import digest
 from .gradients import on_host, parameters
-from .metrics import strict
+from .run_summary import strict
 from .schedule import is_time
 
 

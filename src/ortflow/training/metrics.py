@@ -3,7 +3,6 @@ and the summary in metrics.json. Only rank 0 writes; every rank measures."""
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import resource
@@ -13,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .. import atomic
+from .run_summary import RunSummary, write_run_summary
 from .schedule import is_time
 
 log = logging.getLogger("ortflow.train")
@@ -104,29 +103,17 @@ class Metrics:
             "step_time_p50_s": p50,
             "step_time_p95_s": p95,
             "flops_per_s": samples_per_s * flops_per_sample,
-            "peak_rss_mb": peak_rss_per_rank,
+            "peak_rss_mb": tuple(peak_rss_per_rank),
             "global_batch_size": self.global_batch,
             "wall_time_s": time.perf_counter() - self.started,
             "history": self.history,
         }
 
-    def write(self, path: Path, summary: dict) -> None:
-        if not self.enabled:
-            return
-        atomic.write_text(path, json.dumps(strict(summary), indent=2, allow_nan=False) + "\n")
+    def write(self, path: Path, summary: RunSummary) -> None:
+        if self.enabled:
+            write_run_summary(path, summary)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
 
-
-def strict(value):
-    """`value` with every NaN or infinity replaced by None (null): strict JSON, which
-    every JSON reader accepts (an attempt that ran no step has no throughput)."""
-    if isinstance(value, dict):
-        return {k: strict(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [strict(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value

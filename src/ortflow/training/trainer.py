@@ -60,6 +60,7 @@ from .gradients import parameters, parameters_on_host
 from .optimizer import Optimizer
 from .pipeline_schedule import Grid, StageRunner, place
 from .metrics import Metrics, peak_rss_mb
+from .run_summary import BestEval, RunSummary
 from .run_folder import TrainFolder
 from .schedule import is_time, learning_rate
 from .stop import StopRequest, Stopped
@@ -128,7 +129,7 @@ class Trainer:
         self.decay = weight_decay.for_run(self.state, self.trainable, self.info, self.train_cfg.optimizer,
                                           self.comm.xp)
 
-    def run(self) -> dict:
+    def run(self) -> RunSummary:
         """Train from the start step (0, or the checkpoint's) to train.steps, or until
         train.early_stopping's patience runs out; then metrics.json."""
         done = self.start_step
@@ -237,16 +238,17 @@ class Trainer:
         """What the engine adds to metrics.json (PipelinedTrainer: its stages' waits)."""
         return {}
 
-    def finish(self, done: int) -> dict:
+    def finish(self, done: int) -> RunSummary:
         """The evaluation of the whole eval split after step `done` (unless the last one was
         that: a run resumed at its end, or stopped early, still reports its quality) and metrics.json."""
         if self.whole_eval_at != done:
             self.evaluate(done, whole=True)
         flops_per_sample = self.info.flops_per_sample.forward + self.info.flops_per_sample.backward
-        summary = self.metrics.summary(done, flops_per_sample, self.last_eval, self.comm.allgather(peak_rss_mb()))
-        summary.update(best=self.best.describe(), stopped_early=done < self.steps, baseline=self.baseline,
-                       parameters=self.info.parameters, trainable_parameters=self.info.trainable_parameters,
-                       **self.engine_summary())
+        summary = RunSummary(**self.metrics.summary(done, flops_per_sample, self.last_eval,
+                                                    self.comm.allgather(peak_rss_mb())),
+                             best=BestEval(**self.best.describe()), stopped_early=done < self.steps,
+                             baseline=self.baseline, parameters=self.info.parameters,
+                             trainable_parameters=self.info.trainable_parameters, **self.engine_summary())
         behind = baseline_mod.not_beaten(self.last_eval, self.baseline)
         if behind and self.comm.rank == 0:
             log.warning("%s", behind)
@@ -322,7 +324,7 @@ class PipelinedTrainer(Trainer):
             log.info("pipeline stages: ranks waited on other stages %s of their steps (1F1B's bubble at %s "
                      "and %s: %.0f%%)", ", ".join(f"{share:.0%}" for share in waited), plural(stages, "stage"),
                      plural(micro_batches, "micro-batch"), 100 * bubble)
-        return {"pipeline_waited_share": waited, "pipeline_bubble": bubble}
+        return {"pipeline_waited_share": tuple(waited), "pipeline_bubble": bubble}
 
     def batch_split(self) -> str:
         copies = self.runner.grid.copies_count
