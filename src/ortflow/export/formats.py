@@ -32,9 +32,10 @@ log = logging.getLogger("ortflow.export")
 
 
 def trained_torch_module(config: Config, info: ModelDescription, manifest: Manifest, checkpoint_dir: Path):
-    """The torch module of a `kind: torch` or `transformers` model, built as build_artifacts built
+    """The torch module of a `kind: torch`, `transformers` or `gpt` model (the one built in whose
+    generation folder comes from torch: generation/run_export.py), built as build_artifacts built
     it (with model.lora's adapters), with the merged checkpoint's weights; None for other kinds."""
-    if config.model.kind not in ("torch", "transformers"):
+    if config.model.kind not in ("torch", "transformers", "gpt"):
         return None
     with save_trained.quietly():
         module = torch_module(config.model, manifest, info.loss, config.run.seed)

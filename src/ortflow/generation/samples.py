@@ -23,6 +23,7 @@ import numpy as np
 from .. import atomic
 from ..data.tokenizer import ATTENTION_MASK, INPUT_IDS
 from ..models import IGNORE_INDEX
+from ..models.gpt import GPT, as_gpt2
 from ..models.hugging_face import TEXT_WINDOWS
 from . import GENERATION, SAMPLES, TOKENIZER
 from .check import transformers_greedy
@@ -77,7 +78,8 @@ def write_samples(count: int, export: Path, reader, positions: int | None,
     """export/samples.json of the first `count` records of the eval split (`reader`, raw features)
     where export/generation/ exists (else an earlier run's file is removed); `positions`: the model's
     (None: the records' length, as run_export takes it); `start_module()` builds the ortflow module
-    of the starting weights (its transformers model: `.model`), only when there are prompts."""
+    of the starting weights (its transformers model: `.model`; the built-in gpt: the GPT-2 it
+    equals), only when there are prompts."""
     path, folder = Path(export) / SAMPLES, Path(export) / GENERATION
     if not folder.is_dir():
         path.unlink(missing_ok=True)
@@ -85,7 +87,8 @@ def write_samples(count: int, export: Path, reader, positions: int | None,
     written = {"max_new_tokens": 0, "greedy": True, "samples": []}  # export.samples: 0
     if count:
         batch = reader.gather(np.arange(min(count, len(reader))))
-        written = samples(start_module().model, folder, eval_prompts(batch, reader.label_name, count),
+        start = start_module()
+        written = samples(as_gpt2(start) if isinstance(start, GPT) else start.model, folder, eval_prompts(batch, reader.label_name, count),
                           positions or batch[reader.label_name].shape[1])
     atomic.write_text(path, json.dumps(written, indent=1, ensure_ascii=False) + "\n")
     log.info("%s: %d eval prompts with greedy generation (at most %d new tokens) of the starting weights "
