@@ -411,3 +411,55 @@ def test_built_in_gpt_samples_and_cli(gpt_run, capsys):
                "--threads", "1"]
     assert cli.main(command) == 0
     assert capsys.readouterr().out == bytes(tokens[0]).decode(errors="replace") + "\n"
+
+
+def test_built_in_gpt_int4_scores_what_the_gpt_scores(gpt_run, tmp_path, monkeypatch):
+    """export.int4 on the gpt run's folder (quantize_model's step): its 8 block MatMuls and the tied
+    head quantized, weights under 0.2x fp32's bytes, and the fp32 side's perplexity the built-in
+    gpt's own on the same eval windows (its cross-entropy at every position but the last)."""
+    from test_int4 import export_settings
+
+    from ortflow.quantization import int4_measure
+
+    monkeypatch.setattr(int4_measure, "SPEED_ROUNDS", 1)
+    export, gpt, _, reader = gpt_run
+    entry = int4_measure.write_int4(export_settings(), export / "generation", tmp_path / "generation-int4", reader,
+                                    tmp_path / "scratch")
+    assert entry["weights_quantized"] == 9 and entry["weight_ratio"] < 0.2
+    batch = reader.gather(np.arange(entry["records"]))
+    with torch.no_grad():
+        logits = gpt(torch.from_numpy(batch["x"]))[:, :, :-1]
+        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(batch["y"][:, :-1]))
+    assert entry["fp32"]["perplexity"] == pytest.approx(float(loss.exp()), rel=1e-4)
+    assert np.isfinite(entry["int4"]["perplexity"])
+
+
+def test_built_in_gpt_with_data_tokenizer_generates_its_tokens(tmp_path):
+    """A gpt on data.tokenizer's ids (a byte-level BPE with <|endoftext|> after each document): its
+    generation folder holds that tokenizer, whose end-of-text id ends a generation; `ortflow
+    generate`'s prompt is encoded as the data were, and the decoder's greedy tokens are the built-in
+    model's full-sequence re-run up to that id."""
+    from test_save_trained import exported
+    from text_models import pydoc_text, train_bpe
+
+    from ortflow import config as config_mod
+    from ortflow.graphs.forward_model import torch_module
+    from ortflow.models.save_trained import load_trained
+
+    trained = train_bpe(tmp_path / "tokenizer.json")
+    (tmp_path / "corpus.txt").write_text(pydoc_text()[:20_000])
+    data = {"source": "text", "text_path": str(tmp_path / "corpus.txt"), "context": 32,
+            "tokenizer": str(tmp_path / "tokenizer.json")}
+    model = {"kind": "gpt", "layers": 1, "heads": 2, "width": 16}
+    folder = exported(tmp_path, data, model) / "generation"
+    eos = trained.token_to_id("<|endoftext|>")
+    assert json.loads((folder / "genai_config.json").read_text())["model"]["eos_token_id"] == eos
+    assert json.loads((folder / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+    prompt = Tokenizer.from_file(str(folder / "tokenizer.json")).encode("The for statement").ids
+    assert prompt == trained.encode("The for statement").ids
+    config = config_mod.load(overrides={"run": {"name": "x"}, "data": {"shards": 1, **data}, "model": model})
+    gpt = torch_module(config.model, ShardReader(tmp_path / "data/eval").manifest, "cross_entropy", config.run.seed)
+    load_trained(gpt, tmp_path / "checkpoint")
+    expected, _ = rerun_greedy(gpt.eval(), [prompt], 16)
+    ended = expected[0][:expected[0].index(eos) + 1] if eos in expected[0] else expected[0]
+    assert generate(Decoder(folder, threads=1), [prompt], 16) == [ended]
