@@ -105,4 +105,6 @@ def built_in_gpt2(gpt, windows: np.ndarray, export: Path, tokenizer: dict | None
         raise ModelError(f"model.kind gpt as transformers' GPT-2 (for {GENERATION}/): its logits on the eval records "
                          f"differ from the built-in model's by {difference:.3g} (largest |logit| {scale:.3g}); the "
                          "installed transformers' GPT-2 no longer computes the built-in gpt's function")
+    log.info("model.kind gpt as transformers' GPT2LMHeadModel: its logits on %d eval records within %.3g of the "
+             "built-in model's largest", len(windows), difference / scale if scale else difference)
     return model, source
