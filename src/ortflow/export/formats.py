@@ -50,7 +50,8 @@ def write_torch_formats(config: Config, module, info: ModelDescription, manifest
     """Into `folder`, the trained model in its own framework's format (models/save_trained.py):
     `transformers/` for kind transformers, `model.safetensors` for kind torch, each read back as
     its users read it and its output on `batch` (standardized features) checked against the exported
-    model's (`output`); an earlier run's of another kind removed."""
+    model's (`output`; kind gpt's module itself, which its generation folder comes from); an earlier
+    run's of another kind removed."""
     import shutil
 
     kind = config.model.kind
@@ -70,6 +71,10 @@ def write_torch_formats(config: Config, module, info: ModelDescription, manifest
             loaded = save_trained.from_pretrained(module, tmp)
             check_torch_outputs(f"{target} through {type(loaded.model).__name__}.from_pretrained", loaded, manifest,
                                 batch, output)
+    elif kind == "gpt":
+        # No file of its own: its generation folder is made from this module (generation/run_export.py),
+        # so that the module holds the checkpoint's weights is checked here, against the exported model.
+        check_torch_outputs("the built-in gpt with the merged checkpoint's weights", module, manifest, batch, output)
     elif kind == "torch":
         target = folder / save_trained.STATE_DICT
         with atomic.file(target) as tmp:

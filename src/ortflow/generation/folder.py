@@ -57,7 +57,7 @@ def write_folder(model, tokenizer_source, folder: Path,
         model.generation_config.save_pretrained(building)
         copy_tokenizer(tokenizer_source, building)
         atomic.write_text(building / GENAI_CONFIG, json.dumps(genai_config(model, layout), indent=4) + "\n")
-        agreement = check_generation(model, Decoder(building), check) if check else None
+        agreement = check_generation(model, Decoder(building, prepacked=False), check) if check else None
     return layout, agreement
 
 

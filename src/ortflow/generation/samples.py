@@ -58,7 +58,7 @@ def samples(start_model, folder: Path, prompts: list[tuple[list[int], list[int]]
     torch causal LM of the starting weights) and of the generation `folder`'s decoder."""
     from tokenizers import Tokenizer
 
-    decoder = Decoder(folder)
+    decoder = Decoder(folder, prepacked=False)
     tokenizer = Tokenizer.from_file(str(folder / TOKENIZER))
     new_tokens = max(1, min(NEW_TOKENS, positions - max(len(prompt) for prompt, _ in prompts)))
     before, _ = transformers_greedy(start_model, decoder, [prompt for prompt, _ in prompts], new_tokens)

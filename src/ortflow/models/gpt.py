@@ -92,7 +92,10 @@ def as_gpt2(gpt: GPT, eos_token_id: int | None = None):
                         n_head=first.attn.heads, n_inner=first.mlp[0].out_features, activation_function="gelu",
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=first.ln1.eps,
                         bos_token_id=eos_token_id, eos_token_id=eos_token_id, tie_word_embeddings=tied)
-    model = GPT2LMHeadModel(config)
+    # Built on the meta device and given gpt's own tensors (assign): the GPT-2 shares gpt's memory
+    # rather than holding the weights twice more (its random initialisation, then a copy).
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
     weights = {"transformer.wte.weight": gpt.tokens.weight, "transformer.wpe.weight": gpt.positions.weight,
                "transformer.ln_f.weight": gpt.ln_f.weight, "transformer.ln_f.bias": gpt.ln_f.bias,
                "lm_head.weight": gpt.head.weight}
@@ -103,7 +106,8 @@ def as_gpt2(gpt: GPT, eos_token_id: int | None = None):
             linear = isinstance(layer, nn.Linear)
             weights[f"transformer.h.{i}.{name}.weight"] = layer.weight.t() if linear else layer.weight
             weights[f"transformer.h.{i}.{name}.bias"] = layer.bias
-    with torch.no_grad():
-        model.load_state_dict({name: tensor.detach().clone() for name, tensor in weights.items()}, strict=True)
+    model.load_state_dict({name: tensor.detach() for name, tensor in weights.items()}, strict=True, assign=True)
+    if tied:  # assign replaced the head's Parameter: the two names are one tensor again, as in gpt
+        model.tie_weights()
     model.generation_config.eos_token_id = model.generation_config.bos_token_id = eos_token_id
     return model.eval()
