@@ -227,10 +227,11 @@ def test_build_artifacts_and_export_model_hold_the_weights_about_once(tmp_path):
     initial weights as the merged checkpoint, writes them one tensor at a time and each check
     holds them once: 1.82 W measured, the reference evaluator's activations included (before,
     ONNX Runtime's export_model_for_inferencing held 3 W and each check session 2 W). Then the
-    gpt's generation folder (issue 41): its torch module is built with the checkpoint's weights
-    (2 W while they load into it, on the 1.4 W the checks leave held), exported (the module and
-    its decoder graph), checked in a session that does not prepack, and built again from the
-    starting weights for the samples: 3.9 W measured at that last build."""
+    gpt's generation folder (issue 41): its torch module, built on the meta device, takes the
+    checkpoint's arrays (1 W, on the 0.7 W the checks leave held), is exported as a decoder graph
+    and checked against it in a session that does not prepack (the module and the session: 2 W),
+    then built again from the starting weights for the samples: 3.0 W measured, at the decoder's
+    export and check (3.9 W when the module was built with random weights and loaded by copying)."""
     import shutil
     import sys
 
@@ -257,5 +258,5 @@ def test_build_artifacts_and_export_model_hold_the_weights_about_once(tmp_path):
         shutil.copy(tmp_path / "artifacts" / name, tmp_path / "merged" / name)
     (tmp_path / "merged" / "meta.json").write_text(json.dumps({"step": 0, "identity_digest": "0" * 64}))
     exported = held("export")
-    assert exported < 4.5 * weight_bytes, f"export_model held {exported / weight_bytes:.2f} times the weights"
+    assert exported < 3.5 * weight_bytes, f"export_model held {exported / weight_bytes:.2f} times the weights"
     assert (tmp_path / "export" / "model.onnx.data").stat().st_size == weight_bytes

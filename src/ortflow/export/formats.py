@@ -37,8 +37,14 @@ def trained_torch_module(config: Config, info: ModelDescription, manifest: Manif
     it (with model.lora's adapters), with the merged checkpoint's weights; None for other kinds."""
     if config.model.kind not in ("torch", "transformers", "gpt"):
         return None
+    import torch
+
+    # The built-in gpt on the meta device, given the checkpoint's arrays themselves (models/weights.py):
+    # the weights held once, not also as the module's random initialisation (tests/test_external_data.py).
+    device = torch.device("meta" if config.model.kind == "gpt" and not info.lora else "cpu")
     with save_trained.quietly():
-        module = torch_module(config.model, manifest, info.loss, config.run.seed)
+        with device:
+            module = torch_module(config.model, manifest, info.loss, config.run.seed)
         if info.lora:
             module = lora.apply(module, config.model.lora)
         save_trained.load_trained(module, checkpoint_dir)
