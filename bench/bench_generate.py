@@ -11,8 +11,8 @@ batch of `--batches` and thread count of `--threads`, by:
 - `rerun`: the whole prefix through the fp32 decoder with an empty past for each token (what
   export/model.onnx, which has no cache, costs), ONNX Runtime 1.19.2;
 - `ortflow fp32|int4 <version>`: ortflow's generation folder (generation.folder.export_folder) and its
-  int4 (quantization.int4.quantize_folder, the export's defaults: block 32, symmetric, accuracy
-  level 0; `int4 acc4`: accuracy level 4, the model builder's CPU default), run by
+  int4 (quantization.int4.quantize_folder: block 32, symmetric, accuracy level 0; `int4 acc4`:
+  accuracy level 4, the model builder's CPU default and the export's since bench_int4_level.py), run by
   generation.generate in ONNX Runtime 1.19.2 (this environment) and in onnxruntime >= 1.31;
 - `builder fp32|int4` (Llama only): `python -m onnxruntime_genai.models.builder` on the same
   save_pretrained folder, run by onnxruntime-genai's Generator.
@@ -80,7 +80,7 @@ def build(model: str, root: Path, builder_python: Path | None) -> dict[str, Path
     byte_tokenizer().save_pretrained(source)  # the model builder saves the model's tokenizer beside it
     folders = {"transformers": source, "fp32": root / "fp32", "int4": root / "int4", "int4 acc4": root / "int4-acc4"}
     export_folder(source, folders["fp32"])
-    quantize_folder(folders["fp32"], folders["int4"], Int4())
+    quantize_folder(folders["fp32"], folders["int4"], Int4(accuracy_level=0))
     quantize_folder(folders["fp32"], folders["int4 acc4"], Int4(accuracy_level=4))
     for name in ("fp32", "int4"):
         print(f"{model} ortflow {name}: MatMul weights {weight_bytes(folders[name] / 'model.onnx') / 2**20:.1f} MiB",

@@ -63,15 +63,15 @@ def test_defaults_fill_every_section():
                                                                    "not a finite number"),
         ({"train": {"clip_grad_norm": float("inf")}}, "config key 'train.clip_grad_norm': inf is not a finite number"),
         ({"export": {"max_accuracy_drop": float("-inf")}}, "'export.max_accuracy_drop': -inf is not a finite number"),
-        # int4 quantizes export/generation/, which only a transformers causal-lm run declares.
+        # int4 quantizes export/generation/, which only a gpt or a transformers causal-lm run declares.
         ({"export": {"int4": {}}}, "config key 'export.int4': int4 quantizes a causal LM's export/generation/ "
-                                   "decoder, which needs model.kind: transformers and model.task: causal-lm; got "
-                                   "model.kind 'mlp', model.task 'auto'"),
+                                   "decoder, which needs model.kind: gpt, or transformers with model.task: "
+                                   "causal-lm; got model.kind 'mlp', model.task 'auto'"),
         ({"export": {"int4": {"block_size": 48}}}, "config key 'export.int4.block_size': 48 is not one of"),
         # the generate target's prompts: one way of giving them, for a model that has export/generation/
         ({"generate": {"prompt": "hi"}}, "config key 'generate.prompt': generates from export/generation/, which the "
-                                         "export writes for a causal LM (model.kind: transformers, model.task: "
-                                         "causal-lm); got model.kind 'mlp', model.task 'auto'"),
+                                         "export writes for a causal LM (model.kind: gpt, or transformers with "
+                                         "model.task: causal-lm); got model.kind 'mlp', model.task 'auto'"),
         ({"generate": {"prompt": "hi", "prompts": "p.txt"}}, "config key 'generate.prompts': set with "
                                                               "generate.prompt; give one of them"),
         ({"generate": {"max_new_tokens": 0}}, "config key 'generate.max_new_tokens': 0 is less than the minimum of 1"),

@@ -229,7 +229,13 @@ def test_build_artifacts_and_export_model_hold_the_weights_about_once(tmp_path):
     process's own memory counts for less (docs/benchmarks.md). export_model, of the artifacts'
     initial weights as the merged checkpoint, writes them one tensor at a time and each check
     holds them once: 1.82 W measured, the reference evaluator's activations included (before,
-    ONNX Runtime's export_model_for_inferencing held 3 W and each check session 2 W)."""
+    ONNX Runtime's export_model_for_inferencing held 3 W and each check session 2 W). Then the
+    gpt's generation folder (issue 41): its torch module, built on the meta device, takes the
+    checkpoint's arrays (1 W, on the 0.7 W the checks leave held), is exported as a decoder graph
+    whose weights go to its file one at a time, and checked against it in a session that does not
+    prepack (the module and the session: 2 W), then built again from the starting weights for the
+    samples: 2.84 W measured, at the check (3.9 W when the module was built with random weights
+    and loaded by copying, and the decoder graph held every weight before it was saved)."""
     import shutil
     import sys
 
@@ -256,5 +262,5 @@ def test_build_artifacts_and_export_model_hold_the_weights_about_once(tmp_path):
         shutil.copy(tmp_path / "artifacts" / name, tmp_path / "merged" / name)
     merged_meta(tmp_path / "merged", 0)
     exported = held("export")
-    assert exported < 2.5 * weight_bytes, f"export_model held {exported / weight_bytes:.2f} times the weights"
+    assert exported < 3.0 * weight_bytes, f"export_model held {exported / weight_bytes:.2f} times the weights"
     assert (tmp_path / "export" / "model.onnx.data").stat().st_size == weight_bytes

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from ortflow import cli
 
+from ortflow.data.shards import ShardReader
 from ortflow.errors import DataError, ModelError
 from ortflow.generation import folder as generation_folder
 from ortflow.generation.check import GenerationCheck, check_generation
@@ -285,3 +286,180 @@ def test_cli_writes_out_and_takes_the_prompts_of_the_configs_generate_section(gp
     assert capsys.readouterr().err == (
         "ortflow generate: error: generate: no prompt: give --prompt or --prompts (in the workflow: snakemake "
         "generate --config generate='{prompt: your text}', or generate='{prompts: a file, one a line}')\n")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_built_in_gpt_is_the_gpt2_it_maps_to(tied):
+    """models/gpt.as_gpt2: transformers' GPT-2 with the built-in gpt's weights computes its logits
+    (every weight drawn, biases and LayerNorms too, so that a transposed or misplaced one shows),
+    the head tied to the embedding where the gpt's is."""
+    from ortflow.models.gpt import GPT, as_gpt2
+
+    torch.manual_seed(0)
+    gpt = GPT(256, 16, 32, 2, 2, tied).eval()
+    for parameter in gpt.parameters():
+        torch.nn.init.normal_(parameter, std=0.3)
+    model = as_gpt2(gpt)
+    ids = torch.randint(0, 256, (3, 16))
+    with torch.no_grad():
+        ours, theirs = gpt(ids).transpose(1, 2), model(input_ids=ids).logits
+    assert (ours - theirs).abs().max().item() < 1e-5 * ours.abs().max().item()
+    assert (model.lm_head.weight is model.transformer.wte.weight) is tied
+    assert (model.config.n_positions, model.config.n_layer, model.config.n_head, model.config.eos_token_id) == \
+        (16, 2, 2, None)
+
+
+GPT_CONTEXT = 96  # a prompt of 16 bytes and 64 new ones fit
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory):
+    """A tiny built-in gpt (2 layers, width 32) on bytes of Python's documentation, through
+    prepare_data, build_artifacts and export_model (test_save_trained.exported: the merged checkpoint
+    is the initial one plus noise); returns the export folder and the trained gpt in torch."""
+    import logging
+
+    from test_save_trained import exported
+    from text_models import pydoc_text
+
+    from ortflow import config as config_mod
+    from ortflow.graphs.forward_model import torch_module
+    from ortflow.models.save_trained import load_trained
+
+    work = tmp_path_factory.mktemp("gpt")
+    (work / "corpus.txt").write_text(pydoc_text()[:20_000])
+    data = {"source": "text", "text_path": str(work / "corpus.txt"), "context": GPT_CONTEXT}
+    model = {"kind": "gpt", "layers": 2, "heads": 2, "width": 32}
+    records, logger = [], logging.getLogger("ortflow")
+    handler, level = logging.Handler(logging.INFO), logger.level
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        export = exported(work, data, model)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    config = config_mod.load(overrides={"run": {"name": "x"}, "data": {"shards": 1, **data}, "model": model})
+    gpt = torch_module(config.model, ShardReader(work / "data/eval").manifest, "cross_entropy", config.run.seed)
+    load_trained(gpt, work / "checkpoint")
+    return export, gpt.eval(), "\n".join(records), ShardReader(work / "data/eval", raw=True)
+
+
+def rerun_greedy(gpt, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], np.ndarray]:
+    """Greedy generation by the built-in gpt's full-sequence forward, re-run for every token: each
+    row right-padded to the context (causal: the padding after a position does not change it), the
+    next token the argmax at the row's last one; returns the tokens and each step's logits
+    [steps, batch, vocab]."""
+    rows, logits = [list(prompt) for prompt in prompts], []
+    for _ in range(new_tokens):
+        ids = torch.tensor([row + [0] * (gpt.context - len(row)) for row in rows])
+        with torch.no_grad():
+            out = gpt(ids).transpose(1, 2).numpy()
+        step = np.stack([out[i, len(row) - 1] for i, row in enumerate(rows)])
+        logits.append(step)
+        for row, token in zip(rows, step.argmax(axis=1).tolist()):
+            row.append(token)
+    return [row[len(prompt):] for row, prompt in zip(rows, prompts)], np.stack(logits)
+
+
+def test_built_in_gpt_generation_equals_its_full_sequence_rerun(gpt_run):
+    """export/generation/ of a built-in gpt run: GPT-2's folder with a byte-level tokenizer; its
+    decoder's greedy 64 tokens from eval prompts of 16 and 8 bytes (one batch, left-padded) are the
+    built-in model's argmax re-run on the whole sequence, each step's logits within the export's
+    tolerance; the export logged its own check against transformers' generate."""
+    from ortflow.export.checks import TOLERANCE
+
+    export, gpt, log, reader = gpt_run
+    folder = export / "generation"
+    assert sorted(path.name for path in folder.iterdir()) == ["config.json", "genai_config.json",
+                                                              "generation_config.json", "model.onnx", "tokenizer.json",
+                                                              "tokenizer_config.json"]
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["model_type"], config["n_positions"], config["activation_function"], config["use_cache"]) == \
+        ("gpt2", GPT_CONTEXT, "gelu", True)
+    assert (f"{folder}: greedy generation in ONNX Runtime (64 steps of at most 64 new tokens) from 4 eval prompts "
+            "of 16 and 8 tokens, left-padded, equals transformers' generate token for token") in log
+    windows = reader.gather(np.arange(4))["x"]
+    batch = [windows[row, :16 if row % 2 == 0 else 8].tolist() for row in range(4)]
+    decoder = Decoder(folder, threads=1)
+    assert decoder.eos == set()  # bytes have no end-of-text: every row runs to max_new_tokens
+    steps_logits = []
+    tokens = generate(decoder, batch, NEW_TOKENS, on_step=lambda step: steps_logits.append(step.logits))
+    expected, expected_logits = rerun_greedy(gpt, batch, NEW_TOKENS)
+    assert tokens == expected and len(tokens[0]) == NEW_TOKENS
+    scale = np.abs(expected_logits).max(axis=(1, 2), keepdims=True)
+    assert (np.abs(np.stack(steps_logits) - expected_logits) <= TOLERANCE["relative"] * scale
+            + TOLERANCE["absolute"]).all()
+
+
+def test_built_in_gpt_samples_and_cli(gpt_run, capsys):
+    """export/samples.json of the gpt run: each eval prompt's "after" is the trained gpt's own greedy
+    text (its full-sequence re-run), "before" the starting weights'; `ortflow generate` streams the
+    trained gpt's greedy bytes from the folder."""
+    export, gpt, _, _ = gpt_run
+    samples = json.loads((export / "samples.json").read_text())
+    assert samples["max_new_tokens"] == 32 and len(samples["samples"]) == 3
+    for sample in samples["samples"]:
+        prompt = list(sample["prompt"].encode())
+        assert len(prompt) == 16 and len(sample["expected"].encode()) == 32
+        tokens, _ = rerun_greedy(gpt, [prompt], 32)
+        assert sample["after"] == bytes(tokens[0]).decode(errors="replace")
+    assert any(sample["before"] != sample["after"] for sample in samples["samples"])
+    tokens, _ = rerun_greedy(gpt, [list(b"The for statement")], 20)
+    command = ["generate", str(export / "generation"), "--prompt", "The for statement", "--max-new-tokens", "20",
+               "--threads", "1"]
+    assert cli.main(command) == 0
+    assert capsys.readouterr().out == bytes(tokens[0]).decode(errors="replace") + "\n"
+
+
+def test_built_in_gpt_int4_scores_what_the_gpt_scores(gpt_run, tmp_path, monkeypatch):
+    """export.int4 on the gpt run's folder (quantize_model's step): its 8 block MatMuls and the tied
+    head quantized, weights under 0.2x fp32's bytes, and the fp32 side's perplexity the built-in
+    gpt's own on the same eval windows (its cross-entropy at every position but the last)."""
+    from test_int4 import export_settings
+
+    from ortflow.quantization import int4_measure
+
+    monkeypatch.setattr(int4_measure, "SPEED_ROUNDS", 1)
+    export, gpt, _, reader = gpt_run
+    entry = int4_measure.write_int4(export_settings(), export / "generation", tmp_path / "generation-int4", reader,
+                                    tmp_path / "scratch")
+    assert entry["weights_quantized"] == 9 and entry["weight_ratio"] < 0.2
+    batch = reader.gather(np.arange(entry["records"]))
+    with torch.no_grad():
+        logits = gpt(torch.from_numpy(batch["x"]))[:, :, :-1]
+        loss = torch.nn.functional.cross_entropy(logits, torch.from_numpy(batch["y"][:, :-1]))
+    assert entry["fp32"]["perplexity"] == pytest.approx(float(loss.exp()), rel=1e-4)
+    assert np.isfinite(entry["int4"]["perplexity"])
+
+
+def test_built_in_gpt_with_data_tokenizer_generates_its_tokens(tmp_path):
+    """A gpt on data.tokenizer's ids (a byte-level BPE with <|endoftext|> after each document): its
+    generation folder holds that tokenizer, whose end-of-text id ends a generation; `ortflow
+    generate`'s prompt is encoded as the data were, and the decoder's greedy tokens are the built-in
+    model's full-sequence re-run up to that id."""
+    from test_save_trained import exported
+    from text_models import pydoc_text, train_bpe
+
+    from ortflow import config as config_mod
+    from ortflow.graphs.forward_model import torch_module
+    from ortflow.models.save_trained import load_trained
+
+    trained = train_bpe(tmp_path / "tokenizer.json")
+    (tmp_path / "corpus.txt").write_text(pydoc_text()[:20_000])
+    data = {"source": "text", "text_path": str(tmp_path / "corpus.txt"), "context": 32,
+            "tokenizer": str(tmp_path / "tokenizer.json")}
+    model = {"kind": "gpt", "layers": 1, "heads": 2, "width": 16}
+    folder = exported(tmp_path, data, model) / "generation"
+    eos = trained.token_to_id("<|endoftext|>")
+    assert json.loads((folder / "genai_config.json").read_text())["model"]["eos_token_id"] == eos
+    assert json.loads((folder / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
+    prompt = Tokenizer.from_file(str(folder / "tokenizer.json")).encode("The for statement").ids
+    assert prompt == trained.encode("The for statement").ids
+    config = config_mod.load(overrides={"run": {"name": "x"}, "data": {"shards": 1, **data}, "model": model})
+    gpt = torch_module(config.model, ShardReader(tmp_path / "data/eval").manifest, "cross_entropy", config.run.seed)
+    load_trained(gpt, tmp_path / "checkpoint")
+    expected, _ = rerun_greedy(gpt.eval(), [prompt], 16)
+    ended = expected[0][:expected[0].index(eos) + 1] if eos in expected[0] else expected[0]
+    assert generate(Decoder(folder, threads=1), [prompt], 16) == [ended]

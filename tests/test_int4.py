@@ -271,8 +271,8 @@ def test_int4_without_a_generation_folder_is_one_line(tmp_path):
         int4_measure.write_int4(export_settings(), tmp_path / "generation", tmp_path / "generation-int4",
                                 text_reader(1), tmp_path)
     assert str(refused.value) == (f"export.int4: {tmp_path / 'generation'} is no generation folder (export_model "
-                                  "writes it for a model.kind transformers causal-lm); set export.int4: null for "
-                                  "this model")
+                                  "writes it for a model.kind gpt or transformers causal-lm); set export.int4: "
+                                  "null for this model")
 
 
 def test_int4_remedies_name_only_settings_not_set():

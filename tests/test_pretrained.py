@@ -612,3 +612,32 @@ def test_workflow_refuses_linked_weights(tmp_path):
             "file where the config names it") in result.stderr
     assert "Traceback" not in result.stderr and "header too large" not in result.stderr
     assert not (workdir / "results").exists()
+
+
+def test_a_module_built_on_the_meta_device_takes_the_arrays_themselves(tmp_path):
+    """export_model's gpt (export/formats.trained_torch_module): built on the meta device, each
+    parameter takes the loaded array's memory (not copied into allocated ones), a tied head stays
+    one Parameter with the embedding, the module computes as the source does; one left unset is
+    refused."""
+    from ortflow.models.gpt import GPT
+    from ortflow.models.weights import Request, load_into_module
+
+    torch.manual_seed(0)
+    source = GPT(vocab=11, context=6, width=8, heads=2, layers=1, tied=True)
+    save_file({name: tensor.detach().numpy() for name, tensor in source.state_dict().items()
+               if name != "head.weight"}, str(tmp_path / "gpt.safetensors"))
+    with torch.device("meta"):
+        module = GPT(vocab=11, context=6, width=8, heads=2, layers=1, tied=True)
+    load_into_module(module, Request(str(tmp_path / "gpt.safetensors"), (), None))
+    assert not any(tensor.is_meta for tensor in module.state_dict().values())
+    assert module.head.weight is module.tokens.weight and module.head.weight.requires_grad
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    with torch.no_grad():
+        assert torch.equal(module(tokens), source(tokens))
+
+    save_file({"tokens.weight": source.tokens.weight.detach().numpy()}, str(tmp_path / "part.safetensors"))
+    with torch.device("meta"):
+        module = GPT(vocab=11, context=6, width=8, heads=2, layers=1, tied=True)
+    with pytest.raises(ModelError, match=r"^model.weights: .*part.safetensors leaves positions.weight, .* of a model "
+                                         r"built without values \(on the meta device\) unset"):
+        load_into_module(module, Request(str(tmp_path / "part.safetensors"), (), None), keep_absent=True)

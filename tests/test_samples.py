@@ -122,7 +122,7 @@ def test_the_end_of_run_summary_names_the_samples(tmp_path):
     assert len(exported_lines(tmp_path / "model.onnx", None)) == 2  # no samples.json: no line
     (tmp_path / SAMPLES).write_text(json.dumps({"max_new_tokens": 4, "greedy": True, "samples": [{}, {}]}))
     assert exported_lines(tmp_path / "model.onnx", None)[2] == (
-        f"  samples   {tmp_path / SAMPLES}: 2 eval prompts generated before and after fine-tuning (the report's "
+        f"  samples   {tmp_path / SAMPLES}: 2 eval prompts generated before and after training (the report's "
         "Generated samples)")
     (tmp_path / SAMPLES).write_text(json.dumps({"max_new_tokens": 0, "greedy": True, "samples": []}))
     assert len(exported_lines(tmp_path / "model.onnx", None)) == 2  # export.samples: 0

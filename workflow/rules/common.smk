@@ -3,6 +3,7 @@ import os
 from pathlib import Path
 
 from ortflow import config as ortflow_config
+from ortflow import generation as ortflow_generation
 from ortflow.sweeps import points as ortflow_sweep
 from ortflow import user_files
 from ortflow.data import examples as ortflow_examples

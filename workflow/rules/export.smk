@@ -17,16 +17,18 @@ TORCH_FORMATS = {
 }.get(CONFIG.model.kind, {})
 # A causal LM also as a decoder with a KV cache that ONNX Runtime generates from
 # (src/ortflow/generation/): `ortflow generate results/<run>/export/generation
-# --prompt ...`. Declared for model.task causal-lm; with task auto the stage writes
-# it too where the data make the model a causal LM, undeclared (export_model removes
-# an earlier run's for any other model).
+# --prompt ...`. Declared for model.task causal-lm, and for the built-in gpt where
+# transformers is installed (it is exported as the GPT-2 it equals); with task auto
+# the stage writes it too where the data make the model a causal LM, undeclared
+# (export_model removes an earlier run's for any other model).
 GENERATION_FOLDER = f"{RESULTS}/export/generation"
 # Beside it, export.samples eval prompts with the greedy continuations of the starting
 # weights and of that folder (src/ortflow/generation/samples.py), which the report shows.
 SAMPLES = f"{RESULTS}/export/samples.json"
 GENERATION = (
     {"generation": directory(GENERATION_FOLDER), "samples": SAMPLES}
-    if CONFIG.model.kind == "transformers" and CONFIG.model.task == "causal-lm"
+    if (CONFIG.model.kind == "transformers" and CONFIG.model.task == "causal-lm")
+    or ortflow_generation.built_in_generation(CONFIG.model.kind)
     else {}
 )
 # A text classifier, tagger or regressor also in optimum's layout, which its

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from .convert import typed
 from .schema import filled
-from .sections import Config, Data, Model, Train
+from .sections import Config, Data, Train
 
 
 def validate(config: dict, partial: bool = False, command_line: dict | None = None) -> dict:
@@ -92,7 +92,7 @@ def _check_cross_keys(config: Config) -> None:
     _check_text_keys(data)
     _check_int4(config)
     _check_generate(config)
-    _check_libraries(model)
+    _check_libraries(config)
     check_lamb_sharding(train)
     if train.backend == "nccl" and train.device != "cuda":
         raise ConfigError("config key 'train.backend': 'nccl' needs train.device: cuda")
@@ -121,36 +121,45 @@ def _check_cross_keys(config: Config) -> None:
 
 def _check_int4(config: Config) -> None:
     """export.int4 quantizes export/generation/, which the workflow declares for a `kind: transformers`
-    causal-lm only: refused here rather than after training (model.task auto is known once the data are)."""
+    causal-lm and the built-in gpt only: refused here rather than after training (model.task auto is
+    known once the data are)."""
     model = config.model
-    if config.export.int4 is not None and (model.kind, model.task) != ("transformers", "causal-lm"):
+    if config.export.int4 is not None and model.kind != "gpt" and (model.kind, model.task) != ("transformers",
+                                                                                                "causal-lm"):
         raise ConfigError(
             "config key 'export.int4': int4 quantizes a causal LM's export/generation/ decoder, which needs "
-            f"model.kind: transformers and model.task: causal-lm; got model.kind {model.kind!r}, model.task "
+            f"model.kind: gpt, or transformers with model.task: causal-lm; got model.kind {model.kind!r}, model.task "
             f"{model.task!r} (set export.int4: null, or model.task: causal-lm for a causal LM)")
 
 
 def _check_generate(config: Config) -> None:
     """The generate target's prompts: one way of giving them, for a model that has export/generation/
-    (a causal LM of kind transformers; model.task auto may be one, known once the data are)."""
+    (the built-in gpt, or a causal LM of kind transformers; model.task auto may be one, known once the
+    data are)."""
     section, model = config.generate, config.model
     if section.prompt is not None and section.prompts is not None:
         raise ConfigError("config key 'generate.prompts': set with generate.prompt; give one of them")
     given = "prompt" if section.prompt is not None else "prompts" if section.prompts is not None else None
-    if given and (model.kind != "transformers" or model.task not in ("causal-lm", "auto")):
+    if given and model.kind != "gpt" and (model.kind != "transformers" or model.task not in ("causal-lm", "auto")):
         raise ConfigError(
             f"config key 'generate.{given}': generates from export/generation/, which the export writes for a "
-            f"causal LM (model.kind: transformers, model.task: causal-lm); got model.kind {model.kind!r}, "
-            f"model.task {model.task!r}")
+            f"causal LM (model.kind: gpt, or transformers with model.task: causal-lm); got model.kind "
+            f"{model.kind!r}, model.task {model.task!r}")
 
 
-def _check_libraries(model: Model) -> None:
+def _check_libraries(config: Config) -> None:
     """The libraries that `model.kind: transformers` and `model.lora` need, which the package's
-    `transformers` extra installs: said before any stage starts, rather than as an ImportError in one."""
+    `transformers` extra installs: said before any stage starts, rather than as an ImportError in one.
+    The built-in gpt's export/generation/ is its transformers GPT-2 (models/gpt.as_gpt2): without
+    transformers it is not written, so int4 and the generate target, which read it, need it too."""
     from importlib.util import find_spec
 
+    model, generation = config.model, config.generate
+    reads_generation = config.export.int4 is not None or generation.prompt is not None or generation.prompts is not None
     needs = {"model.kind: transformers": ["transformers"] if model.kind == "transformers" else [],
-             "model.lora": ["peft"] if model.lora is not None else []}
+             "model.lora": ["peft"] if model.lora is not None else [],
+             "model.kind: gpt with export.int4 or generate's prompts": ["transformers"]
+             if model.kind == "gpt" and reads_generation else []}
     for key, libraries in needs.items():
         missing = [name for name in libraries if find_spec(name) is None]
         if missing:

@@ -32,12 +32,19 @@ log = logging.getLogger("ortflow.export")
 
 
 def trained_torch_module(config: Config, info: ModelDescription, manifest: Manifest, checkpoint_dir: Path):
-    """The torch module of a `kind: torch` or `transformers` model, built as build_artifacts built
+    """The torch module of a `kind: torch`, `transformers` or `gpt` model (the one built in whose
+    generation folder comes from torch: generation/run_export.py), built as build_artifacts built
     it (with model.lora's adapters), with the merged checkpoint's weights; None for other kinds."""
-    if config.model.kind not in ("torch", "transformers"):
+    if config.model.kind not in ("torch", "transformers", "gpt"):
         return None
+    import torch
+
+    # The built-in gpt on the meta device, given the checkpoint's arrays themselves (models/weights.py):
+    # the weights held once, not also as the module's random initialisation (tests/test_external_data.py).
+    device = torch.device("meta" if config.model.kind == "gpt" and not info.lora else "cpu")
     with save_trained.quietly():
-        module = torch_module(config.model, manifest, info.loss, config.run.seed)
+        with device:
+            module = torch_module(config.model, manifest, info.loss, config.run.seed)
         if info.lora:
             module = lora.apply(module, config.model.lora)
         save_trained.load_trained(module, checkpoint_dir)
@@ -49,7 +56,8 @@ def write_torch_formats(config: Config, module, info: ModelDescription, manifest
     """Into `folder`, the trained model in its own framework's format (models/save_trained.py):
     `transformers/` for kind transformers, `model.safetensors` for kind torch, each read back as
     its users read it and its output on `batch` (standardized features) checked against the exported
-    model's (`output`); an earlier run's of another kind removed."""
+    model's (`output`; kind gpt's module itself, which its generation folder comes from); an earlier
+    run's of another kind removed."""
     import shutil
 
     kind = config.model.kind
@@ -69,6 +77,10 @@ def write_torch_formats(config: Config, module, info: ModelDescription, manifest
             loaded = save_trained.from_pretrained(module, tmp)
             check_torch_outputs(f"{target} through {type(loaded.model).__name__}.from_pretrained", loaded, manifest,
                                 batch, output)
+    elif kind == "gpt":
+        # No file of its own: its generation folder is made from this module (generation/run_export.py),
+        # so that the module holds the checkpoint's weights is checked here, against the exported model.
+        check_torch_outputs("the built-in gpt with the merged checkpoint's weights", module, manifest, batch, output)
     elif kind == "torch":
         target = folder / save_trained.STATE_DICT
         with atomic.file(target) as tmp:

@@ -19,3 +19,12 @@ SAMPLES = "samples.json"  # beside it, export/samples.json: eval prompts generat
 MODEL = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
 TOKENIZER = "tokenizer.json"  # what `ortflow generate` reads (the tokenizers library's file)
+
+
+def built_in_generation(kind: str) -> bool:
+    """Whether the export writes export/generation/ for the built-in model `kind`: the gpt, as the
+    transformers GPT-2 it equals (models/gpt.as_gpt2), where transformers (the package's transformers
+    extra) is installed. The workflow declares the folder by the same test (workflow/rules/export.smk)."""
+    from importlib.util import find_spec
+
+    return kind == "gpt" and find_spec("transformers") is not None

@@ -46,10 +46,10 @@ def export_folder(source: Path, folder: Path,
     return write_folder(model, Path(source), folder, check)
 
 
-def write_folder(model, tokenizer_source: Path | None, folder: Path,
+def write_folder(model, tokenizer_source, folder: Path,
                  check: GenerationCheck | None = None) -> tuple[CacheLayout, Agreement | None]:
     """The loaded transformers causal LM `model` as the generation folder `folder`, with the tokenizer
-    files of `tokenizer_source` (a save_pretrained folder; None: a model without a tokenizer). With
+    files of `tokenizer_source` (copy_tokenizer's source; None: a model without a tokenizer). With
     `check`, the folder's greedy generation must be `model`'s (check.check_generation) before the
     folder is renamed into place; its agreement is returned."""
     with atomic.folder(folder) as building:
@@ -62,15 +62,18 @@ def write_folder(model, tokenizer_source: Path | None, folder: Path,
         model.generation_config.save_pretrained(building)
         copy_tokenizer(tokenizer_source, building)
         atomic.write_text(building / GENAI_CONFIG, json.dumps(genai_config(model, layout), indent=4) + "\n")
-        agreement = check_generation(model, Decoder(building), check) if check else None
+        agreement = check_generation(model, Decoder(building, prepacked=False), check) if check else None
     return layout, agreement
 
 
-def copy_tokenizer(source: Path | None, folder: Path) -> None:
-    """The tokenizer files of the save_pretrained folder `source` into `folder`; where it has none
-    (ortflow trained the model on text as bytes), a tokenizer.json that encodes text as its UTF-8
-    bytes, byte b as id b, as ortflow's data does (data/sources.py)."""
-    if not copy_tokenizer_files(source, folder):
+def copy_tokenizer(source, folder: Path) -> None:
+    """The tokenizer files of `source` into `folder`: a transformers tokenizer's (the built-in gpt's,
+    run_export.built_in_gpt2) or a save_pretrained folder's; where it has none (ortflow trained the
+    model on text as bytes), a tokenizer.json that encodes text as its UTF-8 bytes, byte b as id b,
+    as ortflow's data does (data/sources.py)."""
+    if hasattr(source, "save_pretrained"):
+        source.save_pretrained(str(folder))
+    elif not copy_tokenizer_files(source, folder):
         byte_tokenizer().save_pretrained(str(folder))
 
 

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from ..errors import DataError, ModelError
-from ..sessions import session_options
+from ..sessions import inference_session
 from . import GENAI_CONFIG
 
 
@@ -45,9 +45,9 @@ class Step:
 class Decoder:
     """A generation folder's decoder in an ONNX Runtime session, with what genai_config.json says of it."""
 
-    def __init__(self, folder: Path, threads: int | None = None):
-        import onnxruntime as ort
-
+    def __init__(self, folder: Path, threads: int | None = None, prepacked: bool = True):
+        """`prepacked=False`: the weights held once (sessions.inference_session), for the export's checks
+        and samples, which hold the torch model beside the session; serving keeps ONNX Runtime's packing."""
         folder = Path(folder)
         if not (folder / GENAI_CONFIG).is_file():
             raise ModelError(f"{folder}: no {GENAI_CONFIG}; not a generation folder (ortflow's export writes one)")
@@ -61,8 +61,7 @@ class Decoder:
         eos = config["eos_token_id"]
         self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
         self.pad = config["pad_token_id"] if config["pad_token_id"] is not None else 0
-        self.session = ort.InferenceSession(str(folder / decoder["filename"]), session_options(threads),
-                                            providers=["CPUExecutionProvider"])
+        self.session = inference_session(folder / decoder["filename"], threads, prepacked=prepacked)
         self.inputs = {value.name for value in self.session.get_inputs()}
         self.outputs = [value.name for value in self.session.get_outputs()]
 

@@ -57,7 +57,7 @@ def samples(start_model, folder: Path, prompts: list[tuple[list[int], list[int]]
     torch causal LM of the starting weights) and of the generation `folder`'s decoder."""
     from tokenizers import Tokenizer
 
-    decoder = Decoder(folder)
+    decoder = Decoder(folder, prepacked=False)
     tokenizer = Tokenizer.from_file(str(folder / TOKENIZER))
     new_tokens = max(1, min(NEW_TOKENS, positions - max(len(prompt) for prompt, _ in prompts)))
     before, _ = transformers_greedy(start_model, decoder, [prompt for prompt, _ in prompts], new_tokens)
@@ -77,15 +77,20 @@ def write_samples(count: int, export: Path, reader, positions: int | None,
     """export/samples.json of the first `count` records of the eval split (`reader`, raw features)
     where export/generation/ exists (else an earlier run's file is removed); `positions`: the model's
     (None: the records' length, as run_export takes it); `start_module()` builds the ortflow module
-    of the starting weights (its transformers model: `.model`), only when there are prompts."""
+    of the starting weights (its transformers model: `.model`; the built-in gpt: the GPT-2 it
+    equals), only when there are prompts."""
     path, folder = Path(export) / SAMPLES, Path(export) / GENERATION
     if not folder.is_dir():
         path.unlink(missing_ok=True)
         return
     written = {"max_new_tokens": 0, "greedy": True, "samples": []}  # export.samples: 0
     if count:
+        from ..models.gpt import GPT, as_gpt2  # torch: imported when samples are written (cli.py)
+
         batch = reader.gather(np.arange(min(count, len(reader))))
-        written = samples(start_module().model, folder, eval_prompts(batch, reader.label_name, count),
+        start = start_module()
+        model = as_gpt2(start) if isinstance(start, GPT) else start.model
+        written = samples(model, folder, eval_prompts(batch, reader.label_name, count),
                           positions or batch[reader.label_name].shape[1])
     atomic.write_text(path, json.dumps(written, indent=1, ensure_ascii=False) + "\n")
     log.info("%s: %d eval prompts with greedy generation (at most %d new tokens) of the starting weights "

@@ -86,10 +86,16 @@ def add_weights(model, weights: Mapping, path: Path, name: Path) -> None:
     after `prune`: in the graph, or where they total more than external_data.threshold() bytes,
     each of external_data.INLINE_BYTES or more in `data_file(name)` beside `path` (the model's
     file, renamed to `name` when it is complete), written there before the next is read."""
+    prune(model)
+    store_weights(model, weights, path, name)
+
+
+def store_weights(model, weights: Mapping, path: Path, name: Path) -> None:
+    """add_weights without the pruning: each input of `model` named in `weights` an initializer,
+    in the graph or in external data beside `path`, one tensor in memory at a time."""
     from onnx import numpy_helper
     from onnx.external_data_helper import save_external_data, set_external_data
 
-    prune(model)
     graph = model.graph
     parameters = [value for value in graph.input if value.name in weights]
     data = Path(path).with_name(external_data.data_file(name).name)

@@ -72,3 +72,42 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tokens(tokens) + self.positions(torch.arange(self.context))
         return self.head(self.ln_f(self.blocks(x))).transpose(1, 2)
+
+
+def as_gpt2(gpt: GPT, eos_token_id: int | None = None):
+    """The built-in `gpt` as transformers' GPT2LMHeadModel computing the same function, so that it
+    exports and generates as any transformers causal LM does (generation/). The architectures match
+    block for block: pre-LayerNorm at GPT-2's epsilon (1e-5, torch's default), fused q/k/v split in
+    that order, 1/sqrt(head_dim) scaling, a 4x MLP. GPT-2's activation is named "gelu" here, the
+    exact erf GELU that nn.GELU() computes (GPT-2's own "gelu_new" is tanh's approximation), and its
+    Conv1D layers hold a weight [in, out], nn.Linear's transposed. `eos_token_id`: the data's
+    end-of-text id (data.tokenizer's); None for bytes, which have none, so generation runs to its
+    max_new_tokens."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    vocab, width = gpt.tokens.weight.shape
+    first = gpt.blocks[0]
+    tied = gpt.head.weight is gpt.tokens.weight
+    config = GPT2Config(vocab_size=vocab, n_positions=gpt.context, n_embd=width, n_layer=len(gpt.blocks),
+                        n_head=first.attn.heads, n_inner=first.mlp[0].out_features, activation_function="gelu",
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=first.ln1.eps,
+                        bos_token_id=eos_token_id, eos_token_id=eos_token_id, tie_word_embeddings=tied)
+    # Built on the meta device and given gpt's own tensors (assign): the GPT-2 shares gpt's memory
+    # rather than holding the weights twice more (its random initialisation, then a copy).
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config)
+    weights = {"transformer.wte.weight": gpt.tokens.weight, "transformer.wpe.weight": gpt.positions.weight,
+               "transformer.ln_f.weight": gpt.ln_f.weight, "transformer.ln_f.bias": gpt.ln_f.bias,
+               "lm_head.weight": gpt.head.weight}
+    for i, block in enumerate(gpt.blocks):
+        ours = {"ln_1": block.ln1, "ln_2": block.ln2, "attn.c_attn": block.attn.qkv, "attn.c_proj": block.attn.proj,
+                "mlp.c_fc": block.mlp[0], "mlp.c_proj": block.mlp[2]}
+        for name, layer in ours.items():
+            linear = isinstance(layer, nn.Linear)
+            weights[f"transformer.h.{i}.{name}.weight"] = layer.weight.t() if linear else layer.weight
+            weights[f"transformer.h.{i}.{name}.bias"] = layer.bias
+    model.load_state_dict({name: tensor.detach() for name, tensor in weights.items()}, strict=True, assign=True)
+    if tied:  # assign replaced the head's Parameter: the two names are one tensor again, as in gpt
+        model.tie_weights()
+    model.generation_config.eos_token_id = model.generation_config.bos_token_id = eos_token_id
+    return model.eval()

@@ -291,13 +291,32 @@ def load_into_module(module, request: Request, keep_absent: bool = False) -> lis
             raise ModelError(f"model.weights: {path} gives {', '.join(given)} different values, but they are one "
                              "tensor of the model (tied); leave all but one out with model.weights_skip")
     with torch.no_grad():
-        for name, array in loaded.items():
-            tensors[name].copy_(torch.from_numpy(array))
+        for names in names_of.values():
+            given = [name for name in names if name in loaded]
+            if given and tensors[names[0]].is_meta:
+                _assign(module, names, tensors[names[0]], torch.from_numpy(loaded[given[0]]))
+            elif given:
+                tensors[names[0]].copy_(torch.from_numpy(loaded[given[0]]))
     set_tensors = {id(tensors[name]) for name in loaded}
     kept = [names[0] for key, names in names_of.items()
             if key not in set_tensors and tensors[names[0]].is_floating_point()]
+    if any(tensors[names[0]].is_meta for key, names in names_of.items() if key not in set_tensors):
+        raise ModelError(f"model.weights: {path} leaves {', '.join(kept[:5])} of a model built without values "
+                         "(on the meta device) unset; build it with its values")
     _report(path, loaded, kept)
     return kept
+
+
+def _assign(module, names: list[str], placeholder, tensor) -> None:
+    """`tensor` (the loaded array's own memory) as the module's tensor under each of its `names`
+    (tied: one tensor under several), in place of the meta device's `placeholder`: no copy."""
+    import torch
+
+    if isinstance(placeholder, torch.nn.Parameter):
+        tensor = torch.nn.Parameter(tensor, requires_grad=placeholder.requires_grad)
+    for name in names:
+        owner, _, attribute = name.rpartition(".")
+        setattr(module.get_submodule(owner), attribute, tensor)
 
 
 def load_into_onnx(model, request: Request) -> None:

@@ -92,7 +92,7 @@ def write_int4(export_cfg, generation: Path, target: Path, reader, scratch: Path
     once measured and gated; returns metrics.json's int4 entry."""
     if not (generation / GENAI_CONFIG).is_file():
         raise MissingInputError(f"export.int4: {generation} is no generation folder (export_model writes it for a "
-                                "model.kind transformers causal-lm); set export.int4: null for this model")
+                                "model.kind gpt or transformers causal-lm); set export.int4: null for this model")
     chosen = settings(export_cfg.int4)
     built = Path(scratch) / target.name
     count = quantize_folder(generation, built, chosen)

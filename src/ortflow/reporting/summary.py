@@ -93,7 +93,7 @@ def exported_lines(model: Path, int8: Path | None) -> list[str]:
     samples = read_json(model.parent / SAMPLES)
     if samples and samples["samples"]:
         lines.append(f"  samples   {model.parent / SAMPLES}: {plural(len(samples['samples']), 'eval prompt')} "
-                     "generated before and after fine-tuning (the report's Generated samples)")
+                     "generated before and after training (the report's Generated samples)")
     optimum = model.parent / OPTIMUM
     architectures = (read_json(optimum / "config.json") or {}).get("architectures") or [""]
     if (optimum / OPTIMUM_MODEL).is_file() and "For" in architectures[0]:

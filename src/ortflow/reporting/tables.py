@@ -114,7 +114,7 @@ def quantization_rows(export: ExportMetrics) -> list[tuple]:
 
 def samples_page(samples_path: Path | None) -> str:
     """export/samples.json (generation/samples.py) as a table of prompt, the eval data's next tokens,
-    and the greedy continuations before and after fine-tuning; without it, why there are none."""
+    and the greedy continuations before and after training; without it, why there are none."""
     samples = read_json(samples_path) if samples_path else None
     if samples is None:
         return page("Generated samples", "<p>No generated samples: this run has no <code>export/generation/</code> "
@@ -124,7 +124,7 @@ def samples_page(samples_path: Path | None) -> str:
         return page("Generated samples", "<p>No generated samples: <code>export.samples</code> is 0.</p>")
     rows = [(str(i), entry["prompt"], entry["expected"], entry["before"], entry["after"])
             for i, entry in enumerate(samples["samples"])]
-    return page("Generated samples, before and after fine-tuning",
+    return page("Generated samples, before and after training",
                 f"<p>Eval prompts and the greedy continuations (at most {samples['max_new_tokens']} new tokens) of "
                 "the starting weights (transformers' <code>generate</code>) and of <code>export/generation/</code> "
                 "(ONNX Runtime), as <code>ortflow generate</code> gives them.</p>"

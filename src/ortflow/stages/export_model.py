@@ -17,8 +17,9 @@
 4. For `model.kind: transformers` and `torch`, the trained model in its own
    framework's format, and with `model.lora` its adapters alone, each read back
    as its users read it and checked against the exported model (export/formats.py).
-5. For a causal LM (`kind: transformers`, causal-lm), `generation/`: `transformers/` as a
-   decoder with a KV cache that ONNX Runtime generates from, its greedy generation on a few
+5. For a causal LM (`kind: transformers`, causal-lm, or the built-in `gpt`), `generation/`:
+   `transformers/` (the gpt: as the GPT-2 it equals) as a decoder with a KV cache that ONNX Runtime
+   generates from, its greedy generation on a few
    eval prompts checked against transformers' `generate` (generation/run_export.py); and
    `samples.json`: export.samples eval prompts with the greedy generation of the starting weights
    and of that folder (generation/samples.py).
@@ -86,7 +87,8 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
                                     standardize.apply(few, reader.standardized), output, out.parent)
         metadata.copy_tokenizer(eval_dir, reader.manifest, out.parent)
         task = (info.transformers or {}).get("task")
-        write_generation(task, batch, out.parent, positions)
+        write_generation(task, batch, out.parent, positions, trained if config.model.kind == "gpt" else None,
+                         reader.manifest.tokenizer)
         write_optimum(task, batch, out.parent)
         del trained, adapted  # the starting weights' module is built next: the weights held once more at most
         write_samples(config.export.samples, out.parent, reader, positions,
