@@ -20,7 +20,7 @@ from ortflow.data.shards import ShardReader
 from ortflow.export.checks import TOLERANCE
 from ortflow.inference import loss_of
 from ortflow.quantization import gate
-from ortflow.reporting.results import fmt
+from ortflow.reporting.results import fmt, read_train
 from ortflow.reporting.tables import summary_rows
 
 SEED = 1234  # run.seed of config/config.yaml
@@ -115,7 +115,8 @@ def test_regression_reports_the_predict_the_mean_baseline(workdir):
               "train": {"steps": 200, "eval_every": 100, "checkpoint_every": 100,
                         "optimizer": {"name": "adamw", "lr": 0.05, "weight_decay": 0.0}}}
     result = run_snakemake(workdir, config, "train")
-    train = json.loads((workdir / "results" / "diabetes" / "train" / "metrics.json").read_text())
+    metrics = workdir / "results" / "diabetes" / "train" / "metrics.json"
+    train = json.loads(metrics.read_text())
 
     target = frame["target"].to_numpy(np.float32).astype(np.float64)  # labels are stored as float32
     train_rows, eval_rows = split_rows(len(frame), 0.2, SEED)
@@ -131,7 +132,7 @@ def test_regression_reports_the_predict_the_mean_baseline(workdir):
     assert f"  baseline  {shown}" in result.stdout
     assert f"  loss      {fmt(train['eval']['loss'], 'float')}" in result.stdout
     assert "does not beat the baseline" not in result.stdout
-    assert ("baseline", "baseline (eval split)", shown) in summary_rows(train, None)
+    assert ("baseline", "baseline (eval split)", shown) in summary_rows(read_train(metrics), None)
 
 
 @pytest.mark.e2e
@@ -149,14 +150,15 @@ def test_a_regressor_that_cannot_beat_the_mean_is_told_so(workdir):
     config = {"run": {"name": "unpredictable"}, "data": {"source": "data.csv", "features": ["zero"], "label": "target"},
               "model": {"hidden": [8]}, "train": {"steps": 30, "world_size": 1, "eval_every": 10}}
     result = run_snakemake(workdir, config, "train")
-    train = json.loads((workdir / "results" / "unpredictable" / "train" / "metrics.json").read_text())
+    metrics = workdir / "results" / "unpredictable" / "train" / "metrics.json"
+    train = json.loads(metrics.read_text())
     assert train["baseline"] == {"of": "the train split's mean", "loss": 1.0, "r2": 0.0}
     assert train["eval"]["loss"] >= 1.0 - 1e-6, train["eval"]
     said = (f"  warning   the model does not beat the baseline: eval loss {train['eval']['loss']:.6g} is not below 1, "
             "that of predicting the train split's mean")
     assert said in result.stdout
     assert "  baseline  mse 1.0000, R^2 0.0000 (predicting the train split's mean)" in result.stdout
-    assert ("beats_baseline", "beats the baseline", "no") in summary_rows(train, None)
+    assert ("beats_baseline", "beats the baseline", "no") in summary_rows(read_train(metrics), None)
     assert "on 1 rank\n" in result.stdout  # one rank, not "1 ranks"
 
 

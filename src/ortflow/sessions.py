@@ -42,9 +42,6 @@ def inference_session(path: Path, threads: int | None = None, also: tuple[str, .
     `prepacked=False` holds the weights once, for what checks or measures values, not speed:
     by default ONNX Runtime keeps its MatMul and Gemm weights a second time, packed for
     MLAS (a 554M GPT's session: 4.5 GiB, 2.4 without)."""
-    import tempfile
-
-    import onnx
     import onnxruntime as ort
 
     options = session_options(threads)
@@ -56,6 +53,11 @@ def inference_session(path: Path, threads: int | None = None, also: tuple[str, .
 
     if not also:
         return session(str(path))
+    # Only here onnx: a generation folder's decoder runs where ONNX Runtime alone is installed (a serving venv).
+    import tempfile
+
+    import onnx
+
     proto = external_data.load_model(path, load_data=False)  # weights in external data stay in their file
     outputs = {o.name for o in proto.graph.output}
     extra = [name for name in also if name not in outputs]
