@@ -152,16 +152,17 @@ def outside(paths: list[str], folder: Path) -> list[str]:
 
 
 def run_snakemake(workdir: Path, config: dict, *args: str, check: bool = True, timeout: int = 900,
-                  env: dict | None = None):
+                  env: dict | None = None, snakemake: tuple[str, ...] = (str(BIN / "snakemake"),)):
     """Run the repository's Snakefile in `workdir` with `config` layered over
-    config/config.yaml, and `env` added to the environment. Returns the
-    CompletedProcess; its output is kept for assertions and shown when `check` fails."""
+    config/config.yaml, and `env` added to the environment, with the command
+    `snakemake`. Returns the CompletedProcess; its output is kept for assertions
+    and shown when `check` fails."""
     require_e2e("runs Snakemake")
     workdir.mkdir(parents=True, exist_ok=True)
     configfile = workdir / "test-config.yaml"
     configfile.write_text(yaml.safe_dump(config))
     command = [
-        str(BIN / "snakemake"),
+        *snakemake,
         "--snakefile", str(REPO / "Snakefile"),
         "--directory", str(workdir),
         "--configfile", str(configfile),

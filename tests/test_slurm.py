@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_snakemake
+from conftest import BIN, REPO, run_snakemake
 
 pytestmark = pytest.mark.cluster
 
@@ -24,8 +24,10 @@ PROFILE = REPO / "profiles" / "slurm"
 CONFIG = {"train": {"steps": 30, "log_every": 10, "eval_every": 30, "checkpoint_every": 30}}
 SWEEP = {**CONFIG, "sweep": {"name": "slurm", "grid": {"train.optimizer.lr": [0.01, 0.001]}}}
 POINTS = ["lr-0.01", "lr-0.001"]
-# The first status check after 2 s instead of the profile's 20 s keeps the run short.
+# The first status check after 2 s instead of the profile's 20 s, and every 2 s
+# after it rather than 10 s later each time, keeps the runs short.
 SLURM_ARGS = ("--workflow-profile", str(PROFILE), "--slurm-init-seconds-before-status-checks", "2")
+SNAKEMAKE = (str(BIN / "python"), str(REPO / "tests" / "slurm" / "snakemake_fixed_polling.py"))
 
 
 @pytest.fixture(scope="session")
@@ -45,7 +47,7 @@ def slurm_run(slurm_cluster, tmp_path_factory):
     point_<point>_<rule>) and the sweep adds its comparison, so one run puts
     every rule through Slurm, and a point's training beside another's."""
     workdir = tmp_path_factory.mktemp("slurm") / "work"
-    result = run_snakemake(workdir, SWEEP, *SLURM_ARGS)
+    result = run_snakemake(workdir, SWEEP, *SLURM_ARGS, snakemake=SNAKEMAKE)
     return workdir, result
 
 
@@ -135,7 +137,7 @@ def test_cuda_training_asks_for_one_gpu_per_task(slurm_cluster, tmp_path):
     workdir = tmp_path / "work"
     run_snakemake(workdir, CONFIG, "build_artifacts")  # locally: only `train` goes to Slurm below
     config = {"train": {**CONFIG["train"], "device": "cuda", "world_size": 4}}
-    result = run_snakemake(workdir, config, "train", *SLURM_ARGS, check=False)
+    result = run_snakemake(workdir, config, "train", *SLURM_ARGS, check=False, snakemake=SNAKEMAKE)
     assert result.returncode != 0, result.stderr
     calls = re.findall(r"^\s*(sbatch .*--comment rule_train .*)$", result.stderr, re.M)
     assert len(calls) == 2, result.stderr[-4000:]  # the profile retries a training job once
@@ -154,7 +156,7 @@ def test_only_training_is_retried(slurm_cluster, tmp_path):
     workdir.mkdir()
     (workdir / "bad.csv").write_text("a,b,y\n" + "".join(f"{i},{i},{i % 2}\n" for i in range(40)))
     config = {**CONFIG, "data": {"source": "bad.csv", "features": ["c"], "label": "y"}}
-    result = run_snakemake(workdir, config, "prepare_data", *SLURM_ARGS, check=False)
+    result = run_snakemake(workdir, config, "prepare_data", *SLURM_ARGS, check=False, snakemake=SNAKEMAKE)
     assert result.returncode != 0, result.stderr
     assert "column(s) c not found" in result.stderr, result.stderr[-4000:]
     jobs = [rows[0] for rows in slurm_jobs(workdir).values()]

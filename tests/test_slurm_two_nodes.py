@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from conftest import BIN, REPO, fault, run_snakemake
-from test_slurm import PROFILE, SLURM_ARGS, slurm_cluster, slurm_jobs  # noqa: F401 - the fixture
+from test_slurm import PROFILE, SLURM_ARGS, SNAKEMAKE, slurm_cluster, slurm_jobs  # noqa: F401 - the fixture
 
 from ortflow.checkpoints import reader, resume
 
@@ -84,7 +84,7 @@ def workdir_with_inputs(inputs: Path, workdir: Path) -> Path:
 def run_on_two_nodes(config: dict, inputs: Path, profile: Path, tmp_path_factory):
     """`train` of `config`, run through `profile`: one job on node1 and node2. Its workdir and Snakemake's result."""
     workdir = workdir_with_inputs(inputs, tmp_path_factory.mktemp("two-nodes") / "work")
-    result = run_snakemake(workdir, config, "train", *slurm_args(profile))
+    result = run_snakemake(workdir, config, "train", *slurm_args(profile), snakemake=SNAKEMAKE)
     return workdir, result
 
 
@@ -294,7 +294,7 @@ def test_a_failed_node_ends_the_job_and_the_rerun_on_the_other_resumes(
 
     # The rerun: the remaining node, the same global batch, the default timeout.
     rerun = with_train(world_size=2, nodes=1, micro_batch_size=16)
-    run_snakemake(workdir, rerun, "train", *slurm_args(two_node_profile))
+    run_snakemake(workdir, rerun, "train", *slurm_args(two_node_profile), snakemake=SNAKEMAKE)
     log = (workdir / "logs/digits/train.log").read_text()
     assert re.search(r"resuming at step 10 from \S*/checkpoints/step-00000010", log), log
     assert re.search(r"ranks per node: node1: rank 0 \(local 0\), rank 1 \(local 1\)$", log, re.M), log
@@ -308,7 +308,7 @@ def start_snakemake(workdir: Path, config: dict, profile: Path, *args: str, env:
     configfile = workdir / "test-config.yaml"
     configfile.write_text(yaml.safe_dump(config))
     return subprocess.Popen(
-        [str(BIN / "snakemake"), "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
+        [*SNAKEMAKE, "--snakefile", str(REPO / "Snakefile"), "--directory", str(workdir),
          "--configfile", str(configfile), "--cores", "2", "train", *slurm_args(profile), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
     )
