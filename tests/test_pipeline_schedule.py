@@ -7,13 +7,15 @@ checkpoints the stages write, merged, and the evaluation through the stages."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import copy_inputs, fault, run_on_ranks, run_snakemake
+from conftest import BIN, copy_inputs, fault, require_e2e, run_on_ranks, run_snakemake
 from ortflow import cli, config as config_mod, machine
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints import layout, reader
@@ -340,6 +342,23 @@ def test_a_run_resumes_at_another_number_of_stages(workflow, tmp_path):
         assert worst < 1e-6
 
 
+def train_staged(work: Path, corpus: Path, fault_env: dict, collective_timeout_s: int | None = None):
+    """`ortflow train` of the staged run in `work`, as its rule runs it, with `fault_env` added to the
+    environment: the exit code and what it printed (the rule's log). The stop and the watchdog are
+    the Trainer's and its ranks', so Snakemake is left out."""
+    require_e2e("starts MPI ranks")
+    config = workflow_config(corpus, "staged", 2)
+    if collective_timeout_s is not None:
+        config["train"]["collective_timeout_s"] = collective_timeout_s
+    run = subprocess.run(
+        [str(BIN / "ortflow"), "train", "--config-json", json.dumps(config_mod.as_dict(config_mod.load(overrides=config))),
+         "--train", "results/staged/data/train", "--eval", "results/staged/data/eval",
+         "--artifacts", "results/staged/artifacts", "--out", "results/staged/train"],
+        cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180,
+        env={**os.environ, **fault_env})
+    return run.returncode, run.stdout
+
+
 @pytest.mark.e2e
 def test_a_stop_signal_stops_the_stages_with_a_checkpoint_and_the_rerun_ends_as_uninterrupted(workflow, tmp_path):
     """Rank 1 (the last stage) sends SIGTERM to `ortflow train` before step 3 (0-based): every
@@ -347,15 +366,13 @@ def test_a_stop_signal_stops_the_stages_with_a_checkpoint_and_the_rerun_ends_as_
     and ends with the uninterrupted run's checkpoint. Measured: bit for bit."""
     source, corpus, _, _ = workflow
     work = copy_inputs(source, tmp_path / "work")
-    config = workflow_config(corpus, "staged", 2)
-    stopped = run_snakemake(work, config, "train", "--forcerun", "train", check=False, env=fault(3, 1, "sigterm"))
-    assert stopped.returncode != 0
-    log = (work / "logs/staged/train.log").read_text()
+    code, log = train_staged(work, corpus, fault(3, 1, "sigterm"))
+    assert code != 0
     assert "stopping after step 4 of 6: SIGUSR1 on" in log
     assert "ortflow train: stopped by SIGTERM after step 4, with a checkpoint; rerun to resume from it" in log
-    run_snakemake(work, config, "train")
-    assert "resuming at step 4 from results/staged/train/checkpoints/step-00000004" in \
-        (work / "logs/staged/train.log").read_text()
+    code, log = train_staged(work, corpus, {})
+    assert code == 0, log
+    assert "resuming at step 4 from results/staged/train/checkpoints/step-00000004" in log
     worst = largest_difference(*(reader.read_checkpoint(folder / "results/staged/train/checkpoints/step-00000006").state
                                  for folder in (work, source)))
     print(f"stopped after step 4 and resumed: largest difference at step 6 {worst:.3g}")
@@ -365,19 +382,16 @@ def test_a_stop_signal_stops_the_stages_with_a_checkpoint_and_the_rerun_ends_as_
 @pytest.mark.e2e
 def test_a_stalled_stage_is_named_by_the_watchdog_and_a_failed_one_ends_the_job(workflow, tmp_path):
     """Rank 0 (stage 0) stalls before step 3 (0-based): rank 1, waiting for its activation, ends
-    the run after train.collective_timeout_s naming rank 0. Rank 1 fails at step 3: every rank ends."""
+    the run after train.collective_timeout_s naming rank 0. Rank 1 fails at step 3: every rank ends,
+    and no metrics.json says the run finished."""
     source, corpus, _, _ = workflow
     work = copy_inputs(source, tmp_path / "work")
-    config = workflow_config(corpus, "staged", 2)
-    config["train"]["collective_timeout_s"] = 4
-    stalled = run_snakemake(work, config, "train", "--forcerun", "train", check=False, timeout=180,
-                            env=fault(3, 0, "stall"))
-    assert stalled.returncode != 0
-    log = (work / "logs/staged/train.log").read_text()
+    (work / "results/staged/train/metrics.json").unlink()  # the finished run's
+    code, log = train_staged(work, corpus, fault(3, 0, "stall"), collective_timeout_s=4)
+    assert code != 0
     assert "rank 1: collective receive " in log and "from stage 0 did not finish within " \
         "train.collective_timeout_s=4s; rank 0 is behind: last seen at step 3 (forward)" in log
-    failed = run_snakemake(work, config, "train", check=False, timeout=180, env=fault(3, 1, "raise"))
-    assert failed.returncode != 0
-    log = (work / "logs/staged/train.log").read_text()
+    code, log = train_staged(work, corpus, fault(3, 1, "raise"), collective_timeout_s=4)
+    assert code != 0
     assert "injected failure on rank 1 at step 3" in log and "the ranks exited with code" in log
     assert not (work / "results/staged/train/metrics.json").exists()
