@@ -43,6 +43,12 @@ class Ragged:
             file.write(values.astype(TOKEN, copy=False).tobytes())
         self._lengths.append(len(fields[0]))
 
+    def extend(self, lengths: np.ndarray, *fields: np.ndarray) -> None:
+        """Records one after another, of `lengths`: their fields' values, each field's of all of them at once."""
+        for file, values in zip(self.files, fields, strict=True):
+            file.write(values.astype(TOKEN, copy=False).tobytes())
+        self._lengths.extend(lengths.tolist())
+
     def end(self) -> None:
         """Every record is appended: make them readable."""
         for file in self.files:
