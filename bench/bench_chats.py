@@ -154,8 +154,8 @@ def main() -> None:
     parser.add_argument("--ways", default="ortflow,datasets,packed", help="comma-separated: " + ", ".join(WAYS))
     parser.add_argument("--dir", default=None, help="where to write the rows (default: a temporary folder)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--chats", help=argparse.SUPPRESS)
-    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--chats", help="rows written before (with the tokenizer folder --tokenizer): not written again")
+    parser.add_argument("--tokenizer", help="the tokenizer folder of --chats")
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -165,8 +165,13 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         chats, folder = Path(tmp) / "chats.jsonl", Path(tmp) / "tokenizer"
-        write_chats(chats, args.rows)
-        write_tokenizer(chats, folder, args.vocab)
+        if args.chats:
+            chats, folder = Path(args.chats), Path(args.tokenizer)
+            with open(chats, "rb") as rows:
+                args.rows = sum(1 for _ in rows)
+        else:
+            write_chats(chats, args.rows)
+            write_tokenizer(chats, folder, args.vocab)
         print(f"machine: {cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
               f"RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS', 'unset')}")
         print(f"chats: {args.rows:,} rows, {chats.stat().st_size / 1e6:.1f} MB of jsonl, data.context {args.context}")
