@@ -225,7 +225,7 @@ def _require(rows: Rows, columns: list[str], keys: str) -> None:
 @dataclass
 class Tokens:
     """The tokens of a batch of rows: their ids one after another, whether each is in the loss, and where
-    each row's start (`starts`, with their ends, `len(ids)`, last)."""
+    each row starts (`starts`; a row ends where the next starts, the last at `len(ids)`)."""
     ids: np.ndarray  # int32
     loss: np.ndarray  # bool
     starts: np.ndarray  # int64, a row's first token
@@ -329,7 +329,7 @@ class Renderer:
         # made as arrays, not lists a token, it went through (docs/benchmarks.md): its rendering (it drops the
         # messages' keys of value None first), the rendering encoded without special tokens, and the
         # characters of each {% generation %} span to the tokens from the one of its first to the one of its
-        # last character (to the end if that has none; the chat's later spans left out if the first has none).
+        # last character (to the end if that has none; the chat's later spans left out if its first has none).
         from transformers.utils.chat_template_utils import render_jinja_template
 
         plain = [[{key: value for key, value in message.items() if value is not None} for message in messages]
@@ -350,7 +350,8 @@ class Renderer:
                 token, last = encoding.char_to_token(begin), encoding.char_to_token(end - 1)
                 if token is None:
                     break
-                found.loss[first + token:first + (len(encoding) if last is None else last + 1)] = True
+                # `not last`, as transformers tests it: a span ending in token 0 also runs to the end
+                found.loss[first + token:first + (last + 1 if last else len(encoding))] = True
         return found
 
     def _turn(self, where: str, row: int, before: list[dict], upto: list[dict], text: str) -> tuple[int, int]:
