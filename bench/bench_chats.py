@@ -13,8 +13,9 @@ from the same call), then runs, each in a process of its own (its peak RSS is it
   folder: the rows tokenized as Arrow columns, nothing padded, no shard written.
 
 Both must find the same tokens and the same tokens in the loss. Rounds alternate the ways (the machine
-may be shared). Seconds and peak RSS (the process's maximum resident memory, ru_maxrss, imports included)
-are the way's until its output is written; the tokens are counted after that.
+may be shared). Seconds, CPU seconds (the process's, all its threads: less noisy than seconds on a shared
+machine) and peak RSS (the process's maximum resident memory, ru_maxrss, imports included) are the way's
+until its output is written; the tokens are counted after that.
 
     python bench/bench_chats.py --rows 100000 --rounds 2
 """
@@ -131,8 +132,9 @@ def measure(way: str, chats: Path, folder: Path, scratch: Path, context: int) ->
     started, stage = time.perf_counter(), {}
 
     def finished() -> None:
-        stage.update(seconds=time.perf_counter() - started,
-                     peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        stage.update(seconds=time.perf_counter() - started, cpu_seconds=usage.ru_utime + usage.ru_stime,
+                     peak_rss_mb=usage.ru_maxrss / 1024)
 
     return WAYS[way](chats, folder, scratch, context, finished) | stage
 
@@ -152,8 +154,8 @@ def main() -> None:
     parser.add_argument("--ways", default="ortflow,datasets,packed", help="comma-separated: " + ", ".join(WAYS))
     parser.add_argument("--dir", default=None, help="where to write the rows (default: a temporary folder)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    parser.add_argument("--chats", help=argparse.SUPPRESS)
-    parser.add_argument("--tokenizer", help=argparse.SUPPRESS)
+    parser.add_argument("--chats", help="rows written before (with the tokenizer folder --tokenizer): not written again")
+    parser.add_argument("--tokenizer", help="the tokenizer folder of --chats")
     parser.add_argument("--scratch", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -163,12 +165,17 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         chats, folder = Path(tmp) / "chats.jsonl", Path(tmp) / "tokenizer"
-        write_chats(chats, args.rows)
-        write_tokenizer(chats, folder, args.vocab)
+        if args.chats:
+            chats, folder = Path(args.chats), Path(args.tokenizer)
+            with open(chats, "rb") as rows:
+                args.rows = sum(1 for _ in rows)
+        else:
+            write_chats(chats, args.rows)
+            write_tokenizer(chats, folder, args.vocab)
         print(f"machine: {cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
               f"RAYON_NUM_THREADS={os.environ.get('RAYON_NUM_THREADS', 'unset')}")
         print(f"chats: {args.rows:,} rows, {chats.stat().st_size / 1e6:.1f} MB of jsonl, data.context {args.context}")
-        print(f"{'round':5} {'way':9} {'seconds':>8} {'rows/s':>8} {'examples':>9} {'tokens':>11} {'loss tokens':>11} "
+        print(f"{'round':5} {'way':9} {'seconds':>8} {'CPU s':>8} {'rows/s':>8} {'examples':>9} {'tokens':>11} {'loss tokens':>11} "
               f"{'peak RSS MB':>12}")
         ways = args.ways.split(",")
         for round_ in range(args.rounds):
@@ -179,7 +186,8 @@ def main() -> None:
                 if "error" in result:
                     print(f"{round_:5} {way:9} failed: {result['error']}")
                     continue
-                print(f"{round_:5} {way:9} {result['seconds']:8.1f} {args.rows / result['seconds']:8,.0f} "
+                print(f"{round_:5} {way:9} {result['seconds']:8.1f} {result['cpu_seconds']:8.1f} "
+                      f"{args.rows / result['seconds']:8,.0f} "
                       f"{result['examples']:9,} {result['tokens']:11,} {result['loss_tokens']:11,} "
                       f"{result['peak_rss_mb']:12,.0f}", flush=True)
 

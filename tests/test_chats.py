@@ -18,7 +18,7 @@ import transformers
 from ortflow import config as config_mod
 from ortflow.artifacts import Artifacts
 from ortflow.checkpoints.ort_format import read_ort_checkpoint
-from ortflow.data import examples
+from ortflow.data import examples, tokenizer as tokenizers
 from ortflow.data.manifest import Manifest, read_manifest
 from ortflow.data.shards import ShardReader
 from ortflow.errors import DataError
@@ -29,7 +29,7 @@ from ortflow.stages import build_artifacts, export_model
 from ortflow.stages.prepare_data import prepare
 from test_hf_families import differences, torch_twin, train_in_ort
 from test_torch_layers import LOSS_TOLERANCE, PARAMETER_TOLERANCE, largest
-from text_models import CHAT_TEMPLATE, CHAT_WORDS, MARKED_TEMPLATE, chat_tokenizer
+from text_models import CHAT_TEMPLATE, CHAT_WORDS, MARKED_TEMPLATE, chat_tokenizer, train_bpe
 from torch_reference import train_like_ortflow
 
 CONTEXT = 24
@@ -79,6 +79,48 @@ def test_chat_is_apply_chat_template_with_the_loss_on_the_assistant_turns(templa
     assert in_loss == ["fine", "thanks", "</s>", "four", "</s>"]
     assert manifest.source["examples"] == {"examples": 5, "truncated": 0, "dropped": 0, "loss_tokens": 25,
                                               "splits": {"all": 5}}
+
+
+# ChatML with its tags as plain text: a byte-level BPE then has tokens that cross a turn's first or last character.
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+          "{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n"
+          "{% endfor %}")
+MARKED_CHATS = [CHAT, CHAT[1:3], [{"role": "user", "content": "a b", "name": None},
+                                  {"role": "assistant", "content": "c", "name": None}], CHAT[:3] + CHAT[1:3]]
+
+
+def marked_folder(tmp_path: Path, kind: str) -> Path:
+    """A tokenizer folder of `kind`: words (MARKED_TEMPLATE, or a variant whose generation spans end or start
+    on a space, a character of no token) or byte-level BPE (CHATML)."""
+    if kind != "bpe":
+        template = {"words": MARKED_TEMPLATE,
+                    "span-ends-on-a-space": MARKED_TEMPLATE.replace("}}{% endgeneration %}", "}} {% endgeneration %}"),
+                    "span-starts-on-a-space": MARKED_TEMPLATE.replace("{% generation %}{{", "{% generation %} {{")}[kind]
+        assert template != MARKED_TEMPLATE or kind == "words"
+        return chat_tokenizer(tmp_path / "tokenizer", template)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=train_bpe(tmp_path / "tokenizer.json", 300),
+                                                     eos_token="<|endoftext|>")
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(str(tmp_path / "tokenizer"))
+    return tmp_path / "tokenizer"
+
+
+@pytest.mark.parametrize("kind", ["words", "span-ends-on-a-space", "span-starts-on-a-space", "bpe"])
+def test_marked_chats_are_apply_chat_templates_ids_and_assistant_mask(kind, tmp_path):
+    """The batch of chats rendered and encoded at once, the mask made of the spans' characters
+    (Renderer._chats), gives what apply_chat_template gives each chat, a row at a time."""
+    folder = marked_folder(tmp_path, kind)
+    data = config_mod.load(overrides={"data": {"source": "chats.jsonl", "tokenizer": str(folder)}}).data
+    renderer = examples.Renderer(data, tokenizers.load(str(folder)), "messages")
+    found = renderer.examples("chats.jsonl", 0, [{"messages": chat} for chat in MARKED_CHATS])
+    reference = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for chat, start, length in zip(MARKED_CHATS, found.starts, found.lengths):
+        own = reference.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        assert found.ids[start:start + length].tolist() == own["input_ids"]
+        assert found.loss[start:start + length].astype(int).tolist() == own["assistant_masks"]
+    # A span whose first character is of no token: transformers marks none of the chat's spans from there on.
+    assert found.loss.any() == (kind != "span-starts-on-a-space")
 
 
 def test_loss_on_all_and_a_template_of_the_config(tmp_path):

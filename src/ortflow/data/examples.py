@@ -34,6 +34,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -221,6 +222,36 @@ def _require(rows: Rows, columns: list[str], keys: str) -> None:
 # --- chats and prompt-completion pairs ------------------------------------------------------------------
 
 
+@dataclass
+class Tokens:
+    """The tokens of a batch of rows: their ids one after another, whether each is in the loss, and where
+    each row starts (`starts`; a row ends where the next starts, the last at `len(ids)`)."""
+    ids: np.ndarray  # int32
+    loss: np.ndarray  # bool
+    starts: np.ndarray  # int64, a row's first token
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.starts, append=len(self.ids))
+
+    @classmethod
+    def of(cls, rows: list[tuple[list[int], np.ndarray]]) -> "Tokens":
+        """Of (ids, loss) a row."""
+        lengths = np.fromiter((len(ids) for ids, _ in rows), np.int64, len(rows))
+        total = int(lengths.sum())
+        ids = np.fromiter(chain.from_iterable(ids for ids, _ in rows), ragged.TOKEN, total)
+        loss = np.concatenate([loss for _, loss in rows]) if rows else np.zeros(0, bool)
+        return cls(ids, loss.astype(bool, copy=False), np.cumsum(lengths) - lengths)
+
+    @classmethod
+    def encoded(cls, encodings: list) -> "Tokens":
+        """Of the tokenizers library's encodings, none in the loss yet."""
+        lengths = np.fromiter(map(len, encodings), np.int64, len(encodings))
+        total = int(lengths.sum())
+        ids = np.fromiter(chain.from_iterable(encoding.ids for encoding in encodings), ragged.TOKEN, total)
+        return cls(ids, np.zeros(total, bool), np.cumsum(lengths) - lengths)
+
+
 class Renderer:
     """Rows of a chat or prompt-completion format -> (token ids, whether each is in the loss)."""
 
@@ -243,17 +274,18 @@ class Renderer:
     def columns(self) -> list[str]:
         return [self.data.messages] if self.format == "messages" else [self.data.prompt, self.data.completion]
 
-    def examples(self, where: str, start: int, batch: list[dict]) -> Iterator[tuple[list[int], list[bool]]]:
-        """(token ids, whether each is in the loss) of each row of `batch`, the first numbered `start`. Chats
+    def examples(self, where: str, start: int, batch: list[dict]) -> "Tokens":
+        """The tokens of the rows of `batch`, the first numbered `start`, and which are in the loss. Chats
         are tokenized a batch at a time, on the tokenizers library's threads: a call a row cost more than
         its encoding (100,000 chats: 420 s a row at a time, docs/benchmarks.md)."""
         if self.format == "messages":
             found = self._chats(where, start, [self._messages(where, start + row, values, self.data.messages)
                                                for row, values in enumerate(batch)])
         else:
-            found = (self._pair(where, start + row, values) for row, values in enumerate(batch))
-        for ids, loss in found:
-            yield ids, [True] * len(ids) if self.data.loss_on == "all" else loss
+            found = Tokens.of([self._pair(where, start + row, values) for row, values in enumerate(batch)])
+        if self.data.loss_on == "all":
+            found.loss[:] = True
+        return found
 
     def _messages(self, where: str, row: int, values: dict, column: str) -> list[dict]:
         """The row's messages, checked: a list of {role, content} of roles the template takes."""
@@ -283,24 +315,44 @@ class Renderer:
             raise DataError(f"{where}: row {row}: the chat template fails to render it "
                             f"({type(error).__name__}: {str(error).strip()[:200]})") from None
 
-    def _chats(self, where: str, start: int, chats: list[list[dict]]) -> list[tuple[list[int], list[bool]]]:
-        if self.marked:  # the template marks the assistant's tokens itself
-            try:
-                out = self.chat.apply_chat_template(chats, tokenize=True, return_dict=True,
-                                                    return_assistant_tokens_mask=True)
-            except Exception as error:  # rendered alone, the row that fails is named with its error
-                for row, messages in enumerate(chats):
-                    self._render(where, start + row, messages)
-                raise DataError(f"{where}: rows {start} to {start + len(chats) - 1}: the chat template fails to "
-                                f"render them ({type(error).__name__}: {str(error).strip()[:200]})") from None
-            return [(list(ids), [bool(m) for m in mask]) for ids, mask in zip(out["input_ids"], out["assistant_masks"])]
-        texts, spans = [], []
-        for row, messages in enumerate(chats):
-            texts.append(self._render(where, start + row, messages))
-            spans.append([self._turn(where, start + row, messages[:i], messages[:i + 1], texts[-1])
-                          for i, message in enumerate(messages) if message["role"] == "assistant"])
+    def _chats(self, where: str, start: int, chats: list[list[dict]]) -> "Tokens":
+        if not self.marked:  # the assistant's tokens found by rendering the turns before each
+            texts, spans = [], []
+            for row, messages in enumerate(chats):
+                texts.append(self._render(where, start + row, messages))
+                spans.append([self._turn(where, start + row, messages[:i], messages[:i + 1], texts[-1])
+                              for i, message in enumerate(messages) if message["role"] == "assistant"])
+            encodings = self.tokenizer.backend.encode_batch(texts, add_special_tokens=False)
+            return Tokens.of([self._tokens(encoding, turns) for encoding, turns in zip(encodings, spans)])
+        # The template marks the assistant's tokens itself. What apply_chat_template(tokenize=True,
+        # return_assistant_tokens_mask=True) does, the same tokens and mask, but with the ids and the mask
+        # made as arrays, not lists a token, it went through (docs/benchmarks.md): its rendering (it drops the
+        # messages' keys of value None first), the rendering encoded without special tokens, and the
+        # characters of each {% generation %} span to the tokens from the one of its first to the one of its
+        # last character (to the end if that has none; the chat's later spans left out if its first has none).
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        plain = [[{key: value for key, value in message.items() if value is not None} for message in messages]
+                 for messages in chats]
+        try:
+            texts, generations = render_jinja_template(
+                conversations=plain, chat_template=self.chat.get_chat_template(),
+                return_assistant_tokens_mask=True, **self.chat.special_tokens_map)
+        except Exception as error:  # rendered alone, the row that fails is named with its error
+            for row, messages in enumerate(chats):
+                self._render(where, start + row, messages)
+            raise DataError(f"{where}: rows {start} to {start + len(chats) - 1}: the chat template fails to "
+                            f"render them ({type(error).__name__}: {str(error).strip()[:200]})") from None
         encodings = self.tokenizer.backend.encode_batch(texts, add_special_tokens=False)
-        return [self._tokens(encoding, turns) for encoding, turns in zip(encodings, spans)]
+        found = Tokens.encoded(encodings)
+        for encoding, first, spans in zip(encodings, found.starts, generations):
+            for begin, end in spans:
+                token, last = encoding.char_to_token(begin), encoding.char_to_token(end - 1)
+                if token is None:
+                    break
+                # `not last`, as transformers tests it: a span ending in token 0 also runs to the end
+                found.loss[first + token:first + (last + 1 if last else len(encoding))] = True
+        return found
 
     def _turn(self, where: str, row: int, before: list[dict], upto: list[dict], text: str) -> tuple[int, int]:
         """The characters of `text` that the last turn of `upto` adds to `before` with its generation prompt."""
@@ -313,13 +365,16 @@ class Renderer:
         return len(prefix), len(turn)
 
     @staticmethod
-    def _tokens(encoding, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:
+    def _tokens(encoding, spans: list[tuple[int, int]]) -> tuple[list[int], np.ndarray]:
         """The ids of a text's `encoding` (as apply_chat_template tokenizes it: no special tokens added), each
         in the loss if it starts in a span of characters."""
-        loss = [any(begin <= start < end for begin, end in spans) for start, _ in encoding.offsets]
-        return list(encoding.ids), loss
+        starts = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)[:, 0]
+        loss = np.zeros(len(starts), dtype=bool)
+        for begin, end in spans:
+            loss |= (begin <= starts) & (starts < end)
+        return encoding.ids, loss
 
-    def _pair(self, where: str, row: int, values: dict) -> tuple[list[int], list[bool]]:
+    def _pair(self, where: str, row: int, values: dict) -> tuple[list[int], np.ndarray]:
         prompt_key, completion_key = self.data.prompt, self.data.completion
         missing = [key for key in (prompt_key, completion_key) if key not in values]
         if missing:
@@ -340,9 +395,9 @@ class Renderer:
                                 f"{type(texts[0]).__name__} and {type(texts[1]).__name__}; give two texts or two "
                                 "lists of messages")
             first, second = self.tokenizer.backend.encode_batch_fast(texts, add_special_tokens=False)
-            ids, loss = first.ids + second.ids, [False] * len(first.ids) + [True] * len(second.ids)
+            ids, loss = first.ids + second.ids, np.repeat([False, True], [len(first.ids), len(second.ids)])
         if not ids or ids[-1] != self.eos:  # the model learns to stop after a completion
-            ids, loss = ids + [self.eos], loss + [True]
+            ids, loss = ids + [self.eos], np.append(loss, True)
         return ids, loss
 
 
@@ -386,13 +441,11 @@ def encode(data, tokenizer: tokenizers.Tokenizer, splits: dict[str, Rows], fmt: 
         progress = tokenizers.Progress(rows.where, 0, "rows", 1)
         start = 0
         for batch in rows.batches():
-            for row, (ids, loss) in enumerate(renderer.examples(rows.where, start, batch), start):
-                example = _example(ids, loss, f"{rows.where}: row {row}", data, counts)
-                if example is not None:
-                    windows.add(*example)
-                progress.done = row + 1
-                progress.update(len(ids))
+            found = renderer.examples(rows.where, start, batch)
+            windows.extend(*_examples(found, rows.where, start, data, counts))
             start += len(batch)
+            progress.done = start
+            progress.update(len(found.ids))
         progress.update(0, final=True)
         windows.end()  # the examples of two splits share no window
         counts.splits[name] = counts.examples - before
@@ -441,6 +494,15 @@ class Windows:
         else:
             self._first_fit(ids, labels)
 
+    def extend(self, ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray) -> None:
+        """Examples one after another: their ids and labels, and their lengths."""
+        if self.packing == "none":  # a record each, written together
+            self.records.extend(lengths, ids, labels)
+            self.padding += int((self.context - lengths).sum())
+            return
+        for begin, end in zip((np.cumsum(lengths) - lengths).tolist(), np.cumsum(lengths).tolist()):
+            self.add(ids[begin:end], labels[begin:end])
+
     def end(self) -> None:
         for window, used in self.open:
             self._write(window, used)
@@ -480,28 +542,34 @@ class Windows:
                 self._write(*self.open.pop())
 
 
-def _example(ids: list[int], loss: list[bool], where: str, data, counts: Counts) -> tuple | None:
-    """An example's input ids and labels, unpadded, truncated to data.context or None when dropped
-    (data.too_long): the labels are the ids shifted by one (the next token, as the windows of a text are),
-    IGNORE_INDEX where that token is not in the loss."""
-    context = data.context
-    truncated = len(ids) > context
-    if truncated and data.too_long == "drop":
-        counts.dropped += 1
-        return None
-    counts.truncated += truncated
-    ids, loss = np.asarray(ids[:context], dtype=ragged.TOKEN), np.asarray(loss[:context], dtype=bool)
-    labels = np.full(len(ids), IGNORE_INDEX, dtype=ragged.TOKEN)
-    labels[:-1] = np.where(loss[1:], ids[1:], IGNORE_INDEX)  # a template may render nothing
-    kept = int((labels != IGNORE_INDEX).sum())
-    if not kept:
-        learned = "its assistant turns (or completion)"
-        raise DataError(f"{where}: {learned} are empty after truncation to data.context={context} tokens; raise "
-                        "data.context, or set data.too_long: drop" if truncated else
-                        f"{where}: nothing to learn: {learned} have no token (data.loss_on: all trains on every token)")
-    counts.examples += 1
-    counts.loss_tokens += kept
-    return ids, labels
+def _examples(found: Tokens, where: str, start: int, data, counts: Counts) -> tuple[np.ndarray, ...]:
+    """The examples of a batch of rows (`found`, the first row numbered `start`) as (ids, labels, lengths),
+    unpadded, one after another: each truncated to data.context or left out (data.too_long: drop); the
+    labels the ids shifted by one (the next token, as the windows of a text are), IGNORE_INDEX where that
+    token is not in the loss."""
+    context, lengths = data.context, found.lengths
+    long = lengths > context
+    kept = ~long if data.too_long == "drop" else np.ones(len(lengths), bool)
+    example = np.repeat(np.arange(len(lengths)), lengths)  # each token's row in the batch
+    position = np.arange(len(found.ids)) - found.starts[example]
+    taken = kept[example] & (position < context)
+    following = np.zeros(len(taken), bool)  # the next token is of the same example, in it, and in the loss
+    following[:-1] = taken[1:] & (position[1:] > 0) & found.loss[1:]
+    labels = np.full(len(found.ids), IGNORE_INDEX, ragged.TOKEN)
+    labels[:-1] = np.where(following[:-1], found.ids[1:], IGNORE_INDEX)
+    learned = np.bincount(example[following], minlength=len(lengths))
+    empty = np.flatnonzero(kept & (learned == 0))  # a template may render nothing
+    if len(empty):
+        row, what = empty[0], "its assistant turns (or completion)"
+        raise DataError(f"{where}: row {start + row}: {what} are empty after truncation to data.context={context} "
+                        "tokens; raise data.context, or set data.too_long: drop" if long[row] else
+                        f"{where}: row {start + row}: nothing to learn: {what} have no token (data.loss_on: all "
+                        "trains on every token)")
+    counts.dropped += int((~kept).sum())
+    counts.truncated += int((long & kept).sum())
+    counts.examples += int(kept.sum())
+    counts.loss_tokens += int(learned.sum())
+    return found.ids[taken], labels[taken], np.minimum(lengths, context)[kept]
 
 
 def template_file(template: str | None) -> Path | None:

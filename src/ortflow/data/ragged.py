@@ -43,6 +43,12 @@ class Ragged:
             file.write(values.astype(TOKEN, copy=False).tobytes())
         self._lengths.append(len(fields[0]))
 
+    def extend(self, lengths: np.ndarray, *fields: np.ndarray) -> None:
+        """Records one after another, of `lengths`: their fields' values, each field's of all of them at once."""
+        for file, values in zip(self.files, fields, strict=True):
+            file.write(values.astype(TOKEN, copy=False).tobytes())
+        self._lengths.extend(lengths.tolist())
+
     def end(self) -> None:
         """Every record is appended: make them readable."""
         for file in self.files:
@@ -61,11 +67,13 @@ class Ragged:
         first = int(starts.min()) if len(rows) else 0
         end = int((starts + lengths).max()) if len(rows) else 0
         span = self._read(self.files[field], first, end - first)
-        if not len(span):  # nothing but padding
-            span = np.zeros(1, TOKEN)
-        values = span[np.minimum(starts[:, None] - first + positions, len(span) - 1)]
-        padding = positions - lengths[:, None] if fill is None else fill
-        return np.where(used, values, padding).astype(np.int64)
+        out = np.empty((len(rows), self.context), np.int64)
+        out[...] = positions - lengths[:, None] if fill is None else fill
+        # The rows' used tokens, row after row: where `used` is true in reading order. Indexing the span
+        # with them alone, not a [rows, context] index, is a fifth of the work at 100 tokens a record.
+        before = np.cumsum(lengths) - lengths
+        out[used] = span[np.repeat(starts - first - before, lengths) + np.arange(int(lengths.sum()))]
+        return out
 
     @staticmethod
     def _read(file, first: int, count: int) -> np.ndarray:

@@ -90,7 +90,7 @@ def _record_bytes(dataset: Dataset, dtype: np.dtype, rows: np.ndarray, block: in
         for name, array in dataset.features.items():
             records[name] = array[chosen]
         records[dataset.label_name] = dataset.label[chosen]
-        data = records.tobytes()
+        data = records.view(np.uint8)  # the bytes, not a copy of them
         digest.update(data)
         drop_mapped_pages(*dataset.features.values(), dataset.label)
         yield data
