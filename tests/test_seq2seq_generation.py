@@ -14,18 +14,24 @@ import pytest
 import torch
 import transformers
 
-from ortflow.errors import DataError, ModelError
+from tokenizers import Tokenizer
+
+from ortflow import cli
+from ortflow.errors import ModelError
 from ortflow.generation.check import GenerationCheck
 from ortflow.generation.generate import generate
+from ortflow.generation.samples import samples
 from ortflow.generation.seq2seq import Seq2SeqDecoder, check_seq2seq
-from ortflow.generation.seq2seq_export import export_seq2seq_folder, seq2seq_layout
+from ortflow.generation.seq2seq_export import export_seq2seq_folder
 from ortflow.models.hugging_face import attention
 from test_hf_families import FAMILIES
+from text_models import train_wordpiece
 
 NEW_TOKENS = 24
 LOGITS_TOLERANCE = 1e-4  # relative to the step's largest logit
 SOURCE_LENGTHS = (5, 17)
 BATCH = (17, 6, 11)  # right-padded to 17
+WORDS = ["red green blue cat dog bird runs sleeps eats big small old new fast slow"] * 4
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +60,7 @@ def exported(request, tmp_path_factory):
     config = FAMILIES[request.param][1]()
     torch.manual_seed(0)
     transformers.AutoModelForSeq2SeqLM.from_config(config).save_pretrained(root / "transformers")
+    train_wordpiece(root / "transformers" / "tokenizer.json", config.vocab_size, WORDS)
     agreement = export_seq2seq_folder(root / "transformers", root / "generation", strict(sources(SOURCE_LENGTHS[:1])))
     model = transformers.AutoModelForSeq2SeqLM.from_pretrained(
         root / "transformers", attn_implementation=attention(config.model_type)).eval()
@@ -92,3 +99,63 @@ def test_first_decoder_scores_a_whole_target(exported):
     logits = session.run(["logits"], {"encoder_attention_mask": mask.numpy(), "input_ids": target.numpy(),
                                       "encoder_hidden_states": states.numpy()})[0]
     assert np.abs(logits - expected).max() <= LOGITS_TOLERANCE * np.abs(expected).max()
+
+
+def test_folder_is_what_optimum_loads(exported):
+    """optimum's file names, inputs and outputs (ORTModelForSeq2SeqLM: modeling_seq2seq.py) at an opset
+    and IR that ONNX Runtime 1.19.2 loads, config.json with its cache on, and the tokenizer."""
+    import onnx
+
+    folder, model, _ = exported
+    layers = model.config.num_layers if model.config.model_type == "t5" else model.config.decoder_layers
+    past = [f"past_key_values.{i}.{part}.{tensor}" for i in range(layers) for part in ("decoder", "encoder")
+            for tensor in ("key", "value")]
+    names = {}
+    for name in ("encoder_model", "decoder_model", "decoder_with_past_model"):
+        graph = onnx.load(str(folder / f"{name}.onnx"), load_external_data=False)
+        assert graph.ir_version <= 10 and graph.opset_import[0].version <= 21
+        names[name] = ([value.name for value in graph.graph.input], [value.name for value in graph.graph.output])
+    assert names["encoder_model"] == (["input_ids", "attention_mask"], ["last_hidden_state"])
+    steps = ["encoder_attention_mask", "input_ids", "encoder_hidden_states"]
+    assert names["decoder_model"] == (steps, ["logits", *(name.replace("past_key_values", "present") for name in past)])
+    assert names["decoder_with_past_model"] == (
+        [*steps, *past], ["logits", *(name.replace("past_key_values", "present") for name in past if ".decoder." in name)])
+    assert json.loads((folder / "config.json").read_text())["use_cache"] is True
+    assert json.loads((folder / "generation_config.json").read_text())["decoder_start_token_id"] == \
+        model.config.decoder_start_token_id
+    assert Tokenizer.from_file(str(folder / "tokenizer.json")).encode("red cat").tokens == ["[CLS]", "red", "cat",
+                                                                                          "[SEP]"]
+
+
+def test_cli_and_samples_generate_what_generate_gives(exported, capsys):
+    """`ortflow generate` takes the prompt as the source; samples.json's "before" (transformers on the
+    same weights here) and "after" (the folder) are the same text."""
+    folder, model, _ = exported
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    decoder = Seq2SeqDecoder(folder, threads=1)
+    source = tokenizer.encode("big red dog runs").ids
+    expected = [token for token in generate(decoder, [source], 12)[0] if token not in decoder.eos]
+    assert cli.main(["generate", str(folder), "--prompt", "big red dog runs", "--max-new-tokens", "12",
+                     "--threads", "1"]) == 0
+    assert capsys.readouterr().out == tokenizer.decode(expected) + "\n"
+    written = samples(model, folder, [(source, [5, 6]), (source[:3], [7])], positions=64)
+    assert [(sample["before"], sample["expected"]) for sample in written["samples"]] == \
+        [(sample["after"], text) for sample, text in zip(written["samples"], [tokenizer.decode([5, 6]),
+                                                                               tokenizer.decode([7])])]
+    assert written["samples"][0]["after"] == tokenizer.decode(generate(decoder, [source], 32)[0])
+
+
+def test_a_family_it_cannot_export_is_refused_in_one_line(tmp_path):
+    """ProphetNet's n-gram decoder keeps an EncoderDecoderCache too, but its traced decoders do not
+    generate as it does: the check refuses it in one line, and no folder is left."""
+    config = transformers.ProphetNetConfig(
+        vocab_size=100, hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=2,
+        num_decoder_layers=2, num_encoder_attention_heads=2, num_decoder_attention_heads=2, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, eos_token_id=3, decoder_start_token_id=0,
+        max_position_embeddings=64)
+    torch.manual_seed(0)
+    transformers.AutoModelForSeq2SeqLM.from_config(config).save_pretrained(tmp_path / "transformers")
+    with pytest.raises(ModelError, match=r"^generation check: prompt 0's greedy tokens part from transformers' "
+                                         r"generate at step \d+ \(\[[\d, ]+\]\.\.\. against"):
+        export_seq2seq_folder(tmp_path / "transformers", tmp_path / "generation", strict(sources((9, 4))))
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["transformers"]

@@ -27,7 +27,7 @@ GENERATION_FOLDER = f"{RESULTS}/export/generation"
 SAMPLES = f"{RESULTS}/export/samples.json"
 GENERATION = (
     {"generation": directory(GENERATION_FOLDER), "samples": SAMPLES}
-    if (CONFIG.model.kind == "transformers" and CONFIG.model.task == "causal-lm")
+    if (CONFIG.model.kind == "transformers" and CONFIG.model.task in ("causal-lm", "seq2seq"))
     or ortflow_generation.built_in_generation(CONFIG.model.kind)
     else {}
 )

@@ -23,16 +23,12 @@ import numpy as np
 
 from ..errors import DataError, ModelError
 from ..sessions import inference_session
+from . import DECODER, DECODER_WITH_PAST, ENCODER
 from .check import Agreement, GenerationCheck, compare
 from .generate import Sampling, Step, choose, generate
 
-ENCODER, DECODER, DECODER_WITH_PAST = "encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx"
 # transformers' sampling defaults, for a generation_config.json that leaves one out (genai_config's search: folder.py)
 SEARCH = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
-
-
-def is_seq2seq(folder: Path) -> bool:
-    return (Path(folder) / ENCODER).is_file()
 
 
 def ids(value) -> set[int]:

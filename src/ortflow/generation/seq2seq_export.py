@@ -28,15 +28,18 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .. import atomic
 from ..errors import ModelError
+from ..export.checks import TOLERANCE
 from ..export.ecosystem import copy_tokenizer_files
 from ..graphs import inference_model
 from .check import Agreement, GenerationCheck
 from .decoder import OPSET
-from .seq2seq import DECODER, DECODER_WITH_PAST, ENCODER, check_seq2seq
+from . import DECODER, DECODER_WITH_PAST, ENCODER
+from .seq2seq import check_seq2seq
 
 log = logging.getLogger("ortflow.export")
 
@@ -210,3 +213,15 @@ def export_seq2seq_folder(source: Path, folder: Path, check: GenerationCheck | N
         model.generation_config.save_pretrained(building)
         copy_tokenizer_files(source, building)
         return check_seq2seq(model, building, check) if check else None
+
+
+def eval_check(sources: np.ndarray, valid: np.ndarray, positions: int | None, prompts: int,
+               new_tokens: int) -> GenerationCheck:
+    """The export's check on the first `prompts` eval sources (`sources` [records, context], `valid`
+    each one's tokens before its padding): every other one cut to half its tokens, so that the batch
+    has two lengths and is padded; `new_tokens`, or as many as the decoder's `positions` leave after
+    its start token."""
+    lengths = [max(1, int(valid[row]) // (1 if row % 2 == 0 else 2)) for row in range(min(prompts, len(sources)))]
+    return GenerationCheck([sources[row, :length].tolist() for row, length in enumerate(lengths)],
+                           new_tokens if positions is None else min(new_tokens, positions - 1),
+                           relative=TOLERANCE["relative"], absolute=TOLERANCE["absolute"])
