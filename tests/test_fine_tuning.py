@@ -409,5 +409,6 @@ def test_t5_seq2seq_by_task_on_jsonl_text_pairs(tmp_path):
     assert "export/generation: greedy generation in ONNX Runtime (" in said and "right-padded, equals " in said
     assert {"encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx", "tokenizer.json"} <= \
         {path.name for path in (results / "export/generation").iterdir()}
+    # The trained model generates the targets ("dog dog" for a review of a dog; measured: all 3).
     written = json.loads((results / "export/samples.json").read_text())["samples"]
-    assert len(written) == 3 and all(sample["after"] for sample in written)
+    assert len(written) == 3 and sum(sample["after"] == sample["expected"] for sample in written) >= 2, written
