@@ -31,7 +31,7 @@ from .generate import Sampling, Step, choose, generate
 SEARCH = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 
 
-def ids(value) -> set[int]:
+def token_set(value) -> set[int]:
     return set(value if isinstance(value, list) else [] if value is None else [value])
 
 
@@ -57,9 +57,9 @@ class Seq2SeqDecoder:
         if self.start is None:
             raise ModelError(f"{folder}: neither config.json nor generation_config.json gives decoder_start_token_id, "
                              "the target's first token")
-        self.eos = ids(setting("eos_token_id"))
+        self.eos = token_set(setting("eos_token_id"))
         self.pad = setting("pad_token_id") if setting("pad_token_id") is not None else 0
-        self.forced_bos, self.forced_eos = setting("forced_bos_token_id"), ids(setting("forced_eos_token_id"))
+        self.forced_bos, self.forced_eos = setting("forced_bos_token_id"), token_set(setting("forced_eos_token_id"))
         # BART's positions (max_position_embeddings); T5's relative positions have no limit.
         self.context_length = config.get("max_position_embeddings")
         self.search = {key: generation.get(key) if generation.get(key) is not None else default

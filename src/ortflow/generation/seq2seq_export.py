@@ -37,8 +37,8 @@ from ..export.checks import TOLERANCE
 from ..export.ecosystem import copy_tokenizer_files
 from ..graphs import inference_model
 from .check import Agreement, GenerationCheck
-from .decoder import OPSET
 from . import DECODER, DECODER_WITH_PAST, ENCODER
+from .decoder import OPSET
 from .seq2seq import check_seq2seq
 
 log = logging.getLogger("ortflow.export")
@@ -207,8 +207,8 @@ def export_seq2seq_folder(source: Path, folder: Path, check: GenerationCheck | N
                                                       dtype="float32")
     with atomic.folder(folder) as building:
         export_seq2seq(model, building)
-        config = copy.deepcopy(model.config)  # the caller's model keeps its own
-        config.use_cache = True
+        config = copy.deepcopy(model.config)  # the model's own stays as saved, for the check's generate
+        config.use_cache = True  # as the causal folder's (folder.py); optimum takes the decoder with past by its file
         config.save_pretrained(building)
         model.generation_config.save_pretrained(building)
         copy_tokenizer_files(source, building)
