@@ -163,3 +163,14 @@ def test_a_family_it_cannot_export_is_refused_in_one_line(tmp_path):
                                          r"generate at step \d+ \(\[[\d, ]+\]\.\.\. against"):
         export_seq2seq_folder(tmp_path / "transformers", tmp_path / "generation", strict(sources((9, 4))))
     assert sorted(path.name for path in tmp_path.iterdir()) == ["transformers"]
+
+
+def test_the_end_of_run_summary_gives_the_generate_command(tmp_path):
+    from ortflow.reporting.summary import exported_lines
+
+    (tmp_path / "generation").mkdir()
+    (tmp_path / "generation/encoder_model.onnx").write_bytes(b"")
+    (tmp_path / "model.onnx").write_bytes(b"")
+    assert exported_lines(tmp_path / "model.onnx", None)[1] == (
+        f"  generate  ortflow generate {tmp_path / 'generation'} --prompt 'your text' (an encoder and decoders "
+        "with a KV cache in ONNX Runtime)")

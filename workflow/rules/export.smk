@@ -17,7 +17,9 @@ TORCH_FORMATS = {
 }.get(CONFIG.model.kind, {})
 # A causal LM also as a decoder with a KV cache that ONNX Runtime generates from
 # (src/ortflow/generation/): `ortflow generate results/<run>/export/generation
-# --prompt ...`. Declared for model.task causal-lm, and for the built-in gpt where
+# --prompt ...`; a seq2seq model as optimum's encoder and decoders with a cache
+# (src/ortflow/generation/seq2seq_export.py). Declared for model.task causal-lm and
+# seq2seq, and for the built-in gpt where
 # transformers is installed (it is exported as the GPT-2 it equals); with task auto
 # the stage writes it too where the data make the model a causal LM, undeclared
 # (export_model removes an earlier run's for any other model).
