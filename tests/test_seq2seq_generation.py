@@ -7,7 +7,9 @@ stage saves export/transformers/."""
 
 from __future__ import annotations
 
+import copy
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from tokenizers import Tokenizer
 from ortflow import cli
 from ortflow.errors import ModelError
 from ortflow.generation.check import GenerationCheck
-from ortflow.generation.generate import generate
+from ortflow.generation.generate import Sampling, generate
 from ortflow.generation.samples import samples
 from ortflow.generation.seq2seq import Seq2SeqDecoder, check_seq2seq
 from ortflow.generation.seq2seq_export import export_seq2seq_folder
@@ -73,15 +75,40 @@ def test_greedy_equals_transformers(exported):
                            for batch in (sources(SOURCE_LENGTHS[1:]), sources(BATCH)))]
     assert [agreement.steps for agreement in agreements] == [NEW_TOKENS] * 3
     assert max(agreement.largest_error for agreement in agreements) <= LOGITS_TOLERANCE
-    # An eos that the first row gives at its 6th step: that row stops there and is fed the padding, the
-    # others go on, as in transformers' generate with that eos.
-    decoder = Seq2SeqDecoder(folder, threads=1)
-    decoder.eos = {generate(decoder, sources(BATCH), 6)[0][-1]}
-    assert len(generate(decoder, sources(BATCH), NEW_TOKENS)[0]) <= 6
-    (folder / "generation_config.json").write_text(json.dumps(
-        json.loads((folder / "generation_config.json").read_text()) | {"eos_token_id": sorted(decoder.eos)}))
-    model.generation_config.eos_token_id = sorted(decoder.eos)
+
+
+def with_settings(exported, root, **settings):
+    """A copy of the fixture's folder and model whose generation config has `settings` besides."""
+    folder, model, _ = exported
+    copied = shutil.copytree(folder, root / "generation")
+    config = json.loads((copied / "generation_config.json").read_text())
+    (copied / "generation_config.json").write_text(json.dumps(config | settings))
+    model = copy.deepcopy(model)
+    for key, value in settings.items():
+        setattr(model.generation_config, key, value)
+    return copied, model
+
+
+def test_a_row_that_ends_is_padded_as_transformers_pads_it(exported, tmp_path):
+    """An eos that the first row gives at its 6th step: that row stops there and is fed the padding,
+    the others go on, as in transformers' generate with that eos."""
+    eos = generate(Seq2SeqDecoder(exported[0], threads=1), sources(BATCH), 6)[0][-1]
+    folder, model = with_settings(exported, tmp_path, eos_token_id=[eos])
+    generated = generate(Seq2SeqDecoder(folder, threads=1), sources(BATCH), NEW_TOKENS)
+    assert len(generated[0]) <= 6 and generated[0][-1] == eos
     assert check_seq2seq(model, folder, strict(sources(BATCH))).steps <= NEW_TOKENS
+
+
+def test_forced_tokens_and_sampling_as_transformers(exported, tmp_path):
+    """forced_bos_token_id and forced_eos_token_id (BART's config has one) are the first and the last
+    of max_new_tokens, as transformers' processors make them; sampling from the top 1 is greedy."""
+    folder, model = with_settings(exported, tmp_path, forced_bos_token_id=7, forced_eos_token_id=[9],
+                                  eos_token_id=None)
+    decoder = Seq2SeqDecoder(folder, threads=1)
+    generated = generate(decoder, sources(BATCH), NEW_TOKENS)
+    assert [(row[0], row[-1], len(row)) for row in generated] == [(7, 9, NEW_TOKENS)] * len(BATCH)
+    assert check_seq2seq(model, folder, strict(sources(BATCH))).steps == NEW_TOKENS
+    assert generate(decoder, sources(BATCH), NEW_TOKENS, Sampling(do_sample=True, top_k=1, seed=3)) == generated
 
 
 def test_first_decoder_scores_a_whole_target(exported):
