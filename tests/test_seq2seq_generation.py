@@ -201,3 +201,16 @@ def test_the_end_of_run_summary_gives_the_generate_command(tmp_path):
     assert exported_lines(tmp_path / "model.onnx", None)[1] == (
         f"  generate  ortflow generate {tmp_path / 'generation'} --prompt 'your text' (an encoder and decoders "
         "with a KV cache in ONNX Runtime)")
+
+
+def test_external_data_folder_checks_and_loads(tmp_path, monkeypatch):
+    """Files whose weights go to external data (a model over external_data's threshold, here 0 bytes):
+    each of the three has its own .data beside it, and the folder passes the check from there."""
+    monkeypatch.setenv("ORTFLOW_EXTERNAL_DATA_BYTES", "0")
+    torch.manual_seed(0)
+    transformers.AutoModelForSeq2SeqLM.from_config(FAMILIES["bart"][1]()).save_pretrained(tmp_path / "transformers")
+    agreement = export_seq2seq_folder(tmp_path / "transformers", tmp_path / "generation", strict(sources(BATCH)))
+    assert agreement.steps == NEW_TOKENS
+    embedding = 100 * 32 * 4  # the vocabulary's float32 rows, in every file
+    for name in ("encoder_model", "decoder_model", "decoder_with_past_model"):
+        assert (tmp_path / "generation" / f"{name}.onnx.data").stat().st_size >= embedding
