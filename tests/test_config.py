@@ -70,8 +70,9 @@ def test_defaults_fill_every_section():
         ({"export": {"int4": {"block_size": 48}}}, "config key 'export.int4.block_size': 48 is not one of"),
         # the generate target's prompts: one way of giving them, for a model that has export/generation/
         ({"generate": {"prompt": "hi"}}, "config key 'generate.prompt': generates from export/generation/, which the "
-                                         "export writes for a causal LM (model.kind: gpt, or transformers with "
-                                         "model.task: causal-lm); got model.kind 'mlp', model.task 'auto'"),
+                                         "export writes for a causal LM or a sequence-to-sequence model (model.kind: "
+                                         "gpt, or transformers with model.task: causal-lm or seq2seq); got model.kind "
+                                         "'mlp', model.task 'auto'"),
         ({"generate": {"prompt": "hi", "prompts": "p.txt"}}, "config key 'generate.prompts': set with "
                                                               "generate.prompt; give one of them"),
         ({"generate": {"max_new_tokens": 0}}, "config key 'generate.max_new_tokens': 0 is less than the minimum of 1"),

@@ -403,3 +403,12 @@ def test_t5_seq2seq_by_task_on_jsonl_text_pairs(tmp_path):
     log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     picked = np.take_along_axis(log_probs, np.where(kept, labels, 0)[:, None, :], axis=1)[:, 0]
     assert -picked[kept].mean() == pytest.approx(metrics["eval"]["loss"], rel=1e-4)
+    # export/generation/: optimum's encoder and decoders, checked against transformers' generate,
+    # and samples.json from it: the eval sources' targets as the trained model generates them.
+    said = (workdir / "logs/t5/export_model.log").read_text()
+    assert "export/generation: greedy generation in ONNX Runtime (" in said and "right-padded, equals " in said
+    assert {"encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx", "tokenizer.json"} <= \
+        {path.name for path in (results / "export/generation").iterdir()}
+    # The trained model generates the targets ("dog dog" for a review of a dog; measured: all 3).
+    written = json.loads((results / "export/samples.json").read_text())["samples"]
+    assert len(written) == 3 and sum(sample["after"] == sample["expected"] for sample in written) >= 2, written

@@ -8,6 +8,8 @@ ORTModelForCausalLM (`generate(do_sample=False)`). Their tokens must be transfor
 `generate(do_sample=False)` for fp32, and ortflow's generate in ONNX Runtime 1.19.2 for int4
 (transformers has no int4 of the model). The export/optimum/ folders of a BERT classifier and tagger
 (tests/test_ecosystem.py) are loaded by optimum's ORTModelFor<task>, their logits transformers'.
+The sequence-to-sequence folders of a tiny T5 and BART (tests/test_seq2seq_generation.py) are loaded
+by optimum's ORTModelForSeq2SeqLM, their greedy tokens and logits transformers'.
 optimum-onnx pins transformers < 4.58 (ortflow's is 5): its environment is another one. Marked slow:
 fresh, the installs took 83 s (genai, 216 MB on disk) and 213 s (optimum, 1.3 GB with the CPU build
 of torch 2.13.0) on the development machine; the environments are kept in the cache folder
@@ -106,6 +108,26 @@ for folder, loader, texts, ids in json.loads(sys.argv[1]):
 print(json.dumps(found))
 """
 TEXTS = ["the woof said it", "the moo said loud here was it it loud", "the meow"]
+
+# Run in optimum's environment: each sequence-to-sequence generation folder loaded by ORTModelForSeq2SeqLM,
+# greedy from a right-padded batch of sources: {folder: {"tokens", "logits" [steps, batch, vocab], "versions"}}.
+OPTIMUM_SEQ2SEQ = """
+import json, sys
+import onnxruntime, optimum.version, torch, transformers
+from optimum.onnxruntime import ORTModelForSeq2SeqLM
+
+folders, sources, mask, new_tokens = json.loads(sys.argv[1])
+found = {}
+for folder in folders:
+    model = ORTModelForSeq2SeqLM.from_pretrained(folder, provider="CPUExecutionProvider")
+    out = model.generate(input_ids=torch.tensor(sources), attention_mask=torch.tensor(mask), do_sample=False,
+                         max_new_tokens=new_tokens, output_logits=True, return_dict_in_generate=True)
+    found[folder] = {"tokens": out.sequences[:, 1:].tolist(), "logits": torch.stack(out.logits).tolist(),
+                     "cache": model.decoder_with_past is not None,
+                     "versions": f"onnxruntime {onnxruntime.__version__}, optimum {optimum.version.__version__}, "
+                                 f"transformers {transformers.__version__}"}
+print(json.dumps(found))
+"""
 
 
 @pytest.fixture(scope="module")
@@ -208,3 +230,44 @@ def test_optimum_loads_the_classifier_and_tagger_folders(optimum_python, tmp_pat
     # The classifier's texts went through the tokenizer as the model was trained: BERT's template, padded.
     assert set(found[cases[0][0]]["feeds"]) == {"input_ids", "token_type_ids", "attention_mask"}
     assert min(map(min, found[cases[0][0]]["feeds"]["attention_mask"])) == 0
+
+
+@pytest.mark.slow
+def test_optimum_generates_from_the_seq2seq_folders(optimum_python, tmp_path):
+    """The generation folders of the tiny T5 and BART (generation/seq2seq_export.py): optimum's
+    ORTModelForSeq2SeqLM loads them with the decoder with past (its cache on), and its greedy tokens and
+    each step's logits from a right-padded batch of two sources are transformers' (5, this
+    environment's) of export/transformers/. The tiny random models repeat a token, so the logits are
+    what shows that the cache is read as it was written."""
+    import numpy as np
+    import transformers
+
+    from ortflow.generation.seq2seq import Seq2SeqDecoder, right_padded, transformers_greedy
+    from ortflow.generation.seq2seq_export import export_seq2seq_folder
+    from test_hf_families import FAMILIES
+    from test_seq2seq_generation import sources
+
+    torch.set_num_threads(1)  # test_generation's reason
+    batch, expected = sources((17, 6)), {}
+    for family in ("t5", "bart"):
+        torch.manual_seed(0)
+        transformers.AutoModelForSeq2SeqLM.from_config(FAMILIES[family][1]()).save_pretrained(tmp_path / family)
+        export_seq2seq_folder(tmp_path / family, tmp_path / family / "generation")
+        model = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / family).eval()
+        decoder = Seq2SeqDecoder(tmp_path / family / "generation")
+        expected[str(tmp_path / family / "generation")] = transformers_greedy(model, decoder, batch, NEW_TOKENS)
+    ids, mask = right_padded(batch, 0)
+    result = subprocess.run([str(optimum_python), "-c", OPTIMUM_SEQ2SEQ,
+                             json.dumps([list(expected), ids.tolist(), mask.tolist(), NEW_TOKENS])],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.splitlines()[-1])
+    for folder, (tokens, logits) in expected.items():
+        got = np.array(found[folder]["logits"], dtype=np.float32)
+        worst = np.abs(got - logits).max()
+        print(f"{Path(folder).parent.name}: ORTModelForSeq2SeqLM, {found[folder]['versions']}: "
+              f"{sum(map(len, tokens))} tokens equal, logits within {worst:.3g} of transformers' (largest "
+              f"|logit| {np.abs(logits).max():.3g})")
+        assert found[folder]["cache"] is True
+        assert [row[:len(ours)] for row, ours in zip(found[folder]["tokens"], tokens)] == tokens
+        assert got.shape == logits.shape and worst <= 1e-4 * np.abs(logits).max()

@@ -17,7 +17,9 @@ TORCH_FORMATS = {
 }.get(CONFIG.model.kind, {})
 # A causal LM also as a decoder with a KV cache that ONNX Runtime generates from
 # (src/ortflow/generation/): `ortflow generate results/<run>/export/generation
-# --prompt ...`. Declared for model.task causal-lm, and for the built-in gpt where
+# --prompt ...`; a seq2seq model as optimum's encoder and decoders with a cache
+# (src/ortflow/generation/seq2seq_export.py). Declared for model.task causal-lm and
+# seq2seq, and for the built-in gpt where
 # transformers is installed (it is exported as the GPT-2 it equals); with task auto
 # the stage writes it too where the data make the model a causal LM, undeclared
 # (export_model removes an earlier run's for any other model).
@@ -27,7 +29,7 @@ GENERATION_FOLDER = f"{RESULTS}/export/generation"
 SAMPLES = f"{RESULTS}/export/samples.json"
 GENERATION = (
     {"generation": directory(GENERATION_FOLDER), "samples": SAMPLES}
-    if (CONFIG.model.kind == "transformers" and CONFIG.model.task == "causal-lm")
+    if (CONFIG.model.kind == "transformers" and CONFIG.model.task in ("causal-lm", "seq2seq"))
     or ortflow_generation.built_in_generation(CONFIG.model.kind)
     else {}
 )

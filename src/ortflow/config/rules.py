@@ -134,16 +134,18 @@ def _check_int4(config: Config) -> None:
 
 def _check_generate(config: Config) -> None:
     """The generate target's prompts: one way of giving them, for a model that has export/generation/
-    (the built-in gpt, or a causal LM of kind transformers; model.task auto may be one, known once the
-    data are)."""
+    (the built-in gpt, or a causal LM or sequence-to-sequence model of kind transformers; model.task
+    auto may be one, known once the data are)."""
     section, model = config.generate, config.model
     if section.prompt is not None and section.prompts is not None:
         raise ConfigError("config key 'generate.prompts': set with generate.prompt; give one of them")
     given = "prompt" if section.prompt is not None else "prompts" if section.prompts is not None else None
-    if given and model.kind != "gpt" and (model.kind != "transformers" or model.task not in ("causal-lm", "auto")):
+    if given and model.kind != "gpt" and (model.kind != "transformers"
+                                          or model.task not in ("causal-lm", "seq2seq", "auto")):
         raise ConfigError(
             f"config key 'generate.{given}': generates from export/generation/, which the export writes for a "
-            f"causal LM (model.kind: gpt, or transformers with model.task: causal-lm); got model.kind "
+            f"causal LM or a sequence-to-sequence model (model.kind: gpt, or transformers with model.task: "
+            f"causal-lm or seq2seq); got model.kind "
             f"{model.kind!r}, model.task {model.task!r}")
 
 

@@ -10,7 +10,9 @@ on it in ONNX Runtime 1.19.2 (this project's runtime) equal to transformers' `ge
 - `folder`: the folder around it: `model.onnx`, `config.json`, `generation_config.json`, the
   tokenizer files and onnxruntime-genai's `genai_config.json`;
 - `generate`: greedy and sampled generation on such a folder in numpy and ONNX Runtime;
-- `check`: that generation against transformers' `generate` on the model it came from.
+- `check`: that generation against transformers' `generate` on the model it came from;
+- `seq2seq_export` and `seq2seq`: the same for a sequence-to-sequence model (T5, BART): optimum's
+  encoder and decoders with a cache, generation on them, its check.
 """
 
 GENERATION = "generation"  # the export stage's folder: results/<run>/export/generation/ (run_export.py)
@@ -19,6 +21,15 @@ SAMPLES = "samples.json"  # beside it, export/samples.json: eval prompts generat
 MODEL = "model.onnx"
 GENAI_CONFIG = "genai_config.json"
 TOKENIZER = "tokenizer.json"  # what `ortflow generate` reads (the tokenizers library's file)
+# A sequence-to-sequence model's folder instead of MODEL and GENAI_CONFIG: optimum's three files (seq2seq_export.py).
+ENCODER, DECODER, DECODER_WITH_PAST = "encoder_model.onnx", "decoder_model.onnx", "decoder_with_past_model.onnx"
+
+
+def is_seq2seq(folder) -> bool:
+    """Whether the generation folder `folder` is a sequence-to-sequence model's."""
+    from pathlib import Path
+
+    return (Path(folder) / ENCODER).is_file()
 
 
 def built_in_generation(kind: str) -> bool:

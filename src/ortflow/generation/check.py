@@ -57,6 +57,14 @@ def check_generation(model, decoder: Decoder, check: GenerationCheck) -> Agreeme
     expected, expected_logits = transformers_greedy(model, decoder, check.prompts, check.max_new_tokens)
     logits = []
     got = generate(decoder, check.prompts, check.max_new_tokens, on_step=lambda step: logits.append(step.logits))
+    return compare(got, logits, expected, expected_logits, check)
+
+
+def compare(got: list[list[int]], logits: list[np.ndarray], expected: list[list[int]], expected_logits: np.ndarray,
+            check: GenerationCheck) -> Agreement:
+    """Generated tokens and each step's logits [batch, vocab] against transformers' (its greedy tokens
+    and logits [steps, batch, vocab]): refused in one line where a token differs or a step's logits
+    differ by more than the check's tolerance."""
     for row, (ours, theirs) in enumerate(zip(got, expected)):
         if ours != theirs:
             step = next((at for at, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))

@@ -76,6 +76,13 @@ class Decoder:
         logits, *presents = self.session.run(self.outputs, {name: feed[name] for name in self.inputs})
         return logits, presents
 
+    def room(self, prompt_length: int) -> int:
+        """The most new tokens the model's positions leave after a prompt of `prompt_length` tokens."""
+        return self.context_length - prompt_length
+
+    def steps(self, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling()) -> Iterator[Step]:
+        return steps(self, prompts, max_new_tokens, sampling)
+
 
 def left_padded(prompts: list[list[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
     """The prompts as ids and an attention mask [batch, longest], padded on the left."""
@@ -153,13 +160,14 @@ def steps(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int,
         mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], -1)
 
 
-def generate(decoder: Decoder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
+def generate(decoder, prompts: list[list[int]], max_new_tokens: int, sampling: Sampling = Sampling(),
              on_step: Callable[[Step], None] | None = None) -> list[list[int]]:
-    """The tokens generated for each prompt, up to and including its end-of-sequence token;
-    `on_step` is given each step as it comes (streaming)."""
+    """The tokens generated for each prompt, up to and including its end-of-sequence token, by `decoder`
+    (a Decoder, or seq2seq.Seq2SeqDecoder: anything with `steps` and `eos`); `on_step` is given each
+    step as it comes (streaming)."""
     generated: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    for step in steps(decoder, prompts, max_new_tokens, sampling):
+    for step in decoder.steps(prompts, max_new_tokens, sampling):
         if on_step:
             on_step(step)
         for row, token in enumerate(step.tokens.tolist()):

@@ -5,7 +5,9 @@ fine-tuned one (`model.kind: transformers`, causal-lm, LoRA merged) from export/
 its users load it; the built-in `gpt` as the transformers GPT-2 it equals (models/gpt.as_gpt2),
 with data.tokenizer's tokenizer or one of bytes. The check: greedy generation from the first
 tokens of a few eval records against transformers' `generate`, within the export's TOLERANCE.
-The check's prompts come in two lengths, so that its batch is left-padded as a served batch is. Any other model has no such
+The check's prompts come in two lengths, so that its batch is left-padded as a served batch is. A
+fine-tuned sequence-to-sequence model (seq2seq) gets optimum's encoder and decoders with a cache
+(seq2seq_export.py), checked on eval sources of two lengths, right-padded. Any other model has no such
 folder: an earlier run's is removed, as export/transformers/ is.
 """
 
@@ -50,11 +52,14 @@ def eval_check(windows: np.ndarray, positions: int, valid: np.ndarray | None = N
 def write_generation(task: str | None, batch: dict, export: Path, positions: int | None, gpt=None,
                      tokenizer: dict | None = None) -> None:
     """export/generation/ from export/transformers/ where `task` (the transformers model's, None for
-    another kind) is causal-lm, or from `gpt` (the trained built-in gpt module, model.kind gpt) as the
+    another kind) is causal-lm or seq2seq, or from `gpt` (the trained built-in gpt module, model.kind gpt) as the
     GPT-2 it equals with the data's `tokenizer` (the manifest's description; None: bytes), checked on
     the eval `batch` (raw features) within the model's `positions`; for any other model an earlier
     run's folder is removed."""
     folder = Path(export) / GENERATION
+    if task == "seq2seq":
+        write_seq2seq(batch, Path(export), positions)
+        return
     if gpt is not None and not built_in_generation("gpt"):
         log.info("%s: not written: the built-in gpt is exported as transformers' GPT-2, and transformers is not "
                  "installed (pip install 'ortflow[transformers]')", folder)
@@ -79,6 +84,20 @@ def write_generation(task: str | None, batch: dict, export: Path, positions: int
              "tokens, left-padded, equals transformers' generate token for token, each step's logits within %.3g "
              "of the largest", folder, agreement.steps, check.max_new_tokens, fewer, len(check.prompts),
              " and ".join(map(str, lengths)), agreement.largest_error)
+
+
+def write_seq2seq(batch: dict, export: Path, positions: int | None) -> None:
+    """export/generation/ of a sequence-to-sequence model from export/transformers/ (seq2seq_export.py),
+    checked on the eval `batch`'s sources."""
+    from .seq2seq_export import eval_check as seq2seq_check, export_seq2seq_folder
+
+    check = seq2seq_check(batch[INPUT_IDS], batch[ATTENTION_MASK].sum(axis=1), positions, PROMPTS, NEW_TOKENS)
+    agreement = export_seq2seq_folder(export / TRANSFORMERS, export / GENERATION, check)
+    lengths = sorted({len(prompt) for prompt in check.prompts}, reverse=True)
+    log.info("%s: greedy generation in ONNX Runtime (%d steps of at most %d new tokens) from %d eval sources of %s "
+             "tokens, right-padded, equals transformers' generate token for token, each step's logits within %.3g "
+             "of the largest", export / GENERATION, agreement.steps, check.max_new_tokens, len(check.prompts),
+             ", ".join(map(str, lengths)), agreement.largest_error)
 
 
 def built_in_gpt2(gpt, windows: np.ndarray, export: Path, tokenizer: dict | None):

@@ -8,7 +8,8 @@ most PROMPT_TOKENS, half the record). Beside it, what the eval data has next (it
 loss from there on, as many as are generated), then the two greedy continuations of at most NEW_TOKENS: before, transformers'
 `generate` on the starting weights (build_artifacts' initial checkpoint: model.path's, or
 model.weights'); after, the exported decoder of export/generation/ in ONNX Runtime, as
-`ortflow generate` runs it.
+`ortflow generate` runs it. A sequence-to-sequence model's prompt is a record's source, and what the
+eval data has is its target.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from .. import atomic
 from ..data.tokenizer import ATTENTION_MASK, INPUT_IDS
 from ..models import IGNORE_INDEX
 from ..models import TEXT_WINDOWS
-from . import GENERATION, SAMPLES, TOKENIZER
+from . import GENERATION, SAMPLES, TOKENIZER, is_seq2seq
 from .check import transformers_greedy
 from .generate import Decoder, generate
+from .seq2seq import Seq2SeqDecoder, transformers_greedy as seq2seq_greedy
 
 log = logging.getLogger("ortflow.export")
 
@@ -52,16 +54,33 @@ def eval_prompts(batch: dict, label_name: str, count: int) -> list[tuple[list[in
     return found
 
 
+def seq2seq_prompts(batch: dict, label_name: str, count: int) -> list[tuple[list[int], list[int]]]:
+    """(source, target) token ids of the first `count` records of a sequence-to-sequence eval `batch`:
+    the source before its padding, and the target's tokens in the loss (its labels before the padding)."""
+    ids, valid, labels = batch[INPUT_IDS], batch[ATTENTION_MASK].sum(axis=1), batch[label_name]
+    found = []
+    for row in range(min(count, len(ids))):
+        ignored = np.flatnonzero(labels[row] == IGNORE_INDEX)
+        found.append((ids[row, :int(valid[row])].tolist(), labels[row, :ignored[0] if ignored.size else None].tolist()))
+    return found
+
+
 def samples(start_model, folder: Path, prompts: list[tuple[list[int], list[int]]], positions: int) -> dict:
-    """The samples of `prompts` (eval_prompts') as text: greedy generation of `start_model` (the
-    torch causal LM of the starting weights) and of the generation `folder`'s decoder."""
+    """The samples of `prompts` (eval_prompts', or seq2seq_prompts' for a sequence-to-sequence folder)
+    as text: greedy generation of `start_model` (the torch model of the starting weights) and of the
+    generation `folder`'s decoder."""
     from tokenizers import Tokenizer
 
-    decoder = Decoder(folder, prepacked=False)
+    sources = [prompt for prompt, _ in prompts]
+    if is_seq2seq(folder):
+        decoder, greedy = Seq2SeqDecoder(folder, prepacked=False), seq2seq_greedy
+        room = decoder.room(max(map(len, sources)))
+    else:
+        decoder, greedy, room = Decoder(folder, prepacked=False), transformers_greedy, positions - max(map(len, sources))
     tokenizer = Tokenizer.from_file(str(folder / TOKENIZER))
-    new_tokens = max(1, min(NEW_TOKENS, positions - max(len(prompt) for prompt, _ in prompts)))
-    before, _ = transformers_greedy(start_model, decoder, [prompt for prompt, _ in prompts], new_tokens)
-    after = generate(decoder, [prompt for prompt, _ in prompts], new_tokens)
+    new_tokens = max(1, min(NEW_TOKENS, NEW_TOKENS if room is None else room))
+    before, _ = greedy(start_model, decoder, sources, new_tokens)
+    after = generate(decoder, sources, new_tokens)
 
     def text(tokens: list[int]) -> str:  # the end-of-sequence token is the stop, not text
         return tokenizer.decode([token for token in tokens if token not in decoder.eos], skip_special_tokens=True)
@@ -90,8 +109,8 @@ def write_samples(count: int, export: Path, reader, positions: int | None,
         batch = reader.gather(np.arange(min(count, len(reader))))
         start = start_module()
         model = as_gpt2(start) if isinstance(start, GPT) else start.model
-        written = samples(model, folder, eval_prompts(batch, reader.label_name, count),
-                          positions or batch[reader.label_name].shape[1])
+        prompts = (seq2seq_prompts if is_seq2seq(folder) else eval_prompts)(batch, reader.label_name, count)
+        written = samples(model, folder, prompts, positions or batch[reader.label_name].shape[1])
     atomic.write_text(path, json.dumps(written, indent=1, ensure_ascii=False) + "\n")
     log.info("%s: %d eval prompts with greedy generation (at most %d new tokens) of the starting weights "
              "and of %s", path, len(written["samples"]), written["max_new_tokens"], folder)

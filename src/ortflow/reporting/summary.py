@@ -11,7 +11,7 @@ from ..artifacts import Artifacts
 from ..checkpoints.meta import META, read_merged
 from ..export.ecosystem import MODEL as OPTIMUM_MODEL
 from ..export.ecosystem import OPTIMUM
-from ..generation import GENAI_CONFIG, GENERATION, SAMPLES
+from ..generation import GENAI_CONFIG, GENERATION, SAMPLES, is_seq2seq
 from ..graphs.description import ModelDescription, read_description
 from ..quantization.export_metrics import Int4
 from ..wording import plural
@@ -87,9 +87,10 @@ def exported_lines(model: Path, int8: Path | None) -> list[str]:
     export/optimum/ with the class that loads it."""
     lines = [f"  model     {model}" + (f" (int8: {int8})" if int8 else "")] if model.is_file() else []
     generation = model.parent / GENERATION
-    if (generation / GENAI_CONFIG).is_file():
+    if (generation / GENAI_CONFIG).is_file() or is_seq2seq(generation):
+        kind = "an encoder and decoders" if is_seq2seq(generation) else "a decoder"
         lines.append(f"  generate  {shlex.join(['ortflow', 'generate', str(generation), '--prompt', 'your text'])} "
-                     "(a decoder with a KV cache in ONNX Runtime)")
+                     f"({kind} with a KV cache in ONNX Runtime)")
     samples = read_json(model.parent / SAMPLES)
     if samples and samples["samples"]:
         lines.append(f"  samples   {model.parent / SAMPLES}: {plural(len(samples['samples']), 'eval prompt')} "

@@ -118,8 +118,9 @@ def samples_page(samples_path: Path | None) -> str:
     samples = read_json(samples_path) if samples_path else None
     if samples is None:
         return page("Generated samples", "<p>No generated samples: this run has no <code>export/generation/</code> "
-                    "folder, which the export writes for a causal LM fine-tuned by task (<code>model.kind: "
-                    "transformers</code>, <code>model.task: causal-lm</code>), once export_model has run.</p>")
+                    "folder, which the export writes for a causal LM or a sequence-to-sequence model fine-tuned by task "
+                    "(<code>model.kind: transformers</code>, <code>model.task: causal-lm</code> or <code>seq2seq</code>"
+                    "), once export_model has run.</p>")
     if not samples["samples"]:
         return page("Generated samples", "<p>No generated samples: <code>export.samples</code> is 0.</p>")
     rows = [(str(i), entry["prompt"], entry["expected"], entry["before"], entry["after"])

@@ -22,7 +22,8 @@
    generates from, its greedy generation on a few
    eval prompts checked against transformers' `generate` (generation/run_export.py); and
    `samples.json`: export.samples eval prompts with the greedy generation of the starting weights
-   and of that folder (generation/samples.py).
+   and of that folder (generation/samples.py). For a sequence-to-sequence model (seq2seq), the
+   same from optimum's encoder and decoders with a cache (generation/seq2seq_export.py).
 6. For a text classifier, tagger or regressor (`kind: transformers`), `optimum/`: `transformers/` in
    optimum's layout (the tokenizer's input names, transformers' logits), its logits checked in ONNX
    Runtime against transformers' on the eval records (export/ecosystem.py).

@@ -1,4 +1,5 @@
 """`ortflow generate`: text from an exported generation folder (generation/folder.py), streamed.
+A sequence-to-sequence model's folder (generation/seq2seq_export.py) takes the prompt as its source.
 
 The folder's tokenizer.json (the tokenizers library's file; a byte-level one for a model trained
 on bytes) turns each prompt into ids and the generated ids back into text; the decoder runs in
@@ -98,13 +99,15 @@ def stream(tokenizer, write, ids: list[int], shown: str, last: bool = False) -> 
 
 def run(args) -> int:
     from ..generation.generate import Decoder, Sampling, generate
+    from ..generation import is_seq2seq
+    from ..generation.seq2seq import Seq2SeqDecoder
 
     from_config(args)
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise DataError(f"--max-new-tokens {args.max_new_tokens}: must be at least 1")
     prompts = read_prompts(args)
     tokenizer = load_tokenizer(args.folder)
-    decoder = Decoder(args.folder, args.threads)
+    decoder = (Seq2SeqDecoder if is_seq2seq(args.folder) else Decoder)(args.folder, args.threads)
     given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     sampling = Sampling(args.do_sample, seed=args.seed,
                         **{key: decoder.search[key] if value is None else value for key, value in given.items()})
@@ -127,8 +130,9 @@ def run(args) -> int:
 
         encoded = tokenizer.encode(prompt).ids
         # A model of few positions (the README's has 64) still continues a short prompt by default;
-        # a prompt that leaves none is refused by generate in one line.
-        new_tokens = args.max_new_tokens or max(1, min(MAX_NEW_TOKENS, decoder.context_length - len(encoded)))
+        # a prompt that leaves none is refused by generate in one line. T5's positions have no limit.
+        room = decoder.room(len(encoded))
+        new_tokens = args.max_new_tokens or max(1, MAX_NEW_TOKENS if room is None else min(MAX_NEW_TOKENS, room))
         generate(decoder, [encoded], new_tokens, sampling, on_step)
         generated.append({"prompt": prompt, "text": stream(tokenizer, write, ids, shown, last=True)})
         write("\n")
