@@ -46,7 +46,8 @@ STEPS = 4
 # bias, whose true gradient is zero; the embedding row of a byte absent from the text) it turns the
 # rounding noise, which differs with the CPU's summation order, into a step of the learning rate's
 # size in either direction (8.5e-6 apart on an Intel Xeon for Qwen2 against a bound of 5e-6). AdamW's
-# arithmetic is compared with torch's in tests/test_optimizer.py and tests/test_torch_layers.py.
+# steps are compared with torch's on the same gradients in tests/test_weight_decay.py and
+# tests/test_artifacts.py, and each weight against its own update's size in tests/test_lora.py.
 LR = 0.1
 VOCAB, TIME, CLASSES = 100, 12, 3
 BYTES = 256  # a folder without a tokenizer reads text as bytes: a vocabulary of 256 (causal-lm)

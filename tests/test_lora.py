@@ -4,7 +4,9 @@ a torch module of the user's (`kind: torch`, tests/transformers_models.py's GPT2
 
 Each case builds the artifacts, takes STEPS AdamW steps with ONNX Runtime's training API and
 the same steps in torch + peft from the same initial weights (test_hf_families' helpers),
-compares losses and the trained parameters within the layer tests' tolerances, checks that only
+compares the losses within the layer tests' tolerance and the trained parameters each element
+against its own AdamW update (torch_reference.update_ratios: where a step's size does not follow
+its gradient's, a fixed bound would let the CPU's summation order decide), checks that only
 the adapters (and the new head) are trainable, hold optimizer moments and move, then exports:
 one plain ONNX model (no adapter left in it) whose logits are the unmerged torch model's, the
 adapter folder that PeftModel.from_pretrained loads on the base, and the merged model in the
@@ -42,7 +44,7 @@ from ortflow.stages import build_artifacts, export_model
 from ortflow.stages.prepare_data import prepare
 from test_hf_families import STEPS, differences, family_config, train_in_ort
 from test_torch_layers import LOSS_TOLERANCE, PARAMETER_TOLERANCE, largest
-from torch_reference import train_like_ortflow
+from torch_reference import train_like_ortflow, update_ratios
 from transformers_models import GPT2
 
 # case -> (model section, the family of test_hf_families whose data and tiny model it takes,
@@ -117,10 +119,13 @@ def test_lora_trains_the_adapters_like_peft_and_exports_them_merged(case, tmp_pa
     manifest = read_manifest(train_dir)
     twin = torch_twin(config, manifest, dict(initial.parameters))
     torch_losses, torch_trained = train_like_ortflow(twin, config, train_dir)
-    worst = differences(trained, torch_trained)
-    print(f"{case}: loss {largest(losses, torch_losses):.2g}, parameters {max(worst.values()):.2g}")
+    trainable = {n: trained[n] for n in info.trainable}
+    worst = update_ratios(trainable, torch_trained, initial.parameters)
+    print(f"{case}: loss {largest(losses, torch_losses):.2g}, parameters "
+          f"{max(differences(trainable, torch_trained).values()):.2g}, worst ratio to the bound "
+          f"{max(worst.values()):.2g} ({max(worst, key=worst.get)})")
     assert largest(losses, torch_losses) <= LOSS_TOLERANCE * max(1.0, *torch_losses), (losses, torch_losses)
-    assert max(worst.values()) <= PARAMETER_TOLERANCE, worst
+    assert max(worst.values()) <= 1, worst
     assert min(largest(trained[n], initial.parameters[n]) for n in info.trainable
                if ".lora_B." in n) > 100 * PARAMETER_TOLERANCE  # every adapter trained
 

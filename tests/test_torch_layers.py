@@ -3,7 +3,7 @@ int64 token ids -> nn.Embedding -> the layer -> mean -> linear head), through
 ortflow's own stage commands (`ortflow build-artifacts`, `ortflow train -n 1`,
 `ortflow checkpoint merge`, `ortflow export-model`): a short training equals the
 same training in PyTorch (tests/torch_reference.py: same initial weights, same
-batches, AdamW, clipping, schedule), and the exported model equals the eval graph."""
+batches, SGD, clipping, schedule), and the exported model equals the eval graph."""
 
 from __future__ import annotations
 
@@ -28,19 +28,23 @@ from ortflow.training.run_folder import TrainFolder
 from ortflow.models import torch_export
 from ortflow.sessions import inference_session
 from conftest import shard_manifest
-from torch_layers import LayerNet, key_bias
+from torch_layers import LayerNet
 from torch_reference import load_initial, train_like_ortflow, with_weights
 
 LAYERS = ["embedding", "embedding_padding_idx", "layer_norm", "gelu", "gelu_tanh", "sdpa_causal", "sdpa_mask",
           "multihead_attention", "transformer_encoder_layer"]
 VOCAB, TIME = 16, 8
 # weight_decay 0: the comparison is about the layers (tests/test_weight_decay.py
-# compares the weight decay's parameter groups with torch's).
+# compares the weight decay's parameter groups with torch's). Plain SGD, not AdamW: SGD moves a
+# weight by lr x its gradient, so the trainings part by the gradients' rounding alone. AdamW moves
+# each element by about lr whatever its gradient's size: an attention's key bias, whose gradient is
+# zero but for rounding, moved by up to 2.5e-3 in other directions in ONNX Runtime and torch, so a
+# bound on AdamW's weights lets the CPU's summation order decide (tests/torch_reference.py).
 CONFIG = {
     "run": {"name": "layers", "seed": 7},
     "data": {"features": ["ids"], "label": "y", "eval_fraction": 0.2, "shards": 1},
     "train": {"world_size": 1, "micro_batch_size": 16, "steps": 8, "log_every": 1, "eval_every": 8,
-              "checkpoint_every": 8, "optimizer": {"lr": 0.01, "weight_decay": 0.0},
+              "checkpoint_every": 8, "optimizer": {"name": "sgd", "lr": 0.1, "weight_decay": 0.0},
               "lr_schedule": {"name": "cosine", "warmup_steps": 2}},
 }
 # Allowed differences, float32 in both (ONNX Runtime sums in other orders than
@@ -88,17 +92,6 @@ def largest(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
 
 
-def parameter_differences(layer: str, trained: dict, reference: dict) -> dict:
-    """Largest difference per parameter between ortflow's and torch's final
-    weights, but for an attention's key bias (see torch_layers.key_bias)."""
-    assert trained.keys() == reference.keys()
-    trained, reference = dict(trained), dict(reference)
-    if key_bias(layer):
-        name, part = key_bias(layer)
-        trained[name], reference[name] = np.delete(trained[name], part), np.delete(reference[name], part)
-    return {name: largest(trained[name], reference[name]) for name in trained}
-
-
 def torch_logits(layer: str, weights: dict, ids: np.ndarray) -> np.ndarray:
     """The torch module's logits in eval mode with `weights`."""
     with torch.no_grad():
@@ -128,7 +121,8 @@ def test_short_training_equals_pytorch_and_export_equals_eval_graph(layer, token
                                                      tokens / "train")
     assert len(losses) == len(torch_losses) == config.train.steps
     assert largest(losses, torch_losses) <= LOSS_TOLERANCE, (losses, torch_losses)
-    worst = parameter_differences(layer, trained, torch_trained)
+    assert trained.keys() == torch_trained.keys()
+    worst = {name: largest(trained[name], torch_trained[name]) for name in trained}
     assert max(worst.values()) <= PARAMETER_TOLERANCE, worst
 
     eval_reader = ShardReader(tokens / "eval")
@@ -139,11 +133,6 @@ def test_short_training_equals_pytorch_and_export_equals_eval_graph(layer, token
           f"eval graph {largest(exported, graph):.2g}, vs torch {largest(exported, in_torch):.2g}")
     assert largest(exported, graph) <= EXPORT_TOLERANCE
     assert largest(exported, in_torch) <= EXPORT_TOLERANCE
-    if key_bias(layer):  # left out above: it does not change the outputs
-        name, part = key_bias(layer)
-        zeroed = {**trained, name: trained[name].copy()}
-        zeroed[name][part] = 0
-        assert largest(torch_logits(layer, zeroed, batch["ids"]), in_torch) <= EXPORT_TOLERANCE  # measured 8.9e-8
 
 
 class Bag(torch.nn.Module):

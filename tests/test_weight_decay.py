@@ -1,8 +1,8 @@
 """Weight decay in two groups (train.optimizer.no_decay): which parameters each
 rule and pattern picks out, and a few steps of ortflow's training step (ORT's
 AdamW or SGD graph and ortflow's decoupled decay, one rank, no MPI) against
-torch.optim.AdamW and SGD with two parameter groups, on a tiny GPT with biases,
-LayerNorms and embeddings."""
+torch.optim.AdamW and SGD with two parameter groups, stepping on ortflow's gradients
+once they are shown equal to torch's, on a tiny GPT with biases, LayerNorms and embeddings."""
 
 from __future__ import annotations
 
@@ -153,6 +153,14 @@ def test_training_steps_equal_torch_with_two_parameter_groups(built, train_dir, 
         torch_loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(batch["x"])), torch.from_numpy(batch["y"]))
         torch_optimizer.zero_grad()
         torch_loss.backward()
+        # torch steps on ortflow's gradients (the step's, still in the state), once they are shown
+        # equal to its own: AdamW moves an element by about lr whatever its gradient's size, so torch's
+        # own gradients would make an element whose gradient is rounding noise (this GPT's key biases)
+        # step apart by the CPU's summation order; the steps compared here are the optimizers' alone.
+        for name, parameter in parameters.items():
+            ours, theirs = state.parameters[name].grad, parameter.grad.numpy()
+            np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-6 * np.abs(theirs).max(), err_msg=name)
+            parameter.grad = torch.from_numpy(ours.copy())
         for group in torch_optimizer.param_groups:
             group["lr"] = lr
         torch_optimizer.step()

@@ -78,18 +78,6 @@ def make_layer(layer: str, width: int) -> nn.Module | None:
     }[layer]()
 
 
-def key_bias(layer: str, width: int = 16) -> tuple[str, slice] | None:
-    """(parameter, part) of the bias that the attention adds to its keys. Its
-    gradient is zero in exact arithmetic (it adds q.b to all of a query's
-    scores, which the softmax ignores); AdamW, which divides a gradient by its
-    own size, moves it by float rounding noise alone (~1e-9 gradients), in
-    torch and ONNX Runtime alike but in other directions."""
-    name = {"sdpa_causal": "layer.qkv.bias", "sdpa_mask": "layer.qkv.bias",
-            "multihead_attention": "layer.attention.in_proj_bias",
-            "transformer_encoder_layer": "layer.encoder.self_attn.in_proj_bias"}.get(layer)
-    return (name, slice(width, 2 * width)) if name else None
-
-
 class LayerNet(nn.Module):
     def __init__(self, layer: str, vocab: int = 16, width: int = 16, classes: int = 3):
         super().__init__()

@@ -17,6 +17,27 @@ from ortflow.data.shards import ShardReader
 from ortflow.training.schedule import learning_rate
 
 
+# AdamW moves each element by about the learning rate whatever its gradient's size, so the two
+# float32 trainings' rounding, relative to each element's gradient, shows in its step: a fixed bound
+# on the weights lets the CPU's summation order decide. update_ratios bounds each element by its own
+# move in torch instead: ortflow's weight within UPDATE_RTOL of that move, plus UPDATE_ATOL for the
+# elements that barely move. Where a gradient is zero in exact arithmetic (rounding noise alone: an
+# attention's key bias) no bound on AdamW's weights holds; such models are compared after SGD steps.
+UPDATE_RTOL = 1e-3
+UPDATE_ATOL = 1e-7
+
+
+def update_ratios(trained: dict, reference: dict, initial: dict) -> dict[str, float]:
+    """{name: the largest |trained - reference| / (UPDATE_RTOL * |reference - initial| + UPDATE_ATOL)
+    of its elements}: at most 1 where ortflow's AdamW steps are torch's to within rounding."""
+    ratios = {}
+    for name, array in trained.items():
+        ours, theirs = np.asarray(array, np.float64), np.asarray(reference[name], np.float64)
+        moved = np.abs(theirs - np.asarray(initial[name], np.float64).reshape(theirs.shape))
+        ratios[name] = float((np.abs(ours.reshape(theirs.shape) - theirs) / (UPDATE_RTOL * moved + UPDATE_ATOL)).max())
+    return ratios
+
+
 def with_weights(model: torch.nn.Module, weights: dict[str, np.ndarray]) -> torch.nn.Module:
     """`model` with `weights` (every parameter, strictly)."""
     model.load_state_dict({k: torch.from_numpy(v) for k, v in weights.items()}, strict=True)
