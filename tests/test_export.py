@@ -685,3 +685,69 @@ def test_latency_is_timed_at_a_batch_whose_activations_fit(monkeypatch, caplog):
                             {"accuracy": 0.9, "latency_ms": {"b1_p50": 1.0, "b1_p95": 1.0, "b10_p50": 3.0, "b10_p95": 3.0}})
     assert speedup(export) == 3.0
     assert ("speedup", "int8 speed-up (batch 10, 1 thread)", "3.00x") in summary_rows(None, export)
+
+
+def test_fp32_latency_is_timed_on_the_graph_onnx_runtime_runs_from_the_exported_model(tmp_path, monkeypatch):
+    """quantize_model times fp32 as pre-processed for quantization, whose weights' Transposes are
+    folded, so that its session does not hold every weight twice beside the int8 session: after
+    ONNX Runtime's optimizations, as the latency session loads them, it and the exported model are
+    the same nodes and initializers, and compute the same logits bit for bit."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import numpy_helper
+
+    from test_artifacts import build, config
+
+    from ortflow.checkpoints.ort_format import read_ort_checkpoint
+    from ortflow.graphs import inference_model
+    from ortflow.quantization import measure
+    from ortflow.sessions import session_options
+    from ortflow.stages import quantize_model
+    from ortflow.stages.prepare_data import prepare
+
+    (tmp_path / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    model = {"kind": "gpt", "layers": 2, "heads": 2, "width": 32}
+    run = config(model, {"source": str(tmp_path / "corpus.txt"), "context": 8})
+    prepare(run, tmp_path / "train", tmp_path / "eval")
+    info = build(tmp_path / "train", tmp_path / "artifacts", model)
+    exported = tmp_path / "model.onnx"
+    graph = inference_model.inference_graph(tmp_path / "artifacts" / "eval_model.onnx", info.outputs.logits)
+    inference_model.add_weights(graph, read_ort_checkpoint(tmp_path / "artifacts" / "checkpoint").parameters,
+                                exported, exported)
+    onnx.save(graph, str(exported))
+    batch = ShardReader(tmp_path / "eval").gather(np.arange(4))
+
+    def as_run(path: Path, name: str):
+        """The graph ONNX Runtime runs (its nodes, attributes by name, and initializers), its logits,
+        and how many Transposes of a weight the model itself has."""
+        options = session_options(threads=1)
+        options.optimized_model_filepath = str(tmp_path / f"{name}.optimized.onnx")
+        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        logits = session.run(None, {value.name: batch[value.name] for value in session.get_inputs()})[0]
+        optimized = onnx.load(options.optimized_model_filepath)
+        nodes = sorted((node.op_type, node.domain, tuple(node.input), tuple(node.output),
+                        tuple(sorted(str(attribute) for attribute in node.attribute))) for node in optimized.graph.node)
+        initializers = {tensor.name: numpy_helper.to_array(tensor).tobytes() for tensor in optimized.graph.initializer}
+        model = onnx.load(str(path))
+        weights = {tensor.name for tensor in model.graph.initializer}
+        transposes = sum(node.op_type == "Transpose" and node.input[0] in weights for node in model.graph.node)
+        return nodes, initializers, logits, transposes
+
+    timed, latencies = {}, measure.latencies
+
+    def spy(paths, reader, batches):
+        timed.update({name: as_run(path, name) for name, path in paths.items()})
+        return latencies(paths, reader, batches)
+
+    monkeypatch.setattr(measure, "latencies", spy)
+    monkeypatch.setattr(measure, "LATENCY_BUDGET_S", 0.1)  # timing is not what this test is about
+    report = quantize_model.quantize(run, exported, tmp_path / "artifacts", tmp_path / "eval",
+                                     tmp_path / "model.int8.onnx", tmp_path / "metrics.json",
+                                     tmp_path / "generation", tmp_path / "generation-int4")
+    nodes, initializers, logits, transposes = as_run(exported, "exported")
+    assert transposes == 2 * 4 + 1 and timed["fp32"][3] == 0  # qkv, out, the MLP's two a block, the head: all folded
+    assert len(nodes) > 20 and timed["fp32"][0] == nodes
+    assert timed["fp32"][1] == initializers
+    assert np.array_equal(timed["fp32"][2], logits)
+    assert set(timed) == {"fp32", "int8"} and set(report.fp32["latency_ms"]) == {"b1_p50", "b1_p95", "b64_p50",
+                                                                                  "b64_p95"}

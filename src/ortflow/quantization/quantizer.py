@@ -68,13 +68,20 @@ def unloadable_node(path: Path) -> str | None:
     return None
 
 
+def preprocessed_model(target: Path) -> Path:
+    """The pre-processed fp32 model that quantize_file leaves beside the int8 `target`: the
+    model ONNX Runtime runs from the source, with its weights' Transposes already folded (the
+    latency step times it: quantize_model.py)."""
+    return target.with_name("preprocessed.onnx")
+
+
 def quantize_file(source: Path, target: Path, how: str, export_cfg, reader, batch_size: int) -> None:
     """Pre-processing, then dynamic or static (QDQ, u8 activations, s8 weights)
     quantization of the operator types ONNX Runtime has int8 CPU kernels for:
     an operator it cannot load quantized is found by loading the result, and kept fp32."""
     from onnxruntime.quantization.registry import IntegerOpsRegistry, QDQRegistry
 
-    preprocessed = target.with_name("preprocessed.onnx")
+    preprocessed = preprocessed_model(target)
     preprocess(source, preprocessed)
     graph = external_data.load_model(preprocessed, load_data=False)
     # ONNX Runtime writes the int8 model's weights to `<target>.data` too.
