@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import atomic, config as config_mod, cuda_libraries, storage
+from .. import config as config_mod, cuda_libraries, storage
 from ..artifacts import Artifacts
 from ..checkpoints import resume as resume_mod
 from ..data import baseline as baseline_mod
@@ -61,7 +61,7 @@ from .optimizer import Optimizer
 from .pipeline_schedule import Grid, StageRunner, place
 from .metrics import Metrics, peak_rss_mb
 from .run_summary import BestEval, RunSummary
-from .run_folder import TrainFolder
+from .run_folder import AttemptStopped, TrainFolder, write_stopped
 from .schedule import is_time, learning_rate
 from .stop import StopRequest, Stopped
 
@@ -230,7 +230,7 @@ class Trainer:
                         done, self.steps, stop_mod.describe(votes), where)
             # For `ortflow train`, which exits with 128 + the signal (the ranks exit 0:
             # mpirun would call a non-zero exit a failure).
-            atomic.write_text(self.folder.stopped, json.dumps({"signal": reason.name, "step": done}))
+            write_stopped(self.folder, AttemptStopped(reason.name, done))
         self.metrics.close()
         raise Stopped(reason, done, where)
 
