@@ -297,7 +297,7 @@ class PipelinedTrainer(Trainer):
     TensorBoard's histograms are those of rank 0's stage, the first."""
 
     def open_engine(self, whole) -> None:
-        plan = pipeline.Plan.load(self.artifacts.pipeline_json)  # its stages checked by `ortflow train`
+        plan = pipeline.read_plan(self.artifacts.pipeline_json)  # its stages checked by `ortflow train`
         grid = Grid(self.comm.world, self.train_cfg.pipeline_stages, plan.tied, self.comm.watchdog.collective)
         self.threads = threads_per_rank(self.comm.local_size, len(os.sched_getaffinity(0)), os.environ)
         self.runner = StageRunner(self.artifacts, plan, grid, self.train_cfg, self.seed, self.threads,
