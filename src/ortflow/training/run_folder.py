@@ -57,13 +57,6 @@ class AttemptStopped:
     step: int
 
 
-@dataclasses.dataclass(frozen=True)
-class AttemptFinished:
-    """FINISHED: the last attempt trained to the end, `steps` in all."""
-
-    steps: int
-
-
 def read_stopped(folder: TrainFolder) -> AttemptStopped | None:
     """STOPPED of `folder`, None if the last attempt did not stop on a signal."""
     return records.read(AttemptStopped, folder.stopped, TrainingError, REMEDY) if folder.stopped.is_file() else None
@@ -71,6 +64,13 @@ def read_stopped(folder: TrainFolder) -> AttemptStopped | None:
 
 def write_stopped(folder: TrainFolder, stopped: AttemptStopped) -> None:
     records.write(folder.stopped, stopped, end="", indent=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptFinished:
+    """FINISHED: the last attempt trained to the end, `steps` in all."""
+
+    steps: int
 
 
 def read_finished(folder: TrainFolder) -> AttemptFinished | None:
