@@ -18,6 +18,8 @@ import pytest
 from conftest import assert_identical, copy_inputs, fault, run_snakemake
 from ortflow import cli, config as config_mod
 from ortflow.checkpoints import ort_format, reader, resume
+from ortflow.errors import TrainingError
+from ortflow.training.comm import read_beat
 from ortflow.training.schedule import learning_rate
 
 pytestmark = pytest.mark.e2e
@@ -187,9 +189,9 @@ def _stalled_at_step_25(workdir: Path) -> tuple[threading.Thread, dict]:
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:
         try:
-            if json.loads(heartbeat.read_text())["step"] == 25:
+            if read_beat(heartbeat).step == 25:
                 return runner, result
-        except (OSError, ValueError):
+        except (OSError, TrainingError):  # not there yet
             pass
         time.sleep(0.2)
     pytest.fail("rank 1 never reached step 25")

@@ -37,6 +37,7 @@ from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
 from ortflow.generation import GENERATION
 from ortflow.generation.samples import SAMPLES, eval_prompts, samples
+from ortflow.generation.samples_file import read_samples
 from ortflow.graphs.forward_model import torch_module
 from ortflow.models import hugging_face, lora, save_trained
 from ortflow.reporting.results import lora_trained
@@ -155,13 +156,13 @@ def test_lora_trains_the_adapters_like_peft_and_exports_them_merged(case, tmp_pa
 def check_samples_start_from_the_base(folder, eval_dir) -> None:
     """export/samples.json's "before" is the base folder's own greedy text: the initial checkpoint's
     adapters (lora_B zero) change nothing, and the start module is built with them."""
-    written = json.loads((folder / SAMPLES).read_text())
+    written = read_samples(folder / SAMPLES)
     base = transformers.AutoModelForCausalLM.from_pretrained(folder / "folder", attn_implementation="eager").eval()
     reader = ShardReader(eval_dir, raw=True)
-    prompts = eval_prompts(reader.gather(np.arange(len(written["samples"]))), reader.label_name, 3)
+    prompts = eval_prompts(reader.gather(np.arange(len(written.samples))), reader.label_name, 3)
     expected = samples(base, folder / GENERATION, prompts, save_trained.position_limit(base))
-    assert written["max_new_tokens"] == expected["max_new_tokens"] > 0
-    assert [sample["before"] for sample in written["samples"]] == [sample["before"] for sample in expected["samples"]]
+    assert written.max_new_tokens == expected.max_new_tokens > 0
+    assert [sample.before for sample in written.samples] == [sample.before for sample in expected.samples]
 
 
 def check_adapter_and_merged_model(case: str, config, folder, batch: dict, onnx_logits: np.ndarray) -> None:

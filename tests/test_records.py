@@ -2,8 +2,10 @@
 (data/manifest.py), the model description (graphs/description.py), a checkpoint's manifest
 (checkpoints/manifest.py), a merged checkpoint's meta.json (checkpoints/meta.py), a run's
 train/metrics.json (training/run_summary.py) and export/metrics.json (quantization/export_metrics.py),
-each read in one place, a missing or mistyped field refused in one line naming the file and the key,
-and written back as the same JSON."""
+the eval split's baseline.json (data/baseline.py), export/samples.json (generation/samples_file.py),
+pipeline.json (graphs/pipeline.py), the training folder's STOPPED and FINISHED (training/run_folder.py)
+and a rank's heartbeat (training/comm.py), each read in one place, a missing or mistyped field refused
+in one line naming the file and the key, and written back as the same JSON."""
 
 from __future__ import annotations
 
@@ -19,12 +21,17 @@ from ortflow.checkpoints import manifest as checkpoint_manifest
 from ortflow.checkpoints.layout import Listed, Manifest, ShardEntry
 from ortflow.checkpoints.meta import META, Chosen, Merged, read_merged, write_merged
 from ortflow.checkpoints.ort_format import CheckpointError
+from ortflow.data import baseline
 from ortflow.data.manifest import MANIFEST, Column, read_manifest, write_manifest
 from ortflow.data.sources import DataError
 from ortflow.errors import MissingInputError, ModelError, TrainingError
+from ortflow.generation.samples_file import Sample, Samples, read_samples, write_samples_file
 from ortflow.graphs.description import read_description, write_description
+from ortflow.graphs.pipeline import Plan, Stage, read_plan, write_plan
 from ortflow.quantization.export_metrics import read_export_metrics, write_export_metrics
 from ortflow.stages.prepare_data import prepare
+from ortflow.training import run_folder
+from ortflow.training.comm import Beat, read_beat, write_beat
 from ortflow.training.run_summary import BestEval, read_run_summary, write_run_summary
 
 
@@ -223,3 +230,102 @@ def test_export_metrics_are_written_back_as_they_were_read_without_the_entries_a
     path.write_text(json.dumps({**data, "int4": {"settings": {}, "gate": gate}}))
     with pytest.raises(ModelError, match=rf"^{path}: no 'int4.weights_quantized'; run the quantize_model rule again$"):
         read_export_metrics(path)
+
+
+def refused(path, data, change, read, error, message):
+    """`read()` of `data` after `change(data)`, written to `path`, raises `error` with `message`."""
+    data = json.loads(json.dumps(data))
+    change(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(error, match=message):
+        read()
+
+
+def test_a_baseline_is_written_back_as_it_was_read_with_its_tasks_measures_only(tmp_path):
+    path = tmp_path / baseline.BASELINE
+    for scored, written in ((baseline.Baseline("the train split's most frequent class (1)", accuracy=None),
+                             '{\n  "of": "the train split\'s most frequent class (1)",\n  "accuracy": null\n}\n'),
+                            (baseline.Baseline("the train split's mean", mse=2.5, r2=None),
+                             '{\n  "of": "the train split\'s mean",\n  "mse": 2.5,\n  "r2": null\n}\n'),
+                            (baseline.Baseline("the train split's token frequencies", perplexity=7.5),
+                             '{\n  "of": "the train split\'s token frequencies",\n  "perplexity": 7.5\n}\n')):
+        baseline.write(tmp_path, scored)
+        assert path.read_text() == written
+        assert baseline.read(tmp_path) == scored
+        assert rewritten(path, lambda: baseline.read(tmp_path), lambda b: baseline.write(tmp_path, b)) == written
+    assert baseline.read(tmp_path / "older") is None  # data prepared before baselines
+    data = {"of": "the train split's mean", "mse": 2.5, "r2": 0.5}
+    for change, message in ((lambda d: d.pop("of"), "no 'of'"),
+                            (lambda d: d.update(mse="2.5"), "'mse' is \"2.5\", expected a number")):
+        refused(path, data, change, lambda: baseline.read(tmp_path), DataError,
+                rf"^{path}: {message}; run the prepare_data rule again$")
+
+
+def test_generated_samples_are_written_back_as_they_were_read(tmp_path):
+    """export/samples.json: indented by one, the text as it is (not \\u escapes)."""
+    path = tmp_path / "samples.json"
+    samples = Samples(8, True, (Sample("<|user|>héllo", "wörld", "\u0003\u0003", "fine"),))
+    write_samples_file(path, samples)
+    written = path.read_text()
+    assert written.startswith('{\n "max_new_tokens": 8,\n "greedy": true,\n "samples": [\n  {\n   "prompt": "<|user|>héllo"')
+    assert read_samples(path) == samples
+    assert rewritten(path, lambda: read_samples(path), lambda s: write_samples_file(path, s)) == written
+    data = json.loads(written)
+    for change, message in ((lambda d: d["samples"][0].pop("after"), "no 'samples\\[0\\].after'"),
+                            (lambda d: d.update(greedy="yes"), "'greedy' is \"yes\", expected true or false")):
+        refused(path, data, change, lambda: read_samples(path), ModelError,
+                rf"^{path}: {message}; run the export_model rule again$")
+    with pytest.raises(MissingInputError, match="no generated samples \\(run the export_model rule first\\)"):
+        read_samples(tmp_path / "none.json")
+
+
+PLAN = Plan("parameters", (16, 8), {"w": [0, 1]}, {"batch": ("x", 0)},
+            (Stage(0, None, "h", ("batch", 4), ("x",), ("w", "w1"), 0, 20, model=object()),
+             Stage(1, "h", "y", ("batch", 2), (), ("w", "w2"), 1, 12, model=object())))
+
+
+def test_a_pipeline_plan_is_written_back_as_it_was_read_without_its_stages_models(tmp_path):
+    path = tmp_path / "pipeline.json"
+    write_plan(path, PLAN)
+    written = path.read_text()
+    data = json.loads(written)
+    assert list(data) == ["balance", "costs", "tied", "symbols", "stages"] and data["symbols"] == {"batch": ["x", 0]}
+    assert list(data["stages"][0]) == ["index", "input", "output", "output_shape", "features", "parameters",
+                                       "dropouts_before", "held"]  # no model
+    plan = read_plan(path)
+    assert plan.stages == PLAN.stages and plan.stages[0].model is None and plan.stages[0].output_shape == ("batch", 4)
+    assert rewritten(path, lambda: read_plan(path), lambda p: write_plan(path, p)) == written
+    for stage in data["stages"]:
+        del stage["held"]  # a pipeline.json written before the stages' elements were counted
+    path.write_text(json.dumps(data))
+    assert [stage.held for stage in read_plan(path).stages] == [None, None]
+    for change, message in ((lambda d: d["stages"][1].pop("output"), "no 'stages\\[1\\].output'"),
+                            (lambda d: d["stages"][0]["output_shape"].append(1.5),
+                             "'stages\\[0\\].output_shape\\[2\\]' is 1.5, expected an integer or a string"),
+                            (lambda d: d.update(tied=[]), "'tied' is \\[\\], expected an object")):
+        refused(path, data, change, lambda: read_plan(path), ModelError,
+                rf"^{path}: {message}; run the build_artifacts rule again$")
+
+
+def test_the_attempt_files_and_a_heartbeat_are_written_back_as_they_were_read(tmp_path):
+    """STOPPED and a heartbeat without a newline, FINISHED with one, none of them indented."""
+    folder = run_folder.TrainFolder(tmp_path)
+    assert (run_folder.read_stopped(folder), run_folder.read_finished(folder)) == (None, None)
+    run_folder.write_stopped(folder, run_folder.AttemptStopped("SIGTERM", 26))
+    run_folder.write_finished(folder, run_folder.AttemptFinished(30))
+    write_beat(tmp_path / "rank-1.json", Beat(29, "checkpoint", 1795792671.562295))
+    assert folder.stopped.read_text() == '{"signal": "SIGTERM", "step": 26}'
+    assert folder.finished.read_text() == '{"steps": 30}\n'
+    assert (tmp_path / "rank-1.json").read_text() == '{"step": 29, "phase": "checkpoint", "time": 1795792671.562295}'
+    assert run_folder.read_stopped(folder) == run_folder.AttemptStopped("SIGTERM", 26)
+    assert run_folder.read_finished(folder).steps == 30
+    assert read_beat(tmp_path / "rank-1.json") == Beat(29, "checkpoint", 1795792671.562295)
+    remedy = "delete it and rerun the train rule"
+    refused(folder.stopped, {"signal": "SIGTERM", "step": 26}, lambda d: d.update(step="26"),
+            lambda: run_folder.read_stopped(folder), TrainingError,
+            rf"^{folder.stopped}: 'step' is \"26\", expected an integer; {remedy}$")
+    refused(folder.finished, {"steps": 30}, lambda d: d.pop("steps"), lambda: run_folder.read_finished(folder),
+            TrainingError, rf"^{folder.finished}: no 'steps'; {remedy}$")
+    refused(tmp_path / "rank-1.json", {"step": 29, "phase": "checkpoint", "time": 1.0}, lambda d: d.pop("phase"),
+            lambda: read_beat(tmp_path / "rank-1.json"), TrainingError,
+            rf"^{tmp_path / 'rank-1.json'}: no 'phase'; each rank rewrites its own at every step$")

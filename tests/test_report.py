@@ -25,6 +25,7 @@ from ortflow.quantization.export_metrics import Gate, read_export_metrics, write
 from ortflow.reporting.results import fmt, quality, speedup
 from ortflow.reporting.summary import run_summary
 from ortflow.reporting.tables import summary_rows
+from ortflow.training.comm import read_beat
 from ortflow.training.run_folder import TrainFolder
 from ortflow.training.run_summary import write_run_summary
 
@@ -350,7 +351,7 @@ def test_a_rank_killed_by_a_signal_is_named_with_the_signal(digits_workdir):
     heartbeat = TrainFolder(digits_workdir / "results/digits/train").heartbeat / "rank-1.json"
 
     def at_step_3() -> bool:
-        return heartbeat.exists() and json.loads(heartbeat.read_text() or "{}").get("step") == 3
+        return heartbeat.exists() and read_beat(heartbeat).step == 3
 
     deadline = time.monotonic() + 240
     while not at_step_3() and time.monotonic() < deadline:

@@ -120,7 +120,8 @@ def test_the_end_of_run_summary_names_the_samples(tmp_path):
     (tmp_path / "generation/genai_config.json").write_text("{}")
     (tmp_path / "model.onnx").write_bytes(b"")
     assert len(exported_lines(tmp_path / "model.onnx", None)) == 2  # no samples.json: no line
-    (tmp_path / SAMPLES).write_text(json.dumps({"max_new_tokens": 4, "greedy": True, "samples": [{}, {}]}))
+    sample = {"prompt": "a", "expected": "b", "before": "c", "after": "d"}
+    (tmp_path / SAMPLES).write_text(json.dumps({"max_new_tokens": 4, "greedy": True, "samples": [sample, sample]}))
     assert exported_lines(tmp_path / "model.onnx", None)[2] == (
         f"  samples   {tmp_path / SAMPLES}: 2 eval prompts generated before and after training (the report's "
         "Generated samples)")

@@ -21,7 +21,7 @@ from conftest import fault, run_snakemake
 from ortflow import config as config_mod, launcher
 from ortflow.checkpoints import reader, resume
 from ortflow.training import attempt
-from ortflow.training.run_folder import TrainFolder
+from ortflow.training.run_folder import AttemptFinished, TrainFolder, write_finished
 
 SHORT = {"train": {"steps": 30, "log_every": 5, "eval_every": 15, "checkpoint_every": 10}}
 
@@ -188,7 +188,7 @@ def test_rerun_after_a_finished_run_moves_its_checkpoints_aside(tmp_path, capsys
     (folder.checkpoints / "step-00000300").mkdir(parents=True)
     folder.tensorboard.mkdir()
     folder.heartbeat.mkdir()
-    folder.finished.write_text("{}")
+    write_finished(folder, AttemptFinished(300))
     attempt.start_attempt(folder, resume_from=None)
     previous = TrainFolder(folder.previous)
     assert (previous.checkpoints / "step-00000300").is_dir() and previous.tensorboard.is_dir()
@@ -198,7 +198,7 @@ def test_rerun_after_a_finished_run_moves_its_checkpoints_aside(tmp_path, capsys
     # After an interrupted run, or with train.resume_from, nothing moves.
     folder.checkpoints.mkdir()
     attempt.start_attempt(folder, resume_from=None)
-    folder.finished.write_text("{}")
+    write_finished(folder, AttemptFinished(300))
     attempt.start_attempt(folder, resume_from=str(folder.checkpoints))
     assert folder.checkpoints.is_dir() and not folder.finished.exists()
 

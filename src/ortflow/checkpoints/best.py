@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from .. import records
-from .layout import BEST, write_json
+from .layout import BEST
 from .ort_format import CheckpointError
 
 REMEDY = "the file is damaged"
@@ -32,7 +32,7 @@ def mark_best(root: Path, folder: Path, identity_digest: str, record: dict) -> N
 
 
 def write_best(root: Path, best: BestCheckpoint) -> None:
-    write_json(Path(root) / BEST, dataclasses.asdict(best))
+    records.write(Path(root) / BEST, best, sort_keys=True)
 
 
 def best_of(root: Path, identity_digest: str | None = None) -> BestCheckpoint | None:
@@ -50,8 +50,7 @@ def read_best(root: Path) -> BestCheckpoint | None:
     path = Path(root) / BEST
     if not path.is_file():
         return None
-    best = records.build(BestCheckpoint, records.read_json(path, CheckpointError, REMEDY), path, CheckpointError,
-                         REMEDY)
+    best = records.read(BestCheckpoint, path, CheckpointError, REMEDY)
     if not re.fullmatch(r"step-\d{8}", best.checkpoint):
         raise CheckpointError(f"{path}: 'checkpoint' must name a step-XXXXXXXX folder beside it, not "
                               f"{best.checkpoint!r}")

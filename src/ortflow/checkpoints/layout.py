@@ -37,11 +37,9 @@ so a resumed run is bit-identical.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import atomic
 from .ort_format import TrainingState
 
 COMPLETE = "COMPLETE"
@@ -133,7 +131,3 @@ def shard_attrs(checkpoint_id: str, step: int, rank: int, world_size: int, ident
                  version: int) -> dict:
     return {"format": FORMAT, "checkpoint_id": checkpoint_id, "step": step, "rank": rank, "world_size": world_size,
             "identity": identity, "identity_digest": identity_digest, "ort_checkpoint_version": version}
-
-
-def write_json(path: Path, obj: dict) -> None:
-    atomic.write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")

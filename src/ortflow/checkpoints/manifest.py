@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .. import records
 from . import checks
-from .layout import Manifest, write_json
+from .layout import Manifest
 from .ort_format import CheckpointError
 
 REMEDY = "the file is damaged"
@@ -34,4 +34,4 @@ def write_manifest(file: Path, manifest: Manifest) -> None:
     data = dataclasses.asdict(manifest)
     if manifest.history is None:
         del data["history"]
-    write_json(file, data)
+    records.write_data(file, data, sort_keys=True)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from .. import records
 from ..errors import MissingInputError
-from .layout import write_json
 from .ort_format import CheckpointError
 
 META = "meta.json"  # in the merged checkpoint's folder
@@ -47,12 +46,11 @@ def read_merged(folder: Path) -> Merged:
     """The meta.json of the merged checkpoint `folder`; MissingInputError when there is none,
     CheckpointError naming the file and the key of a missing or mistyped field."""
     path = Path(folder) / META
-    if not path.is_file():
-        raise MissingInputError(f"{path}: no merged checkpoint (run the merge_checkpoint rule first)")
-    return records.build(Merged, records.read_json(path, CheckpointError, REMEDY), path, CheckpointError, REMEDY)
+    return records.read(Merged, path, CheckpointError, REMEDY,
+                        MissingInputError(f"{path}: no merged checkpoint (run the merge_checkpoint rule first)"))
 
 
 def write_merged(folder: Path, merged: Merged) -> None:
     data = dataclasses.asdict(merged)
     data["chosen"] = {key: value for key, value in data["chosen"].items() if value is not None}
-    write_json(Path(folder) / META, data)
+    records.write_data(Path(folder) / META, data, sort_keys=True)

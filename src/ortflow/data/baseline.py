@@ -5,21 +5,23 @@ frequencies (a language model), each scored on the eval split.
 prepare_data computes it where the split is made and writes it beside the eval
 shards (BASELINE); training copies the measures it can compare with its own
 evaluation into metrics.json (`baseline`), which the summary, the report and a
-sweep's comparison read.
+sweep's comparison read. baseline.json is a record (records.py), read in one place.
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from pathlib import Path
 
 import numpy as np
 
-from .. import atomic
+from .. import records
 from ..models import IGNORE_INDEX
 from .shards import drop_mapped_pages
+from ..errors import DataError
 
 BASELINE = "baseline.json"
+REMEDY = "run the prepare_data rule again"
 # Labels read at a time (8 MB of int64): a language model's labels are windows over a token stream that may
 # not fit in memory, and a block's copies were the peak RSS of prepare_data on documents (docs/benchmarks.md).
 BLOCK = 1 << 20
@@ -30,8 +32,25 @@ HIGHER_IS_BETTER = {"accuracy": True, "loss": False, "perplexity": False}
 ROUNDING = 1e-6
 
 
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+    """baseline.json: what is predicted (`of`) and its measures on the eval split, those of its task."""
+
+    of: str
+    accuracy: float | None = None  # a classifier's (null: no eval label counts)
+    mse: float | None = None  # a regression's
+    r2: float | None = None  # a regression's (null: the eval labels do not vary)
+    perplexity: float | None = None  # a language model's
+
+    def measures(self) -> dict:
+        """The file's JSON: `of` and its task's measures, the others left out."""
+        task = next((names for names in (("mse", "r2"), ("perplexity",)) if getattr(self, names[0]) is not None),
+                    ("accuracy",))  # a classifier's accuracy may be null
+        return {"of": self.of, **{name: getattr(self, name) for name in task}}
+
+
 def of_split(label: np.ndarray, task: str, num_classes: int | None, train_rows: np.ndarray,
-             eval_rows: np.ndarray) -> dict:
+             eval_rows: np.ndarray) -> Baseline:
     """The baseline of `task`: its name (`of`) and its measures on the eval split."""
     if task == "classification":  # over the labels that are not IGNORE_INDEX
         train = label[train_rows]
@@ -39,16 +58,16 @@ def of_split(label: np.ndarray, task: str, num_classes: int | None, train_rows: 
         majority = int(counts.argmax())
         truth = label[eval_rows]
         truth = truth[truth != IGNORE_INDEX]
-        return {"of": f"the train split's most frequent class ({majority})",
-                "accuracy": float((truth == majority).mean()) if truth.size else None}
+        return Baseline(f"the train split's most frequent class ({majority})",
+                        accuracy=float((truth == majority).mean()) if truth.size else None)
     if task == "regression":
         mean = label[train_rows].astype(np.float64).mean(axis=0)
         truth = label[eval_rows].astype(np.float64)
         mse = float(((truth - mean) ** 2).mean())
         variance = float(((truth - truth.mean(axis=0)) ** 2).mean())
-        return {"of": "the train split's mean", "mse": mse, "r2": 1 - mse / variance if variance else None}
-    return {"of": "the train split's token frequencies", "perplexity": unigram_perplexity(label, train_rows, eval_rows,
-                                                                                          num_classes)}
+        return Baseline("the train split's mean", mse=mse, r2=1 - mse / variance if variance else None)
+    return Baseline("the train split's token frequencies",
+                    perplexity=unigram_perplexity(label, train_rows, eval_rows, num_classes))
 
 
 def unigram_perplexity(label: np.ndarray, train_rows: np.ndarray, eval_rows: np.ndarray, vocab_size: int) -> float:
@@ -74,24 +93,31 @@ def blocks(rows: np.ndarray, labels_a_row: int) -> list[np.ndarray]:
     return np.array_split(rows, max(1, -(-len(rows) // per_block)))
 
 
-def write(eval_dir: Path, baseline: dict) -> None:
-    atomic.write_text(Path(eval_dir) / BASELINE, json.dumps(baseline, indent=2) + "\n")
+def write(eval_dir: Path, baseline: Baseline) -> None:
+    records.write_data(Path(eval_dir) / BASELINE, baseline.measures())
+
+
+def read(eval_dir: Path) -> Baseline | None:
+    """baseline.json of the eval split in `eval_dir`, every field checked; None for data prepared
+    before baselines were recorded."""
+    path = Path(eval_dir) / BASELINE
+    return records.read(Baseline, path, DataError, REMEDY) if path.is_file() else None
 
 
 def for_training(eval_dir: Path, loss: str) -> dict | None:
-    """The baseline beside a run's own eval measures (the keys of its evaluation): a
-    regression's MSE is comparable to the eval loss only when the loss is mse.
+    """The baseline beside a run's own eval measures (the keys of its evaluation), as train/metrics.json
+    keeps it: a regression's MSE is comparable to the eval loss only when the loss is mse.
     None for data prepared before baselines were recorded."""
-    path = Path(eval_dir) / BASELINE
-    if not path.is_file():
+    baseline = read(eval_dir)
+    if baseline is None:
         return None
-    baseline = json.loads(path.read_text())
-    if "mse" in baseline:
-        mse, r2 = baseline.pop("mse"), baseline.pop("r2")
+    measures = baseline.measures()
+    if baseline.mse is not None:
         if loss != "mse":
             return None
-        baseline.update(loss=mse, r2=r2)
-    return baseline
+        del measures["mse"], measures["r2"]
+        measures.update(loss=baseline.mse, r2=baseline.r2)
+    return measures
 
 
 def not_beaten(results: dict, baseline: dict | None) -> str | None:

@@ -52,12 +52,13 @@ def read_manifest(split_dir: str | Path) -> Manifest:
     """The manifest of the split in `split_dir`; DataError naming the file and the key if it is
     missing, of another format, or lacks or mistypes a field."""
     path = Path(split_dir) / MANIFEST
-    if not path.is_file():
-        raise DataError(f"{path}: no shard manifest (run the prepare_data rule first)")
-    data = records.read_json(path, DataError, REMEDY)
-    if data.get("format") != FORMAT:
-        raise DataError(f"{path}: format {data.get('format')!r}, expected {FORMAT!r}")
-    return records.build(Manifest, data, path, DataError, REMEDY)
+
+    def check(data: dict) -> None:
+        if data.get("format") != FORMAT:
+            raise DataError(f"{path}: format {data.get('format')!r}, expected {FORMAT!r}")
+
+    return records.read(Manifest, path, DataError, REMEDY,
+                        DataError(f"{path}: no shard manifest (run the prepare_data rule first)"), check)
 
 
 def write_manifest(split_dir: Path, manifest: Manifest) -> None:

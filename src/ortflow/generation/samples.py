@@ -14,20 +14,19 @@ eval data has is its target.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from .. import atomic
 from ..data.tokenizer import ATTENTION_MASK, INPUT_IDS
 from ..models import IGNORE_INDEX
 from ..models import TEXT_WINDOWS
 from . import GENERATION, SAMPLES, TOKENIZER, is_seq2seq
 from .check import transformers_greedy
 from .generate import Decoder, generate
+from .samples_file import Sample, Samples, write_samples_file
 from .seq2seq import Seq2SeqDecoder, transformers_greedy as seq2seq_greedy
 
 log = logging.getLogger("ortflow.export")
@@ -65,7 +64,7 @@ def seq2seq_prompts(batch: dict, label_name: str, count: int) -> list[tuple[list
     return found
 
 
-def samples(start_model, folder: Path, prompts: list[tuple[list[int], list[int]]], positions: int) -> dict:
+def samples(start_model, folder: Path, prompts: list[tuple[list[int], list[int]]], positions: int) -> Samples:
     """The samples of `prompts` (eval_prompts', or seq2seq_prompts' for a sequence-to-sequence folder)
     as text: greedy generation of `start_model` (the torch model of the starting weights) and of the
     generation `folder`'s decoder."""
@@ -85,10 +84,10 @@ def samples(start_model, folder: Path, prompts: list[tuple[list[int], list[int]]
     def text(tokens: list[int]) -> str:  # the end-of-sequence token is the stop, not text
         return tokenizer.decode([token for token in tokens if token not in decoder.eos], skip_special_tokens=True)
 
-    return {"max_new_tokens": new_tokens, "greedy": True, "samples": [
-        {"prompt": tokenizer.decode(prompt, skip_special_tokens=False), "expected": text(expected[:new_tokens]),
-         "before": text(first), "after": text(last)}
-        for (prompt, expected), first, last in zip(prompts, before, after)]}
+    return Samples(new_tokens, True, tuple(
+        Sample(tokenizer.decode(prompt, skip_special_tokens=False), text(expected[:new_tokens]), text(first),
+               text(last))
+        for (prompt, expected), first, last in zip(prompts, before, after)))
 
 
 def write_samples(count: int, export: Path, reader, positions: int | None,
@@ -102,7 +101,7 @@ def write_samples(count: int, export: Path, reader, positions: int | None,
     if not folder.is_dir():
         path.unlink(missing_ok=True)
         return
-    written = {"max_new_tokens": 0, "greedy": True, "samples": []}  # export.samples: 0
+    written = Samples(0, True, ())  # export.samples: 0
     if count:
         from ..models.gpt import GPT, as_gpt2  # torch: imported when samples are written (cli.py)
 
@@ -111,6 +110,6 @@ def write_samples(count: int, export: Path, reader, positions: int | None,
         model = as_gpt2(start) if isinstance(start, GPT) else start.model
         prompts = (seq2seq_prompts if is_seq2seq(folder) else eval_prompts)(batch, reader.label_name, count)
         written = samples(model, folder, prompts, positions or batch[reader.label_name].shape[1])
-    atomic.write_text(path, json.dumps(written, indent=1, ensure_ascii=False) + "\n")
+    write_samples_file(path, written)
     log.info("%s: %d eval prompts with greedy generation (at most %d new tokens) of the starting weights "
-             "and of %s", path, len(written["samples"]), written["max_new_tokens"], folder)
+             "and of %s", path, len(written.samples), written.max_new_tokens, folder)

@@ -71,9 +71,8 @@ class ModelDescription:
 def read_description(path: Path) -> ModelDescription:
     """An artifacts folder's model.json (Artifacts.model_json); MissingInputError when there is none,
     ModelError naming the file and the key when a field is missing or mistyped."""
-    if not Path(path).is_file():
-        raise MissingInputError(f"{path}: no model description ({REMEDY})")
-    return records.build(ModelDescription, records.read_json(path, ModelError, REMEDY), path, ModelError, REMEDY)
+    return records.read(ModelDescription, path, ModelError, REMEDY,
+                        MissingInputError(f"{path}: no model description ({REMEDY})"))
 
 
 def write_description(path: Path, description: ModelDescription) -> None:

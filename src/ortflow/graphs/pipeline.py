@@ -77,20 +77,21 @@ stage that reads it only.
 from __future__ import annotations
 
 import copy
-import json
+import dataclasses
 import logging
 import math
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from .. import external_data
+from .. import external_data, records
 from ..artifacts import Artifacts
 from ..data.manifest import Column, Manifest
 from ..errors import ConfigError, ModelError
 from ..models import is_float
 from ..models.export_fixes import infer_shapes
+from .description import REMEDY
 from .generate import generate_with_loss
 from .loss import loss_block
 
@@ -105,28 +106,31 @@ BALANCES = ("parameters", "flops")
 DROPOUT = "dropout.training_mode"
 
 
-@dataclass
+@dataclasses.dataclass(frozen=True)
 class Stage:
     index: int
-    model: object  # the stage's forward ModelProto
     input: str | None  # the activation it receives (None for the first stage)
     output: str  # the activation it sends (the model's output for the last stage)
-    output_shape: list  # its dims, a str for a symbolic one (the batch's, a text's length)
-    features: list[str]  # the batch's inputs it reads
-    parameters: list[str]  # the float initializers it reads
+    output_shape: tuple[int | str, ...]  # its dims, a str for a symbolic one (the batch's, a text's length)
+    features: tuple[str, ...]  # the batch's inputs it reads
+    parameters: tuple[str, ...]  # the float initializers it reads
     dropouts_before: int  # Dropout nodes of the stages before it (the seed's offset)
     # The elements of its parameters, for the memory estimate (training/preflight.py); absent
     # from a pipeline.json written before it was counted.
     held: int | None = None
+    # The stage's forward ModelProto, from `cut` (build writes it): not in pipeline.json, read without it.
+    model: Any = dataclasses.field(default=None, kw_only=True, compare=False, repr=False)
 
 
-@dataclass
+@dataclasses.dataclass(frozen=True)
 class Plan:
-    stages: list[Stage]
-    tied: dict[str, list[int]]  # a parameter read by more than one stage -> those stages
-    costs: list[int]  # each stage's parameters (elements) or forward FLOPs per sample
+    """The cut, as pipeline.json keeps it (read_plan): its stages without their models."""
+
     balance: str
-    symbols: dict[str, tuple[str, int]]  # a symbolic dim -> (the batch's input, axis) that has it
+    costs: tuple[int, ...]  # each stage's parameters (elements) or forward FLOPs per sample
+    tied: dict  # a parameter read by more than one stage -> those stages ([int])
+    symbols: dict  # a symbolic dim -> (the batch's input, axis) that has it
+    stages: tuple[Stage, ...]
 
     def shape(self, dims: list, feature_shapes: dict[str, tuple]) -> list[int]:
         """`dims` (a Stage.output_shape) for a batch whose features have `feature_shapes`:
@@ -135,21 +139,21 @@ class Plan:
             raise ModelError(f"pipeline: activation dims {dims} name a dim no input of the model has {self.symbols}")
         return [feature_shapes[self.symbols[d][0]][self.symbols[d][1]] if isinstance(d, str) else d for d in dims]
 
-    def describe(self) -> dict:
-        """The plan as JSON (Artifacts.pipeline_json), without the stages' models: what the
-        schedule reads at training time."""
-        return {"balance": self.balance, "costs": self.costs, "tied": self.tied,
-                "symbols": {name: list(where) for name, where in self.symbols.items()},
-                "stages": [{key: value for key, value in vars(stage).items() if key != "model"}
-                           for stage in self.stages]}
 
-    @classmethod
-    def load(cls, path: Path) -> Plan:
-        """The plan that `describe` wrote to `path` (its stages without their models)."""
-        described = json.loads(Path(path).read_text())
-        return cls([Stage(model=None, **stage) for stage in described["stages"]], described["tied"],
-                   described["costs"], described["balance"],
-                   {name: tuple(where) for name, where in described["symbols"].items()})
+
+def read_plan(path: Path) -> Plan:
+    """pipeline.json (Artifacts.pipeline_json): the plan `write_plan` wrote, its stages without their
+    models, every field checked (records.py); what the schedule reads at training time."""
+    return records.read(Plan, path, ModelError, REMEDY)
+
+
+def write_plan(path: Path, plan: Plan) -> None:
+    """pipeline.json as ortflow has always written it: the plan's fields in order, the stages' models
+    left out (dataclasses.asdict would copy them)."""
+    fields = [field.name for field in dataclasses.fields(Stage) if field.name != "model"]
+    stages = [{name: getattr(stage, name) for name in fields} for stage in plan.stages]
+    records.write_data(path, {"balance": plan.balance, "costs": plan.costs, "tied": plan.tied,
+                              "symbols": plan.symbols, "stages": stages})
 
 
 def held_by_stages(artifacts: Artifacts) -> list[int] | None:
@@ -157,7 +161,7 @@ def held_by_stages(artifacts: Artifacts) -> list[int] | None:
     are not cut into stages, or their pipeline.json does not count them."""
     if not artifacts.pipeline_json.is_file():
         return None
-    held = [stage.held for stage in Plan.load(artifacts.pipeline_json).stages]
+    held = [stage.held for stage in read_plan(artifacts.pipeline_json).stages]
     return None if None in held else held
 
 
@@ -166,7 +170,7 @@ def check_stages(artifacts: Artifacts, stages: int) -> None:
     Any artifacts hold the whole model's graphs, which a run with P = 1 trains."""
     if stages == 1 or not artifacts.model_json.is_file():  # without model.json the ranks name what is missing
         return
-    built = len(json.loads(artifacts.pipeline_json.read_text())["stages"]) if artifacts.pipeline_json.is_file() else 1
+    built = len(read_plan(artifacts.pipeline_json).stages) if artifacts.pipeline_json.is_file() else 1
     if built != stages:
         raise ConfigError(
             f"config key 'train.pipeline_stages': {stages} stages, but the artifacts {artifacts.folder} are cut into "
@@ -355,7 +359,7 @@ def cut(base, stages: int, balance: str = "parameters", at: list[str] | None = N
     stage_costs = [sum(costs[i] for i in stage_nodes) for stage_nodes in nodes]
     log.info("pipeline: %d stages at %s, %s %s%s%s", stages, cuts, balance, stage_costs,
              f", tied {tied}" if tied else "", f" ({rewritten} Shape nodes read from the inputs)" if rewritten else "")
-    return Plan(plan_stages, tied, stage_costs, balance, input_symbols(model.graph))
+    return Plan(balance, tuple(stage_costs), tied, input_symbols(model.graph), tuple(plan_stages))
 
 
 def extract(model, weighted: set[str], cuts: list[str], candidates: list) -> tuple[list[Stage], list[set[int]]]:
@@ -406,7 +410,8 @@ def stage_model(model, nodes: list, index: int, start: str | None, end: str, dro
                                    functions=model.functions)
     parameters = [name for name in read if name in initializers and is_float(initializers[name])]
     held = sum(math.prod(initializers[name].dims) for name in parameters)
-    return Stage(index, stage, start, end, dims_of(types[end]), features, parameters, dropouts_before, held)
+    return Stage(index, start, end, tuple(dims_of(types[end])), tuple(features), tuple(parameters), dropouts_before,
+                 held, model=stage)
 
 
 def named(candidates: list[tuple[int, str]], shown: int = 12) -> str:
@@ -454,7 +459,7 @@ def build(plan: Plan, trainable: list[str], loss: str, label: Column, optimizer,
     folders = []
     last = len(plan.stages) - 1
     Path(out).mkdir(parents=True, exist_ok=True)
-    Artifacts(out).pipeline_json.write_text(json.dumps(plan.describe(), indent=2) + "\n")
+    write_plan(Artifacts(out).pipeline_json, plan)
     for stage in plan.stages:
         folder = Artifacts(out).stage(stage.index).folder
         folder.mkdir(parents=True, exist_ok=True)

@@ -8,10 +8,9 @@ model's entry keeps the keys its task's evaluation gives (loss, accuracy or perp
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
-from .. import atomic, records
+from .. import records
 from ..errors import MissingInputError, ModelError
 
 REMEDY = "run the quantize_model rule again"
@@ -58,12 +57,11 @@ class ExportMetrics:
 def read_export_metrics(path: Path) -> ExportMetrics:
     """export/metrics.json; MissingInputError when there is none, ModelError naming the file and the
     key when a field is missing or mistyped."""
-    if not Path(path).is_file():
-        raise MissingInputError(f"{path}: no export metrics (run the quantize_model rule first)")
-    return records.build(ExportMetrics, records.read_json(path, ModelError, REMEDY), path, ModelError, REMEDY)
+    return records.read(ExportMetrics, path, ModelError, REMEDY,
+                        MissingInputError(f"{path}: no export metrics (run the quantize_model rule first)"))
 
 
 def write_export_metrics(path: Path, metrics: ExportMetrics) -> None:
     data = {key: value for key, value in dataclasses.asdict(metrics).items()
             if not (key in OPTIONAL and value is None)}
-    atomic.write_text(path, json.dumps(data, indent=2) + "\n")
+    records.write_data(path, data)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from ..data import baseline
+from ..generation.samples_file import Samples, read_samples
 from ..quantization.export_metrics import ExportMetrics, Int4, read_export_metrics
 from ..training.run_summary import RunSummary, read_run_summary
 
@@ -49,6 +50,11 @@ def read_json(path: Path) -> dict | None:
 def read_train(path: Path) -> RunSummary | None:
     """train/metrics.json (training/run_summary.py), None before the run trained."""
     return read_run_summary(path) if Path(path).is_file() else None
+
+
+def read_generated(path: Path) -> Samples | None:
+    """export/samples.json (generation/samples_file.py), None where the run has no generation folder."""
+    return read_samples(path) if Path(path).is_file() else None
 
 
 def read_export(path: Path) -> ExportMetrics | None:

@@ -15,8 +15,8 @@ from ..generation import GENAI_CONFIG, GENERATION, SAMPLES, is_seq2seq
 from ..graphs.description import ModelDescription, read_description
 from ..quantization.export_metrics import Int4
 from ..wording import plural
-from .results import (baseline_shown, fmt, large_batch, lora_trained, not_beaten, quality, read_export, read_json,
-                      read_train, refusal, speedup)
+from .results import (baseline_shown, fmt, large_batch, lora_trained, not_beaten, quality, read_export, read_generated,
+                      read_json, read_train, refusal, speedup)
 
 
 def run_summary(results: str | Path, *, train_metrics: str | Path, export_metrics: str | Path, model: str | Path,
@@ -91,9 +91,9 @@ def exported_lines(model: Path, int8: Path | None) -> list[str]:
         kind = "an encoder and decoders" if is_seq2seq(generation) else "a decoder"
         lines.append(f"  generate  {shlex.join(['ortflow', 'generate', str(generation), '--prompt', 'your text'])} "
                      f"({kind} with a KV cache in ONNX Runtime)")
-    samples = read_json(model.parent / SAMPLES)
-    if samples and samples["samples"]:
-        lines.append(f"  samples   {model.parent / SAMPLES}: {plural(len(samples['samples']), 'eval prompt')} "
+    samples = read_generated(model.parent / SAMPLES)
+    if samples and samples.samples:
+        lines.append(f"  samples   {model.parent / SAMPLES}: {plural(len(samples.samples), 'eval prompt')} "
                      "generated before and after training (the report's Generated samples)")
     optimum = model.parent / OPTIMUM
     architectures = (read_json(optimum / "config.json") or {}).get("architectures") or [""]

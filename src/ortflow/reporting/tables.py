@@ -15,7 +15,7 @@ from ..config import Config, as_dict
 from ..graphs.description import ModelDescription, read_description
 from ..quantization.export_metrics import ExportMetrics
 from ..training.run_summary import RunSummary
-from .results import (baseline_shown, count, fmt, large_batch, not_beaten, quality, read_export, read_json,
+from .results import (baseline_shown, count, fmt, large_batch, not_beaten, quality, read_export, read_generated,
                       read_train, refusal, speedup)
 
 TABLES = ("summary", "samples", "quantization", "stages", "profile", "config")
@@ -115,18 +115,18 @@ def quantization_rows(export: ExportMetrics) -> list[tuple]:
 def samples_page(samples_path: Path | None) -> str:
     """export/samples.json (generation/samples.py) as a table of prompt, the eval data's next tokens,
     and the greedy continuations before and after training; without it, why there are none."""
-    samples = read_json(samples_path) if samples_path else None
+    samples = read_generated(samples_path) if samples_path else None
     if samples is None:
         return page("Generated samples", "<p>No generated samples: this run has no <code>export/generation/</code> "
                     "folder, which the export writes for a causal LM or a sequence-to-sequence model fine-tuned by task "
                     "(<code>model.kind: transformers</code>, <code>model.task: causal-lm</code> or <code>seq2seq</code>"
                     "), once export_model has run.</p>")
-    if not samples["samples"]:
+    if not samples.samples:
         return page("Generated samples", "<p>No generated samples: <code>export.samples</code> is 0.</p>")
-    rows = [(str(i), entry["prompt"], entry["expected"], entry["before"], entry["after"])
-            for i, entry in enumerate(samples["samples"])]
+    rows = [(str(i), entry.prompt, entry.expected, entry.before, entry.after)
+            for i, entry in enumerate(samples.samples)]
     return page("Generated samples, before and after training",
-                f"<p>Eval prompts and the greedy continuations (at most {samples['max_new_tokens']} new tokens) of "
+                f"<p>Eval prompts and the greedy continuations (at most {samples.max_new_tokens} new tokens) of "
                 "the starting weights (transformers' <code>generate</code>) and of <code>export/generation/</code> "
                 "(ONNX Runtime), as <code>ortflow generate</code> gives them.</p>"
                 + table(["prompt", "the eval data's next tokens", "before fine-tuning", "after fine-tuning"], rows))

@@ -87,8 +87,9 @@ def prepare(config: config_mod.Config, train_dir: Path, eval_dir: Path) -> dict:
     # Beside the eval shards, where training reads it (after write_split: it makes the folder).
     scored = baseline.of_split(dataset.label, dataset.task, dataset.num_classes, train_rows, eval_rows)
     baseline.write(eval_dir, scored)
-    log.info("baseline (predicting %s) on the eval split: %s", scored["of"],
-             ", ".join(f"{key} {value:.6g}" for key, value in scored.items() if key != "of" and value is not None))
+    log.info("baseline (predicting %s) on the eval split: %s", scored.of,
+             ", ".join(f"{key} {value:.6g}" for key, value in scored.measures().items()
+                       if key != "of" and value is not None))
     return manifests
 
 

@@ -12,7 +12,6 @@ its start to the exit code it ends with:
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import signal
@@ -20,9 +19,8 @@ import socket
 import sys
 import time
 
-from .. import atomic
 from ..launcher import ranks_failed
-from .run_folder import TrainFolder
+from .run_folder import AttemptFinished, TrainFolder, read_finished, read_stopped, write_finished
 
 
 def append_to_log() -> None:
@@ -62,7 +60,7 @@ def start_attempt(folder: TrainFolder, resume_from: str | None) -> None:
     """Before the ranks start: if the last attempt finished, a rerun trains from step
     0 (unless train.resume_from says where to start), so the finished run's
     checkpoints and TensorBoard events move to the training folder's previous/."""
-    if folder.finished.exists() and not resume_from and folder.checkpoints.exists():
+    if read_finished(folder) and not resume_from and folder.checkpoints.exists():
         previous = TrainFolder(folder.previous)
         shutil.rmtree(previous.folder, ignore_errors=True)
         previous.folder.mkdir()
@@ -82,10 +80,10 @@ def end_attempt(folder: TrainFolder, code: int, received: list[signal.Signals], 
     """The exit code of `ortflow train` once the MPI launcher `launcher` (its name) exited
     with `code`, after the stop signals `received`, said in one line on stderr; a run
     that trained to the end is noted in FINISHED."""
-    if folder.stopped.exists():  # the ranks stopped on a signal, after writing a checkpoint
-        stop = json.loads(folder.stopped.read_text())
-        reason = received[0] if received else signal.Signals[stop["signal"]]
-        print(f"ortflow train: stopped by {reason.name} after step {stop['step']}, with a checkpoint; "
+    stop = read_stopped(folder)
+    if stop:  # the ranks stopped on a signal, after writing a checkpoint
+        reason = received[0] if received else signal.Signals[stop.signal]
+        print(f"ortflow train: stopped by {reason.name} after step {stop.step}, with a checkpoint; "
               "rerun to resume from it", file=sys.stderr)
         return 128 + reason
     if code != 0 and received:
@@ -101,5 +99,5 @@ def end_attempt(folder: TrainFolder, code: int, received: list[signal.Signals], 
     if not folder.metrics.exists():
         print(f"ortflow train: error: the ranks finished but wrote no {folder.metrics}", file=sys.stderr)
         return 1
-    atomic.write_text(folder.finished, json.dumps({"steps": steps}) + "\n")
+    write_finished(folder, AttemptFinished(steps))
     return 0

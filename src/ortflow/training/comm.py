@@ -12,7 +12,7 @@ time, naming the rank that is behind, instead of hanging forever.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import logging
 import os
 import socket
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import atomic
-from ..errors import DeviceError
+from .. import records
+from ..errors import DeviceError, TrainingError
 from .preflight import FAIL, check_cupy, check_gpus
 from .gradients import allreduce_in_buckets
 
@@ -32,6 +32,24 @@ log = logging.getLogger("ortflow.train")
 # The phases of a step, in order, as ranks report them in their heartbeats ("schedule": a
 # pipeline stage's 1F1B step, whose waits on the other stages come before its all-reduce).
 PHASES = ("forward", "schedule", "allreduce", "eval", "checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class Beat:
+    """A rank's heartbeat file (heartbeat/rank-<r>.json): where it was last, and when (time.time())."""
+
+    step: int
+    phase: str  # one of PHASES
+    time: float
+
+
+def read_beat(path: Path) -> Beat:
+    return records.read(Beat, path, TrainingError, "each rank rewrites its own at every step")
+
+
+def write_beat(path: Path, beat: Beat) -> None:
+    # Read only while the run lives: not worth a flush to disk at every step.
+    records.write(path, beat, end="", sync=False, indent=None)
 
 
 class Watchdog:
@@ -49,8 +67,7 @@ class Watchdog:
         threading.Thread(target=self._watch, daemon=True).start()
 
     def beat(self, step: int, phase: str) -> None:
-        # Read only while the run lives: not worth a flush to disk at every step.
-        atomic.write_text(self.path, json.dumps({"step": step, "phase": phase, "time": time.time()}), sync=False)
+        write_beat(self.path, Beat(step, phase, time.time()))
 
     def collective(self, what: str):
         watchdog = self
@@ -68,20 +85,18 @@ class Watchdog:
         seen = []
         for path in sorted(self.dir.glob("rank-*.json")):
             try:
-                beat = json.loads(path.read_text())
-            except (OSError, ValueError):
+                beat = read_beat(path)
+            except (OSError, TrainingError):  # gone with its attempt, or not a heartbeat: no progress to tell
                 continue
             rank = int(path.stem.split("-")[1])
-            progress = (beat["step"], PHASES.index(beat["phase"]), beat["time"])
-            seen.append((progress, rank, beat))
+            seen.append(((beat.step, PHASES.index(beat.phase), beat.time), rank, beat))
         if not seen:
             return "no rank has reported progress"
         # The rank that is furthest behind in the step's order of phases, not
         # the one that wrote last: a slow rank may write "forward" after a fast
         # one already wrote "allreduce" of the same step.
         _, rank, beat = min(seen)
-        step, phase, when = beat["step"], beat["phase"], beat["time"]
-        return f"rank {rank} is behind: last seen at step {step} ({phase}) {time.time() - when:.0f}s ago"
+        return f"rank {rank} is behind: last seen at step {beat.step} ({beat.phase}) {time.time() - beat.time:.0f}s ago"
 
     def _watch(self) -> None:
         while True:

@@ -14,12 +14,19 @@ artifacts: the launcher, the ranks, the merge and report rules all read it here.
     previous/      a finished run's checkpoints and events, moved aside when a rerun starts anew
 
 Checkpoints and events live beside metrics.json but are not Snakemake outputs:
-Snakemake deletes a failed job's outputs, and a rerun resumes from them.
+Snakemake deletes a failed job's outputs, and a rerun resumes from them. STOPPED and FINISHED
+are records (records.py), each read and written here only, as ortflow has always written them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+
+from .. import records
+from ..errors import TrainingError
+
+REMEDY = "delete it and rerun the train rule"
 
 
 class TrainFolder:
@@ -40,3 +47,36 @@ class TrainFolder:
 
     def __str__(self) -> str:
         return str(self.folder)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptStopped:
+    """STOPPED: rank 0 stopped the run on `signal` (its name: SIGTERM) after the checkpoint of `step`."""
+
+    signal: str
+    step: int
+
+
+def read_stopped(folder: TrainFolder) -> AttemptStopped | None:
+    """STOPPED of `folder`, None if the last attempt did not stop on a signal."""
+    return records.read(AttemptStopped, folder.stopped, TrainingError, REMEDY) if folder.stopped.is_file() else None
+
+
+def write_stopped(folder: TrainFolder, stopped: AttemptStopped) -> None:
+    records.write(folder.stopped, stopped, end="", indent=None)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttemptFinished:
+    """FINISHED: the last attempt trained to the end, `steps` in all."""
+
+    steps: int
+
+
+def read_finished(folder: TrainFolder) -> AttemptFinished | None:
+    """FINISHED of `folder`, None if the last attempt did not train to the end."""
+    return records.read(AttemptFinished, folder.finished, TrainingError, REMEDY) if folder.finished.is_file() else None
+
+
+def write_finished(folder: TrainFolder, finished: AttemptFinished) -> None:
+    records.write(folder.finished, finished, indent=None)

@@ -7,11 +7,10 @@ pipeline's entries only in a pipelined run's."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from pathlib import Path
 
-from .. import atomic, records
+from .. import records
 from ..errors import MissingInputError, TrainingError
 
 REMEDY = "run the train rule again"
@@ -56,15 +55,14 @@ class RunSummary:
 def read_run_summary(path: Path) -> RunSummary:
     """train/metrics.json; MissingInputError when there is none, TrainingError naming the file and
     the key when a field is missing or mistyped."""
-    if not Path(path).is_file():
-        raise MissingInputError(f"{path}: no training metrics (run the train stage first)")
-    return records.build(RunSummary, records.read_json(path, TrainingError, REMEDY), path, TrainingError, REMEDY)
+    return records.read(RunSummary, path, TrainingError, REMEDY,
+                        MissingInputError(f"{path}: no training metrics (run the train stage first)"))
 
 
 def write_run_summary(path: Path, summary: RunSummary) -> None:
     data = {key: value for key, value in dataclasses.asdict(summary).items()
             if not (key in PIPELINE and value is None)}
-    atomic.write_text(path, json.dumps(strict(data), indent=2, allow_nan=False) + "\n")
+    records.write_data(path, strict(data), allow_nan=False)
 
 
 def strict(value):

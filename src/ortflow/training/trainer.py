@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import atomic, config as config_mod, cuda_libraries, storage
+from .. import config as config_mod, cuda_libraries, storage
 from ..artifacts import Artifacts
 from ..checkpoints import resume as resume_mod
 from ..data import baseline as baseline_mod
@@ -61,7 +61,7 @@ from .optimizer import Optimizer
 from .pipeline_schedule import Grid, StageRunner, place
 from .metrics import Metrics, peak_rss_mb
 from .run_summary import BestEval, RunSummary
-from .run_folder import TrainFolder
+from .run_folder import AttemptStopped, TrainFolder, write_stopped
 from .schedule import is_time, learning_rate
 from .stop import StopRequest, Stopped
 
@@ -230,7 +230,7 @@ class Trainer:
                         done, self.steps, stop_mod.describe(votes), where)
             # For `ortflow train`, which exits with 128 + the signal (the ranks exit 0:
             # mpirun would call a non-zero exit a failure).
-            atomic.write_text(self.folder.stopped, json.dumps({"signal": reason.name, "step": done}))
+            write_stopped(self.folder, AttemptStopped(reason.name, done))
         self.metrics.close()
         raise Stopped(reason, done, where)
 
@@ -297,7 +297,7 @@ class PipelinedTrainer(Trainer):
     TensorBoard's histograms are those of rank 0's stage, the first."""
 
     def open_engine(self, whole) -> None:
-        plan = pipeline.Plan.load(self.artifacts.pipeline_json)  # its stages checked by `ortflow train`
+        plan = pipeline.read_plan(self.artifacts.pipeline_json)  # its stages checked by `ortflow train`
         grid = Grid(self.comm.world, self.train_cfg.pipeline_stages, plan.tied, self.comm.watchdog.collective)
         self.threads = threads_per_rank(self.comm.local_size, len(os.sched_getaffinity(0)), os.environ)
         self.runner = StageRunner(self.artifacts, plan, grid, self.train_cfg, self.seed, self.threads,
