@@ -21,7 +21,7 @@ from ortflow.data.shards import ShardReader
 from ortflow.errors import DataError, ModelError
 from ortflow.generation import folder as generation_folder
 from ortflow.generation.check import GenerationCheck, check_generation
-from ortflow.generation.generate import Decoder, Sampling, generate, steps, warp
+from ortflow.generation.generate import Decoder, Sampling, generate, left_padded, steps, warp
 from ortflow.models.hugging_face import attention
 from ortflow.models.save_trained import POSITIONS
 from test_hf_families import FAMILIES
@@ -244,6 +244,26 @@ def test_check_refuses_another_model(gpt2_folder, tmp_path):
         impossible = GenerationCheck(prompts([4]), 2, relative=-1.0, absolute=0.0)
         generation_folder.write_folder(model, None, tmp_path / "generation", impossible)
     assert not (tmp_path / "generation").exists()
+
+
+def test_check_is_greedy_whatever_the_generation_config_asks(gpt2_folder, tmp_path):
+    """A generation_config.json asking for beams, a repetition penalty, an n-gram ban and a minimum
+    length (bart-large-cnn's and many chat models' do): transformers' generate(do_sample=False)
+    follows it and parts from greedy steps, and the check still compares the greedy steps the
+    folder's decoder runs."""
+    _, model = tiny("gpt2", tmp_path)
+    decoder = Decoder(gpt2_folder, threads=1)
+    batch = prompts(BATCH)
+    ids, mask = (torch.from_numpy(array) for array in left_padded(batch, decoder.pad))
+
+    def tokens():
+        return model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=8,
+                              pad_token_id=decoder.pad).tolist()
+
+    plain, greedy = check_generation(model, decoder, strict(batch, 8)), tokens()
+    model.generation_config.update(num_beams=3, repetition_penalty=3.0, no_repeat_ngram_size=2, min_new_tokens=8)
+    assert tokens() != greedy  # what the config asks changes transformers' own generate
+    assert check_generation(model, decoder, strict(batch, 8)) == plain
 
 
 def test_cli_samples_with_the_models_defaults(gpt2_folder, capsys):

@@ -26,6 +26,16 @@ class GenerationCheck:
     absolute: float
 
 
+# generate(do_sample=False) still applies what a model's generation_config.json asks beyond greedy
+# search: beams (bart-large-cnn's 4), repetition penalties (many chat models' 1.05 or more), n-gram
+# bans and minimum lengths. ortflow's generator runs the graph's greedy steps, as genai_config.json's
+# search section says (folder.py), so the check turns those off and compares like with like.
+PLAIN_GREEDY = {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0,
+                "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0, "min_length": 0,
+                "min_new_tokens": None, "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None,
+                "begin_suppress_tokens": None, "exponential_decay_length_penalty": None}
+
+
 @dataclass(frozen=True)
 class Agreement:
     steps: int  # the greedy steps compared
@@ -40,7 +50,7 @@ def transformers_greedy(model, decoder: Decoder, prompts: list[list[int]],
 
     ids, mask = left_padded(prompts, decoder.pad)
     with torch.no_grad():
-        out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), do_sample=False,
+        out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), **PLAIN_GREEDY,
                              max_new_tokens=max_new_tokens, eos_token_id=sorted(decoder.eos) or None,
                              pad_token_id=decoder.pad, output_logits=True, return_dict_in_generate=True)
     tokens = []

@@ -24,7 +24,7 @@ import numpy as np
 from ..errors import DataError, ModelError
 from ..sessions import inference_session
 from . import DECODER, DECODER_WITH_PAST, ENCODER
-from .check import Agreement, GenerationCheck, compare
+from .check import PLAIN_GREEDY, Agreement, GenerationCheck, compare
 from .generate import Sampling, Step, choose, generate
 
 # transformers' sampling defaults, for a generation_config.json that leaves one out (genai_config's search: folder.py)
@@ -146,7 +146,7 @@ def transformers_greedy(model, decoder: Seq2SeqDecoder, sources: list[list[int]]
     source, mask = right_padded(sources, decoder.pad)
     with torch.no_grad():
         out = model.generate(input_ids=torch.from_numpy(source), attention_mask=torch.from_numpy(mask),
-                             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=sorted(decoder.eos) or None,
+                             **PLAIN_GREEDY, max_new_tokens=max_new_tokens, eos_token_id=sorted(decoder.eos) or None,
                              pad_token_id=decoder.pad, output_logits=True, return_dict_in_generate=True)
     tokens = []
     for row in out.sequences[:, 1:].tolist():
