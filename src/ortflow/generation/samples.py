@@ -21,12 +21,13 @@ from typing import Callable
 import numpy as np
 
 from .. import atomic
+from ..machine import release_freed_memory
 from ..data.tokenizer import ATTENTION_MASK, INPUT_IDS
 from ..models import IGNORE_INDEX
 from ..models import TEXT_WINDOWS
 from . import GENERATION, SAMPLES, TOKENIZER
 from .check import transformers_greedy
-from .generate import Decoder, generate
+from .generate import Decoder, generate, read_genai_config, special_tokens
 
 log = logging.getLogger("ortflow.export")
 
@@ -52,19 +53,22 @@ def eval_prompts(batch: dict, label_name: str, count: int) -> list[tuple[list[in
     return found
 
 
-def samples(start_model, folder: Path, prompts: list[tuple[list[int], list[int]]], positions: int) -> dict:
-    """The samples of `prompts` (eval_prompts') as text: greedy generation of `start_model` (the
-    torch causal LM of the starting weights) and of the generation `folder`'s decoder."""
+def samples(start_model: Callable[[], object], folder: Path, prompts: list[tuple[list[int], list[int]]],
+            positions: int) -> dict:
+    """The samples of `prompts` (eval_prompts') as text: greedy generation of the torch causal LM of the
+    starting weights that `start_model()` builds, then of the generation `folder`'s decoder, whose session
+    opens once that model is let go (the two would hold the weights together)."""
     from tokenizers import Tokenizer
 
-    decoder = Decoder(folder, prepacked=False)
+    pad, eos = special_tokens(read_genai_config(folder)["model"])
     tokenizer = Tokenizer.from_file(str(folder / TOKENIZER))
     new_tokens = max(1, min(NEW_TOKENS, positions - max(len(prompt) for prompt, _ in prompts)))
-    before, _ = transformers_greedy(start_model, decoder, [prompt for prompt, _ in prompts], new_tokens)
-    after = generate(decoder, [prompt for prompt, _ in prompts], new_tokens)
+    before, _ = transformers_greedy(start_model(), pad, eos, [prompt for prompt, _ in prompts], new_tokens)
+    release_freed_memory()
+    after = generate(Decoder(folder, prepacked=False), [prompt for prompt, _ in prompts], new_tokens)
 
     def text(tokens: list[int]) -> str:  # the end-of-sequence token is the stop, not text
-        return tokenizer.decode([token for token in tokens if token not in decoder.eos], skip_special_tokens=True)
+        return tokenizer.decode([token for token in tokens if token not in eos], skip_special_tokens=True)
 
     return {"max_new_tokens": new_tokens, "greedy": True, "samples": [
         {"prompt": tokenizer.decode(prompt, skip_special_tokens=False), "expected": text(expected[:new_tokens]),
@@ -87,10 +91,12 @@ def write_samples(count: int, export: Path, reader, positions: int | None,
     if count:
         from ..models.gpt import GPT, as_gpt2  # torch: imported when samples are written (cli.py)
 
+        def start_model():
+            start = start_module()
+            return as_gpt2(start) if isinstance(start, GPT) else start.model
+
         batch = reader.gather(np.arange(min(count, len(reader))))
-        start = start_module()
-        model = as_gpt2(start) if isinstance(start, GPT) else start.model
-        written = samples(model, folder, eval_prompts(batch, reader.label_name, count),
+        written = samples(start_model, folder, eval_prompts(batch, reader.label_name, count),
                           positions or batch[reader.label_name].shape[1])
     atomic.write_text(path, json.dumps(written, indent=1, ensure_ascii=False) + "\n")
     log.info("%s: %d eval prompts with greedy generation (at most %d new tokens) of the starting weights "
