@@ -230,12 +230,13 @@ def test_build_artifacts_and_export_model_hold_the_weights_about_once(tmp_path):
     initial weights as the merged checkpoint, writes them one tensor at a time and each check
     holds them once: 1.82 W measured, the reference evaluator's activations included (before,
     ONNX Runtime's export_model_for_inferencing held 3 W and each check session 2 W). Then the
-    gpt's generation folder (issue 41): its torch module, built on the meta device, takes the
-    checkpoint's arrays (1 W, on the 0.7 W the checks leave held), is exported as a decoder graph
-    whose weights go to its file one at a time, and checked against it in a session that does not
-    prepack (the module and the session: 2 W), then built again from the starting weights for the
-    samples: 2.84 W measured, at the check (3.9 W when the module was built with random weights
-    and loaded by copying, and the decoder graph held every weight before it was saved)."""
+    gpt's generation folder (issue 41): its torch module, built on the meta device on the
+    checkpoint's mapped arrays themselves (1 W), is exported as a decoder graph whose weights go to
+    its file one at a time, generates with transformers, and is let go before the decoder's session
+    opens for the check; the same for the starting weights' samples. 2.02-2.07 W measured, at the
+    check session's creation (ONNX Runtime folds the Transposes of the weights) or at the decoder's
+    export (2.84 W when the module and the decoder's session met, on the 0.8 W of freed memory
+    that glibc's heap kept after the checks)."""
     import shutil
     import sys
 
@@ -262,5 +263,5 @@ def test_build_artifacts_and_export_model_hold_the_weights_about_once(tmp_path):
         shutil.copy(tmp_path / "artifacts" / name, tmp_path / "merged" / name)
     merged_meta(tmp_path / "merged", 0)
     exported = held("export")
-    assert exported < 3.0 * weight_bytes, f"export_model held {exported / weight_bytes:.2f} times the weights"
+    assert exported < 2.5 * weight_bytes, f"export_model held {exported / weight_bytes:.2f} times the weights"
     assert (tmp_path / "export" / "model.onnx.data").stat().st_size == weight_bytes

@@ -142,7 +142,7 @@ def test_family_without_key_value_cache_refused(tmp_path):
     config = transformers.MambaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, state_size=4)
     model = transformers.AutoModelForCausalLM.from_config(config)
     with pytest.raises(ModelError) as refused:
-        generation_folder.write_folder(model, None, tmp_path / "generation")
+        generation_folder.write_folder(lambda: (model, None), tmp_path / "generation")
     assert "\n" not in str(refused.value)
     assert str(refused.value).startswith("MambaForCausalLM (mamba) keeps its generation cache as DynamicCache of ")
     assert str(refused.value).endswith("ortflow cannot export it as a decoder with a KV cache")
@@ -222,9 +222,31 @@ def test_gpt2_with_its_config_defaults_exports_and_checks(tmp_path):
     config = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=256, n_positions=16)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    generation_folder.write_folder(model, None, tmp_path / "generation", strict(prompts([6, 3]), 8))
+    generation_folder.write_folder(lambda: (model, None), tmp_path / "generation", strict(prompts([6, 3]), 8))
     assert not [name for name, module in model.named_modules() if module.training]
     assert json.loads((tmp_path / "generation/genai_config.json").read_text())["model"]["pad_token_id"] == 0
+
+
+def test_the_model_is_let_go_before_the_decoders_session_opens(tmp_path, monkeypatch):
+    """write_folder runs transformers' generate for the check first and drops the model before it opens
+    the decoder's session: the two never hold the weights together (tests/test_external_data.py)."""
+    import weakref
+
+    source, _ = tiny("gpt2", tmp_path)
+    built, alive_at_session = [], []
+
+    def load():
+        model = transformers.AutoModelForCausalLM.from_pretrained(source)
+        built.append(weakref.ref(model))
+        return model, None
+
+    def decoder(*args, **kwargs):
+        alive_at_session.append(built[0]() is not None)
+        return Decoder(*args, **kwargs)
+
+    monkeypatch.setattr(generation_folder, "Decoder", decoder)
+    _, agreement = generation_folder.write_folder(load, tmp_path / "generation", strict(prompts([6, 3]), 8))
+    assert alive_at_session == [False] and agreement.steps == 8
 
 
 def test_check_refuses_another_model(gpt2_folder, tmp_path):
@@ -242,7 +264,7 @@ def test_check_refuses_another_model(gpt2_folder, tmp_path):
     # refused by the export itself, the folder is not written
     with pytest.raises(ModelError, match=r"^generation check: step 0's logits differ"):
         impossible = GenerationCheck(prompts([4]), 2, relative=-1.0, absolute=0.0)
-        generation_folder.write_folder(model, None, tmp_path / "generation", impossible)
+        generation_folder.write_folder(lambda: (model, None), tmp_path / "generation", impossible)
     assert not (tmp_path / "generation").exists()
 
 

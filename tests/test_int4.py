@@ -111,7 +111,7 @@ def wide_llama(root):
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
     model.eval()
-    generation_folder.write_folder(model, None, root / "generation")
+    generation_folder.write_folder(lambda: (model, None), root / "generation")
     return root / "generation"
 
 

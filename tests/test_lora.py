@@ -160,7 +160,7 @@ def check_samples_start_from_the_base(folder, eval_dir) -> None:
     base = transformers.AutoModelForCausalLM.from_pretrained(folder / "folder", attn_implementation="eager").eval()
     reader = ShardReader(eval_dir, raw=True)
     prompts = eval_prompts(reader.gather(np.arange(len(written.samples))), reader.label_name, 3)
-    expected = samples(base, folder / GENERATION, prompts, save_trained.position_limit(base))
+    expected = samples(lambda: base, folder / GENERATION, prompts, save_trained.position_limit(base))
     assert written.max_new_tokens == expected.max_new_tokens > 0
     assert [sample.before for sample in written.samples] == [sample.before for sample in expected.samples]
 

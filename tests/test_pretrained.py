@@ -643,3 +643,27 @@ def test_a_module_built_on_the_meta_device_takes_the_arrays_themselves(tmp_path)
     with pytest.raises(ModelError, match=r"^model.weights: .*part.safetensors leaves positions.weight, .* of a model "
                                          r"built without values \(on the meta device\) unset"):
         load_into_module(module, Request(str(tmp_path / "part.safetensors"), (), None), keep_absent=True)
+
+
+def test_a_checkpoints_arrays_are_loaded_without_a_copy_and_written_only_in_memory(tmp_path, monkeypatch):
+    """models/weights.plan hands on the arrays whose dtype is the model's (a float16 one is widened), and a
+    merged checkpoint's are its data file mapped copy-on-write: a module's tensors on them may be written,
+    and the file keeps its values."""
+    from ortflow import external_data
+    from ortflow.checkpoints import ort_format
+    from ortflow.models.weights import Request, plan, read
+
+    given = {"w": np.ones((2, 3), np.float32), "b": np.zeros(3, np.float16)}
+    loaded = plan(Request("w.safetensors", (), None), given, {"w": ((2, 3), np.float32), "b": ((3,), np.float32)},
+                  [["w"], ["b"]])
+    assert loaded["w"] is given["w"] and loaded["b"].dtype == np.float32
+
+    monkeypatch.setenv(external_data.VARIABLE, "0")
+    w = np.arange(600, dtype=np.float32).reshape(20, 30)
+    ort_format.write_ort_checkpoint(tmp_path / "checkpoint", ort_format.TrainingState(
+        {"w": w}, {"w": True}, {}, {}, {}))
+    arrays = read(str(tmp_path))
+    assert not arrays["w"].flags.owndata and arrays["w"].flags.writeable
+    torch.from_numpy(arrays["w"]).mul_(2)  # as an optimizer would write a module's tensor
+    assert arrays["w"][1, 0] == 60
+    np.testing.assert_array_equal(read_ort_checkpoint(tmp_path / "checkpoint").parameters["w"], w)

@@ -92,6 +92,32 @@ def test_samples_before_and_after_are_each_models_greedy_text(export, tmp_path):
     assert again["samples"][0]["before"] != again["samples"][0]["after"]
 
 
+def test_the_start_model_is_let_go_before_the_decoders_session_opens(export, monkeypatch):
+    """The starting weights' model generates first and is dropped before the folder's decoder opens:
+    the two never hold the weights together (tests/test_external_data.py)."""
+    import weakref
+
+    import transformers
+
+    from ortflow.generation import samples as samples_module
+
+    root, _ = export
+    built, alive_at_session = [], []
+
+    def start():
+        model = transformers.AutoModelForCausalLM.from_pretrained(root / "transformers").eval()
+        built.append(weakref.ref(model))
+        return SimpleNamespace(model=model)
+
+    def decoder(*args, **kwargs):
+        alive_at_session.append(built[0]() is not None)
+        return Decoder(*args, **kwargs)
+
+    monkeypatch.setattr(samples_module, "Decoder", decoder)
+    write_samples(1, root, Records(examples([(list(b"q: 2+2? a: 4"), [0] * 11 + [1])], context=24)), 128, start)
+    assert alive_at_session == [False] and len(json.loads((root / SAMPLES).read_text())["samples"]) == 1
+
+
 def test_no_samples_without_a_generation_folder_or_with_a_count_of_0(export, tmp_path):
     root, model = export
     write_samples(0, root, Records(examples([([1, 2], [0, 1])])), 128, lambda: pytest.fail("built for no prompt"))

@@ -169,7 +169,7 @@ def test_cli_and_samples_generate_what_generate_gives(exported, capsys):
         assert cli.main(["generate", str(folder), "--prompt", "red", "--max-new-tokens", "64"]) == 1
         assert capsys.readouterr().err == ("ortflow generate: error: generate: max_new_tokens=64 and the target's "
                                            "start token need 65 positions; the decoder has 64: ask for at most 63\n")
-    written = samples(model, folder, [(source, [5, 6]), (source[:3], [7])], positions=64)
+    written = samples(lambda: model, folder, [(source, [5, 6]), (source[:3], [7])], positions=64)
     assert [(sample.before, sample.expected) for sample in written.samples] == \
         [(sample.after, text) for sample, text in zip(written.samples, [tokenizer.decode([5, 6]),
                                                                          tokenizer.decode([7])])]

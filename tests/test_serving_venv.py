@@ -158,7 +158,8 @@ def expected(request, tmp_path_factory) -> tuple[str, dict[str, list[list[int]]]
     fp32, int4 = Decoder(root / "fp32", threads=1), Decoder(root / "int4", threads=1)
     batch = prompts(PROMPT_LENGTHS)
     return request.param, {
-        str(root / "fp32"): [transformers_greedy(model, fp32, [prompt], NEW_TOKENS)[0][0] for prompt in batch],
+        str(root / "fp32"): [transformers_greedy(model, fp32.pad, fp32.eos, [prompt], NEW_TOKENS)[0][0]
+                             for prompt in batch],
         str(root / "int4"): [generate(int4, [prompt], NEW_TOKENS)[0] for prompt in batch]}
 
 

@@ -68,18 +68,21 @@ def _np_dtype(onnx_type: int) -> np.dtype:
     return np.dtype(tensor_dtype_to_np_dtype(onnx_type))
 
 
-def read_ort_checkpoint(path: Path) -> TrainingState:
+def read_ort_checkpoint(path: Path, writable: bool = False) -> TrainingState:
     """Parse an ONNX Runtime checkpoint file (and its `<checkpoint>.data`, if it has one).
     The arrays are read-only views of the files mapped into memory (no copy; they stay
-    valid after the files are deleted)."""
+    valid after the files are deleted). `writable`: mapped copy-on-write instead, so that
+    a torch module can take the arrays as its tensors (models/weights.py): a write gets a
+    private copy of its page and never reaches the files."""
     Fbs = checkpoint_schema("Checkpoint").Checkpoint
 
-    buf = _mapped(path)
+    access = mmap.ACCESS_COPY if writable else mmap.ACCESS_READ
+    buf = _mapped(path, access=access)
     if not Fbs.CheckpointBufferHasIdentifier(buf, 0):
         raise CheckpointError(f"{path}: not an ONNX Runtime checkpoint (no {ORT_IDENTIFIER.decode()} identifier)")
     root = Fbs.GetRootAs(buf, 0)
     module = root.ModuleState()
-    external = _external_data(path) if module.HasExternalData() else None
+    external = _external_data(path, access) if module.HasExternalData() else None
 
     def array(tensor) -> np.ndarray:
         dims = [int(d) for d in tensor.DimsAsNumpy()] if not tensor.DimsIsNone() else []
@@ -126,23 +129,23 @@ def read_ort_checkpoint(path: Path) -> TrainingState:
     return TrainingState(parameters, requires_grad, optimizer_states, optimizer, properties, root.Version())
 
 
-def _mapped(path: Path, what: str = "an ONNX Runtime checkpoint") -> mmap.mmap:
-    """The file `path` mapped read-only into memory."""
+def _mapped(path: Path, what: str = "an ONNX Runtime checkpoint", access: int = mmap.ACCESS_READ) -> mmap.mmap:
+    """The file `path` mapped into memory, read-only or (ACCESS_COPY) copy-on-write."""
     try:
         with open(path, "rb") as f:
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            return mmap.mmap(f.fileno(), 0, access=access)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: not there ({what})") from None
 
 
-def _external_data(path: Path) -> mmap.mmap:
+def _external_data(path: Path, access: int) -> mmap.mmap:
     """The checkpoint's `<checkpoint>.data`, mapped: a regular file beside it, not a link
     (which would read whatever it points at as weights)."""
     data = data_file(path)
     if data.is_symlink() or (data.exists() and not data.is_file()):
         raise CheckpointError(f"{data}: the external data of checkpoint {path} is a link or not a regular file; "
                               "it must be a regular file beside the checkpoint")
-    return _mapped(data, "an ONNX Runtime checkpoint with external data")
+    return _mapped(data, "an ONNX Runtime checkpoint with external data", access)
 
 
 def ort_checkpoint_bytes(state: TrainingState) -> bytearray:

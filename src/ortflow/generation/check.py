@@ -42,29 +42,38 @@ class Agreement:
     largest_error: float  # the largest |difference| of a step's logits over the largest |logit| of transformers'
 
 
-def transformers_greedy(model, decoder: Decoder, prompts: list[list[int]],
+def transformers_greedy(model, pad: int, eos: set[int], prompts: list[list[int]],
                         max_new_tokens: int) -> tuple[list[list[int]], np.ndarray]:
-    """transformers' greedy tokens for the batch, padded on the left as the decoder pads it and cut
-    after each row's end-of-sequence token, and each step's logits [steps, batch, vocab]."""
+    """transformers' greedy tokens for the batch, padded on the left with `pad` as the decoder pads it
+    and cut after each row's end-of-sequence token (one of `eos`, the decoder's: generate.special_tokens),
+    and each step's logits [steps, batch, vocab]."""
     import torch
 
-    ids, mask = left_padded(prompts, decoder.pad)
+    ids, mask = left_padded(prompts, pad)
     with torch.no_grad():
         out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), **PLAIN_GREEDY,
-                             max_new_tokens=max_new_tokens, eos_token_id=sorted(decoder.eos) or None,
-                             pad_token_id=decoder.pad, output_logits=True, return_dict_in_generate=True)
+                             max_new_tokens=max_new_tokens, eos_token_id=sorted(eos) or None,
+                             pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
     tokens = []
     for row in out.sequences[:, ids.shape[1]:].tolist():
-        end = next((at for at, token in enumerate(row) if token in decoder.eos), len(row) - 1)
+        end = next((at for at, token in enumerate(row) if token in eos), len(row) - 1)
         tokens.append(row[:end + 1])
     return tokens, torch.stack(out.logits).numpy()
 
 
 def check_generation(model, decoder: Decoder, check: GenerationCheck) -> Agreement:
     """Greedy generation on `decoder` against transformers' on `model` (the torch causal LM the decoder
-    was exported from), as `check` asks: refused in one line where a token differs or a step's logits
-    differ by more than the tolerance."""
-    expected, expected_logits = transformers_greedy(model, decoder, check.prompts, check.max_new_tokens)
+    was exported from), as `check` asks (compare_generation)."""
+    return compare_generation(decoder, check, transformers_greedy(model, decoder.pad, decoder.eos, check.prompts,
+                                                                  check.max_new_tokens))
+
+
+def compare_generation(decoder: Decoder, check: GenerationCheck,
+                       expected: tuple[list[list[int]], np.ndarray]) -> Agreement:
+    """Greedy generation on `decoder` against transformers' `expected` tokens and logits (transformers_greedy's,
+    for `check`; computed first, so that the torch model can be let go before the decoder's session
+    opens): refused in one line where a token differs or a step's logits differ by more than the tolerance."""
+    expected, expected_logits = expected
     logits = []
     got = generate(decoder, check.prompts, check.max_new_tokens, on_step=lambda step: logits.append(step.logits))
     return compare(got, logits, expected, expected_logits, check)

@@ -11,13 +11,14 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .. import atomic
+from ..machine import release_freed_memory
 from ..export.ecosystem import copy_tokenizer_files
 from . import GENAI_CONFIG, MODEL
-from .check import Agreement, GenerationCheck, check_generation
-from .generate import Decoder
+from .check import Agreement, GenerationCheck, compare_generation, transformers_greedy
+from .generate import Decoder, special_tokens
 
 if TYPE_CHECKING:  # the decoder's export needs torch, imported when a folder is written (cli.py)
     from .decoder import CacheLayout
@@ -34,35 +35,47 @@ def export_folder(source: Path, folder: Path,
                   check: GenerationCheck | None = None) -> tuple[CacheLayout, Agreement | None]:
     """The save_pretrained causal-LM folder `source` (export/transformers/) as the generation folder
     `folder`, checked (`check`) before it is in place: the export stage's one call."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..models.hugging_face import attention
-    from ..models.save_trained import quietly
+    def load():
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-    with quietly():
-        kind = AutoConfig.from_pretrained(source, local_files_only=True).model_type
-        model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, attn_implementation=attention(kind),
-                                                     dtype="float32")
-    return write_folder(model, Path(source), folder, check)
+        from ..models.hugging_face import attention
+        from ..models.save_trained import quietly
+
+        with quietly():
+            kind = AutoConfig.from_pretrained(source, local_files_only=True).model_type
+            model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True,
+                                                         attn_implementation=attention(kind), dtype="float32")
+        return model, Path(source)
+
+    return write_folder(load, folder, check)
 
 
-def write_folder(model, tokenizer_source, folder: Path,
+def write_folder(load: Callable[[], tuple], folder: Path,
                  check: GenerationCheck | None = None) -> tuple[CacheLayout, Agreement | None]:
-    """The loaded transformers causal LM `model` as the generation folder `folder`, with the tokenizer
-    files of `tokenizer_source` (copy_tokenizer's source; None: a model without a tokenizer). With
-    `check`, the folder's greedy generation must be `model`'s (check.check_generation) before the
-    folder is renamed into place; its agreement is returned."""
+    """The transformers causal LM that `load()` gives, with the source of its tokenizer files
+    (copy_tokenizer's; None: a model without a tokenizer), as the generation folder `folder`. With
+    `check`, the folder's greedy generation must be the model's (check.compare_generation) before the
+    folder is renamed into place; its agreement is returned. The model's own generation comes first:
+    the model is let go before the decoder's session opens, so that the two never hold the weights
+    together (tests/test_external_data.py)."""
     with atomic.folder(folder) as building:
         from .decoder import export_decoder
 
+        model, tokenizer_source = load()
         layout = export_decoder(model, building / MODEL)
         config = copy.deepcopy(model.config)  # the caller's model keeps its own
         config.use_cache = True  # optimum feeds the cache only to a model whose config says it has one
         config.save_pretrained(building)
         model.generation_config.save_pretrained(building)
         copy_tokenizer(tokenizer_source, building)
-        atomic.write_text(building / GENAI_CONFIG, json.dumps(genai_config(model, layout), indent=4) + "\n")
-        agreement = check_generation(model, Decoder(building, prepacked=False), check) if check else None
+        genai = genai_config(model, layout)
+        atomic.write_text(building / GENAI_CONFIG, json.dumps(genai, indent=4) + "\n")
+        expected = check and transformers_greedy(model, *special_tokens(genai["model"]), check.prompts,
+                                                 check.max_new_tokens)
+        del model, tokenizer_source
+        release_freed_memory()
+        agreement = compare_generation(Decoder(building, prepacked=False), check, expected) if check else None
     return layout, agreement
 
 

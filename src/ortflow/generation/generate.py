@@ -42,26 +42,36 @@ class Step:
     logits: np.ndarray  # [batch, vocab]
 
 
+def read_genai_config(folder: Path) -> dict:
+    """The generation `folder`'s genai_config.json, refused in one line where it has none."""
+    folder = Path(folder)
+    if not (folder / GENAI_CONFIG).is_file():
+        raise ModelError(f"{folder}: no {GENAI_CONFIG}; not a generation folder (ortflow's export writes one)")
+    return json.loads((folder / GENAI_CONFIG).read_text())
+
+
+def special_tokens(config: dict) -> tuple[int, set[int]]:
+    """(the padding token, the end-of-sequence tokens) of genai_config.json's `model` section."""
+    eos = config["eos_token_id"]
+    return (config["pad_token_id"] if config["pad_token_id"] is not None else 0,
+            set(eos if isinstance(eos, list) else [] if eos is None else [eos]))
+
+
 class Decoder:
     """A generation folder's decoder in an ONNX Runtime session, with what genai_config.json says of it."""
 
     def __init__(self, folder: Path, threads: int | None = None, prepacked: bool = True):
         """`prepacked=False`: the weights held once (sessions.inference_session), for the export's checks
-        and samples, which hold the torch model beside the session; serving keeps ONNX Runtime's packing."""
-        folder = Path(folder)
-        if not (folder / GENAI_CONFIG).is_file():
-            raise ModelError(f"{folder}: no {GENAI_CONFIG}; not a generation folder (ortflow's export writes one)")
-        whole = json.loads((folder / GENAI_CONFIG).read_text())
+        and samples; serving keeps ONNX Runtime's packing."""
+        whole = read_genai_config(folder)
         config = whole["model"]
         self.search = whole["search"]  # the model's generation_config's sampling defaults
         decoder = config["decoder"]
         self.layers, self.kv_heads, self.head_dim = (decoder["num_hidden_layers"], decoder["num_key_value_heads"],
                                                      decoder["head_size"])
         self.context_length = config["context_length"]
-        eos = config["eos_token_id"]
-        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        self.pad = config["pad_token_id"] if config["pad_token_id"] is not None else 0
-        self.session = inference_session(folder / decoder["filename"], threads, prepacked=prepacked)
+        self.pad, self.eos = special_tokens(config)
+        self.session = inference_session(Path(folder) / decoder["filename"], threads, prepacked=prepacked)
         self.inputs = {value.name for value in self.session.get_inputs()}
         self.outputs = [value.name for value in self.session.get_outputs()]
 

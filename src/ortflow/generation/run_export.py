@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -49,13 +50,14 @@ def eval_check(windows: np.ndarray, positions: int, valid: np.ndarray | None = N
                            absolute=TOLERANCE["absolute"])
 
 
-def write_generation(task: str | None, batch: dict, export: Path, positions: int | None, gpt=None,
-                     tokenizer: dict | None = None) -> None:
+def write_generation(task: str | None, batch: dict, export: Path, positions: int | None,
+                     gpt: Callable[[], object] | None = None, tokenizer: dict | None = None) -> None:
     """export/generation/ from export/transformers/ where `task` (the transformers model's, None for
-    another kind) is causal-lm or seq2seq, or from `gpt` (the trained built-in gpt module, model.kind gpt) as the
-    GPT-2 it equals with the data's `tokenizer` (the manifest's description; None: bytes), checked on
-    the eval `batch` (raw features) within the model's `positions`; for any other model an earlier
-    run's folder is removed."""
+    another kind) is causal-lm or seq2seq, or from the module that `gpt()` builds (the trained built-in
+    gpt, model.kind gpt) as the GPT-2 it equals with the data's `tokenizer` (the manifest's description; None: bytes),
+    checked on the eval `batch` (raw features) within the model's `positions` (None: the records'
+    length); for any other model an earlier run's folder is removed. The model is built here, not
+    handed in, so that it is let go before the folder's check opens the decoder's session (folder.write_folder)."""
     folder = Path(export) / GENERATION
     if task == "seq2seq":
         write_seq2seq(batch, Path(export), positions)
@@ -69,15 +71,14 @@ def write_generation(task: str | None, batch: dict, export: Path, positions: int
     # Text windows (x), or examples of chats and pairs (input_ids, padded: attention_mask 0).
     ids = batch[TEXT_WINDOWS] if TEXT_WINDOWS in batch else batch[INPUT_IDS]
     valid = batch[ATTENTION_MASK].sum(axis=1) if ATTENTION_MASK in batch else None
+    # No positions in its config: the training windows' length (the built-in gpt's positions, one a token of
+    # its windows; another model's until cache_layout refuses it in one line).
+    positions = positions or ids.shape[1]
+    check = eval_check(ids, positions, valid)
     if gpt is None:
-        # No positions in its config: the training windows' length, until cache_layout refuses it in one line.
-        check = eval_check(ids, positions or ids.shape[1], valid)
         _, agreement = export_folder(Path(export) / TRANSFORMERS, folder, check)
     else:
-        model, source = built_in_gpt2(gpt, ids, Path(export), tokenizer)
-        positions = gpt.context
-        check = eval_check(ids, positions, valid)
-        _, agreement = write_folder(model, source, folder, check)
+        _, agreement = write_folder(lambda: built_in_gpt2(gpt(), ids, Path(export), tokenizer), folder, check)
     fewer = f", not {NEW_TOKENS}: the model has {positions} positions" if check.max_new_tokens < NEW_TOKENS else ""
     lengths = sorted({len(prompt) for prompt in check.prompts}, reverse=True)
     log.info("%s: greedy generation in ONNX Runtime (%d steps of at most %d new tokens%s) from %d eval prompts of %s "

@@ -21,11 +21,12 @@ from typing import Callable
 import numpy as np
 
 from ..data.tokenizer import ATTENTION_MASK, INPUT_IDS
+from ..machine import release_freed_memory
 from ..models import IGNORE_INDEX
 from ..models import TEXT_WINDOWS
 from . import GENERATION, SAMPLES, TOKENIZER, is_seq2seq
 from .check import transformers_greedy
-from .generate import Decoder, generate
+from .generate import Decoder, generate, read_genai_config, special_tokens
 from .samples_file import Sample, Samples, write_samples_file
 from .seq2seq import Seq2SeqDecoder, transformers_greedy as seq2seq_greedy
 
@@ -64,25 +65,32 @@ def seq2seq_prompts(batch: dict, label_name: str, count: int) -> list[tuple[list
     return found
 
 
-def samples(start_model, folder: Path, prompts: list[tuple[list[int], list[int]]], positions: int) -> Samples:
+def samples(start_model: Callable[[], object], folder: Path, prompts: list[tuple[list[int], list[int]]],
+            positions: int) -> Samples:
     """The samples of `prompts` (eval_prompts', or seq2seq_prompts' for a sequence-to-sequence folder)
-    as text: greedy generation of `start_model` (the torch model of the starting weights) and of the
-    generation `folder`'s decoder."""
+    as text: greedy generation of the torch model of the starting weights that `start_model()` builds,
+    then of the generation `folder`'s decoder. A causal LM's decoder session opens once that model is
+    let go (the two would hold the weights together); a sequence-to-sequence decoder, whose room for
+    new tokens decides the model's run, opens first."""
     from tokenizers import Tokenizer
 
     sources = [prompt for prompt, _ in prompts]
-    if is_seq2seq(folder):
-        decoder, greedy = Seq2SeqDecoder(folder, prepacked=False), seq2seq_greedy
-        room = decoder.room(max(map(len, sources)))
-    else:
-        decoder, greedy, room = Decoder(folder, prepacked=False), transformers_greedy, positions - max(map(len, sources))
     tokenizer = Tokenizer.from_file(str(folder / TOKENIZER))
-    new_tokens = max(1, min(NEW_TOKENS, NEW_TOKENS if room is None else room))
-    before, _ = greedy(start_model, decoder, sources, new_tokens)
+    if is_seq2seq(folder):
+        decoder = Seq2SeqDecoder(folder, prepacked=False)
+        room, eos = decoder.room(max(map(len, sources))), decoder.eos
+        new_tokens = max(1, min(NEW_TOKENS, NEW_TOKENS if room is None else room))
+        before, _ = seq2seq_greedy(start_model(), decoder, sources, new_tokens)
+    else:
+        pad, eos = special_tokens(read_genai_config(folder)["model"])
+        new_tokens = max(1, min(NEW_TOKENS, positions - max(map(len, sources))))
+        before, _ = transformers_greedy(start_model(), pad, eos, sources, new_tokens)
+        release_freed_memory()
+        decoder = Decoder(folder, prepacked=False)
     after = generate(decoder, sources, new_tokens)
 
     def text(tokens: list[int]) -> str:  # the end-of-sequence token is the stop, not text
-        return tokenizer.decode([token for token in tokens if token not in decoder.eos], skip_special_tokens=True)
+        return tokenizer.decode([token for token in tokens if token not in eos], skip_special_tokens=True)
 
     return Samples(new_tokens, True, tuple(
         Sample(tokenizer.decode(prompt, skip_special_tokens=False), text(expected[:new_tokens]), text(first),
@@ -105,11 +113,13 @@ def write_samples(count: int, export: Path, reader, positions: int | None,
     if count:
         from ..models.gpt import GPT, as_gpt2  # torch: imported when samples are written (cli.py)
 
+        def start_model():
+            start = start_module()
+            return as_gpt2(start) if isinstance(start, GPT) else start.model
+
         batch = reader.gather(np.arange(min(count, len(reader))))
-        start = start_module()
-        model = as_gpt2(start) if isinstance(start, GPT) else start.model
         prompts = (seq2seq_prompts if is_seq2seq(folder) else eval_prompts)(batch, reader.label_name, count)
-        written = samples(model, folder, prompts, positions or batch[reader.label_name].shape[1])
+        written = samples(start_model, folder, prompts, positions or batch[reader.label_name].shape[1])
     write_samples_file(path, written)
     log.info("%s: %d eval prompts with greedy generation (at most %d new tokens) of the starting weights "
              "and of %s", path, len(written.samples), written.max_new_tokens, folder)

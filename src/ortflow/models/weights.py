@@ -115,7 +115,8 @@ def read_checkpoint_folder(folder: Path) -> dict[str, np.ndarray]:
             "run's results/<run>/checkpoint, or a .safetensors file (in a transformers folder: model.safetensors)"
         )
     try:
-        return dict(read_ort_checkpoint(file).parameters)
+        # Copy-on-write: plan hands the arrays on as they are, and a module may write its tensors.
+        return dict(read_ort_checkpoint(file, writable=True).parameters)
     except CheckpointError as error:  # names the file
         raise ModelError(f"model.weights: {error}") from None
     except Exception as error:  # a damaged flatbuffer fails anywhere in the generated reader
@@ -124,7 +125,8 @@ def read_checkpoint_folder(folder: Path) -> dict[str, np.ndarray]:
 
 def plan(request: Request, weights: dict[str, np.ndarray], model: dict[str, tuple[tuple, np.dtype]],
          required: list[list[str]]) -> dict[str, np.ndarray]:
-    """The arrays to load, by model name, in the model's dtype. `model`: name ->
+    """The arrays to load, by model name, in the model's dtype (the weights' own arrays where they
+    have it, not copies). `model`: name ->
     (shape, dtype) of every tensor the weights may set; `required`: the tensors the
     weights must set, each by its names (a tensor shared under several names, such as
     a tied embedding, is set under any one of them). Missing, unexpected and mismatched
@@ -153,7 +155,9 @@ def plan(request: Request, weights: dict[str, np.ndarray], model: dict[str, tupl
             mismatched[name] = f"{name} (weights {array.dtype} {list(array.shape)}, model {np.dtype(dtype)} " \
                                f"{list(shape)})"
         else:
-            loaded[name] = array.astype(dtype, copy=True)
+            # The array itself where it has the model's dtype: a copy would hold the weights a second
+            # time while a checkpoint's mapped file is read (1 W at export_model's build of the gpt).
+            loaded[name] = array if array.dtype == dtype else array.astype(dtype)
     if missing or unexpected or mismatched:
         kinds = (("missing", missing), ("unexpected", unexpected), ("mismatched", list(mismatched.values())))
         raise ModelError(f"model.weights: {source} does not fit the model: {_renaming_said(request, renaming)}"

@@ -88,10 +88,13 @@ def export(config: Config, artifacts: Path, checkpoint_dir: Path, eval_dir: Path
                                     standardize.apply(few, reader.standardized), output, out.parent)
         metadata.copy_tokenizer(eval_dir, reader.manifest, out.parent)
         task = (info.transformers or {}).get("task")
-        write_generation(task, batch, out.parent, positions, trained if config.model.kind == "gpt" else None,
-                         reader.manifest.tokenizer)
+        # What follows builds its own modules (the gpt's again, from the same checkpoint) and lets each go
+        # before it opens a session: this one would hold the weights beside them.
+        del trained, adapted
+        gpt = (lambda: formats.trained_torch_module(config, info, reader.manifest, checkpoint_dir)) \
+            if config.model.kind == "gpt" else None
+        write_generation(task, batch, out.parent, positions, gpt, reader.manifest.tokenizer)
         write_optimum(task, batch, out.parent)
-        del trained, adapted  # the starting weights' module is built next: the weights held once more at most
         write_samples(config.export.samples, out.parent, reader, positions,
                       lambda: formats.trained_torch_module(config, info, reader.manifest, files.folder))
     log.info("step %d of run %s -> %s (%d bytes, inputs %s, output %s)", meta.step, config.run.name, out,
