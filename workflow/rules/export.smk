@@ -19,8 +19,8 @@ TORCH_FORMATS = {
 # (src/ortflow/generation/): `ortflow generate results/<run>/export/generation
 # --prompt ...`; a seq2seq model as optimum's encoder and decoders with a cache
 # (src/ortflow/generation/seq2seq_export.py). Declared for model.task causal-lm and
-# seq2seq, and for the built-in gpt where
-# transformers is installed (it is exported as the GPT-2 it equals); with task auto
+# seq2seq, and for the built-in gpt where transformers is installed (it is exported
+# as the GPT-2 it equals); with task auto
 # the stage writes it too where the data make the model a causal LM, undeclared
 # (export_model removes an earlier run's for any other model).
 GENERATION_FOLDER = f"{RESULTS}/export/generation"
@@ -29,7 +29,10 @@ GENERATION_FOLDER = f"{RESULTS}/export/generation"
 SAMPLES = f"{RESULTS}/export/samples.json"
 GENERATION = (
     {"generation": directory(GENERATION_FOLDER), "samples": SAMPLES}
-    if (CONFIG.model.kind == "transformers" and CONFIG.model.task in ("causal-lm", "seq2seq"))
+    if (
+        CONFIG.model.kind == "transformers"
+        and CONFIG.model.task in ("causal-lm", "seq2seq")
+    )
     or ortflow_generation.built_in_generation(CONFIG.model.kind)
     else {}
 )
