@@ -26,22 +26,14 @@ from ortflow.models.hugging_face import attention
 from ortflow.models.save_trained import POSITIONS
 from test_hf_families import FAMILIES
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: why one thread
+
 NEW_TOKENS = 64
 POSITIONS_TRIED = 128  # the families' tiny configs have 64 positions: a prompt and 64 new tokens need more
 LOGITS_TOLERANCE = 1e-4  # relative to the step's largest logit
 EOS = 0  # in the byte vocabulary (GPT-2's 50256 is not); the prompts never contain it
 PROMPT_LENGTHS = (5, 24)
 BATCH = (24, 9, 16)  # left-padded to 24
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """torch and ONNX Runtime on one thread each: on 2 shared cores, torch's generate with two
-    threads took from 0.7 to 15 s for the same 64 tokens, with one 0.2 s."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny(family: str, root):

@@ -32,6 +32,8 @@ from ortflow.reporting.summary import int4_line
 from test_generation import EOS, POSITIONS_TRIED, prompts, tiny
 from test_hf_families import DECODER
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: why one thread
+
 TRAINING_STEPS = 20
 TEXT = "A language model fine-tuned with ortflow, quantized to four bits a weight, served by ONNX Runtime.".encode()
 
@@ -113,14 +115,6 @@ def wide_llama(root):
     model.eval()
     generation_folder.write_folder(lambda: (model, None), root / "generation")
     return root / "generation"
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])

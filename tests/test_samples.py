@@ -17,7 +17,9 @@ from ortflow.generation.samples import NEW_TOKENS, SAMPLES, eval_prompts, write_
 from ortflow.models import IGNORE_INDEX
 from ortflow.reporting.summary import exported_lines
 from ortflow.reporting.tables import samples_page
-from test_generation import one_thread, tiny  # noqa: F401 (one_thread: an autouse fixture)
+from test_generation import tiny
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: why one thread
 
 X = IGNORE_INDEX
 

@@ -29,20 +29,13 @@ from ortflow.models.hugging_face import attention
 from test_hf_families import FAMILIES
 from text_models import train_wordpiece
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: why one thread
+
 NEW_TOKENS = 24
 LOGITS_TOLERANCE = 1e-4  # relative to the step's largest logit
 SOURCE_LENGTHS = (5, 17)
 BATCH = (17, 6, 11)  # right-padded to 17
 WORDS = ["red green blue cat dog bird runs sleeps eats big small old new fast slow"] * 4
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """torch on one thread, as tests/test_generation.py (its reason: shared cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def sources(lengths, seed: int = 1) -> list[list[int]]:
