@@ -47,15 +47,23 @@ def transformers_greedy(model, pad: int, eos: set[int], prompts: list[list[int]]
     """transformers' greedy tokens for the batch, padded on the left with `pad` as the decoder pads it
     and cut after each row's end-of-sequence token (one of `eos`, the decoder's: generate.special_tokens),
     and each step's logits [steps, batch, vocab]."""
+    ids, mask = left_padded(prompts, pad)
+    return greedy_generate(model, ids, mask, ids.shape[1], pad, eos, max_new_tokens)
+
+
+def greedy_generate(model, ids: np.ndarray, mask: np.ndarray, first: int, pad: int, eos: set[int],
+                    max_new_tokens: int) -> tuple[list[list[int]], np.ndarray]:
+    """transformers' plain greedy generation from the padded batch `ids` and its `mask`: each row's
+    tokens from position `first` of the output sequences (after the prompt; after a seq2seq
+    decoder's start token), cut after its end-of-sequence token, and each step's logits."""
     import torch
 
-    ids, mask = left_padded(prompts, pad)
     with torch.no_grad():
         out = model.generate(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), **PLAIN_GREEDY,
                              max_new_tokens=max_new_tokens, eos_token_id=sorted(eos) or None,
                              pad_token_id=pad, output_logits=True, return_dict_in_generate=True)
     tokens = []
-    for row in out.sequences[:, ids.shape[1]:].tolist():
+    for row in out.sequences[:, first:].tolist():
         end = next((at for at, token in enumerate(row) if token in eos), len(row) - 1)
         tokens.append(row[:end + 1])
     return tokens, torch.stack(out.logits).numpy()

@@ -24,8 +24,8 @@ import numpy as np
 from ..errors import DataError, ModelError
 from ..sessions import inference_session
 from . import DECODER, DECODER_WITH_PAST, ENCODER
-from .check import PLAIN_GREEDY, Agreement, GenerationCheck, compare
-from .generate import Sampling, Step, choose, generate
+from .check import Agreement, GenerationCheck, compare_generation, greedy_generate
+from .generate import Sampling, Step, choose
 
 # transformers' sampling defaults, for a generation_config.json that leaves one out (genai_config's search: folder.py)
 SEARCH = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
@@ -141,26 +141,14 @@ def transformers_greedy(model, decoder: Seq2SeqDecoder, sources: list[list[int]]
                         max_new_tokens: int) -> tuple[list[list[int]], np.ndarray]:
     """transformers' greedy tokens for the batch of sources, padded as the decoder pads them, without
     the start token and cut after each row's end-of-sequence token, and each step's logits."""
-    import torch
-
     source, mask = right_padded(sources, decoder.pad)
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.from_numpy(source), attention_mask=torch.from_numpy(mask),
-                             **PLAIN_GREEDY, max_new_tokens=max_new_tokens, eos_token_id=sorted(decoder.eos) or None,
-                             pad_token_id=decoder.pad, output_logits=True, return_dict_in_generate=True)
-    tokens = []
-    for row in out.sequences[:, 1:].tolist():
-        end = next((at for at, token in enumerate(row) if token in decoder.eos), len(row) - 1)
-        tokens.append(row[:end + 1])
-    return tokens, torch.stack(out.logits).numpy()
+    return greedy_generate(model, source, mask, 1, decoder.pad, decoder.eos, max_new_tokens)
 
 
 def check_seq2seq(model, folder: Path, check: GenerationCheck) -> Agreement:
     """Greedy generation on the sequence-to-sequence `folder` against transformers' on `model` (the torch
     model it was exported from) for `check`'s sources: refused in one line where a token differs or a
-    step's logits differ by more than the tolerance."""
+    step's logits differ by more than the tolerance (check.compare_generation)."""
     decoder = Seq2SeqDecoder(folder, prepacked=False)
-    expected, expected_logits = transformers_greedy(model, decoder, check.prompts, check.max_new_tokens)
-    logits = []
-    got = generate(decoder, check.prompts, check.max_new_tokens, on_step=lambda step: logits.append(step.logits))
-    return compare(got, logits, expected, expected_logits, check)
+    return compare_generation(decoder, check, transformers_greedy(model, decoder, check.prompts,
+                                                                  check.max_new_tokens))
