@@ -271,6 +271,27 @@ def test_bad_rows_are_one_line_naming_the_file_and_row(case, tmp_path):
     assert "\n" not in str(error.value) and not (tmp_path / "data").exists()
 
 
+def test_the_first_bad_row_is_named_though_the_next_batch_is_rendered_while_it_is_encoded(tmp_path, monkeypatch):
+    """Batches of rows are rendered while the one before is encoded (Renderer.tokenized): a row that fails
+    after encoding (row 1, its assistant turn cut off) is named before a later batch's row that fails to
+    render (row 2), and the examples before them are those of the rows a batch at a time."""
+    monkeypatch.setattr(examples, "READ_ROWS", 2)
+    folder = chat_tokenizer(tmp_path / "tokenizer")
+    rows = [{"messages": CHAT[1:3]}, {"messages": [CHAT[0], CHAT[0], CHAT[0], *CHAT[1:3]]},
+            {"messages": "hi there"}]
+    source = write_jsonl(tmp_path / "chats.jsonl", rows)
+    config = config_mod.load(overrides={"data": {"source": str(source), "tokenizer": str(folder), "context": 8}})
+    with pytest.raises(DataError, match=r"row 1: its assistant turns \(or completion\) are empty after truncation"):
+        prepare(config, tmp_path / "data/train", tmp_path / "data/eval")
+    renderer = examples.Renderer(config.data, tokenizers.load(str(folder)), "messages")
+    good = examples.Rows("chats.jsonl", ["messages"], lambda: iter([[rows[0]] * 2, [rows[0]]]))
+    whole = renderer.examples("chats.jsonl", 0, [rows[0]] * 3)
+    found = list(renderer.tokenized(good))
+    assert [(start, size) for start, size, _ in found] == [(0, 2), (2, 1)]
+    assert np.array_equal(np.concatenate([tokens.ids for *_, tokens in found]), whole.ids)
+    assert np.array_equal(np.concatenate([tokens.loss for *_, tokens in found]), whole.loss)
+
+
 def test_a_role_the_template_names_is_taken(tmp_path):
     folder = chat_tokenizer(tmp_path / "tokenizer", TEMPLATE_WITH_TOOLS)
     rows = [{"messages": [*CHAT[:2], {"role": "tool", "content": "four"}, *CHAT[2:3]]}] * 5

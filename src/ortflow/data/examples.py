@@ -33,7 +33,9 @@ from __future__ import annotations
 import json
 import logging
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import chain
 from pathlib import Path
 from typing import Callable, Iterator
@@ -278,14 +280,60 @@ class Renderer:
         """The tokens of the rows of `batch`, the first numbered `start`, and which are in the loss. Chats
         are tokenized a batch at a time, on the tokenizers library's threads: a call a row cost more than
         its encoding (100,000 chats: 420 s a row at a time, docs/benchmarks.md)."""
+        texts, finish = self._rendered(where, start, batch)
+        return finish(self._encode(texts))
+
+    def tokenized(self, rows: Rows) -> Iterator[tuple[int, int, "Tokens"]]:
+        """(the first row's number, the rows, `examples` of them) of each batch of `rows`, in order. A batch
+        is encoded on a thread of its own while the next is read and rendered: encode_batch releases the
+        GIL (its work is on the library's own threads), rendering is Python; one after the other, they kept
+        1.3 cores of 2 busy on average (docs/benchmarks.md, "Tokenizing chats"). A row that
+        fails to render is named after the rows before it have been given: the first bad row is the one
+        named."""
+        batches, start, pending = rows.batches(), 0, None  # pending: the batch being encoded
+
+        def given():
+            first, size, encoding, finish = pending
+            return first, size, finish(encoding.result())
+
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ortflow-encode") as pool:
+            while True:
+                try:
+                    batch = next(batches, None)
+                    if batch is None:
+                        break
+                    texts, finish = self._rendered(rows.where, start, batch)
+                except DataError:
+                    if pending is not None:
+                        yield given()
+                    raise
+                encoding = pool.submit(self._encode, texts)
+                if pending is not None:
+                    yield given()
+                pending, start = (start, len(batch), encoding, finish), start + len(batch)
+            if pending is not None:
+                yield given()
+
+    def _encode(self, texts: list[str] | None) -> list | None:
+        return None if texts is None else self.tokenizer.backend.encode_batch(texts, add_special_tokens=False)
+
+    def _rendered(self, where: str, start: int, batch: list[dict]) -> tuple[list[str] | None, Callable]:
+        """The texts of a batch of rows to encode (None: there is nothing to encode a batch at a time), and
+        what makes the batch's Tokens of their encodings."""
         if self.format == "messages":
-            found = self._chats(where, start, [self._messages(where, start + row, values, self.data.messages)
-                                               for row, values in enumerate(batch)])
+            texts, finish = self._chats(where, start, [self._messages(where, start + row, values, self.data.messages)
+                                                       for row, values in enumerate(batch)])
         else:
-            found = Tokens.of([self._pair(where, start + row, values) for row, values in enumerate(batch)])
-        if self.data.loss_on == "all":
-            found.loss[:] = True
-        return found
+            pairs = Tokens.of([self._pair(where, start + row, values) for row, values in enumerate(batch)])
+            texts, finish = None, lambda _: pairs
+
+        def tokens(encodings: list | None) -> Tokens:
+            found = finish(encodings)
+            if self.data.loss_on == "all":
+                found.loss[:] = True
+            return found
+
+        return texts, tokens
 
     def _messages(self, where: str, row: int, values: dict, column: str) -> list[dict]:
         """The row's messages, checked: a list of {role, content} of roles the template takes."""
@@ -315,15 +363,16 @@ class Renderer:
             raise DataError(f"{where}: row {row}: the chat template fails to render it "
                             f"({type(error).__name__}: {str(error).strip()[:200]})") from None
 
-    def _chats(self, where: str, start: int, chats: list[list[dict]]) -> "Tokens":
+    def _chats(self, where: str, start: int, chats: list[list[dict]]) -> tuple[list[str], Callable]:
+        """The chats' renderings, and what makes their Tokens of the renderings' encodings."""
         if not self.marked:  # the assistant's tokens found by rendering the turns before each
             texts, spans = [], []
             for row, messages in enumerate(chats):
                 texts.append(self._render(where, start + row, messages))
                 spans.append([self._turn(where, start + row, messages[:i], messages[:i + 1], texts[-1])
                               for i, message in enumerate(messages) if message["role"] == "assistant"])
-            encodings = self.tokenizer.backend.encode_batch(texts, add_special_tokens=False)
-            return Tokens.of([self._tokens(encoding, turns) for encoding, turns in zip(encodings, spans)])
+            return texts, lambda encodings: Tokens.of([self._tokens(encoding, turns)
+                                                       for encoding, turns in zip(encodings, spans)])
         # The template marks the assistant's tokens itself. What apply_chat_template(tokenize=True,
         # return_assistant_tokens_mask=True) does, the same tokens and mask, but with the ids and the mask
         # made as arrays, not lists a token, it went through (docs/benchmarks.md): its rendering (it drops the
@@ -343,16 +392,7 @@ class Renderer:
                 self._render(where, start + row, messages)
             raise DataError(f"{where}: rows {start} to {start + len(chats) - 1}: the chat template fails to "
                             f"render them ({type(error).__name__}: {str(error).strip()[:200]})") from None
-        encodings = self.tokenizer.backend.encode_batch(texts, add_special_tokens=False)
-        found = Tokens.encoded(encodings)
-        for encoding, first, spans in zip(encodings, found.starts, generations):
-            for begin, end in spans:
-                token, last = encoding.char_to_token(begin), encoding.char_to_token(end - 1)
-                if token is None:
-                    break
-                # `not last`, as transformers tests it: a span ending in token 0 also runs to the end
-                found.loss[first + token:first + (last + 1 if last else len(encoding))] = True
-        return found
+        return texts, partial(_marked, generations=generations)
 
     def _turn(self, where: str, row: int, before: list[dict], upto: list[dict], text: str) -> tuple[int, int]:
         """The characters of `text` that the last turn of `upto` adds to `before` with its generation prompt."""
@@ -401,6 +441,20 @@ class Renderer:
         return ids, loss
 
 
+def _marked(encodings: list, generations: list[list[tuple[int, int]]]) -> Tokens:
+    """The Tokens of encoded renderings, in the loss the tokens of their {% generation %} spans of characters
+    (Renderer._chats)."""
+    found = Tokens.encoded(encodings)
+    for encoding, first, spans in zip(encodings, found.starts, generations):
+        for begin, end in spans:
+            token, last = encoding.char_to_token(begin), encoding.char_to_token(end - 1)
+            if token is None:
+                break
+            # `not last`, as transformers tests it: a span ending in token 0 also runs to the end
+            found.loss[first + token:first + (last + 1 if last else len(encoding))] = True
+    return found
+
+
 def _chat_tokenizer(tokenizer: tokenizers.Tokenizer, template: str | None):
     """The transformers tokenizer that renders chats: the folder's (its special tokens, which templates
     name), or one around a tokenizer.json; `template` (data.chat_template) replaces its own."""
@@ -439,12 +493,9 @@ def encode(data, tokenizer: tokenizers.Tokenizer, splits: dict[str, Rows], fmt: 
         _require(rows, renderer.columns(), "data.messages, or data.prompt and data.completion")
         before, records = counts.examples, len(windows.records)
         progress = tokenizers.Progress(rows.where, 0, "rows", 1)
-        start = 0
-        for batch in rows.batches():
-            found = renderer.examples(rows.where, start, batch)
+        for start, size, found in renderer.tokenized(rows):
             windows.extend(*_examples(found, rows.where, start, data, counts))
-            start += len(batch)
-            progress.done = start
+            progress.done = start + size
             progress.update(len(found.ids))
         progress.update(0, final=True)
         windows.end()  # the examples of two splits share no window
