@@ -11,6 +11,8 @@ import hashlib
 import json
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -224,6 +226,41 @@ def test_save_pretrained_folder_encodes_as_autotokenizer(tmp_path, wordpiece_fil
             assert np.array_equal(batch[name], np.array(expected[name])[rows]), name
         assert np.array_equal(batch["long"], frame["long"].to_numpy().astype(int)[rows])
         assert reader.manifest.classes == ("False", "True")
+
+
+def test_a_generic_folder_is_the_tokenizer_autotokenizer_loads_without_importing_torch(tmp_path, bpe_file,
+                                                                                       monkeypatch):
+    """A folder whose tokenizer_config.json names the generic fast tokenizer, without a config.json, is loaded
+    by that class (importing AutoTokenizer imports torch, seconds of prepare_data): the same tokenizer as
+    AutoTokenizer's, its ids, special tokens, chat template and inputs. A config.json (its model type may
+    choose the class), code of its own (auto_map) or another class goes through AutoTokenizer."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    folder = tmp_path / "tokenizer"
+    saved = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(bpe_file)), eos_token="<|endoftext|>")
+    saved.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    saved.save_pretrained(folder)
+    code = ("import json, sys; from ortflow.data import tokenizer as t; found = t.load(sys.argv[1]); "
+            "print(json.dumps([type(found.loaded).__name__, found.eos_token, found.pad_token, found.type_ids, "
+            "found.loaded.chat_template, found.loaded.special_tokens_map, found.to_json(), 'torch' in sys.modules]))")
+    result = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    auto = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    assert tokenizers._generic(folder)
+    monkeypatch.setattr(tokenizers, "_generic", lambda _: False)
+    expected = tokenizers.load(str(folder))  # through AutoTokenizer, as before
+    monkeypatch.undo()
+    assert json.loads(result.stdout) == [type(auto).__name__, expected.eos_token, expected.pad_token,
+                                         expected.type_ids, auto.chat_template, auto.special_tokens_map,
+                                         expected.to_json(), False]
+    settings = json.loads((folder / "tokenizer_config.json").read_text())
+    for changed in ({"auto_map": {"AutoTokenizer": ["x.Tok", None]}}, {"tokenizer_class": "GPT2Tokenizer"}):
+        (folder / "tokenizer_config.json").write_text(json.dumps(settings | changed))
+        assert not tokenizers._generic(folder), changed
+    (folder / "tokenizer_config.json").write_text(json.dumps(settings))
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    assert not tokenizers._generic(folder)
 
 
 def test_text_column_problems_are_named(tmp_path, wordpiece_file):

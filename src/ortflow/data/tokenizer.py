@@ -54,6 +54,9 @@ READ_CHARS = 1 << 22  # text read per step of a .txt file
 BATCH_CHARS = 1 << 20  # text per encode_batch call: enough for the library's threads, little memory
 BATCH_ROWS = 4096  # rows per encode_batch call for text columns
 PROGRESS_SECONDS = 10.0
+# A save_pretrained folder's files that tell which transformers class loads its tokenizer (_generic).
+TOKENIZER_CONFIG, TOKENIZER_JSON, MODEL_CONFIG = "tokenizer_config.json", "tokenizer.json", "config.json"
+GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 @dataclass
@@ -108,12 +111,16 @@ def load(path: str) -> Tokenizer:
 
 def _from_folder(where: Path, path: str) -> Tokenizer:
     try:
-        from transformers import AutoTokenizer
+        import transformers
     except ImportError:
         raise DataError(f"data.tokenizer: {where} is a folder, which ortflow reads with transformers' "
                         "AutoTokenizer: pip install transformers, or give the folder's tokenizer.json") from None
+    # Importing AutoTokenizer's module imports torch (2 s of the 20 s that prepare_data took on 100,000 chats,
+    # docs/benchmarks.md): a folder that AutoTokenizer loads as the generic fast tokenizer is loaded by that
+    # class itself, which is the same tokenizer; any other folder goes through AutoTokenizer.
+    loader = transformers.PreTrainedTokenizerFast if _generic(where) else transformers.AutoTokenizer
     try:
-        loaded = AutoTokenizer.from_pretrained(str(where), local_files_only=True, trust_remote_code=False)
+        loaded = loader.from_pretrained(str(where), local_files_only=True, trust_remote_code=False)
     except Exception as error:  # transformers raises OSError, ValueError, ... with the reason
         raise DataError(f"data.tokenizer: transformers cannot load a tokenizer from the folder {where} "
                         f"({str(error).strip().splitlines()[0][:200]})") from None
@@ -133,6 +140,19 @@ def _from_folder(where: Path, path: str) -> Tokenizer:
     tokenizer = _finish(Backend.from_str(backend.to_str()), path, eos, pad, TOKEN_TYPE_IDS in loaded.model_input_names)
     tokenizer.loaded = loaded
     return tokenizer
+
+
+def _generic(where: Path) -> bool:
+    """Whether AutoTokenizer loads the folder as transformers' generic fast tokenizer (PreTrainedTokenizerFast,
+    TokenizersBackend in transformers 5): its tokenizer_config.json names that class and no code of its own,
+    and the folder has no config.json, whose model type could choose another class."""
+    try:
+        settings = json.loads((where / TOKENIZER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False  # AutoTokenizer says what is wrong with it
+    return (isinstance(settings, dict) and settings.get("tokenizer_class") in GENERIC_CLASSES
+            and "auto_map" not in settings and (where / TOKENIZER_JSON).is_file()
+            and not (where / MODEL_CONFIG).exists())
 
 
 def _finish(backend, path: str, eos: str | None, pad: str | None, type_ids: bool) -> Tokenizer:
