@@ -115,9 +115,9 @@ def _from_folder(where: Path, path: str) -> Tokenizer:
     except ImportError:
         raise DataError(f"data.tokenizer: {where} is a folder, which ortflow reads with transformers' "
                         "AutoTokenizer: pip install transformers, or give the folder's tokenizer.json") from None
-    # Importing AutoTokenizer's module imports torch (2 s of the 20 s that prepare_data took on 100,000 chats,
-    # docs/benchmarks.md): a folder that AutoTokenizer loads as the generic fast tokenizer is loaded by that
-    # class itself, which is the same tokenizer; any other folder goes through AutoTokenizer.
+    # Importing AutoTokenizer's module imports torch (loading a folder took 1.5 CPU s and 180 MB that way,
+    # 0.6 CPU s without, docs/benchmarks.md "Tokenizing chats"): a folder that AutoTokenizer loads as the
+    # generic fast tokenizer is loaded by that class itself, the same tokenizer; any other by AutoTokenizer.
     loader = transformers.PreTrainedTokenizerFast if _generic(where) else transformers.AutoTokenizer
     try:
         loaded = loader.from_pretrained(str(where), local_files_only=True, trust_remote_code=False)
