@@ -18,7 +18,11 @@ from ortflow.config import check_lamb_sharding
 from ortflow.training.lamb import Lamb
 from ortflow.training.optimizer import Optimizer, Piece
 from ortflow.training.weight_decay import WeightDecay
-from test_weight_decay import settings, train_dir  # noqa: F401 - the fixture
+import test_weight_decay
+from test_weight_decay import settings
+
+# test_weight_decay's module-scoped fixture, found by pytest under this module-level name.
+train_dir = test_weight_decay.train_dir
 
 
 def lamb_optimizer(**changes):
@@ -95,7 +99,7 @@ def test_lamb_matches_the_paper_step_for_step():
     assert np.allclose(params[4], weights["unused.weight"] * np.prod([1 - lr for lr in RATES]), rtol=0, atol=1e-6)
 
 
-def test_lamb_on_the_gradients_onnx_runtime_computes_for_a_tiny_gpt(train_dir, tmp_path):  # noqa: F811
+def test_lamb_on_the_gradients_onnx_runtime_computes_for_a_tiny_gpt(train_dir, tmp_path):
     """Artifacts built for lamb, ORT's Module's gradients, and LAMB on ORT's live buffers
     (what the next forward reads), against the paper's step from the same gradients;
     the groups are the real model's (biases, LayerNorms and embeddings undecayed)."""

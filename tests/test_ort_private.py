@@ -41,3 +41,18 @@ def test_another_onnxruntime_version_is_refused_in_one_line(monkeypatch):
     assert str(error.value) == (
         "onnxruntime 1.20.1 is installed; ortflow reaches parts of ONNX Runtime that are not its public API, read "
         "from 1.19.2 (src/ortflow/ort_private.py): pip install onnxruntime-training==1.19.2")
+
+
+def test_a_stage_process_reads_checkpoints_without_importing_torch_or_sympy():
+    """skip_ortmodule (cli.py's and the ranks' first step) and checkpoint_schema spare a stage that
+    needs neither (the merge, an MLP's export) the torch and sympy that onnxruntime's training
+    package imports for ORTModule and for onnxruntime.tools."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from ortflow import ort_private; ort_private.skip_ortmodule(); import onnxruntime; "
+            "schema = ort_private.checkpoint_schema('Checkpoint'); "
+            "print(onnxruntime.__version__, schema.Checkpoint.__name__, "
+            "sorted(m for m in ('torch', 'sympy') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == [ort_private.VERSION, "Checkpoint", "[]"]

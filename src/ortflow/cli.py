@@ -15,7 +15,7 @@ import importlib
 import logging
 import sys
 
-from . import storage
+from . import ort_private, storage
 from .errors import OrtflowError
 
 COMMANDS = {
@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    ort_private.skip_ortmodule()
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr

@@ -22,6 +22,10 @@ each accessor first checks the installed version and refuses another in one line
 - The counter onnxblock names the nodes it adds from (`_graph_utils._GRAPH_TOKEN`,
   `generate_graph_name`): build_artifacts restarts it, so that the graphs depend on
   the model alone, and ortflow's own loss blocks name their nodes by it (models/losses.py).
+- The check that `import onnxruntime` runs on the training package
+  (`capi/onnxruntime_validation.py` imports `onnxruntime.training.ortmodule`, and so
+  torch and sympy): ortflow never uses ORTModule, and its processes skip it
+  (`skip_ortmodule`).
 """
 
 from __future__ import annotations
@@ -29,10 +33,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import sys
+from pathlib import Path
 
 from .errors import PreflightError
 
 VERSION = "1.19.2"
+ORTMODULE = "onnxruntime.training.ortmodule"
+
+
+def skip_ortmodule() -> None:
+    """Make ORTModule (ONNX Runtime's torch front-end, unused by ortflow) fail to import in this
+    process, before onnxruntime is imported: onnxruntime's import then skips the check that imports
+    it, with torch and sympy, which cost each stage process 2.4 s of CPU (export and quantize need
+    neither; onnxruntime.training, which catches the ImportError, then imports torch alone). Only the
+    check's warning about a CUDA runtime that differs from the build's is lost: the doctor checks
+    the CUDA libraries itself (cuda_libraries.py). For the entry points of ortflow's own processes."""
+    if "onnxruntime" not in sys.modules:
+        sys.modules.setdefault(ORTMODULE, None)
 
 
 @functools.cache
@@ -62,7 +80,15 @@ def c_ortvalue(value):
 def checkpoint_schema(name: str):
     """The flatbuffer module `name` (Checkpoint, Tensor, ModuleState, ...) of ORT's checkpoint file."""
     check_version()
-    return importlib.import_module(f"onnxruntime.tools.ort_format_model.ort_flatbuffers_py.fbs.{name}")
+    import onnxruntime
+
+    # Imported by the top-level name that the schema's modules import each other by, from the folder
+    # that ORT's ort_format_model puts on sys.path: through onnxruntime.tools, whose __init__ imports
+    # torch, it cost the checkpoint merge and export 1.2 s of CPU for nothing.
+    folder = str(Path(onnxruntime.__file__).parent / "tools" / "ort_format_model")
+    if folder not in sys.path:
+        sys.path.append(folder)
+    return importlib.import_module(f"ort_flatbuffers_py.fbs.{name}")
 
 
 def not_implemented_error() -> type:

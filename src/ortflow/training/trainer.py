@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import config as config_mod, cuda_libraries, storage
+from .. import config as config_mod, cuda_libraries, ort_private, storage
 from ..artifacts import Artifacts
 from ..checkpoints import resume as resume_mod
 from ..data import baseline as baseline_mod
@@ -342,6 +342,7 @@ class PipelinedTrainer(Trainer):
 def main(argv: list[str] | None = None) -> int:
     """One rank. Its one argument is the JSON that `ortflow train` writes (supervisor.rank_command,
     the only command line that starts it): {"config", "train", "eval", "artifacts", "out"}."""
+    ort_private.skip_ortmodule()
     job = json.loads((argv or sys.argv[1:])[0])
     folder = TrainFolder(job["out"])
     stop = StopRequest().install(folder.ready)  # first: a stop during the imports is kept too
