@@ -20,8 +20,10 @@ from conftest import BIN, REPO, run_snakemake
 pytestmark = pytest.mark.cluster
 
 PROFILE = REPO / "profiles" / "slurm"
-# Small runs; the default world size (2) stays: training must be one 2-task job.
-CONFIG = {"train": {"steps": 30, "log_every": 10, "eval_every": 30, "checkpoint_every": 30}}
+# Small runs of a small MLP (what is tested is where the jobs run, not the model); the
+# default world size (2) stays: training must be one 2-task job.
+CONFIG = {"model": {"hidden": [32]},
+          "train": {"steps": 30, "log_every": 10, "eval_every": 30, "checkpoint_every": 30}}
 SWEEP = {**CONFIG, "sweep": {"name": "slurm", "grid": {"train.optimizer.lr": [0.01, 0.001]}}}
 POINTS = ["lr-0.01", "lr-0.001"]
 # The first status check after 2 s instead of the profile's 20 s, and every 2 s
@@ -136,7 +138,7 @@ def test_cuda_training_asks_for_one_gpu_per_task(slurm_cluster, tmp_path):
     sbatch call it generated: one GPU per task for 4 tasks."""
     workdir = tmp_path / "work"
     run_snakemake(workdir, CONFIG, "build_artifacts")  # locally: only `train` goes to Slurm below
-    config = {"train": {**CONFIG["train"], "device": "cuda", "world_size": 4}}
+    config = {**CONFIG, "train": {**CONFIG["train"], "device": "cuda", "world_size": 4}}
     result = run_snakemake(workdir, config, "train", *SLURM_ARGS, check=False, snakemake=SNAKEMAKE)
     assert result.returncode != 0, result.stderr
     calls = re.findall(r"^\s*(sbatch .*--comment rule_train .*)$", result.stderr, re.M)

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from chromium import Chromium
-from conftest import export_metrics, run_snakemake, train_summary
+from conftest import copy_inputs, export_metrics, run_snakemake, train_summary
 from ortflow import config as ortflow_config
 from ortflow.sweeps import comparison as sweep_comparison, points as sweep
 from ortflow.errors import ConfigError
@@ -204,15 +204,19 @@ def test_repeats_are_ranked_by_their_points_mean(tmp_path, monkeypatch):
     assert "  warning: it does not beat the baseline" in sweep_comparison.summary(config, record, [])
 
 
-# A grid of 4 points on the default data, few steps of a tiny MLP on one rank each.
+# A grid of 4 points on the default data, few steps of a tiny MLP on one rank each, at a constant
+# learning rate (so that its hidden-16 points are also what a halving survivor must equal, below).
+# Two sizes: 2 graphs; two quality gates, one refusing every int8 model, one passing every one
+# (certain on any CPU): the points that differ by their gate alone share their graph.
 # grid_run goes through the whole workflow, for the report; most other sweeps stop at sweep_compare,
 # which needs every point trained, exported and quantized, not their plots and report tables. The
 # failing point's sweep goes to the default target: after its failed run (whose comparison onerror
 # wrote), `snakemake sweep_compare` with a point added says "Nothing to be done".
 GRID = {
-    "train": {"steps": 20, "world_size": 1, "eval_every": 10, "log_every": 5},
+    "train": {"steps": 20, "world_size": 1, "eval_every": 10, "log_every": 5, "optimizer": {"lr": 0.01},
+              "lr_schedule": {"name": "constant"}},
     "model": {"hidden": [16]},
-    "sweep": {"name": "grid", "grid": {"train.optimizer.lr": [0.01, 0.001], "model.hidden": [[16], [32]]}},
+    "sweep": {"name": "grid", "grid": {"model.hidden": [[16], [32]], "export.max_accuracy_drop": [-1000.0, 100.0]}},
 }
 
 
@@ -329,29 +333,42 @@ def test_repeats_share_one_split_and_are_compared_by_their_mean_and_std(workdir)
 
 
 @pytest.mark.e2e
-def test_a_refused_int8_keeps_the_sweep_green_and_a_failed_stage_is_named_and_ranked_by_training(workdir):
-    # One point's gate refuses every int8 model, the other's passes every one: certain on any CPU.
-    gated = {**GRID, "sweep": {"name": "gate", "grid": {"export.max_accuracy_drop": [-1000.0, 100.0]}}}
-    refused, passed = (p.name for p in sweep.points(validated(gated)))
-    result = run_snakemake(workdir, gated, "sweep_compare")
-    folder = workdir / "results" / "sweeps" / "gate"
-    rows = {row["point"]: row for row in comparison(folder)}
-    assert {rows[refused]["status"], rows[passed]["status"]} == {"finished"}
-    assert rows[refused]["int8 eval_loss"].startswith("refused by the gate, "), rows[refused]
-    float(rows[passed]["int8 eval_loss"])  # the int8 model's eval loss
-    assert f"int8 refused by the gate: {refused} (their fp32 models stand" in result.stdout
+def test_a_refused_int8_keeps_the_sweep_green_and_a_failed_stage_is_named_and_ranked_by_training(
+        grid_run, tmp_path):
+    # grid_run's gates: -1000 refuses every int8 model, 100 passes every one.
+    workdir, output = grid_run
+    points = sweep.points(validated(GRID))
+    refused = [p.name for p in points if p.values["export.max_accuracy_drop"] < 0]
+    passed = [p.name for p in points if p.values["export.max_accuracy_drop"] > 0]
+    rows = {row["point"]: row for row in comparison(workdir / "results" / "sweeps" / "grid")}
+    assert {rows[name]["status"] for name in refused + passed} == {"finished"}
+    for name in refused:
+        assert rows[name]["int8 eval_loss"].startswith("refused by the gate, "), rows[name]
+    for name in passed:
+        float(rows[name]["int8 eval_loss"])  # the int8 model's eval loss
+    said = re.search(r"int8 refused by the gate: (.*) \(their fp32 models stand", output)
+    assert said and sorted(said.group(1).split(", ")) == sorted(refused), output[-3000:]
 
-    # Asked to fail the run, the refused point's quantize_model fails: it is ranked by its training.
-    failing = run_snakemake(workdir, {**gated, "export": {"gate_fails_run": True}}, "sweep_compare", "--keep-going",
+    # Asked to fail the run, the refused points' quantize_model fails (on a copy of the grid's run:
+    # only quantize_model and the comparison run again): they are ranked by their training.
+    copy = copy_inputs(workdir, tmp_path / "work")
+    failing = run_snakemake(copy, {**GRID, "export": {"gate_fails_run": True}}, "sweep_compare", "--keep-going",
                             check=False)
     assert failing.returncode != 0
+    ran = jobs(failing.stdout + failing.stderr)
+    assert not any(job.endswith(("_train", "_export_model")) for job in ran), ran
+    folder = copy / "results" / "sweeps" / "grid"
     rows = {row["point"]: row for row in comparison(folder)}
-    assert rows[refused]["status"] == "failed: quantize_model" and rows[refused]["rank"] in ("1", "2"), rows[refused]
-    assert rows[passed]["status"] == "finished"
-    assert f"best point {passed}" in failing.stderr and f"failed: {refused} (quantize_model)" in failing.stderr
+    for name in refused:
+        assert rows[name]["status"] == "failed: quantize_model" and rows[name]["rank"] in ("1", "2", "3", "4"), rows[name]
+        assert f"{name} (quantize_model)" in failing.stderr
+    assert {rows[name]["status"] for name in passed} == {"finished"}
+    best = json.loads((folder / "best" / "best.json").read_text())["point"]
+    assert best in passed and f"best point {best}" in failing.stderr
+
 
 HALVING = {
-    "train": {**GRID["train"], "lr_schedule": {"name": "constant"}},
+    "train": GRID["train"],
     "model": {"hidden": [16]},
     "sweep": {"name": "halve", "grid": {"train.optimizer.lr": [0.01, 0.0001]},
               "halving": {"steps": 10, "keep": 0.5}},
@@ -390,37 +407,34 @@ def test_halving_keeps_the_best_part_rounded_up_by_their_first_budget_and_never_
 
 
 @pytest.mark.e2e
-def test_halving_stops_the_weak_points_and_its_survivors_go_on_bit_for_bit(workdir):
+def test_halving_stops_the_weak_points_and_its_survivors_go_on_bit_for_bit(grid_run, workdir):
     result = run_snakemake(workdir, HALVING, "sweep_compare")
     ran = jobs(result.stdout + result.stderr)
     assert sum(job.endswith("_first_train") for job in ran) == 2
     folder = workdir / "results" / "sweeps" / "halve"
     halving = json.loads((folder / "halving.json").read_text())
-    assert len(halving["survivors"]) == 1 and len(halving["stopped"]) == 1  # which ones: the test above
-    assert sorted(job for job in ran if job.endswith("_train") and "_first" not in job) == sorted(
-        f"point_{name.replace('-', '_').replace('.', '_')}_train" for name in halving["survivors"])
+    # Which ones, from their losses: the test above. Ten steps at lr 1e-4 hardly move the weights.
+    assert (halving["survivors"], halving["stopped"]) == (["lr-0.01"], ["lr-0.0001"])
+    assert sorted(job for job in ran if job.endswith("_train") and "_first" not in job) == ["point_lr_0_01_train"]
     rows = {row["point"]: row for row in comparison(folder)}
-    assert rows[halving["stopped"][0]]["status"] == "stopped" and rows[halving["stopped"][0]]["steps"] == "10"
+    assert rows["lr-0.0001"]["status"] == "stopped" and rows["lr-0.0001"]["steps"] == "10"
     # A survivor's run resumed from the first budget: its time and speed are of its last attempt, and it says so.
-    assert {rows[name]["steps"] for name in halving["survivors"]} == {"20 (10 in the last attempt)"}
-    for name in halving["survivors"]:
-        timed = json.loads(TrainFolder(folder / name / "train").metrics.read_text())
-        assert float(rows[name]["wall time (s, last attempt)"]) == pytest.approx(timed["wall_time_s"], rel=1e-5)
+    assert rows["lr-0.01"]["steps"] == "20 (10 in the last attempt)"
+    resumed = json.loads(TrainFolder(folder / "lr-0.01" / "train").metrics.read_text())
+    assert float(rows["lr-0.01"]["wall time (s, last attempt)"]) == pytest.approx(resumed["wall_time_s"], rel=1e-5)
 
-    # A survivor against the same config trained to the end without the stop.
-    survivor = halving["survivors"][0]
-    (point,) = [p for p in sweep.points(validated(HALVING)) if p.name == survivor]
-    reference = {"run": {"name": "reference"}, "train": {**HALVING["train"], "optimizer": {
-        "lr": point.values["train.optimizer.lr"]}}, "model": HALVING["model"]}
-    run_snakemake(workdir, reference, "export_model")
-    resumed = json.loads(TrainFolder(folder / survivor / "train").metrics.read_text())
-    uninterrupted = json.loads(TrainFolder(workdir / "results" / "reference" / "train").metrics.read_text())
+    # The survivor against the same config trained to the end without the stop: grid_run's points
+    # of its size (they differ from it by their quality gate alone, which training does not read).
+    (point,) = [p for p in sweep.points(validated(GRID)) if p.values == {
+        "model.hidden": HALVING["model"]["hidden"], "export.max_accuracy_drop": 100.0}]
+    reference = grid_run[0] / "results" / "sweeps" / "grid" / point.name
+    uninterrupted = json.loads(TrainFolder(reference / "train").metrics.read_text())
     # The losses, not the whole history: it holds each step's throughput too.
     for kind in ("train", "eval"):
         assert [(r["step"], r["loss"]) for r in resumed["history"][kind]] == [
             (r["step"], r["loss"]) for r in uninterrupted["history"][kind]]
-    ours = initializers(folder / survivor / "export" / "model.onnx")
-    theirs = initializers(workdir / "results" / "reference" / "export" / "model.onnx")
+    ours = initializers(folder / "lr-0.01" / "export" / "model.onnx")
+    theirs = initializers(reference / "export" / "model.onnx")
     assert ours.keys() == theirs.keys()
     for name, array in ours.items():
         assert array.tobytes() == theirs[name].tobytes(), name

@@ -5,8 +5,8 @@
 # step. Needs root and Debian (12); no systemd: each daemon is started by hand.
 #
 # Three compute nodes, one cluster (so CI sets it up once):
-# - this machine's own node (`slurmd -C`), partition `batch`, for
-#   tests/test_slurm.py;
+# - this machine's own node (`slurmd -C`, with 4 CPUs: see slurm_conf),
+#   partition `batch`, for tests/test_slurm.py;
 # - node1 and node2, partition `twonodes`, for tests/test_slurm_two_nodes.py:
 #   each a slurmd in its own network namespace (ortflow-node1, -node2) and UTS
 #   namespace (its own hostname), on a bridge this script creates (ortflow-br,
@@ -27,6 +27,7 @@ CLUSTER=ortflow
 PARTITION=batch
 ACCOUNT=ortflow
 PACKAGES=(slurm-wlm slurmdbd munge libpmix2 mariadb-server iproute2)
+BATCH_CPUS=4
 LOGS=/var/log/slurm
 source "$(dirname "$0")/nodes.sh"
 
@@ -94,7 +95,14 @@ SlurmdTimeout=20
 # A job whose node failed ends as NODE_FAIL; Slurm does not queue it again
 # (Snakemake decides what runs next).
 JobRequeue=0
-$(slurmd -C | head -n 1) NodeAddr=127.0.0.1 State=UNKNOWN
+# The batch node says it has $BATCH_CPUS CPUs whatever this machine has (slurmd
+# trusts slurm.conf over what it counts): a sweep's two 2-task trainings, and
+# the jobs after them, run side by side rather than queue. They are short and
+# mostly start-up; on 2 CPUs the second training waited for the first, and the
+# first point's next jobs for the second training.
+SlurmdParameters=config_overrides
+$(slurmd -C | head -n 1 | sed -E "s/ CPUs=[0-9]+/ CPUs=$BATCH_CPUS/; s/ SocketsPerBoard=[0-9]+/ SocketsPerBoard=1/;
+    s/ CoresPerSocket=[0-9]+/ CoresPerSocket=$BATCH_CPUS/; s/ ThreadsPerCore=[0-9]+/ ThreadsPerCore=1/") NodeAddr=127.0.0.1 State=UNKNOWN
 $(for node in "${NODES[@]}"; do
     slurmd -C | head -n 1 | sed "s/^NodeName=[^ ]*/NodeName=$node/"
     echo " NodeAddr=${NODE_ADDR[$node]} State=UNKNOWN"
