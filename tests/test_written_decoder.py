@@ -1,9 +1,9 @@
-"""The decoder written from a Llama-structured model's weights (generation/written.py): its graph is the
-builder's kind (GroupQueryAttention, fused Q/K/V, no mask or shape arithmetic per layer), it gives the
-same logits whether a batch is padded on the left (ortflow's generate, transformers', optimum's) or on
-the right, a sliding window (mistral's) is transformers', and the families of another structure keep
-the traced export. Greedy generation against transformers': tests/test_generation.py (llama in the fast
-loop, mistral and qwen2 as e2e)."""
+"""The decoder written from a Llama-structured model's or a GPT-2's weights (generation/written.py): its
+graph is the model builder's kind (GroupQueryAttention, fused Q/K/V, no mask or shape arithmetic per
+layer), it gives the same logits whether a batch is padded on the left (ortflow's generate,
+transformers', optimum's) or on the right, a sliding window (mistral's) is transformers', and the
+families of another structure keep the traced export. Greedy generation against transformers':
+tests/test_generation.py (gpt2, llama and the built-in gpt in the fast loop, mistral and qwen2 as e2e)."""
 
 from __future__ import annotations
 
@@ -22,23 +22,26 @@ from test_hf_families import FAMILIES
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: why one thread
 
 
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    root = tmp_path_factory.mktemp("llama")
-    source, _ = tiny("llama", root)
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def folder(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    source, _ = tiny(request.param, root)
     generation_folder.export_folder(source, root / "generation")
-    return root / "generation"
+    return request.param, root / "generation"
 
 
-def test_llama_graph_is_the_builders_kind(llama):
-    graph = onnx.load(str(llama / "model.onnx"), load_external_data=False).graph
+def test_graph_is_the_builders_kind(folder):
+    family, folder = folder
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     kinds = [node.op_type for node in graph.node]
     layers = 2
     assert kinds.count("GroupQueryAttention") == layers
-    assert kinds.count("RotaryEmbedding") == 2 * layers
-    # Q/K/V in one MatMul, the output projection, gate, up and down a layer; the output layer
-    assert kinds.count("MatMul") == 5 * layers + 1
-    assert kinds.count("SkipSimplifiedLayerNormalization") == 2 * layers
+    assert kinds.count("RotaryEmbedding") == (2 * layers if family == "llama" else 0)
+    # Q/K/V in one MatMul, the output projection and the MLP's (gate, up and down; GPT-2's two) a
+    # layer; the output layer
+    assert kinds.count("MatMul") == (5 if family == "llama" else 4) * layers + 1
+    skip = "SkipSimplifiedLayerNormalization" if family == "llama" else "SkipLayerNormalization"
+    assert kinds.count(skip) == 2 * layers
     assert "Where" not in kinds and "Expand" not in kinds  # no per-layer mask
     assert len(kinds) < 60
     assert [value.name for value in graph.input][:3] == ["input_ids", "attention_mask", "position_ids"]
@@ -65,8 +68,8 @@ def run_padded(decoder: Decoder, batch: list[list[int]], left: bool) -> tuple[np
     return first, step[:, 0]
 
 
-def test_left_and_right_padding_give_each_rows_logits_alone(llama):
-    decoder = Decoder(llama, threads=1)
+def test_left_and_right_padding_give_each_rows_logits_alone(folder):
+    decoder = Decoder(folder[1], threads=1)
     batch = prompts([24, 9, 16])
     alone = [run_padded(decoder, [prompt], left=True) for prompt in batch]
     for left in (True, False):
@@ -85,7 +88,7 @@ def test_sliding_window_is_transformers(tmp_path):
     assert agreement.steps == 16
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "opt"])
 def test_only_llama_structured_families_are_written(family):
     model = transformers.AutoModelForCausalLM.from_config(FAMILIES[family][1]())
-    assert written.writable(model) == (family in {"llama", "mistral", "qwen2"})
+    assert written.writable(model) == (family in {"llama", "mistral", "qwen2", "gpt2"})

@@ -1,13 +1,21 @@
-"""The decoder of a Llama-structured causal LM written from its weights, as onnxruntime-genai's model builder writes it.
+"""The decoder of a Llama-structured causal LM or a GPT-2 written from its weights, as onnxruntime-genai's model builder writes one.
 
 The traced decoder (decoder.py) is transformers' forward as the TorchScript exporter records it:
 measured on a Llama of SmolLM-135M's shape, 3324 kernels a step, all but 241 of them shape
 arithmetic, per-layer masks, the rotary and the unfused attention (docs/benchmarks.md, "Where the
 decoder loses to the builder"). This writes the same computation with ONNX Runtime's contrib
-operators, a few kernels a layer: SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization
-(RMSNorm with the residual's add), Q, K and V in one MatMul, RotaryEmbedding on the given
-position_ids, GroupQueryAttention (the cache's concatenation, the causal mask and the key/value
-heads' sharing inside; a sliding window as its local_window_size), SiLU as Sigmoid and Mul.
+operators, a few kernels a layer: Q, K and V in one MatMul, GroupQueryAttention (the cache's
+concatenation, the causal mask and the key/value heads' sharing inside; a sliding window as its
+local_window_size), the norms with the residual's add in one operator. The families' parts:
+
+- llama, mistral, qwen2 (tests/test_hf_families.py's with this structure: RMSNorm, Q/K/V/O
+  projections, a SiLU-gated MLP, a rotary whose frequencies do not change with the sequence
+  length): SimplifiedLayerNormalization and SkipSimplifiedLayerNormalization, RotaryEmbedding on the
+  given position_ids, SiLU as Sigmoid and Mul;
+- gpt2 (the built-in `gpt` too, as the GPT-2 it equals): a learned position embedding,
+  LayerNormalization and SkipLayerNormalization, GELU as Gelu (erf) or FastGelu (tanh).
+
+Others (qwen3's per-head norms, gemma's scaled embedding, phi3's fused projections...) are traced.
 
 The folder's contract is decoder.py's, inputs and outputs alike. GroupQueryAttention knows a row's
 valid length (seqlens_k, the attention mask's sum) but not where its padding is: it takes a row's
@@ -18,10 +26,6 @@ operators are position-wise, and the presents keep each row's keys first, its pa
 which the next step's GroupQueryAttention reads by the same seqlens_k. A present thus differs from
 transformers' cache for a left-padded row (its keys sit first, not last); the loaders pass it back
 as the past unread, and the logits are the model's (measured: tests/test_written_decoder.py).
-
-Families: llama, mistral and qwen2 (tests/test_hf_families.py's with this structure: RMSNorm, Q/K/V/O
-projections, a SiLU-gated MLP, a rotary whose frequencies do not change with the sequence length).
-Others (qwen3's per-head norms, gemma's scaled embedding, phi3's fused projections...) are traced.
 """
 
 from __future__ import annotations
@@ -30,18 +34,23 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-FAMILIES = {"llama", "mistral", "qwen2"}
+LLAMAS = {"llama", "mistral", "qwen2"}
 # The rotaries whose cos and sin depend on the position alone (a table written once); "dynamic" and
 # "longrope" change theirs with the sequence length.
 STATIC_ROTARY = {"default", "linear", "llama3", "yarn"}
+# GPT-2's activations: transformers' "gelu" is erf's, "gelu_new" and "gelu_pytorch_tanh" tanh's
+GELU = {"gelu": "Gelu", "gelu_new": "FastGelu", "gelu_pytorch_tanh": "FastGelu"}
 MICROSOFT = "com.microsoft"
 
 
 def writable(model) -> bool:
-    """Whether `model` (a transformers causal LM) has the structure this module writes."""
+    """Whether `model` (a transformers causal LM) has a structure this module writes."""
     config = model.config
+    if config.model_type == "gpt2":
+        return (config.activation_function in GELU and not config.reorder_and_upcast_attn
+                and not config.add_cross_attention)
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    return (config.model_type in FAMILIES and getattr(config, "hidden_act", None) == "silu"
+    return (config.model_type in LLAMAS and getattr(config, "hidden_act", None) == "silu"
             and getattr(rotary, "rope_type", None) in STATIC_ROTARY
             and not getattr(config, "mlp_bias", False))
 
@@ -61,7 +70,8 @@ class Graph:
         return names[0] if outputs == 1 else names
 
     def weight(self, name: str, value) -> str:
-        self.weights[name] = np.ascontiguousarray(value, np.float32)
+        self.weights[name] = np.ascontiguousarray(value.detach().numpy() if hasattr(value, "detach") else value,
+                                                  np.float32)
         return name
 
     def constant(self, name: str, value, dtype) -> str:
@@ -69,16 +79,97 @@ class Graph:
         return name
 
 
+def matrix(module) -> np.ndarray:
+    """The [in, out] weight of a torch Linear ([out, in]) or of transformers' Conv1D (GPT-2's, [in, out])."""
+    import torch
+
+    weight = module.weight.detach().numpy()
+    return weight.T if isinstance(module, torch.nn.Linear) else weight
+
+
 def linear(graph: Graph, x: str, name: str, modules: list) -> str:
-    """x times the torch Linear `modules`' weights side by side (one MatMul), plus their biases where any has one."""
-    out = graph.op("MatMul", [x, graph.weight(f"{name}.weight",
-                                              np.concatenate([m.weight.detach().numpy().T for m in modules], 1))],
-                   f"{name}/MatMul")
-    if all(m.bias is None for m in modules):
+    """x times the `modules`' weights side by side (one MatMul), plus their biases where any has one."""
+    weights = [matrix(module) for module in modules]
+    out = graph.op("MatMul", [x, graph.weight(f"{name}.weight", np.concatenate(weights, 1))], f"{name}/MatMul")
+    if all(module.bias is None for module in modules):
         return out
-    bias = np.concatenate([m.bias.detach().numpy() if m.bias is not None else np.zeros(m.out_features, np.float32)
-                           for m in modules])
+    bias = np.concatenate([module.bias.detach().numpy() if module.bias is not None else np.zeros(w.shape[1], np.float32)
+                           for module, w in zip(modules, weights)])
     return graph.op("Add", [out, graph.weight(f"{name}.bias", bias)], f"{name}/Add")
+
+
+def normalize(graph: Graph, name: str, x: str, residual: str | None, module, epsilon: float) -> tuple[str, str]:
+    """The norm `module` (an RMSNorm: a weight alone; a LayerNorm: with its bias) of x + residual (x
+    alone where `residual` is None), and that sum: the residual stream after it."""
+    simplified = getattr(module, "bias", None) is None
+    weights = [graph.weight(f"{name}.weight", module.weight)] + \
+        ([] if simplified else [graph.weight(f"{name}.bias", module.bias)])
+    if residual is None:
+        return graph.op("SimplifiedLayerNormalization" if simplified else "LayerNormalization", [x, *weights], name,
+                        axis=-1, epsilon=epsilon, stash_type=1), x
+    normed, _, _, residual = graph.op("SkipSimplifiedLayerNormalization" if simplified else "SkipLayerNormalization",
+                                      [x, residual, *weights], name, outputs=4, domain=MICROSOFT, epsilon=epsilon)
+    return normed, residual
+
+
+def attention(graph: Graph, name: str, at: int, qkv: str, heads: int, kv_heads: int, head_dim: int,
+              inputs: tuple[str, str, str], rotary: bool, scale: float, window: int | None) -> str:
+    """GroupQueryAttention of layer `at` on the fused projections `qkv`, rotated first where `rotary`;
+    its presents are the layer's outputs."""
+    seqlens, total, positions = inputs
+    graph.constant(f"{name}.split", [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], TensorProto.INT64)
+    q, k, v = graph.op("Split", [qkv, f"{name}.split"], f"{name}/split", outputs=3, axis=-1)
+    if rotary:
+        q, k = (graph.op("RotaryEmbedding", [tensor, positions, "cos_cache", "sin_cache"], f"{name}/rotary_{part}",
+                         domain=MICROSOFT, interleaved=0, num_heads=count)
+                for tensor, part, count in ((q, "q", heads), (k, "k", kv_heads)))
+    return graph.op(
+        "GroupQueryAttention", [q, k, v, f"past_key_values.{at}.key", f"past_key_values.{at}.value", seqlens, total],
+        f"{name}/attention", outputs=3, domain=MICROSOFT,
+        names=[f"{name}/attended", f"present.{at}.key", f"present.{at}.value"],
+        num_heads=heads, kv_num_heads=kv_heads, scale=scale,
+        # transformers' window holds the query and the window - 1 keys before it; the operator's the
+        # query and local_window_size keys before it
+        local_window_size=window - 1 if window else -1)[0]
+
+
+def llama_layer(graph: Graph, model, layout, at: int, x: str, residual: str | None,
+                inputs: tuple[str, str, str]) -> tuple[str, str]:
+    """Llama's layer `at` on the hidden states `x` (the previous layer's MLP output, or the embedding
+    when `residual` is None) and the residual stream: its MLP output and the stream after its attention."""
+    config, layer = model.config, model.model.layers[at]
+    name, mlp, epsilon = f"layers.{at}", layer.mlp, config.rms_norm_eps
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    normed, residual = normalize(graph, f"{name}.input_layernorm", x, residual, layer.input_layernorm, epsilon)
+    projections = layer.self_attn
+    qkv = linear(graph, normed, f"{name}.qkv_proj", [projections.q_proj, projections.k_proj, projections.v_proj])
+    attended = attention(graph, name, at, qkv, config.num_attention_heads, layout.kv_heads, layout.head_dim, inputs,
+                         rotary=True, scale=float(projections.scaling), window=window)
+    x = linear(graph, attended, f"{name}.o_proj", [projections.o_proj])
+    normed, residual = normalize(graph, f"{name}.post_attention_layernorm", x, residual,
+                                 layer.post_attention_layernorm, epsilon)
+    gate = linear(graph, normed, f"{name}.gate_proj", [mlp.gate_proj])
+    silu = graph.op("Mul", [gate, graph.op("Sigmoid", [gate], f"{name}/sigmoid")], f"{name}/silu")
+    up = linear(graph, normed, f"{name}.up_proj", [mlp.up_proj])
+    return linear(graph, graph.op("Mul", [silu, up], f"{name}/gated"), f"{name}.down_proj", [mlp.down_proj]), residual
+
+
+def gpt2_layer(graph: Graph, model, layout, at: int, x: str, residual: str | None,
+               inputs: tuple[str, str, str]) -> tuple[str, str]:
+    """GPT-2's block `at`, as llama_layer."""
+    config, block = model.config, model.transformer.h[at]
+    name, epsilon = f"h.{at}", config.layer_norm_epsilon
+    normed, residual = normalize(graph, f"{name}.ln_1", x, residual, block.ln_1, epsilon)
+    qkv = linear(graph, normed, f"{name}.attn.c_attn", [block.attn.c_attn])
+    scale = (layout.head_dim ** -0.5 if config.scale_attn_weights else 1.0) / \
+        (at + 1 if config.scale_attn_by_inverse_layer_idx else 1)
+    attended = attention(graph, name, at, qkv, config.n_head, layout.kv_heads, layout.head_dim, inputs,
+                         rotary=False, scale=scale, window=None)
+    x = linear(graph, attended, f"{name}.attn.c_proj", [block.attn.c_proj])
+    normed, residual = normalize(graph, f"{name}.ln_2", x, residual, block.ln_2, epsilon)
+    hidden = graph.op(GELU[config.activation_function], [linear(graph, normed, f"{name}.mlp.c_fc", [block.mlp.c_fc])],
+                      f"{name}/gelu", domain=MICROSOFT)
+    return linear(graph, hidden, f"{name}.mlp.c_proj", [block.mlp.c_proj]), residual
 
 
 def rotary_tables(model, positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,23 +183,33 @@ def rotary_tables(model, positions: int) -> tuple[np.ndarray, np.ndarray]:
     return cos[0, :, :half].numpy(), sin[0, :, :half].numpy()
 
 
-def write_decoder(model, layout, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """The ONNX decoder (at `opset`) of the Llama-structured causal LM `model` (writable) with the inputs
-    and outputs of `layout` (decoder.CacheLayout), and its weights by name: graph inputs until
-    inference_model.store_weights makes them initializers."""
-    config, body = model.config, model.model
-    graph = Graph()
-    seqlens, total, ids, positions, back = rolled_inputs(graph)
+def embedded(graph: Graph, model, layout, ids: str, positions: str) -> str:
+    """The hidden states the first layer takes: the token embedding, plus GPT-2's position embedding
+    (a Llama's positions are its rotary's, whose tables this writes)."""
+    if model.config.model_type == "gpt2":
+        tokens = graph.op("Gather", [graph.weight("wte.weight", model.transformer.wte.weight), ids], "tokens")
+        places = graph.op("Gather", [graph.weight("wpe.weight", model.transformer.wpe.weight), positions], "places")
+        return graph.op("Add", [tokens, places], "embedded")
     cos, sin = rotary_tables(model, layout.context_length)
     graph.weight("cos_cache", cos), graph.weight("sin_cache", sin)
-    x = graph.op("Gather", [graph.weight("embed_tokens.weight", body.embed_tokens.weight.detach().numpy()), ids],
-                 "embedded")
-    residual = None
-    for at, layer in enumerate(body.layers):
-        x, residual = decoder_layer(graph, config, layout, at, layer, x, residual, (seqlens, total, positions))
-    normed = graph.op("SkipSimplifiedLayerNormalization", [x, residual, graph.weight(
-        "norm.weight", body.norm.weight.detach().numpy())], "final_norm", domain=MICROSOFT,
-        epsilon=config.rms_norm_eps)
+    return graph.op("Gather", [graph.weight("embed_tokens.weight", model.model.embed_tokens.weight), ids], "embedded")
+
+
+def write_decoder(model, layout, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The ONNX decoder (at `opset`) of the causal LM `model` (writable) with the inputs and outputs
+    of `layout` (decoder.CacheLayout), and its weights by name: graph inputs until
+    inference_model.store_weights makes them initializers."""
+    gpt2 = model.config.model_type == "gpt2"
+    body = model.transformer if gpt2 else model.model
+    graph = Graph()
+    seqlens, total, ids, positions, back = rolled_inputs(graph)
+    x, residual = embedded(graph, model, layout, ids, positions), None
+    for at in range(layout.layers):
+        x, residual = (gpt2_layer if gpt2 else llama_layer)(graph, model, layout, at, x, residual,
+                                                            (seqlens, total, positions))
+    final = body.ln_f if gpt2 else body.norm
+    normed, _ = normalize(graph, "final_norm", x, residual, final,
+                          model.config.layer_norm_epsilon if gpt2 else model.config.rms_norm_eps)
     head = model.get_output_embeddings()
     logits = linear(graph, normed, "lm_head", [head])
     graph.op("GatherND", [logits, graph.op("Unsqueeze", [back, "last"], "back_index")], "logits", batch_dims=1)
@@ -139,47 +240,6 @@ def rolled_inputs(graph: Graph) -> tuple[str, ...]:
     ids = graph.op("GatherElements", ["input_ids", rolled], "ids", axis=1)
     positions = graph.op("GatherElements", ["position_ids", rolled], "positions", axis=1)
     return seqlens, total32, ids, positions, back
-
-
-def decoder_layer(graph: Graph, config, layout, at: int, layer, x: str, residual: str | None,
-                  attention_inputs: tuple[str, str, str]) -> tuple[str, str]:
-    """Layer `at` on the hidden states `x` (the previous layer's MLP output, or the embedding when
-    `residual` is None) and the residual stream: its MLP output and the stream after its attention."""
-    name, attention, mlp, epsilon = f"layers.{at}", layer.self_attn, layer.mlp, config.rms_norm_eps
-    heads, kv_heads, head_dim = config.num_attention_heads, layout.kv_heads, layout.head_dim
-    seqlens, total, positions = attention_inputs
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    norm_in = graph.weight(f"{name}.input_layernorm.weight", layer.input_layernorm.weight.detach().numpy())
-    if residual is None:
-        normed = graph.op("SimplifiedLayerNormalization", [x, norm_in], f"{name}/input_norm",
-                          axis=-1, epsilon=epsilon, stash_type=1)
-        residual = x
-    else:
-        normed, _, _, residual = graph.op("SkipSimplifiedLayerNormalization", [x, residual, norm_in],
-                                          f"{name}/input_norm", outputs=4, domain=MICROSOFT, epsilon=epsilon)
-    qkv = linear(graph, normed, f"{name}.qkv_proj", [attention.q_proj, attention.k_proj, attention.v_proj])
-    graph.constant(f"{name}.split", [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], TensorProto.INT64)
-    q, k, v = graph.op("Split", [qkv, f"{name}.split"], f"{name}/split", outputs=3, axis=-1)
-    q, k = (graph.op("RotaryEmbedding", [tensor, positions, "cos_cache", "sin_cache"], f"{name}/rotary_{part}",
-                     domain=MICROSOFT, interleaved=0, num_heads=count)
-            for tensor, part, count in ((q, "q", heads), (k, "k", kv_heads)))
-    attended = graph.op(
-        "GroupQueryAttention", [q, k, v, f"past_key_values.{at}.key", f"past_key_values.{at}.value", seqlens, total],
-        f"{name}/attention", outputs=3, domain=MICROSOFT,
-        names=[f"{name}/attended", f"present.{at}.key", f"present.{at}.value"],
-        num_heads=heads, kv_num_heads=kv_heads, scale=float(attention.scaling),
-        # transformers' window holds the query and the window - 1 keys before it; the operator's the
-        # query and local_window_size keys before it
-        local_window_size=window - 1 if window else -1)
-    x = linear(graph, attended[0], f"{name}.o_proj", [attention.o_proj])
-    norm_post = graph.weight(f"{name}.post_attention_layernorm.weight",
-                             layer.post_attention_layernorm.weight.detach().numpy())
-    normed, _, _, residual = graph.op("SkipSimplifiedLayerNormalization", [x, residual, norm_post],
-                                      f"{name}/post_norm", outputs=4, domain=MICROSOFT, epsilon=epsilon)
-    gate = linear(graph, normed, f"{name}.gate_proj", [mlp.gate_proj])
-    silu = graph.op("Mul", [gate, graph.op("Sigmoid", [gate], f"{name}/sigmoid")], f"{name}/silu")
-    up = linear(graph, normed, f"{name}.up_proj", [mlp.up_proj])
-    return linear(graph, graph.op("Mul", [silu, up], f"{name}/gated"), f"{name}.down_proj", [mlp.down_proj]), residual
 
 
 def model_of(graph: Graph, layout, vocab: int, opset: int) -> onnx.ModelProto:
