@@ -255,5 +255,6 @@ def model_of(graph: Graph, layout, vocab: int, opset: int) -> onnx.ModelProto:
                  for name in layout.output_names() if name.startswith("present"))]
     weights = [helper.make_tensor_value_info(name, f32, value.shape) for name, value in graph.weights.items()]
     onnx_graph = helper.make_graph(graph.nodes, "decoder", inputs + weights, outputs, initializer=graph.constants)
-    return helper.make_model(onnx_graph, opset_imports=[helper.make_opsetid("", opset),
-                                                        helper.make_opsetid(MICROSOFT, 1)])
+    # IR 8, the traced decoder's (torch.onnx's at opset 17): what ONNX Runtime 1.19.2 and >= 1.31 load
+    return helper.make_model(onnx_graph, ir_version=8, opset_imports=[helper.make_opsetid("", opset),
+                                                                      helper.make_opsetid(MICROSOFT, 1)])
