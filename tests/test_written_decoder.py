@@ -17,7 +17,7 @@ from ortflow.generation import written
 from ortflow.generation.check import GenerationCheck
 from ortflow.generation.generate import Decoder
 from test_generation import prompts, tiny
-from test_hf_families import FAMILIES
+from test_hf_families import DECODER, FAMILIES
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: why one thread
 
@@ -79,10 +79,14 @@ def test_left_and_right_padding_give_each_rows_logits_alone(folder):
             np.testing.assert_allclose(step[row], step_alone[0], rtol=0, atol=1e-5)
 
 
-def test_sliding_window_is_transformers(tmp_path):
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_sliding_window_is_transformers(family, tmp_path, monkeypatch):
     # mistral's window of 8 (test_hf_families.py) under a prompt of 24: with the operator's window one
-    # wider, the tokens part from transformers' at the 7th step
-    source, _ = tiny("mistral", tmp_path)
+    # wider, the tokens part from transformers' at the 7th step. qwen2's on its second layer alone.
+    if family == "qwen2":
+        monkeypatch.setitem(FAMILIES, family, (FAMILIES[family][0], lambda: transformers.Qwen2Config(
+            **DECODER, use_sliding_window=True, sliding_window=8, max_window_layers=1)))
+    source, _ = tiny(family, tmp_path)
     _, agreement = generation_folder.export_folder(source, tmp_path / "generation", GenerationCheck(
         prompts([24, 9]), 16, relative=1e-4, absolute=0.0))
     assert agreement.steps == 16

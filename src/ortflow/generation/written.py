@@ -139,7 +139,9 @@ def llama_layer(graph: Graph, model, layout, at: int, x: str, residual: str | No
     when `residual` is None) and the residual stream: its MLP output and the stream after its attention."""
     config, layer = model.config, model.model.layers[at]
     name, mlp, epsilon = f"layers.{at}", layer.mlp, config.rms_norm_eps
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    # mistral's window is every layer's; qwen2's, where on, its layer_types' "sliding_attention" layers'
+    types = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None) if types is None or types[at] == "sliding_attention" else None
     normed, residual = normalize(graph, f"{name}.input_layernorm", x, residual, layer.input_layernorm, epsilon)
     projections = layer.self_attn
     qkv = linear(graph, normed, f"{name}.qkv_proj", [projections.q_proj, projections.k_proj, projections.v_proj])
