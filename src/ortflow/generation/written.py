@@ -30,6 +30,8 @@ as the past unread, and the logits are the model's (measured: tests/test_written
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import onnx
 from onnx import TensorProto, helper
@@ -55,12 +57,30 @@ def writable(model) -> bool:
             and not getattr(config, "mlp_bias", False))
 
 
+class Weights(Mapping):
+    """The graph's weights by name, each an array or a function that makes one (called at each read)."""
+
+    def __init__(self):
+        self.values: dict = {}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        value = self.values[name]
+        return value() if callable(value) else value
+
+    def __iter__(self):
+        return iter(self.values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
 class Graph:
     """Nodes, graph inputs and weights, named as they are added."""
 
     def __init__(self):
         self.nodes: list = []
-        self.weights: dict[str, np.ndarray] = {}
+        self.weights = Weights()
+        self.shapes: dict[str, tuple] = {}
         self.constants: list = []
 
     def op(self, kind: str, inputs: list[str], name: str, outputs: int = 1, domain: str = "",
@@ -70,8 +90,13 @@ class Graph:
         return names[0] if outputs == 1 else names
 
     def weight(self, name: str, value) -> str:
-        self.weights[name] = np.ascontiguousarray(value.detach().numpy() if hasattr(value, "detach") else value,
-                                                  np.float32)
+        """`value` an array or tensor the graph holds as it is (the model's own memory), or a function
+        that makes a copy (a transpose, a concatenation): called when the weight is written, so that
+        the copies exist one at a time, not all beside the model (tests/test_external_data.py)."""
+        if not callable(value):
+            value = np.ascontiguousarray(value.detach().numpy() if hasattr(value, "detach") else value, np.float32)
+        self.weights.values[name] = value
+        self.shapes[name] = self.weights[name].shape
         return name
 
     def constant(self, name: str, value, dtype) -> str:
@@ -89,12 +114,12 @@ def matrix(module) -> np.ndarray:
 
 def linear(graph: Graph, x: str, name: str, modules: list) -> str:
     """x times the `modules`' weights side by side (one MatMul), plus their biases where any has one."""
-    weights = [matrix(module) for module in modules]
-    out = graph.op("MatMul", [x, graph.weight(f"{name}.weight", np.concatenate(weights, 1))], f"{name}/MatMul")
+    out = graph.op("MatMul", [x, graph.weight(f"{name}.weight", lambda: np.concatenate(
+        [matrix(module) for module in modules], 1).astype(np.float32, copy=False))], f"{name}/MatMul")
     if all(module.bias is None for module in modules):
         return out
-    bias = np.concatenate([module.bias.detach().numpy() if module.bias is not None else np.zeros(w.shape[1], np.float32)
-                           for module, w in zip(modules, weights)])
+    bias = np.concatenate([module.bias.detach().numpy() if module.bias is not None else
+                           np.zeros(matrix(module).shape[1], np.float32) for module in modules])
     return graph.op("Add", [out, graph.weight(f"{name}.bias", bias)], f"{name}/Add")
 
 
@@ -197,7 +222,7 @@ def embedded(graph: Graph, model, layout, ids: str, positions: str) -> str:
     return graph.op("Gather", [graph.weight("embed_tokens.weight", model.model.embed_tokens.weight), ids], "embedded")
 
 
-def write_decoder(model, layout, opset: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def write_decoder(model, layout, opset: int) -> tuple[onnx.ModelProto, Weights]:
     """The ONNX decoder (at `opset`) of the causal LM `model` (writable) with the inputs and outputs
     of `layout` (decoder.CacheLayout), and its weights by name: graph inputs until
     inference_model.store_weights makes them initializers."""
@@ -255,7 +280,7 @@ def model_of(graph: Graph, layout, vocab: int, opset: int) -> onnx.ModelProto:
     outputs = [helper.make_tensor_value_info("logits", f32, ["batch", "sequence", vocab]),
                *(helper.make_tensor_value_info(name, f32, ["batch", kv[0], "total_sequence", kv[1]])
                  for name in layout.output_names() if name.startswith("present"))]
-    weights = [helper.make_tensor_value_info(name, f32, value.shape) for name, value in graph.weights.items()]
+    weights = [helper.make_tensor_value_info(name, f32, shape) for name, shape in graph.shapes.items()]
     onnx_graph = helper.make_graph(graph.nodes, "decoder", inputs + weights, outputs, initializer=graph.constants)
     # IR 8, the traced decoder's (torch.onnx's at opset 17): what ONNX Runtime 1.19.2 and >= 1.31 load
     return helper.make_model(onnx_graph, ir_version=8, opset_imports=[helper.make_opsetid("", opset),
