@@ -14,6 +14,9 @@ batch of `--batches` and thread count of `--threads`, by:
   int4 (quantization.int4.quantize_folder: block 32, symmetric, accuracy level 0; `int4 acc4`:
   accuracy level 4, the model builder's CPU default and the export's since bench_int4_level.py), run by
   generation.generate in ONNX Runtime 1.19.2 (this environment) and in onnxruntime >= 1.31;
+- `ortflow traced fp32|int4 acc4 <version>` (Llama only): the same, the decoder traced from
+  transformers' forward as the export did before generation/written.py (which a Llama-structured
+  family now gets), ONNX Runtime 1.19.2: the before of that change;
 - `builder fp32|int4` (Llama only): `python -m onnxruntime_genai.models.builder` on the same
   save_pretrained folder, run by onnxruntime-genai's Generator.
 
@@ -25,6 +28,7 @@ Tokens/s counts every generated token of every row over the whole call, prompt i
 alternate the contenders; the table gives medians and the ratio to torch's median.
 
     python bench/bench_generate.py [--rounds 3] [--models llama gpt2] [--batches 1 8] [--threads 1 2]
+        [--only 'torch' 'ortflow (traced )?fp32 .*' ...]  (the contenders' names to run, regular expressions)
 """
 
 from __future__ import annotations
@@ -35,8 +39,10 @@ import os
 import statistics
 import subprocess
 import sys
+import re
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the serving test's environments, shared with it
@@ -71,6 +77,7 @@ def build(model: str, root: Path, builder_python: Path | None) -> dict[str, Path
     import torch
     import transformers
 
+    from ortflow.generation import written
     from ortflow.generation.folder import byte_tokenizer, export_folder
     from ortflow.quantization.int4 import Int4, quantize_folder, weight_bytes
 
@@ -82,6 +89,11 @@ def build(model: str, root: Path, builder_python: Path | None) -> dict[str, Path
     export_folder(source, folders["fp32"])
     quantize_folder(folders["fp32"], folders["int4"], Int4(accuracy_level=0))
     quantize_folder(folders["fp32"], folders["int4 acc4"], Int4(accuracy_level=4))
+    if written.writable(transformers.AutoModelForCausalLM.from_config(CONFIGS[model]())):
+        folders |= {"traced fp32": root / "traced-fp32", "traced int4 acc4": root / "traced-int4-acc4"}
+        with mock.patch.object(written, "writable", return_value=False):  # the export before written.py
+            export_folder(source, folders["traced fp32"])
+        quantize_folder(folders["traced fp32"], folders["traced int4 acc4"], Int4(accuracy_level=4))
     for name in ("fp32", "int4"):
         print(f"{model} ortflow {name}: MatMul weights {weight_bytes(folders[name] / 'model.onnx') / 2**20:.1f} MiB",
               flush=True)
@@ -214,6 +226,10 @@ def contenders(folders: dict[str, Path], serving: Path, serving_version: str) ->
     for python, version in ((here, onnxruntime.__version__), (serving, serving_version)):
         for precision in ("fp32", "int4", "int4 acc4"):
             found[f"ortflow {precision} {version}"] = (python, {"kind": "ortflow", "folder": str(folders[precision])})
+    for precision in ("traced fp32", "traced int4 acc4"):
+        if precision in folders:
+            found[f"ortflow {precision} {onnxruntime.__version__}"] = (here, {"kind": "ortflow",
+                                                                               "folder": str(folders[precision])})
     for precision in ("fp32", "int4"):
         if f"builder {precision}" in folders:
             found[f"builder {precision}"] = (serving, {"kind": "genai", "folder": str(folders[f"builder {precision}"])})
@@ -229,6 +245,8 @@ def main() -> None:
     parser.add_argument("--threads", nargs="+", type=int, default=[1, os.cpu_count()])
     parser.add_argument("--prompt", type=int, default=32, help="prompt tokens per row")
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--only", nargs="+", default=[".*"],
+                        help="the contenders to run, regular expressions of their names (torch always runs)")
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
@@ -251,7 +269,8 @@ def main() -> None:
                 # one process per contender for every batch: its model is loaded once; batches rise,
                 # so each batch's peak RSS is the process's peak when it ends
                 workers = {name: Worker(python, dict(job, contender=name, threads=threads))
-                           for name, (python, job) in contenders(folders, serving, serving_version).items()}
+                           for name, (python, job) in contenders(folders, serving, serving_version).items()
+                           if name == "torch" or any(re.fullmatch(pattern, name) for pattern in args.only)}
                 for batch in args.batches:
                     rates: dict[str, list[float]] = {name: [] for name in workers}
                     memory: dict[str, float] = {}

@@ -8,8 +8,10 @@ inputs `input_ids [batch, sequence]`, `attention_mask [batch, total_sequence]`, 
 past of length 0.
 
 transformers 5 keeps the cache in a Cache object (DynamicCache), which torch.onnx cannot take as
-an input: `CachedDecoder` builds it from the flat past tensors and flattens the presents. The
-TorchScript exporter at OPSET traces it; measured on the 2-layer models of every causal family of
+an input: `CachedDecoder` builds it from the flat past tensors and flattens the presents. A
+Llama-structured family (llama, mistral, qwen2) and GPT-2 (the built-in `gpt` too) are written
+from their weights instead, with ONNX Runtime's GroupQueryAttention, as onnxruntime-genai's model
+builder writes them (written.py: 53 nodes for a 2-layer model). For the others, the TorchScript exporter at OPSET traces it; measured on the 2-layer models of every causal family of
 tests/test_hf_families.py (gpt2, gpt-neo, opt, llama, mistral, qwen2, qwen3, phi3, gemma, falcon),
 the graph's logits and presents are within 1e-6 of torch's at past lengths 0, 5 and 12 with a
 left-padded row. None of export_fixes' symbolics is needed here: the mask code that calls
@@ -139,13 +141,23 @@ def export_decoder(model, path: Path, opset: int = OPSET) -> CacheLayout:
     Exported without the weights, added one tensor at a time after (torch_export's reason: memory)."""
     import onnx
 
+    from . import written
+
     model.eval()
     layout = cache_layout(model)
+    path = Path(path)
+    if written.writable(model):  # a Llama-structured family or GPT-2: written from the weights
+        with torch.no_grad():
+            graph, weights = written.write_decoder(model, layout, opset)
+        inference_model.store_weights(graph, weights, path, path)
+        onnx.save(graph, str(path))
+        log.info("%s written as a decoder with GroupQueryAttention and a KV cache of %d layers x %d heads x %d: %s",
+                 type(model).__name__, layout.layers, layout.kv_heads, layout.head_dim, path)
+        return layout
     # In eval mode itself: torch.onnx.export gives the wrapper back its own mode when it ends, and a
     # new module's is training, which would turn `model`'s dropout on for the caller's generate
     # (measured: the export check's transformers tokens then changed from run to run).
     wrapper = CachedDecoder(model, layout).eval()
-    path = Path(path)
     with tempfile.TemporaryDirectory(prefix="ortflow-decoder-", dir=path.parent) as scratch, torch.no_grad():
         traced = Path(scratch) / "decoder.onnx"
         torch.onnx.export(wrapper, example(layout), str(traced), input_names=layout.input_names(),
