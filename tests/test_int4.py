@@ -159,6 +159,39 @@ def test_int4_weights_and_perplexity(tmp_path):
     assert all(np.isfinite(value) and value > 1 for value in perplexities.values())
 
 
+def test_gemm_and_transposed_weights_become_matmulnbits_with_their_bias():
+    """The other weight forms exporters write (the written and traced decoders have neither now): a
+    Gemm with transB and a bias (torch's addmm, as GPT-2's Conv1D traces), and a MatMul of
+    Transpose(W) (torch's Linear); each gives the same output as its dequantized weight, the bias
+    added after, the Transpose gone."""
+    rng = np.random.default_rng(0)
+    k, hidden, n = 64, 48, 40
+    arrays = {"w1": rng.normal(size=(hidden, k)).astype(np.float32), "b1": rng.normal(size=hidden).astype(np.float32),
+              "w2": rng.normal(size=(n, hidden)).astype(np.float32)}
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="gemm", transB=1),
+             helper.make_node("Relu", ["h"], ["r"]),
+             helper.make_node("Transpose", ["w2"], ["w2_t"], perm=[1, 0]),
+             helper.make_node("MatMul", ["r", "w2_t"], ["y"], name="linear")]
+    graph = helper.make_graph(nodes, "two", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", n])],
+                              [numpy_helper.from_array(value, name) for name, value in arrays.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    assert quantize_model(model, Int4(accuracy_level=0), "two.onnx") == 2  # level 4 rounds x to int8
+    assert [node.op_type for node in model.graph.node] == ["MatMulNBits", "Add", "Relu", "MatMulNBits"]
+    stored = {tensor.name: numpy_helper.to_array(tensor) for tensor in model.graph.initializer}
+    assert sorted(stored) == ["b1", "w1_T_Q4", "w1_T_scales", "w2_T_Q4", "w2_T_scales"]
+    w1, w2 = (dequantized(stored[f"{name}_T_Q4"].reshape(rows, -1, 16), stored[f"{name}_T_scales"], None, cols)
+              for name, rows, cols in (("w1", hidden, k), ("w2", n, hidden)))
+    x = rng.normal(size=(3, k)).astype(np.float32)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    got = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(
+        None, {"x": x})[0]
+    expected = np.maximum(x @ w1 + arrays["b1"], 0) @ w2
+    assert np.allclose(got, expected, rtol=1e-4, atol=1e-4), np.abs(got - expected).max()
+
+
 def test_model_without_matmul_weight_refused(tmp_path):
     graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
