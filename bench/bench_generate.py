@@ -143,7 +143,8 @@ def loaded(job: dict):
     if kind in ("ortflow", "rerun"):
         from ortflow.generation.generate import Decoder, generate
 
-        decoder = Decoder(folder, threads=threads)
+        # prepacked False: ONNX Runtime multiplies by the weights as stored, not by its packed copy
+        decoder = Decoder(folder, threads=threads, prepacked=job.get("prepacked", True))
         decoder.eos = set()  # random weights may choose an end-of-sequence token: every run is new_tokens long
 
         def rerun(ids, new_tokens):  # the whole prefix, no past, for each token
@@ -226,6 +227,8 @@ def contenders(folders: dict[str, Path], serving: Path, serving_version: str) ->
     for python, version in ((here, onnxruntime.__version__), (serving, serving_version)):
         for precision in ("fp32", "int4", "int4 acc4"):
             found[f"ortflow {precision} {version}"] = (python, {"kind": "ortflow", "folder": str(folders[precision])})
+        found[f"ortflow fp32 unpacked {version}"] = (python, {"kind": "ortflow", "folder": str(folders["fp32"]),
+                                                              "prepacked": False})
     for precision in ("traced fp32", "traced int4 acc4"):
         if precision in folders:
             found[f"ortflow {precision} {onnxruntime.__version__}"] = (here, {"kind": "ortflow",
