@@ -11,7 +11,8 @@ transformers 5 keeps the cache in a Cache object (DynamicCache), which torch.onn
 an input: `CachedDecoder` builds it from the flat past tensors and flattens the presents. A
 Llama-structured family (llama, mistral, qwen2) and GPT-2 (the built-in `gpt` too) are written
 from their weights instead, with ONNX Runtime's GroupQueryAttention, as onnxruntime-genai's model
-builder writes them (written.py: 53 nodes for a 2-layer model). For the others, the TorchScript exporter at OPSET traces it; measured on the 2-layer models of every causal family of
+builder writes them (written.py: 53 nodes for a 2-layer model). For the others, the TorchScript
+exporter at OPSET traces it; measured on the 2-layer models of every causal family of
 tests/test_hf_families.py (gpt2, gpt-neo, opt, llama, mistral, qwen2, qwen3, phi3, gemma, falcon),
 the graph's logits and presents are within 1e-6 of torch's at past lengths 0, 5 and 12 with a
 left-padded row. None of export_fixes' symbolics is needed here: the mask code that calls

@@ -89,14 +89,16 @@ class Graph:
         self.nodes.append(helper.make_node(kind, inputs, names, name=name, domain=domain, **attributes))
         return names[0] if outputs == 1 else names
 
-    def weight(self, name: str, value) -> str:
+    def weight(self, name: str, value, shape: tuple[int, ...] | None = None) -> str:
         """`value` an array or tensor the graph holds as it is (the model's own memory), or a function
-        that makes a copy (a transpose, a concatenation): called when the weight is written, so that
-        the copies exist one at a time, not all beside the model (tests/test_external_data.py)."""
+        that makes a copy (a transpose, a concatenation) of the given `shape`: called when the weight is
+        written, and only then, so that the copies exist one at a time, not all beside the model
+        (tests/test_external_data.py)."""
         if not callable(value):
             value = np.ascontiguousarray(value.detach().numpy() if hasattr(value, "detach") else value, np.float32)
+            shape = value.shape
         self.weights.values[name] = value
-        self.shapes[name] = self.weights[name].shape
+        self.shapes[name] = tuple(shape)
         return name
 
     def constant(self, name: str, value, dtype) -> str:
@@ -114,12 +116,14 @@ def matrix(module) -> np.ndarray:
 
 def linear(graph: Graph, x: str, name: str, modules: list) -> str:
     """x times the `modules`' weights side by side (one MatMul), plus their biases where any has one."""
-    out = graph.op("MatMul", [x, graph.weight(f"{name}.weight", lambda: np.concatenate(
-        [matrix(module) for module in modules], 1).astype(np.float32, copy=False))], f"{name}/MatMul")
+    matrices = [matrix(module) for module in modules]  # views of the modules' weights, no copies
+    shape = (matrices[0].shape[0], sum(part.shape[1] for part in matrices))
+    out = graph.op("MatMul", [x, graph.weight(f"{name}.weight", lambda: np.concatenate(matrices, 1).astype(
+        np.float32, copy=False), shape)], f"{name}/MatMul")
     if all(module.bias is None for module in modules):
         return out
     bias = np.concatenate([module.bias.detach().numpy() if module.bias is not None else
-                           np.zeros(matrix(module).shape[1], np.float32) for module in modules])
+                           np.zeros(part.shape[1], np.float32) for module, part in zip(modules, matrices)])
     return graph.op("Add", [out, graph.weight(f"{name}.bias", bias)], f"{name}/Add")
 
 
