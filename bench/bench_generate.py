@@ -20,6 +20,11 @@ batch of `--batches` and thread count of `--threads`, by:
 - `builder fp32|int4` (Llama only): `python -m onnxruntime_genai.models.builder` on the same
   save_pretrained folder, run by onnxruntime-genai's Generator.
 
+ortflow's contenders run as `ortflow generate` does, with glibc's hugetlb tunable
+(src/ortflow/hugepages.py: weights on transparent huge pages where the kernel gives them on
+request); `ortflow fp32 small pages <version>` without it; `torch huge pages` and `builder ...
+huge pages` are the peers with it, which their users would have to set themselves.
+
 The newer runtimes live in a virtual environment of tests/test_serving_venv.py's cache folder
 (`genai-builder-venv`: its genai packages plus torch and transformers, which the builder imports),
 created once. Every measurement is a process of its own, so its peak RSS (the process's, imports
@@ -34,6 +39,7 @@ alternate the contenders; the table gives medians and the ratio to torch's media
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -71,9 +77,10 @@ def gpt2_config():
 CONFIGS = {"llama": smollm_config, "gpt2": gpt2_config}
 
 
-def build(model: str, root: Path, builder_python: Path | None) -> dict[str, Path]:
-    """The model's folders: save_pretrained, ortflow's fp32 and int4 generation folders and, with
-    `builder_python`, the model builder's fp32 and int4."""
+def build(model: str, root: Path, needed: set[str], builder_python: Path | None) -> dict[str, Path]:
+    """The model's folders that `needed` names (contenders' "folder"): save_pretrained ("transformers",
+    always), ortflow's generation folders ("fp32", "int4", "int4 acc4", "traced ...") and the model
+    builder's ("builder fp32", "builder int4")."""
     import torch
     import transformers
 
@@ -85,20 +92,23 @@ def build(model: str, root: Path, builder_python: Path | None) -> dict[str, Path
     source = root / "transformers"
     transformers.AutoModelForCausalLM.from_config(CONFIGS[model](), attn_implementation="sdpa").save_pretrained(source)
     byte_tokenizer().save_pretrained(source)  # the model builder saves the model's tokenizer beside it
-    folders = {"transformers": source, "fp32": root / "fp32", "int4": root / "int4", "int4 acc4": root / "int4-acc4"}
-    export_folder(source, folders["fp32"])
-    quantize_folder(folders["fp32"], folders["int4"], Int4(accuracy_level=0))
-    quantize_folder(folders["fp32"], folders["int4 acc4"], Int4(accuracy_level=4))
-    if written.writable(transformers.AutoModelForCausalLM.from_config(CONFIGS[model]())):
-        folders |= {"traced fp32": root / "traced-fp32", "traced int4 acc4": root / "traced-int4-acc4"}
-        with mock.patch.object(written, "writable", return_value=False):  # the export before written.py
-            export_folder(source, folders["traced fp32"])
-        quantize_folder(folders["traced fp32"], folders["traced int4 acc4"], Int4(accuracy_level=4))
+    folders = {"transformers": source}
+    for prefix in ("", "traced "):
+        if not needed & {f"{prefix}fp32", f"{prefix}int4", f"{prefix}int4 acc4"}:
+            continue
+        fp32 = folders[f"{prefix}fp32"] = root / f"{prefix}fp32".replace(" ", "-")
+        with mock.patch.object(written, "writable", return_value=False) if prefix else contextlib.nullcontext():
+            export_folder(source, fp32)  # traced: the export before written.py
+        for name, level in (("int4", 0), ("int4 acc4", 4)):
+            if f"{prefix}{name}" in needed:
+                folders[f"{prefix}{name}"] = root / f"{prefix}{name}".replace(" ", "-")
+                quantize_folder(fp32, folders[f"{prefix}{name}"], Int4(accuracy_level=level))
     for name in ("fp32", "int4"):
-        print(f"{model} ortflow {name}: MatMul weights {weight_bytes(folders[name] / 'model.onnx') / 2**20:.1f} MiB",
-              flush=True)
-    if builder_python:
-        for precision in ("fp32", "int4"):
+        if name in folders:
+            print(f"{model} ortflow {name}: MatMul weights {weight_bytes(folders[name] / 'model.onnx') / 2**20:.1f} "
+                  "MiB", flush=True)
+    for precision in ("fp32", "int4"):
+        if f"builder {precision}" in needed:
             folders[f"builder {precision}"] = root / f"builder-{precision}"
             subprocess.run([str(builder_python), "-m", "onnxruntime_genai.models.builder", "-i", str(source),
                             "-o", str(root / f"builder-{precision}"), "-p", precision, "-e", "cpu",
@@ -190,6 +200,14 @@ def worker(job: dict) -> None:
         print(json.dumps({"seconds": seconds, "rss_mib": peak_rss_mib()}), flush=True)
 
 
+def environment(job: dict) -> dict[str, str]:
+    """The contender's process environment: ortflow's source, and the hugetlb tunable where the job asks."""
+    from ortflow import hugepages
+
+    environ = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
+    return dict(hugepages.with_hugepages(environ) if job.get("hugepages") else environ, PYTHONPATH=str(REPO / "src"))
+
+
 class Worker:
     """A contender's process (`python` running this file's worker), which keeps its model loaded
     between requests."""
@@ -198,7 +216,7 @@ class Worker:
         self.name = job["contender"]
         self.process = subprocess.Popen([str(python), __file__, "--worker", json.dumps(job)], stdin=subprocess.PIPE,
                                         stdout=subprocess.PIPE, text=True,
-                                        env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+                                        env=environment(job))
         self.answer()
 
     def answer(self) -> str:
@@ -217,25 +235,35 @@ class Worker:
         self.process.wait()
 
 
-def contenders(folders: dict[str, Path], serving: Path, serving_version: str) -> dict[str, tuple[Path, dict]]:
-    """{name: (python, job)} of every contender of the model."""
+def contenders(model: str, serving: Path, serving_version: str) -> dict[str, tuple[Path, dict]]:
+    """{name: (python, job)} of every contender of the model; a job's "folder" names build()'s folder and
+    "hugepages" says whether its process starts with glibc's hugetlb tunable (hugepages.py): ortflow's
+    as `ortflow generate` runs, the peers without it as users run them, and again with it."""
     import onnxruntime
+    import transformers
 
-    here = Path(sys.executable)
-    found = {"torch": (here, {"kind": "torch", "folder": str(folders["transformers"])}),
-             f"rerun {onnxruntime.__version__}": (here, {"kind": "rerun", "folder": str(folders["fp32"])})}
-    for python, version in ((here, onnxruntime.__version__), (serving, serving_version)):
+    from ortflow.generation import written
+
+    here, version = Path(sys.executable), onnxruntime.__version__
+    found = {"torch": (here, {"kind": "torch", "folder": "transformers"}),
+             "torch huge pages": (here, {"kind": "torch", "folder": "transformers", "hugepages": True}),
+             f"rerun {version}": (here, {"kind": "rerun", "folder": "fp32"})}
+    for python, runtime in ((here, version), (serving, serving_version)):
         for precision in ("fp32", "int4", "int4 acc4"):
-            found[f"ortflow {precision} {version}"] = (python, {"kind": "ortflow", "folder": str(folders[precision])})
-        found[f"ortflow fp32 unpacked {version}"] = (python, {"kind": "ortflow", "folder": str(folders["fp32"]),
-                                                              "prepacked": False})
-    for precision in ("traced fp32", "traced int4 acc4"):
-        if precision in folders:
-            found[f"ortflow {precision} {onnxruntime.__version__}"] = (here, {"kind": "ortflow",
-                                                                               "folder": str(folders[precision])})
-    for precision in ("fp32", "int4"):
-        if f"builder {precision}" in folders:
-            found[f"builder {precision}"] = (serving, {"kind": "genai", "folder": str(folders[f"builder {precision}"])})
+            found[f"ortflow {precision} {runtime}"] = (python, {"kind": "ortflow", "folder": precision,
+                                                                "hugepages": True})
+        found[f"ortflow fp32 unpacked {runtime}"] = (python, {"kind": "ortflow", "folder": "fp32", "prepacked": False,
+                                                              "hugepages": True})
+        found[f"ortflow fp32 small pages {runtime}"] = (python, {"kind": "ortflow", "folder": "fp32"})
+    if written.writable(transformers.AutoModelForCausalLM.from_config(CONFIGS[model]())):
+        for precision in ("traced fp32", "traced int4 acc4"):
+            found[f"ortflow {precision} {version}"] = (here, {"kind": "ortflow", "folder": precision,
+                                                              "hugepages": True})
+    if model == "llama":  # the model builder's own export, of the Llama shape
+        for precision in ("fp32", "int4"):
+            found[f"builder {precision}"] = (serving, {"kind": "genai", "folder": f"builder {precision}"})
+            found[f"builder {precision} huge pages"] = (serving, {"kind": "genai", "folder": f"builder {precision}",
+                                                                  "hugepages": True})
     return found
 
 
@@ -263,17 +291,23 @@ def main() -> None:
                               "print(o.__version__, g.__version__)"], capture_output=True, text=True, check=True)
     serving_version, genai_version = version.stdout.split()
     print(f"serving environment: onnxruntime {serving_version}, onnxruntime-genai {genai_version}", flush=True)
+    from ortflow import hugepages
+
+    print(f"transparent huge pages: {hugepages.THP_MODE.read_text().strip()}; the hugetlb tunable changes "
+          f"anything here: {hugepages.wanted({})}", flush=True)
     print("model | batch | threads | contender | tokens/s | x torch | peak RSS MiB | rounds' tokens/s")
     with tempfile.TemporaryDirectory(prefix="bench-generate-") as scratch:
         for model in args.models:
-            folders = build(model, Path(scratch) / model, serving if model == "llama" else None)
+            chosen = {name: (python, job) for name, (python, job) in contenders(model, serving, serving_version).items()
+                      if name == "torch" or any(re.fullmatch(pattern, name) for pattern in args.only)}
+            folders = build(model, Path(scratch) / model, {job["folder"] for _, job in chosen.values()}, serving)
             vocab = CONFIGS[model]().vocab_size
             for threads in args.threads:
                 # one process per contender for every batch: its model is loaded once; batches rise,
                 # so each batch's peak RSS is the process's peak when it ends
-                workers = {name: Worker(python, dict(job, contender=name, threads=threads))
-                           for name, (python, job) in contenders(folders, serving, serving_version).items()
-                           if name == "torch" or any(re.fullmatch(pattern, name) for pattern in args.only)}
+                workers = {name: Worker(python, dict(job, contender=name, threads=threads,
+                                                     folder=str(folders[job["folder"]])))
+                           for name, (python, job) in chosen.items()}
                 for batch in args.batches:
                     rates: dict[str, list[float]] = {name: [] for name in workers}
                     memory: dict[str, float] = {}

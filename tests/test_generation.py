@@ -8,6 +8,9 @@ families as e2e; a family whose cache has no key/value layout is refused in one 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,7 +18,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
-from ortflow import cli
+from ortflow import cli, hugepages
 
 from ortflow.data.shards import ShardReader
 from ortflow.errors import DataError, ModelError
@@ -178,6 +181,38 @@ def test_tokenizer_files_copied(tmp_path):
     generation_folder.copy_tokenizer(source, folder)
     assert sorted(path.name for path in folder.iterdir()) == ["chat_template.jinja", "tokenizer.json",
                                                               "tokenizer_config.json"]
+
+
+def test_the_console_script_generates_on_huge_pages(gpt2_folder):
+    """`ortflow generate` as its own process re-executes itself with glibc's hugetlb tunable where
+    the kernel gives huge pages on request (hugepages.py), and says how much memory is on them."""
+    command = [sys.executable, "-m", "ortflow.cli", "generate", str(gpt2_folder), "--prompt", "hello",
+               "--max-new-tokens", "4", "--threads", "1"]
+    plain = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
+    done = subprocess.run(command, env=plain, capture_output=True, text=True, check=True)
+    line = next(line for line in done.stderr.splitlines() if "resident on huge pages" in line)
+    on_huge_pages = float(line.split("decoder loaded: ")[1].split()[0])
+    if hugepages.wanted(plain):  # THP "madvise" and glibc >= 2.35 (this project's machines)
+        assert "GLIBC_TUNABLES='glibc.malloc.hugetlb=1'" in line and on_huge_pages > 0
+    turned_off = subprocess.run(command, env=dict(plain, GLIBC_TUNABLES="glibc.malloc.hugetlb=0"),
+                                capture_output=True, text=True, check=True)
+    assert "GLIBC_TUNABLES='glibc.malloc.hugetlb=0'" in turned_off.stderr and turned_off.stdout == done.stdout
+
+
+def test_hugepages_wanted_only_where_the_kernel_asks_and_glibc_can(tmp_path, monkeypatch):
+    mode = tmp_path / "enabled"
+    monkeypatch.setattr(hugepages, "THP_MODE", mode)
+    monkeypatch.setattr(hugepages, "glibc_version", lambda: (2, 36))
+    for text, wanted in [("always [madvise] never", True), ("[always] madvise never", False),
+                         ("always madvise [never]", False)]:
+        mode.write_text(text + "\n")
+        assert hugepages.wanted({}) is wanted, text
+    mode.write_text("always [madvise] never\n")
+    assert not hugepages.wanted({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+    monkeypatch.setattr(hugepages, "glibc_version", lambda: (2, 31))  # before the tunable
+    assert not hugepages.wanted({})
+    environ = hugepages.with_hugepages({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "HOME": "/root"})
+    assert environ == {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1", "HOME": "/root"}
 
 
 def test_cli_streams_what_generate_gives(gpt2_folder, capsys):

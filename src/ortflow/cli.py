@@ -15,7 +15,7 @@ import importlib
 import logging
 import sys
 
-from . import ort_private, storage
+from . import hugepages, ort_private, storage
 from .errors import OrtflowError
 
 COMMANDS = {
@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None and sys.argv[1:2] == ["generate"]:
+        # Generating streams every weight for each token: on huge pages where the kernel gives
+        # them on request (hugepages.py). Only the console script's own process is replaced.
+        hugepages.restart_with_hugepages(sys.argv[1:])
     ort_private.skip_ortmodule()
     args = build_parser().parse_args(argv)
     logging.basicConfig(

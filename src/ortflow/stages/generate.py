@@ -12,10 +12,11 @@ are done. The workflow's `generate` rule gives the prompts as the config's `gene
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
-from .. import atomic
+from .. import atomic, hugepages
 from ..errors import DataError, ModelError
 
 # The config keys this stage reads, which the workflow's generate rule passes (stages/__init__.py):
@@ -23,6 +24,7 @@ from ..errors import DataError, ModelError
 KEYS = ("generate",)
 HELP = "generate text from an exported decoder folder (export/generation), streaming the tokens"
 MAX_NEW_TOKENS = 64
+log = logging.getLogger("ortflow.generate")
 REPLACEMENT = "\ufffd"  # what decoding gives for the first bytes of a character whose last bytes are to come
 
 
@@ -108,6 +110,7 @@ def run(args) -> int:
     prompts = read_prompts(args)
     tokenizer = load_tokenizer(args.folder)
     decoder = (Seq2SeqDecoder if is_seq2seq(args.folder) else Decoder)(args.folder, args.threads)
+    log.info("decoder loaded: %s", hugepages.on_hugepages())
     given = {"temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}
     sampling = Sampling(args.do_sample, seed=args.seed,
                         **{key: decoder.search[key] if value is None else value for key, value in given.items()})
