@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -183,18 +184,21 @@ def test_tokenizer_files_copied(tmp_path):
                                                               "tokenizer_config.json"]
 
 
-def test_the_console_script_generates_on_huge_pages(gpt2_folder):
+def test_the_console_script_generates_on_huge_pages(gpt2_folder, tmp_path):
     """`ortflow generate` as its own process re-executes itself with glibc's hugetlb tunable where
-    the kernel gives huge pages on request (hugepages.py), and says how much memory is on them."""
-    command = [sys.executable, "-m", "ortflow.cli", "generate", str(gpt2_folder), "--prompt", "hello",
+    the kernel gives huge pages on request (hugepages.py), and says how much memory is on them.
+    The process it becomes does not import an `ortflow.py` from where it runs."""
+    (tmp_path / "ortflow.py").write_text("raise SystemExit('a planted ortflow.py was imported')\n")
+    command = [str(Path(sys.executable).parent / "ortflow"), "generate", str(gpt2_folder), "--prompt", "hello",
                "--max-new-tokens", "4", "--threads", "1"]
     plain = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
-    done = subprocess.run(command, env=plain, capture_output=True, text=True, check=True)
+    done = subprocess.run(command, env=plain, cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
     line = next(line for line in done.stderr.splitlines() if "resident on huge pages" in line)
     on_huge_pages = float(line.split("decoder loaded: ")[1].split()[0])
     if hugepages.wanted(plain):  # THP "madvise" and glibc >= 2.35 (this project's machines)
         assert "GLIBC_TUNABLES='glibc.malloc.hugetlb=1'" in line and on_huge_pages > 0
-    turned_off = subprocess.run(command, env=dict(plain, GLIBC_TUNABLES="glibc.malloc.hugetlb=0"),
+    turned_off = subprocess.run(command, env=dict(plain, GLIBC_TUNABLES="glibc.malloc.hugetlb=0"), cwd=tmp_path,
                                 capture_output=True, text=True, check=True)
     assert "GLIBC_TUNABLES='glibc.malloc.hugetlb=0'" in turned_off.stderr and turned_off.stdout == done.stdout
 

@@ -53,11 +53,13 @@ def with_hugepages(environ: dict[str, str]) -> dict[str, str]:
 
 
 def restart_with_hugepages(arguments: list[str]) -> None:
-    """Replace this process by `python -m ortflow.cli <arguments>` with the tunable, where it
+    """Replace this process by `python -P -m ortflow.cli <arguments>` with the tunable, where it
     is wanted; else return. Only for a process of its own (the console script), never one
-    that called cli.main from Python."""
+    that called cli.main from Python. -P: the working directory stays off sys.path, as it is
+    for the console script, so an `ortflow.py` where the command runs is never imported."""
     if wanted(dict(os.environ)):
-        os.execve(sys.executable, [sys.executable, "-m", "ortflow.cli", *arguments], with_hugepages(dict(os.environ)))
+        os.execve(sys.executable, [sys.executable, "-P", "-m", "ortflow.cli", *arguments],
+                  with_hugepages(dict(os.environ)))
 
 
 def on_hugepages() -> str:
