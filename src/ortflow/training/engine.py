@@ -11,7 +11,7 @@ import numpy as np
 
 from ..artifacts import Artifacts
 from ..graphs import precision
-from ..sessions import training_options
+from ..sessions import share_cpu_arena, training_options
 from . import comm as comm_mod
 from .gradients import parameters
 from .optimizer import open_step
@@ -38,10 +38,12 @@ def open_sessions(artifacts: Artifacts, state, device: str, threads: int, optimi
     session would take the same prefix and second as the training graph's, and
     the two traces would write over each other. `recompute`: the training graph was rewritten
     by train.recompute, whose sessions reuse memory otherwise (sessions.training_options). Artifacts
-    built with train.precision: bf16 bring their operator's library (graphs/precision.py)."""
+    built with train.precision: bf16 bring their operator's library (graphs/precision.py). The
+    sessions share one CPU arena (sessions.share_cpu_arena)."""
     from onnxruntime.training.api import Module
 
     options = training_options(threads, recompute)
+    share_cpu_arena(options)
     if profile_prefix:
         options.enable_profiling = True
         options.profile_file_prefix = f"{profile_prefix}-train"
