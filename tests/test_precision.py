@@ -67,6 +67,35 @@ def test_the_rewrite_replaces_the_float_multiplies_it_can_and_leaves_the_rest():
     assert ("ortflow", 1) in [(opset.domain, opset.version) for opset in model.opset_import]
 
 
+def test_the_rewrite_takes_in_the_transposes_only_multiplies_read():
+    """A Transpose of the last two axes that only rewritten multiplies read becomes their
+    transA/transB (as ONNX Runtime fuses it into Gemm or FusedMatMul at float32), so no copy of the
+    tensor is made; one that another node also reads, or that moves other axes, stays."""
+    F = TensorProto.FLOAT
+    nodes = [
+        helper.make_node("Transpose", ["w"], ["wt"], name="wt", perm=[1, 0]),
+        helper.make_node("MatMul", ["x", "wt"], ["y"], name="y"),
+        helper.make_node("FusedMatMul", ["wt", "x"], ["dx"], name="dx", domain="com.microsoft", transA=1),
+        helper.make_node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["q", "kt"], ["scores"], name="scores"),
+        helper.make_node("Relu", ["kt"], ["read"], name="read"),
+        helper.make_node("Transpose", ["k"], ["heads"], name="heads", perm=[0, 2, 1, 3]),
+        helper.make_node("MatMul", ["heads", "q"], ["moved"], name="moved"),
+    ]
+    model = graph_with(nodes, {"w": F, "x": F, "k": F, "q": F})
+    del model.graph.output[:]  # only the last nodes' outputs are the graph's
+    model.graph.output.extend(helper.make_tensor_value_info(name, F, None) for name in ("y", "dx", "scores", "read",
+                                                                                       "moved"))
+    assert precision.rewrite(model) == 4
+    nodes = {node.output[0]: node for node in model.graph.node}
+    assert "wt" not in nodes
+    assert (nodes["y"].input[:], precision.attributes(nodes["y"])) == (["x", "w"], {"transA": 0, "transB": 1})
+    assert (nodes["dx"].input[:], precision.attributes(nodes["dx"])) == (["w", "x"], {"transA": 0, "transB": 0})
+    assert (nodes["scores"].input[:], precision.attributes(nodes["scores"])) == (["q", "kt"], {"transA": 0, "transB": 0})
+    assert nodes["kt"].op_type == nodes["heads"].op_type == "Transpose"
+    assert nodes["moved"].input[:] == ["heads", "q"]
+
+
 def test_bf16_on_cuda_is_refused_in_one_line_and_a_cpu_without_the_units_warned():
     refused = preflight.check_precision("bf16", "cuda", {"avx512_bf16"})
     assert refused.status == preflight.FAIL and "fp16 mixed precision" in refused.fix
