@@ -1,5 +1,5 @@
 """One GPT-2-sized matrix multiply and its backward pair in bfloat16 through ortflow's custom
-operator `ortflow.BF16MatMul` (src/ortflow/kernels/bf16_matmul.cc) inside an ONNX Runtime
+operator `ortflow.BF16MatMul` (src/ortflow/kernels/operators.cc) inside an ONNX Runtime
 InferenceSession, against the same products in float32 on ONNX Runtime's MLAS kernels and
 against torch in bfloat16: the measurement issue 44 asks for before bf16 training is built.
 
@@ -155,12 +155,12 @@ def main() -> None:
     import onnxruntime
     import torch
 
-    from ortflow.kernels import bf16_matmul_library
+    from ortflow import kernels
     from ortflow.sessions import quiet_logging
 
     torch.set_num_threads(1)
     quiet_logging()
-    library = bf16_matmul_library()
+    library = kernels.library()
     rng = np.random.default_rng(0)
     arrays = {shape: {"X": rng.standard_normal((ROWS, k), dtype=np.float32),
                       "W": rng.standard_normal((k, n), dtype=np.float32) * 0.02,

@@ -26,7 +26,7 @@ def session(trans_a: int = 0, trans_b: int = 0) -> ort.InferenceSession:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ortflow", 1)],
                               ir_version=9)
     options = ort.SessionOptions()
-    options.register_custom_ops_library(str(kernels.bf16_matmul_library()))
+    options.register_custom_ops_library(str(kernels.library()))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
@@ -57,17 +57,42 @@ def test_atens_error_is_the_sessions_in_one_line():
 
 
 def test_a_failed_compile_names_the_compilers_first_error(tmp_path, monkeypatch):
-    broken = tmp_path / "bf16_matmul.cc"
+    broken = tmp_path / "operators.cc"
     broken.write_text("int main() { return undeclared_name; }\n")
     monkeypatch.setattr(kernels, "SOURCE", broken)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    kernels.bf16_matmul_library.cache_clear()
+    kernels.library.cache_clear()
     try:
         with pytest.raises(PreflightError) as error:
-            kernels.bf16_matmul_library()
+            kernels.library()
     finally:
-        kernels.bf16_matmul_library.cache_clear()
+        kernels.library.cache_clear()
     message = str(error.value)
     assert "undeclared_name" in message and "was not declared" in message and "C++17 compiler" in message
     assert "\n" not in message
     assert not list((tmp_path / "cache").rglob("*.so*"))
+
+
+def test_fast_gelu_grad_is_onnx_runtimes():
+    """ortflow.FastGeluGrad (ATen's gelu_backward, tanh) against com.microsoft's, which it replaces in
+    bf16 graphs: the same function to float32's rounding."""
+    def gelu_grad(domain: str, options: ort.SessionOptions) -> ort.InferenceSession:
+        node = helper.make_node("FastGeluGrad", ["dY", "X"], ["dX"], domain=domain)
+        graph = helper.make_graph(
+            [node], "gelu_grad", [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("dY", "X")],
+            [helper.make_tensor_value_info("dX", TensorProto.FLOAT, None)])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)],
+                                  ir_version=9)
+        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(kernels.library()))
+    rng = np.random.default_rng(0)
+    feeds = {"dY": rng.standard_normal((4, 8, 96), dtype=np.float32),
+             "X": rng.standard_normal((4, 8, 96), dtype=np.float32) * 4}
+    ours, theirs = (gelu_grad(domain, options).run(None, feeds)[0] for domain in ("ortflow", "com.microsoft"))
+    assert ours.shape == theirs.shape == (4, 8, 96)
+    assert np.abs(ours - theirs).max() <= 4e-6 * np.abs(theirs).max()
+    assert np.abs(theirs).max() > 1
+    with pytest.raises(Exception, match=r"ortflow.FastGeluGrad: dY and X must have one shape, got \[2, 3\] and \[3\]"):
+        gelu_grad("ortflow", options).run(None, {"dY": np.ones((2, 3), np.float32), "X": np.ones(3, np.float32)})

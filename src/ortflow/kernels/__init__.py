@@ -2,8 +2,8 @@
 the system's C++ compiler the first time a process asks for them (no binary ships with
 ortflow), against the headers and libraries of the installed torch wheel.
 
-`bf16_matmul_library()` is the path of the shared library that defines
-`ortflow.BF16MatMul` (bf16_matmul.cc says what it computes), for
+`library()` is the path of the shared library that defines them (operators.cc says what
+each computes): `ortflow.BF16MatMul` and `ortflow.FastGeluGrad`, for
 `SessionOptions.register_custom_ops_library`.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..errors import PreflightError
 
-SOURCE = Path(__file__).with_name("bf16_matmul.cc")
+SOURCE = Path(__file__).with_name("operators.cc")
 
 
 def cache_folder() -> Path:
@@ -30,13 +30,14 @@ def compiler() -> str:
     found = shutil.which(os.environ.get("CXX", "c++"))
     if found is None:
         raise PreflightError(
-            "ortflow.BF16MatMul is compiled at first use and no C++ compiler was found (CXX or c++ on PATH): "
+            "ortflow's operators (train.precision: bf16) are compiled at first use and no C++ compiler was found "
+            "(CXX or c++ on PATH): "
             "install one (Debian: apt-get install g++)")
     return found
 
 
 @functools.cache
-def bf16_matmul_library() -> Path:
+def library() -> Path:
     """The compiled library, built if this source, torch and compiler have not been built together before."""
     import torch
 
@@ -53,18 +54,18 @@ def bf16_matmul_library() -> Path:
     ]
     inputs = [SOURCE.read_bytes(), torch.__version__.encode(), str(torch_dir).encode(), cxx.encode()]
     key = hashlib.sha256(b"\0".join(inputs + [flag.encode() for flag in flags])).hexdigest()[:16]
-    library = cache_folder() / key / "bf16_matmul.so"
+    library = cache_folder() / key / "operators.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     # A name of this process's own: ranks that start together each compile, and the last rename wins whole.
-    partial = library.with_name(f"bf16_matmul.so.{os.getpid()}")
+    partial = library.with_name(f"operators.so.{os.getpid()}")
     result = subprocess.run([cxx, str(SOURCE), "-o", str(partial), *flags], capture_output=True, text=True)
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
         first = next((line for line in result.stderr.splitlines() if "error" in line), result.stderr.strip())
         raise PreflightError(
-            f"compiling {SOURCE.name} with {cxx} failed: {first}. ortflow.BF16MatMul needs a C++17 compiler "
+            f"compiling {SOURCE.name} with {cxx} failed: {first}. ortflow's operators need a C++17 compiler "
             f"(g++ 9 or later) and the headers of the installed torch wheel under {torch_dir / 'include'}")
     os.replace(partial, library)
     return library
