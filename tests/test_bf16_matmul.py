@@ -18,12 +18,14 @@ from ortflow.errors import PreflightError
 pytestmark = pytest.mark.e2e
 
 
-def session(trans_a: int = 0, trans_b: int = 0) -> ort.InferenceSession:
-    node = helper.make_node("BF16MatMul", ["A", "B"], ["Y"], domain="ortflow", transA=trans_a, transB=trans_b)
+def session(op: str = "BF16MatMul", domain: str = "ortflow", inputs: tuple[str, ...] = ("A", "B"),
+            **attributes) -> ort.InferenceSession:
+    """A session of one `op` node of float32 `inputs` and output Y, with ortflow's operators registered."""
+    node = helper.make_node(op, list(inputs), ["Y"], domain=domain, **attributes)
     graph = helper.make_graph(
-        [node], "product", [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("A", "B")],
+        [node], op, [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in inputs],
         [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ortflow", 1)],
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)],
                               ir_version=9)
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(kernels.library()))
@@ -39,7 +41,7 @@ def session(trans_a: int = 0, trans_b: int = 0) -> ort.InferenceSession:
 def test_the_product_is_torchs_bf16_matmul_within_bf16_of_float64(a_shape, b_shape, trans_a, trans_b):
     rng = np.random.default_rng(0)
     a, b = rng.standard_normal(a_shape, dtype=np.float32), rng.standard_normal(b_shape, dtype=np.float32)
-    y = session(trans_a, trans_b).run(None, {"A": a, "B": b})[0]
+    y = session(transA=trans_a, transB=trans_b).run(None, {"A": a, "B": b})[0]
     a_, b_ = (a.swapaxes(-1, -2) if trans_a else a), (b.swapaxes(-1, -2) if trans_b else b)
     exact = a_.astype(np.float64) @ b_.astype(np.float64)
     assert y.dtype == np.float32 and y.shape == exact.shape
@@ -76,23 +78,14 @@ def test_a_failed_compile_names_the_compilers_first_error(tmp_path, monkeypatch)
 def test_fast_gelu_grad_is_onnx_runtimes():
     """ortflow.FastGeluGrad (ATen's gelu_backward, tanh) against com.microsoft's, which it replaces in
     bf16 graphs: the same function to float32's rounding."""
-    def gelu_grad(domain: str, options: ort.SessionOptions) -> ort.InferenceSession:
-        node = helper.make_node("FastGeluGrad", ["dY", "X"], ["dX"], domain=domain)
-        graph = helper.make_graph(
-            [node], "gelu_grad", [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in ("dY", "X")],
-            [helper.make_tensor_value_info("dX", TensorProto.FLOAT, None)])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)],
-                                  ir_version=9)
-        return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(kernels.library()))
     rng = np.random.default_rng(0)
     feeds = {"dY": rng.standard_normal((4, 8, 96), dtype=np.float32),
              "X": rng.standard_normal((4, 8, 96), dtype=np.float32) * 4}
-    ours, theirs = (gelu_grad(domain, options).run(None, feeds)[0] for domain in ("ortflow", "com.microsoft"))
+    ours, theirs = (session("FastGeluGrad", domain, ("dY", "X")).run(None, feeds)[0]
+                    for domain in ("ortflow", "com.microsoft"))
     assert ours.shape == theirs.shape == (4, 8, 96)
     assert np.abs(ours - theirs).max() <= 4e-6 * np.abs(theirs).max()
     assert np.abs(theirs).max() > 1
     with pytest.raises(Exception, match=r"ortflow.FastGeluGrad: dY and X must have one shape, got \[2, 3\] and \[3\]"):
-        gelu_grad("ortflow", options).run(None, {"dY": np.ones((2, 3), np.float32), "X": np.ones(3, np.float32)})
+        session("FastGeluGrad", "ortflow", ("dY", "X")).run(None, {"dY": np.ones((2, 3), np.float32),
+                                                                  "X": np.ones(3, np.float32)})

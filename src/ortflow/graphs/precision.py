@@ -119,7 +119,8 @@ def rewrite(model) -> int:
             nodes.append(helper.make_node("Add", [product, node.input[2]], [node.output[0]], name=f"{node.name}_bias"))
     del graph.node[:]
     graph.node.extend(nodes)
-    if rewritten and all(opset.domain != DOMAIN for opset in model.opset_import):
+    # Any ortflow node needs the domain's opset, a FastGeluGrad in a graph without a multiply too.
+    if any(node.domain == DOMAIN for node in nodes) and all(opset.domain != DOMAIN for opset in model.opset_import):
         model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
     return len(rewritten)
 

@@ -15,8 +15,8 @@
 //
 // ortflow.FastGeluGrad is com.microsoft's FastGeluGrad (inputs dY, X; output dX, float32): the gradient
 // of GELU's tanh approximation, which GPT-2's "gelu_new" becomes, by ATen's vectorized gelu_backward.
-// ONNX Runtime 1.19.2's own kernel computes it 5.5x slower (36 against 6.5 ms on [512, 3072], one
-// thread): 0.35 s of a GPT-2 124M step (docs/benchmarks.md).
+// ONNX Runtime 1.19.2's own kernel computes it 10x slower (30.9 against 3.0 ms on [512, 3072], one
+// thread, bench/bench_gelu_grad.py): 0.35 s of a GPT-2 124M step (docs/benchmarks.md).
 //
 // ONNX Runtime's C API headers ship in neither the onnxruntime-training wheel nor any Debian or
 // PyPI package this project can install, so the few declarations used are written out here.
