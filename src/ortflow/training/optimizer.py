@@ -14,10 +14,13 @@ InferenceSession, over arrays it chooses:
 
 The graph's kernel updates the arrays of its sequences in place. That is checked
 once (`GraphStep`): a copy made on the way in would lose the update without a
-sound. Its arithmetic is elementwise, so a slice steps exactly as the whole tensor
-does, and measured against the training API's Optimizer over the same model
-(tests/test_optimizer.py) it is bit for bit the same, AdamW and SGD, several steps:
-so this is the one optimizer path, and the training API's Optimizer is not used.
+sound. Its arithmetic is elementwise, so a slice steps as the whole does, bit for
+bit where it is cut at a multiple of 16 elements; elsewhere, an element at its ends can land
+one unit in the last place apart (the kernel steps a tensor's body in vector
+packets and the rest one by one, which round differently). Measured against the
+training API's Optimizer over the same model (tests/test_optimizer.py) it is bit
+for bit the same, AdamW and SGD, several steps: so this is the one optimizer path,
+and the training API's Optimizer is not used.
 
 Another optimizer plugs in by `train.optimizer.name` in open_step: an object called as
 `step(lr, step, params, grads, moments, decays)` that updates `params` and `moments`
