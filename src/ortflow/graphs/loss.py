@@ -76,6 +76,10 @@ def loss_block(loss: str, label: Column, logits: Logits):
                 squeezed = f"{logits_name}.label_layout"
                 self.base.graph.node.append(onnx.helper.make_node("Reshape", [logits_name, dims], [squeezed]))
                 logits_name = squeezed
+            transposed = loss in CLASS_LOSSES and classes_last(self.base.graph, logits_name)
+            if transposed:  # [batch, time, classes] -> [batch * time, classes]: Flatten is a view
+                logits_name = f"{transposed}.tokens"
+                self.base.graph.node.append(onnx.helper.make_node("Flatten", [transposed], [logits_name], axis=2))
             elem_type = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(label.dtype))
             shape = ["batch", *label.shape]
             self.base.graph.input.append(onnx.helper.make_tensor_value_info(label.name, elem_type, shape))
@@ -84,6 +88,25 @@ def loss_block(loss: str, label: Column, logits: Logits):
             wanted = onnx.TensorProto.INT64 if loss in CLASS_LOSSES else onnx.TensorProto.FLOAT
             target = f"{label.name}.{onnx.TensorProto.DataType.Name(wanted).lower()}"
             self.base.graph.node.append(onnx.helper.make_node("Cast", [label.name], [target], to=wanted))
+            if transposed:
+                flat = np.array([-1], np.int64)
+                self.base.graph.initializer.append(onnx.numpy_helper.from_array(flat, f"{target}.tokens_shape"))
+                self.base.graph.node.append(
+                    onnx.helper.make_node("Reshape", [target, f"{target}.tokens_shape"], [f"{target}.tokens"]))
+                target = f"{target}.tokens"
             return self.inner(logits_name, target)
 
     return LabelledLoss()
+
+
+def classes_last(graph, logits: str) -> str | None:
+    """The [batch, time, classes] tensor whose Transpose (perm [0, 2, 1]) made `logits`, if one did: a
+    language model's logits in the layout the loss takes ([batch, classes, time], models/gpt.py).
+    ONNX Runtime's cross-entropy on [N, C, D] transposes them back to [N * D, C] inside, forward
+    and backward, and the model's Transpose has its own gradient: on the tensor before it,
+    flattened, the loss does neither (GPT-2 124M's logits are 103 MB at 4 x 128 tokens)."""
+    producer = next((node for node in graph.node if logits in node.output), None)
+    if producer is None or producer.op_type != "Transpose":
+        return None
+    perm = next((list(a.ints) for a in producer.attribute if a.name == "perm"), None)
+    return producer.input[0] if perm == [0, 2, 1] else None

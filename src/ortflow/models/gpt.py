@@ -6,7 +6,8 @@ a head to the vocabulary that shares the token embedding when `tied`.
 
 The logits come out as [batch, vocab, time], not the usual [batch, time, vocab]:
 ONNX's SoftmaxCrossEntropyLoss takes the classes in dimension 1 ([N, C, d1])
-with labels [N, d1], so next-token cross-entropy needs no reshape of either.
+with labels [N, d1], so next-token cross-entropy needs no reshape of either (the
+training graph's loss reads the tensor before the Transpose, flattened: graphs/loss.py).
 No dropout, so that training and evaluation compute the same function.
 """
 
