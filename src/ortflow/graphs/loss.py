@@ -67,15 +67,17 @@ def loss_block(loss: str, label: Column, logits: Logits):
             else:
                 self.inner = getattr(onnxblock.loss, LOSS_BLOCKS[loss])()
 
+        def reshaped(self, name: str, shape: list[int], to: str) -> str:
+            """`name` reshaped to `shape` by a Reshape node, as the tensor `<name>.<to>`."""
+            dims, out = f"{name}.{to}_shape", f"{name}.{to}"
+            self.base.graph.initializer.append(onnx.numpy_helper.from_array(np.array(shape, np.int64), dims))
+            self.base.graph.node.append(onnx.helper.make_node("Reshape", [name, dims], [out]))
+            return out
+
         def build(self, logits_name: str):
             if logits.reshape:  # Reshape's 0 keeps the batch (and classes) as they are: [N, C, 1, 1] -> [N, C]
-                dims = f"{logits_name}.label_layout_shape"
                 kept = [0, 0] if loss in CLASS_LOSSES else [0]
-                self.base.graph.initializer.append(
-                    onnx.numpy_helper.from_array(np.array([*kept, *label.shape], np.int64), dims))
-                squeezed = f"{logits_name}.label_layout"
-                self.base.graph.node.append(onnx.helper.make_node("Reshape", [logits_name, dims], [squeezed]))
-                logits_name = squeezed
+                logits_name = self.reshaped(logits_name, [*kept, *label.shape], "label_layout")
             transposed = loss in CLASS_LOSSES and classes_last(self.base.graph, logits_name)
             if transposed:  # [batch, time, classes] -> [batch * time, classes]: Flatten is a view
                 logits_name = f"{transposed}.tokens"
@@ -89,11 +91,7 @@ def loss_block(loss: str, label: Column, logits: Logits):
             target = f"{label.name}.{onnx.TensorProto.DataType.Name(wanted).lower()}"
             self.base.graph.node.append(onnx.helper.make_node("Cast", [label.name], [target], to=wanted))
             if transposed:
-                flat = np.array([-1], np.int64)
-                self.base.graph.initializer.append(onnx.numpy_helper.from_array(flat, f"{target}.tokens_shape"))
-                self.base.graph.node.append(
-                    onnx.helper.make_node("Reshape", [target, f"{target}.tokens_shape"], [f"{target}.tokens"]))
-                target = f"{target}.tokens"
+                target = self.reshaped(target, [-1], "tokens")
             return self.inner(logits_name, target)
 
     return LabelledLoss()
