@@ -19,6 +19,7 @@ from ortflow.artifacts import Artifacts
 from ortflow.data.shards import ShardReader
 from ortflow.graphs import precision
 from ortflow.graphs.description import read_description
+from ortflow.onnx_nodes import attributes
 from ortflow.training import preflight
 
 STEPS, BATCH, LR = 30, 8, 0.01
@@ -57,8 +58,8 @@ def test_the_rewrite_replaces_the_float_multiplies_it_can_and_leaves_the_rest():
     nodes = {node.output[0]: node for node in model.graph.node}
     for name in ("matmul", "gemm", "fused", "biased_bf16_unbiased"):
         assert (nodes[name].op_type, nodes[name].domain, nodes[name].input[:]) == ("BF16MatMul", "ortflow", ["a", "b"])
-    assert precision.attributes(nodes["fused"]) == {"transA": 0, "transB": 1}
-    assert precision.attributes(nodes["biased_bf16_unbiased"]) == {"transA": 1, "transB": 0}
+    assert attributes(nodes["fused"]) == {"transA": 0, "transB": 1}
+    assert attributes(nodes["biased_bf16_unbiased"]) == {"transA": 1, "transB": 0}
     assert (nodes["biased"].op_type, nodes["biased"].input[:]) == ("Add", ["biased_bf16_unbiased", "c"])
     assert nodes["matmul"].name == "/m/MatMul"  # names kept: profiles and recompute's blocks go by them
     for name, op in (("scaled", "Gemm"), ("beta", "Gemm"), ("batch", "FusedMatMul"), ("alpha", "FusedMatMul"),
@@ -91,9 +92,9 @@ def test_the_rewrite_takes_in_the_transposes_only_multiplies_read():
     assert precision.rewrite(model) == 4
     nodes = {node.output[0]: node for node in model.graph.node}
     assert "wt" not in nodes
-    assert (nodes["y"].input[:], precision.attributes(nodes["y"])) == (["x", "w"], {"transA": 0, "transB": 1})
-    assert (nodes["dx"].input[:], precision.attributes(nodes["dx"])) == (["w", "x"], {"transA": 0, "transB": 0})
-    assert (nodes["scores"].input[:], precision.attributes(nodes["scores"])) == (["q", "kt"], {"transA": 0, "transB": 0})
+    assert (nodes["y"].input[:], attributes(nodes["y"])) == (["x", "w"], {"transA": 0, "transB": 1})
+    assert (nodes["dx"].input[:], attributes(nodes["dx"])) == (["w", "x"], {"transA": 0, "transB": 0})
+    assert (nodes["scores"].input[:], attributes(nodes["scores"])) == (["q", "kt"], {"transA": 0, "transB": 0})
     assert nodes["kt"].op_type == nodes["heads"].op_type == "Transpose"
     assert nodes["moved"].input[:] == ["heads", "q"]
     gelu_grad = nodes["gelu_grad"]  # ONNX Runtime's kernel of it is 10x slower than ATen's (operators.cc)

@@ -11,6 +11,7 @@ from ..data.manifest import Manifest
 from ..models import is_float
 from ..models.export_fixes import symbolic_shape_inference
 from ..models.torch_export import sequence_features, sequence_name
+from ..onnx_nodes import attributes
 
 log = logging.getLogger("ortflow.build_artifacts")
 
@@ -81,8 +82,7 @@ def node_flops(nodes, values: dict) -> dict[int, int]:
         elif node.op_type == "Conv":
             flops[index] = 2 * math.prod(y) * math.prod(b[1:])
         elif node.op_type == "Gemm":
-            trans_a = next((attr.i for attr in node.attribute if attr.name == "transA"), 0)
-            flops[index] = 2 * math.prod(y) * (a[0] if trans_a else a[-1])
+            flops[index] = 2 * math.prod(y) * (a[0] if attributes(node).get("transA", 0) else a[-1])
         else:
             flops[index] = 2 * math.prod(y) * a[-1]
     if unknown:

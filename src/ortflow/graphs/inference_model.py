@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .. import external_data
 from ..errors import ModelError
+from ..onnx_nodes import reads
 
 
 def inference_graph(eval_model: Path, output: str):
@@ -69,16 +70,6 @@ def prune(model) -> None:
                         (model.graph.value_info, described)):
         for entry in [entry for entry in field if entry.name not in keep]:
             field.remove(entry)
-
-
-def reads(node) -> set[str]:
-    """The values `node` reads: its inputs, and the outer values its subgraphs (If, Loop) read."""
-    names = set(node.input)
-    for attribute in node.attribute:
-        for graph in [attribute.g] if attribute.HasField("g") else attribute.graphs:
-            for inner in graph.node:
-                names |= reads(inner)
-    return names
 
 
 def add_weights(model, weights: Mapping, path: Path, name: Path) -> None:

@@ -9,6 +9,7 @@ from ..data.manifest import Column, Manifest
 from ..errors import ModelError
 from ..models import CLASS_LOSSES, IGNORE_INDEX
 from ..models.logits import Logits
+from ..onnx_nodes import attributes
 
 # ORT's loss blocks by config name; bce_with_logits is ortflow's own (models/losses.py).
 LOSS_BLOCKS = {"cross_entropy": "CrossEntropyLoss", "mse": "MSELoss", "l1": "L1Loss"}
@@ -106,5 +107,4 @@ def classes_last(graph, logits: str) -> str | None:
     producer = next((node for node in graph.node if logits in node.output), None)
     if producer is None or producer.op_type != "Transpose":
         return None
-    perm = next((list(a.ints) for a in producer.attribute if a.name == "perm"), None)
-    return producer.input[0] if perm == [0, 2, 1] else None
+    return producer.input[0] if attributes(producer).get("perm") == [0, 2, 1] else None

@@ -91,6 +91,7 @@ from ..data.manifest import Column, Manifest
 from ..errors import ConfigError, ModelError
 from ..models import is_float
 from ..models.export_fixes import infer_shapes
+from ..onnx_nodes import attributes
 from .description import REMEDY
 from .generate import generate_with_loss
 from .loss import loss_block
@@ -223,8 +224,8 @@ def shapes_from_inputs(model) -> int:
         if dims is None or any(d == 0 or isinstance(d, str) and d not in symbols for d in dims):
             nodes.append(node)
             continue
-        attributes = {a.name: a.i for a in node.attribute}
-        start, end = attributes.get("start", 0), attributes.get("end", len(dims))
+        found = attributes(node)
+        start, end = found.get("start", 0), found.get("end", len(dims))
         kept = dims[slice(start, end)]
         pieces, out = [], node.output[0]
         for index, dim in enumerate(kept):

@@ -26,17 +26,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..artifacts import Artifacts
+from ..onnx_nodes import attributes
 
 OP, DOMAIN = "BF16MatMul", "ortflow"
 MICROSOFT = "com.microsoft"
 # What Gemm's output is called before its bias is added, where BF16MatMul + Add replaces it.
 UNBIASED = "_bf16_unbiased"
-
-
-def attributes(node) -> dict:
-    from onnx import helper
-
-    return {attribute.name: helper.get_attribute_value(attribute) for attribute in node.attribute}
 
 
 def biased(node) -> bool:

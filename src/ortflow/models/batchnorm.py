@@ -36,6 +36,7 @@ from pathlib import Path
 
 from ..artifacts import Artifacts
 from ..errors import ModelError
+from ..onnx_nodes import attributes
 
 log = logging.getLogger("ortflow.build_artifacts")
 # BatchNormalization has had a training_mode attribute since this opset.
@@ -43,7 +44,7 @@ TRAINING_MODE_OPSET = 14
 
 
 def _training_mode(node) -> int:
-    return next((a.i for a in node.attribute if a.name == "training_mode"), 0)
+    return attributes(node).get("training_mode", 0)
 
 
 def buffers_before_export(module) -> dict:
@@ -182,7 +183,7 @@ def _corrected(graph, node) -> tuple[str, str]:
     import onnx
 
     x, running_mean, running_var, inv_std = node.input[0], node.output[1], node.output[2], node.output[4]
-    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    found = attributes(node)
     prefix = f"{running_var}.unbiased"
 
     def constant(name: str, value) -> str:
@@ -195,9 +196,9 @@ def _corrected(graph, node) -> tuple[str, str]:
         return output
 
     # biased variance = 1 / inv_std^2 - epsilon; n = elements of x / channels
-    biased = op("Sub", op("Reciprocal", op("Mul", inv_std, inv_std)), constant("epsilon", attributes["epsilon"]))
+    biased = op("Sub", op("Reciprocal", op("Mul", inv_std, inv_std)), constant("epsilon", found["epsilon"]))
     n = op("Cast", op("Div", op("Size", x), op("Size", running_mean)), to=onnx.TensorProto.FLOAT)
-    share = op("Div", constant("update", 1.0 - attributes.get("momentum", 0.9)), op("Sub", n, constant("one", 1.0)))
+    share = op("Div", constant("update", 1.0 - found.get("momentum", 0.9)), op("Sub", n, constant("one", 1.0)))
     return running_mean, op("Add", running_var, op("Mul", biased, share))
 
 

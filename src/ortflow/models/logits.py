@@ -27,6 +27,7 @@ import logging
 from typing import NamedTuple
 
 from ..errors import ModelError
+from ..onnx_nodes import attributes
 from . import CLASS_LOSSES
 from .user import default_opset
 
@@ -146,7 +147,7 @@ def class_axis(softmax, input_shape: list | None, opset: int) -> bool:
     13 a Softmax normalizes over its input flattened from `axis` (default 1) on,
     which is over the classes when the dimensions after them are 1."""
     legacy = opset < 13
-    axis = next((a.i for a in softmax.attribute if a.name == "axis"), 1 if legacy else -1)
+    axis = attributes(softmax).get("axis", 1 if legacy else -1)
     if input_shape is None:
         return axis == 1 and not legacy
     if axis < 0:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .. import external_data
 from ..errors import ModelError
+from ..onnx_nodes import reads
 from . import batchnorm, is_float
 
 log = logging.getLogger("ortflow.build_artifacts")
@@ -148,7 +149,7 @@ def drop_unused_initializers(model, where: str) -> None:
     """Initializers that no node reads (left over from a conversion, such as the
     data-queue blobs in Caffe2 models) would be parameters without a gradient,
     which ONNX Runtime's gradient builder cannot place: remove them."""
-    read = set(graph_inputs_read(model.graph)) | {o.name for o in model.graph.output}
+    read = {name for node in model.graph.node for name in reads(node)} | {o.name for o in model.graph.output}
     unused = [t.name for t in model.graph.initializer if t.name not in read]
     if unused:
         kept = [t for t in model.graph.initializer if t.name in read]
@@ -182,20 +183,6 @@ def sums_to_adds(model, where: str) -> None:
     del model.graph.node[:]
     model.graph.node.extend(nodes)
     log.info("%s: %d Sum node(s) written as Add (ONNX Runtime has a gradient for Add, none for Sum)", where, sums)
-
-
-def graph_inputs_read(graph):
-    """The names that the nodes of `graph` and of its subgraphs (If, Loop, Scan) read."""
-    from onnx import AttributeProto
-
-    for node in graph.node:
-        yield from node.input
-        for attribute in node.attribute:
-            if attribute.type == AttributeProto.GRAPH:
-                yield from graph_inputs_read(attribute.g)
-            elif attribute.type == AttributeProto.GRAPHS:
-                for subgraph in attribute.graphs:
-                    yield from graph_inputs_read(subgraph)
 
 
 def dynamic_batch(model, where: str) -> None:

@@ -36,6 +36,7 @@ import numpy as np
 
 from .. import external_data
 from ..errors import ConfigError, DataError, ModelError
+from ..onnx_nodes import attributes
 
 log = logging.getLogger("ortflow.quantize")
 
@@ -110,19 +111,17 @@ def weight_source(node, initializers: dict, producers: dict) -> tuple[str, bool]
     ([N, K]) there, where the node is a MatMul or a plain Gemm (alpha = beta = 1, A not transposed)
     whose B is the initializer or the Transpose of one (torch.onnx exports a Linear as
     MatMul(x, Transpose(W)))."""
-    from onnx import helper
-
-    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    found = attributes(node)
     if node.op_type == "Gemm":
-        if attributes.get("alpha", 1.0) != 1.0 or attributes.get("beta", 1.0) != 1.0 or attributes.get("transA", 0):
+        if found.get("alpha", 1.0) != 1.0 or found.get("beta", 1.0) != 1.0 or found.get("transA", 0):
             return None
     elif node.op_type != "MatMul":
         return None
-    name, transposed = node.input[1], bool(attributes.get("transB", 0))
+    name, transposed = node.input[1], bool(found.get("transB", 0))
     transpose = producers.get(name)
     if name not in initializers and transpose is not None and transpose.op_type == "Transpose":
-        perm = [list(helper.get_attribute_value(a)) for a in transpose.attribute if a.name == "perm"]
-        if perm in ([], [[1, 0]]):
+        # A 2-D Transpose without a perm reverses the axes: [1, 0].
+        if attributes(transpose).get("perm", [1, 0]) == [1, 0]:
             name, transposed = transpose.input[0], not transposed
     tensor = initializers.get(name)
     if tensor is None or tensor.data_type != tensor.FLOAT or len(tensor.dims) != 2:

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from .. import external_data
+from ..onnx_nodes import attributes
 
 log = logging.getLogger("ortflow.quantize")
 
@@ -128,8 +129,7 @@ def fold_transposed_weights(graph, source_folder: Path, data: Path) -> None:
             alone.CopyFrom(weight)
             array = numpy_helper.to_array(alone, str(source_folder))
             del alone
-            perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None) or \
-                list(reversed(range(array.ndim)))
+            perm = attributes(node).get("perm") or list(reversed(range(array.ndim)))
             transposed = np.ascontiguousarray(array.transpose(perm))
             del array
             if uses(weight):
