@@ -10,6 +10,7 @@ import csv
 import json
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,10 @@ POINTS = ["lr-0.01", "lr-0.001"]
 # after it rather than 10 s later each time, keeps the runs short.
 SLURM_ARGS = ("--workflow-profile", str(PROFILE), "--slurm-init-seconds-before-status-checks", "2")
 SNAKEMAKE = (str(BIN / "python"), str(REPO / "tests" / "slurm" / "snakemake_fixed_polling.py"))
+# Tests find their jobs in Slurm's accounting by working folder, and a folder's path can come
+# again in a later run (pytest numbers its base folders anew once they are deleted): only the
+# jobs since this module was imported, when this run began, are this run's.
+RUN_STARTED = time.strftime("%Y-%m-%dT%H:%M:%S")
 
 
 @pytest.fixture(scope="session")
@@ -53,11 +58,11 @@ def slurm_run(slurm_cluster, tmp_path_factory):
 
 
 def slurm_jobs(workdir: Path) -> dict[str, list[dict]]:
-    """Slurm's accounting records of the jobs run in `workdir`: job id -> the
+    """Slurm's accounting records of this run's jobs in `workdir`: job id -> the
     job's row followed by its steps' rows."""
     fields = "JobID,Comment,State,NTasks,NNodes,NodeList,AllocCPUS,WorkDir"
     out = subprocess.run(
-        ["sacct", "--allusers", "--noheader", "--parsable2", "--starttime", "now-6hours",
+        ["sacct", "--allusers", "--noheader", "--parsable2", "--starttime", RUN_STARTED,
          f"--format={fields}"],
         capture_output=True, text=True, check=True,
     ).stdout
