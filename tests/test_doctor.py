@@ -64,6 +64,9 @@ def test_doctor_target_passes_on_this_machine(workdir):
     assert status == "ok" and detail.startswith("2 ranks on ")
     assert detail.endswith("agree on the world size; in-place all-reduce correct")
     assert rows["NCCL all-reduce"] == ("skip", "skipped: train.device is cpu")
+    # Where the CPU has bfloat16 units, how fast they multiply is measured, not assumed.
+    measured = "bfloat16 products at" in rows["precision"][1]
+    assert measured == bool(preflight.cpu_flags() & preflight.BF16_FLAGS), rows["precision"]
     assert rows["onnxruntime-training"][1] == "1.19.2"
     assert rows["MPI library"][1].startswith("Open MPI")
     assert text.rstrip().endswith("all required checks passed")

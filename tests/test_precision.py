@@ -112,6 +112,12 @@ def test_bf16_on_cuda_is_refused_in_one_line_and_a_cpu_without_the_units_warned(
     assert preflight.check_precision("bf16", "cpu", {"avx2", "fma"}).status == preflight.WARN
     assert "slower than fp32" in preflight.check_precision("bf16", "cpu", set()).detail
     assert preflight.check_precision("bf16", "cpu", {"avx512f", "avx512_bf16"}).status == preflight.OK
+    # The units are not enough: an Intel Xeon with AVX512_BF16 and no AMX multiplied bfloat16 slower.
+    slower = preflight.check_precision("bf16", "cpu", {"avx512_bf16"}, speedup=0.55)
+    assert (slower.status, "at 0.55x float32's speed" in slower.detail) == (preflight.WARN, True), slower
+    assert "slower than fp32" in slower.detail and "set train.precision: fp32" in slower.fix
+    faster = preflight.check_precision("bf16", "cpu", {"amx_bf16"}, speedup=1.9)
+    assert (faster.status, faster.detail) == (preflight.OK, "bf16 on amx_bf16; bfloat16 products at 1.90x float32's speed here")
     assert preflight.check_precision("fp32", "cpu", {"amx_bf16"}).detail.endswith("bf16: amx_bf16)")
     assert preflight.check_precision("fp32", "cuda", set()).status == preflight.OK
     config = config_mod.load(overrides={"model": {"kind": "mlp"}, "train": {"precision": "bf16", "device": "cuda"}})
@@ -124,6 +130,9 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\n\nprocessor\t: 1\nflags\t\t: fpu\n")
     assert preflight.cpu_flags(cpuinfo) == {"fpu", "avx2", "avx512_bf16"}
     assert preflight.cpu_flags(tmp_path / "absent") == set()
+    # Measured where the units are, on the CPU only (test_doctor shows the measured figure).
+    assert preflight.measured_speedup(set(), "cpu") is None
+    assert preflight.measured_speedup({"avx512_bf16"}, "cuda") is None
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from ..diagnosis.installation import check_mpi_library, check_providers, check_r
 from ..diagnosis.ranks import check_ranks
 from ..training.preflight import (
     FAIL, OK, SKIP, Check, check_disk, check_launcher, check_onnxruntime_distributions, check_training_import,
-    check_precision, check_world_size, cpu_flags, cuda_checks, installed_distributions,
+    check_precision, check_world_size, cpu_flags, cuda_checks, installed_distributions, measured_speedup,
 )
 from ..wording import plural
 
@@ -40,7 +40,9 @@ def diagnose(args) -> list[Check]:
     training_imports = checks[-1].status == OK
     checks.append(check_providers(device) if training_imports else Check("execution providers", SKIP, "skipped: onnxruntime does not import"))
     launcher, fits = check_launcher("mpirun"), check_world_size(world_size, device)
-    checks += [launcher, check_root(), fits, check_precision(config.train.precision, device, cpu_flags())]
+    flags = cpu_flags()
+    precision = check_precision(config.train.precision, device, flags, measured_speedup(flags, device))
+    checks += [launcher, check_root(), fits, precision]
 
     cuda = device == "cuda"
     if cuda:
