@@ -13,7 +13,9 @@ multiplies read, becomes their transA/transB, as ONNX Runtime's own fusion makes
 Gemm or FusedMatMul in a float32 graph: left as a node, it would copy the tensor, and a copy of a
 weight lives from the forward to the backward (BERT-base: 72 of them, 367 MiB a rank).
 com.microsoft's FastGeluGrad (the gradient of GPT-2's tanh GELU) becomes ortflow's, the same
-function by ATen's vectorized kernel: ONNX Runtime's took 0.35 s of a GPT-2 124M step.
+function by ATen's vectorized kernel: ONNX Runtime's took 0.35 s of a GPT-2 124M step. (At fp32,
+apply writes it as ONNX's element-wise operators instead, gelu_grad.py: fp32 graphs load no
+library of ortflow's.)
 The training graph is rewritten in place; the eval graph is written rewritten beside the
 float32 one (`Artifacts.eval_model_bf16`), which export reads, so the exported model is
 float32 as trained and is checked against a float32 eval graph.
@@ -23,10 +25,14 @@ sets ATen's intra-op threads, which run its product (not ONNX Runtime's pool).""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from ..artifacts import Artifacts
 from ..onnx_nodes import attributes
+from . import gelu_grad
+
+log = logging.getLogger("ortflow.build_artifacts")
 
 OP, DOMAIN = "BF16MatMul", "ortflow"
 MICROSOFT = "com.microsoft"
@@ -124,12 +130,21 @@ def apply(folder: Path, precision: str) -> dict[str, int]:
     """With `precision` bf16, rewrite the training graph of the artifacts in `folder` in place and
     write its eval graph rewritten to `Artifacts.eval_model_bf16` (the float32 one stays, for
     export). Returns the count of multiplies rewritten in each ({} for fp32). Where neither graph
-    has one, nothing is written, and the artifacts train in float32 (`Artifacts.bf16` is False)."""
+    has one, nothing is written, and the artifacts train in float32 (`Artifacts.bf16` is False).
+    At fp32 the training graph's FastGeluGrads become ONNX's element-wise operators (gelu_grad.py)."""
     import onnx
 
-    if precision != "bf16":
-        return {}
     files = Artifacts(folder)
+    if precision != "bf16":
+        if not gelu_grad.mentioned(files.training_model):
+            return {}  # most models: their graph is not parsed again
+        training = onnx.load(str(files.training_model), load_external_data=False)
+        decomposed = gelu_grad.decompose(training)
+        if decomposed:
+            onnx.save(training, str(files.training_model))
+            log.info("%d FastGeluGrad(s) of the training graph as ONNX element-wise operators (ONNX Runtime's "
+                     "kernel is not vectorized)", decomposed)
+        return {}
     # Without the weights: a graph over external_data.threshold() keeps pointing at its data file beside it.
     models = {"training": onnx.load(str(files.training_model), load_external_data=False),
               "eval": onnx.load(str(files.eval_model), load_external_data=False)}
