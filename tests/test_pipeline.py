@@ -19,7 +19,7 @@ from ortflow.artifacts import Artifacts
 from ortflow.data.manifest import read_manifest
 from ortflow.data.shards import ShardReader
 from ortflow.errors import ModelError
-from ortflow.graphs import pipeline
+from ortflow.graphs import pipeline, precision
 from ortflow.graphs.description import read_description
 from ortflow.models.logits import find as find_logits
 from ortflow.sessions import training_options
@@ -69,6 +69,8 @@ def staged(root: Path, name: str, stages: int) -> tuple[pipeline.Plan, list[Path
     folders = pipeline.build(plan, description.trainable, description.loss, manifest.label,
                              config(root, model, data).train.optimizer, root / name / f"p{stages}",
                              find_logits(base, description.loss, manifest))
+    for folder in folders:  # as build_artifacts rewrites each stage's graphs (GPT-2's GELU gradient at fp32)
+        precision.apply(folder, "fp32")
     return plan, folders
 
 
