@@ -58,6 +58,11 @@ def mentioned(path: Path) -> bool:
         return data.find(OP.encode()) >= 0
 
 
+def is_kernel(node) -> bool:
+    """Whether `node` is ONNX Runtime's com.microsoft FastGeluGrad."""
+    return node.op_type == OP and node.domain == DOMAIN
+
+
 def decompose(model) -> int:
     """Replace each com.microsoft FastGeluGrad of `model`'s graph (inputs dY, X) with `steps`' nodes,
     in place; returns how many. The nodes keep the replaced node's name as their prefix, which
@@ -65,14 +70,14 @@ def decompose(model) -> int:
     from onnx import TensorProto, helper
 
     graph = model.graph
-    found = [node for node in graph.node if node.op_type == OP and node.domain == DOMAIN]
-    if not found:
+    replaced = sum(map(is_kernel, graph.node))
+    if not replaced:
         return 0
     nodes = [helper.make_node("Constant", [], [f"{PREFIX}.{name}"], name=f"{PREFIX}.{name}",
                               value=helper.make_tensor(f"{PREFIX}.{name}", TensorProto.FLOAT, [], [value]))
              for name, value in CONSTANTS.items()]
     for node in graph.node:
-        if node.op_type == OP and node.domain == DOMAIN:
+        if is_kernel(node):
             dy, x = node.input
             nodes += [helper.make_node(op, inputs, [output], name=f"{node.name}/{op}_{index}")
                       for index, (op, inputs, output) in enumerate(steps(dy, x, node.output[0]))]
@@ -80,4 +85,4 @@ def decompose(model) -> int:
             nodes.append(node)
     del graph.node[:]
     graph.node.extend(nodes)
-    return len(found)
+    return replaced

@@ -102,7 +102,7 @@ def rewrite(model) -> int:
     for position, node in enumerate(graph.node):
         if node.op_type == "Transpose" and node.output[0] in transposes:
             continue
-        if node.op_type == "FastGeluGrad" and node.domain == MICROSOFT:
+        if gelu_grad.is_kernel(node):
             nodes.append(helper.make_node(node.op_type, node.input, node.output, name=node.name, domain=DOMAIN))
             continue
         if position not in rewritten:

@@ -54,8 +54,9 @@ EXTRA_CHECKPOINTS = 2
 # The CPU flags (Linux's /proc/cpuinfo names) of the units that multiply bfloat16: needed for speed,
 # not enough (check_precision).
 BF16_FLAGS = {"avx512_bf16", "amx_bf16"}
-# The product bf16_speedup times: GPT-2 124M's attention projection at 4 x 128 tokens (rows, inner, columns).
-SPEEDUP_PRODUCT = (512, 768, 768)
+# The product bf16_speedup times: GPT-2 124M's attention projection at 4 x 128 tokens (rows, inner, columns),
+# and how many times in each precision (the fastest counts).
+SPEEDUP_PRODUCT, SPEEDUP_CALLS = (512, 768, 768), 5
 
 # Distributions that install the `onnxruntime` package without the training
 # engine; next to onnxruntime-training, whichever was installed last wins.
@@ -269,10 +270,10 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def bf16_speedup(calls: int = 5) -> float:
+def bf16_speedup() -> float:
     """How many times faster this CPU multiplies in bfloat16 than in float32, on one thread: torch's
     products of SPEEDUP_PRODUCT's shape (the oneDNN kernel that ortflow.BF16MatMul runs), the fastest
-    of `calls` each, alternated, so that other work on the machine slows both alike."""
+    of SPEEDUP_CALLS each, alternated, so that other work on the machine slows both alike."""
     import time
 
     import torch
@@ -284,7 +285,7 @@ def bf16_speedup(calls: int = 5) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for _ in range(calls):
+        for _ in range(SPEEDUP_CALLS):
             for dtype, (x, y) in operands.items():
                 start = time.perf_counter()
                 torch.mm(x, y)
