@@ -36,18 +36,27 @@ def train_bpe(path: Path, vocab_size: int = 400):
 
 def train_wordpiece(path: Path, vocab_size: int = 300, texts: list[str] | None = None):
     """A lower-casing WordPiece tokenizer with BERT's template ([CLS] a [SEP] b [SEP],
-    type ids 1 for b) and a [PAD] token, saved as tokenizer.json at `path`."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    type ids 1 for b) and a [PAD] token, saved as tokenizer.json at `path`.
 
-    tokenizer = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False)
-    tokenizer.train_from_iterator(texts or pydoc_text().split("\n\n"), trainer)
-    cls, sep = tokenizer.token_to_id("[CLS]"), tokenizer.token_to_id("[SEP]")
+    Its vocabulary is counted here, not learnt by tokenizers' WordPieceTrainer, whose ids
+    change from process to process (ties broken in hash-map order), and with them the tests'
+    shards and how their training goes: the special tokens, every character as a word's
+    first (c) and as a later one (##c), then the commonest words (ties alphabetical) up to
+    `vocab_size`; a word not among them is split into characters."""
+    from collections import Counter
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    normalizer, pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    counts = Counter(word for text in (texts or pydoc_text().split("\n\n"))
+                     for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text)))
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    vocab += sorted({word[0] for word in counts} | {"##" + c for word in counts for c in word[1:]})
+    vocab += sorted((w for w in counts if len(w) > 1), key=lambda w: (-counts[w], w))[:max(0, vocab_size - len(vocab))]
+    tokenizer = Tokenizer(models.WordPiece({token: i for i, token in enumerate(vocab)}, unk_token="[UNK]"))
+    tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)])
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
     tokenizer.save(str(path))
     return tokenizer
 
