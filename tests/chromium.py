@@ -102,15 +102,18 @@ class Chromium:
 
     def frame_rows(self, timeout: float = 30) -> dict[str, list[str]]:
         """The rows with a data-key of the HTML page shown in the report's iframe (a data: URL,
-        so another origin: read in a world of its own), by key. The iframe may still be
-        navigating to the new page, which destroys a world made in the old one: then make
-        another."""
+        so another origin: read in a world of its own), by key. The report may not have
+        made the iframe yet, or it may still be navigating to the new page, which destroys a
+        world made in the old one: then look again."""
         query = ("document.readyState === 'complete' && [...document.querySelectorAll('tr[data-key]')]"
                  ".map(r => [r.dataset.key, ...[...r.cells].map(c => c.innerText.trim())])")
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             frames = self.send("Page.getFrameTree")["frameTree"].get("childFrames", [])
-            assert len(frames) == 1, f"expected the report to show one iframe, found {len(frames)}"
+            assert len(frames) <= 1, f"expected the report to show one iframe, found {len(frames)}"
+            if not frames:
+                time.sleep(0.1)
+                continue
             context = self.send("Page.createIsolatedWorld", frameId=frames[0]["frame"]["id"])["executionContextId"]
             try:
                 rows = self.evaluate(query, context)
