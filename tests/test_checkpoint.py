@@ -20,6 +20,7 @@ from ortflow import cli, config as config_mod
 from ortflow.checkpoints import ort_format, reader, resume
 from ortflow.errors import TrainingError
 from ortflow.training.comm import read_beat
+from ortflow.training.preflight import host_cores
 from ortflow.training.schedule import learning_rate
 
 pytestmark = pytest.mark.e2e
@@ -339,9 +340,15 @@ def test_resume_with_another_world_size(reference, tmp_path):
     assert "1 rank, global batch 48 (16 x 3 accumulated x 1 rank), resuming at step 20" in _log(workdir)
     assert json.loads((root / "step-00000030/manifest.json").read_text())["world_size"] == 1
     one_rank = _state(root / "step-00000040")
-    run_snakemake(workdir, _config(world_size=3, micro_batch_size=16, resume_from=str(root / "step-00000030")),
-                  "train")
+    result = run_snakemake(workdir, _config(world_size=3, micro_batch_size=16,
+                                            resume_from=str(root / "step-00000030")), "train")
     assert "3 ranks, global batch 48 (16 x 1 accumulated x 3 ranks), resuming at step 30" in _log(workdir)
+    cores = host_cores()
+    if cores < 3:  # oversubscribed: the preflight's warning is kept, and said again as snakemake ends
+        warning = (f"world size: train.world_size=3 ranks on {cores} cores: oversubscribed, ranks share cores and "
+                   f"run slowly (fix: set train.world_size to at most {cores} for speed)")
+        assert json.loads((workdir / RUN / "train/metrics.json").read_text())["warnings"] == [warning]
+        assert f"  warning   {warning}" in result.stdout
     assert len(list((root / "step-00000040").glob("shard-*-of-00003.h5"))) == 3
     three_ranks = _state(root / "step-00000040")
     # Only the order of the floating-point sums differs: measured 2.0e-7 for both

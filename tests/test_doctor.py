@@ -147,8 +147,10 @@ def test_preflight_of_the_default_config_passes_and_oversubscription_only_warns(
     problems = preflight.preflight(crowded, results=results)
     assert [p.fatal for p in problems] == [False]
     with caplog.at_level(logging.WARNING, logger="ortflow.preflight"):
-        preflight.raise_if_problems(problems)
-    assert f"train.world_size={cores + 1} ranks on {cores} cores: oversubscribed" in caplog.text
+        warnings = preflight.raise_if_problems(problems)
+    assert warnings == [f"world size: train.world_size={cores + 1} ranks on {cores} cores: oversubscribed, ranks "
+                        f"share cores and run slowly (fix: set train.world_size to at most {cores} for speed)"]
+    assert warnings[0] in caplog.text
 
     impossible = config.load(overrides={"train": {"world_size": 4 * cores + 1}})
     with pytest.raises(preflight.PreflightError, match=f"fix: set train.world_size to at most {cores}"):

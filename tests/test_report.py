@@ -27,7 +27,7 @@ from ortflow.reporting.summary import run_summary
 from ortflow.reporting.tables import summary_rows
 from ortflow.training.comm import read_beat
 from ortflow.training.run_folder import TrainFolder
-from ortflow.training.run_summary import write_run_summary
+from ortflow.training.run_summary import read_run_summary, write_run_summary
 
 # A run other than the default one: its own run.name, from its own --configfile.
 RUN = "seen"
@@ -250,6 +250,18 @@ def test_summary_shows_the_baseline_and_says_when_the_model_does_not_beat_it(tmp
     assert ("beats_baseline", "beats the baseline", "no") in rows
     better = dataclasses.replace(train, eval={"loss": 2.25, "accuracy": 0.5})
     assert ("beats_baseline", "beats the baseline", "yes") in summary_rows(better, None)
+
+
+def test_summary_and_report_repeat_the_warnings_training_started_with(tmp_path):
+    run = tmp_path / "results" / "digits"
+    (run / "train").mkdir(parents=True)
+    warning = ("precision: train.precision: bf16 on avx512_bf16, but bfloat16 products run at 0.55x float32's "
+               "speed on this CPU (measured now): it trains slower than fp32 (fix: set train.precision: fp32)")
+    write_run_summary(run / "train" / "metrics.json", train_summary(warnings=(warning,)))
+    lines = run_summary(run, **files_of(run)).splitlines()
+    assert lines[3] == f"  warning   {warning}"
+    assert ("setup_warnings", "warnings before training", warning) in summary_rows(read_run_summary(
+        run / "train" / "metrics.json"), None)
 
 
 def test_summary_and_report_of_a_run_whose_int8_model_the_gate_refused(tmp_path):

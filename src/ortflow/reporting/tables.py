@@ -70,6 +70,8 @@ def summary_rows(train: RunSummary | None, export: ExportMetrics | None, descrip
             ("samples_per_s", "samples/s (steady state)", fmt(train.samples_per_s, "rate")),
             ("ranks", "ranks", str(len(train.peak_rss_mb))),
         ]
+        if train.warnings:
+            rows.append(("setup_warnings", "warnings before training", "; ".join(train.warnings)))
     if description:
         trained, total = description.trainable_parameters, description.parameters
         rows.append(("trainable_parameters", "parameters trained",

@@ -63,7 +63,9 @@ def run(args) -> int:
     pipeline.check_stages(model, config.train.pipeline_stages)
     # Without model.json the ranks stop at once, naming the missing artifacts.
     description = read_description(model.model_json) if model.model_json.is_file() else None
-    raise_if_problems(preflight(config, args.mpi, folder.folder.parent, description, pipeline.held_by_stages(model)))
+    # The warnings go into metrics.json too: the lines printed when `snakemake` ends repeat them.
+    warnings = raise_if_problems(preflight(config, args.mpi, folder.folder.parent, description,
+                                           pipeline.held_by_stages(model)))
     append_to_log()
     lock = lock_attempt(folder)
     if lock is None:
@@ -75,7 +77,7 @@ def run(args) -> int:
         return 128 + received[0]
     command = rank_command(args.mpi, world_size, {
         "config": config_mod.as_dict(config), "train": str(args.train), "eval": str(args.eval),
-        "artifacts": str(args.artifacts), "out": str(folder)})
+        "artifacts": str(args.artifacts), "out": str(folder), "warnings": warnings})
     print(f"ortflow train: {' '.join(command[:command.index(sys.executable)])} ...", file=sys.stderr, flush=True)
     code = supervise(command, launcher_env(os.environ), lock, received, Ranks(folder.ready, world_size))
     return end_attempt(folder, code, received, Path(args.mpi).name, config.train.steps)

@@ -506,13 +506,14 @@ def preflight(config: Config, launcher: str = "mpirun", results: Path = Path("re
     return [Problem(f"{c.name}: {c.detail}", c.fix, fatal=c.status == FAIL) for c in checks if c.status in (WARN, FAIL)]
 
 
-def raise_if_problems(problems: list[Problem]) -> None:
-    """Log the warnings; raise one PreflightError listing every fatal problem."""
-    for problem in problems:
-        if not problem.fatal:
-            log.warning("%s (fix: %s)", problem.what, problem.fix)
+def raise_if_problems(problems: list[Problem]) -> list[str]:
+    """Log the warnings, then raise one PreflightError listing every fatal problem; with none, the warnings."""
+    warnings = [f"{p.what} (fix: {p.fix})" for p in problems if not p.fatal]
+    for warning in warnings:
+        log.warning("%s", warning)
     fatal = [p for p in problems if p.fatal]
     if fatal:
         lines = [f"- {p.what}\n  fix: {p.fix}" for p in fatal]
         raise PreflightError("cannot start training:\n" + "\n".join(lines))
+    return warnings
 

@@ -50,6 +50,8 @@ class RunSummary:
     trainable_parameters: int | None = None
     pipeline_waited_share: tuple[float | None, ...] | None = None  # each rank's share of its steps spent waiting
     pipeline_bubble: float | None = None  # 1F1B's, for comparison
+    # The train preflight's warnings, "<check>: <what> (fix: <fix>)" (absent before they were kept).
+    warnings: tuple[str, ...] = ()
 
 
 def read_run_summary(path: Path) -> RunSummary:

@@ -29,7 +29,7 @@ from .stop import GRACE_S, STOP_SIGNALS
 
 def rank_command(mpi: str, world_size: int, job: dict) -> list[str]:
     """The command that starts `world_size` ranks of the loop with the MPI launcher `mpi`,
-    each given `job` ({"config", "train", "eval", "artifacts", "out"}: trainer.main's argument)."""
+    each given `job` ({"config", "train", "eval", "artifacts", "out", "warnings"}: trainer.main's argument)."""
     return launcher_command(shutil.which(mpi) or mpi, world_size, host_cores()) + [
         sys.executable, "-m", "ortflow.training.trainer", json.dumps(job)]
 

@@ -75,8 +75,9 @@ class Trainer:
     checkpointer, the metrics, the weight decay and the stop request."""
 
     def __init__(self, config: config_mod.Config, train_data: Path, eval_data: Path, artifacts: Artifacts,
-                 folder: TrainFolder, stop: StopRequest):
-        self.train_cfg, self.folder, self.stop_request = config.train, folder, stop
+                 folder: TrainFolder, stop: StopRequest, *, warnings: tuple[str, ...] = ()):
+        """`warnings`: the train preflight's (`ortflow train` ran it), kept in metrics.json."""
+        self.train_cfg, self.folder, self.stop_request, self.warnings = config.train, folder, stop, warnings
         self.steps, self.seed = self.train_cfg.steps, config.run.seed
         folder.folder.mkdir(parents=True, exist_ok=True)
         self.comm = comm_mod.create(self.train_cfg, folder.heartbeat)
@@ -248,7 +249,8 @@ class Trainer:
                                                     self.comm.allgather(peak_rss_mb())),
                              best=BestEval(**self.best.describe()), stopped_early=done < self.steps,
                              baseline=self.baseline, parameters=self.info.parameters,
-                             trainable_parameters=self.info.trainable_parameters, **self.engine_summary())
+                             trainable_parameters=self.info.trainable_parameters, warnings=self.warnings,
+                             **self.engine_summary())
         behind = baseline_mod.not_beaten(self.last_eval, self.baseline)
         if behind and self.comm.rank == 0:
             log.warning("%s", behind)
@@ -341,7 +343,7 @@ class PipelinedTrainer(Trainer):
 
 def main(argv: list[str] | None = None) -> int:
     """One rank. Its one argument is the JSON that `ortflow train` writes (supervisor.rank_command,
-    the only command line that starts it): {"config", "train", "eval", "artifacts", "out"}."""
+    the only command line that starts it): {"config", "train", "eval", "artifacts", "out", "warnings"}."""
     ort_private.skip_ortmodule()
     job = json.loads((argv or sys.argv[1:])[0])
     folder = TrainFolder(job["out"])
@@ -358,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
         if config.train.device == "cuda":  # before ONNX Runtime loads its CUDA provider
             cuda_libraries.preload()
         run = PipelinedTrainer if config.train.pipeline_stages > 1 else Trainer
-        run(config, Path(job["train"]), Path(job["eval"]), Artifacts(job["artifacts"]), folder, stop).run()
+        run(config, Path(job["train"]), Path(job["eval"]), Artifacts(job["artifacts"]), folder, stop,
+            warnings=tuple(job["warnings"])).run()
         stop.settle()
     except Stopped:
         # Every rank stops here together, without MPI_Abort.
