@@ -90,7 +90,7 @@ def trained(folder: Path, config, artifacts: Path, train: Path) -> tuple[Path, d
     train` starts), its evaluation of the whole eval split after them (metrics.json's), and the ranks' log."""
     folder.mkdir()
     job = {"config": config_mod.as_dict(config), "train": str(train), "eval": str(train.parent / "eval"),
-           "artifacts": str(artifacts), "out": str(folder / "train")}
+           "artifacts": str(artifacts), "out": str(folder / "train"), "warnings": []}
     ranks = run_on_ranks(folder, f"from ortflow.training import trainer\ntrainer.main([{json.dumps(job)!r}])\n",
                          config.train.world_size)
     return (folder / "train" / "checkpoints" / f"step-{config.train.steps:08d}",

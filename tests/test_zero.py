@@ -35,7 +35,7 @@ def run_ranks(folder: Path, artifacts: Path, data: Path, ranks: int, zero: int, 
                       lr_schedule={"name": "constant"}, checkpoint_every=50, keep_checkpoints=5, eval_every=1000,
                       resume_from=str(resume_from) if resume_from else None)
     job = {"config": config_mod.as_dict(config), "train": str(data), "eval": str(data.parent / "eval"), "artifacts": str(artifacts),
-           "out": str(folder)}
+           "out": str(folder), "warnings": []}
     result = subprocess.run(launcher.launcher_command("mpirun", ranks, 2)
                             + [sys.executable, "-m", "ortflow.training.trainer", json.dumps(job)],
                             env=launcher.launcher_env(os.environ), capture_output=True, text=True,
