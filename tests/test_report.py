@@ -8,6 +8,7 @@ import base64
 import csv
 import dataclasses
 import json
+import os
 import re
 import shlex
 import shutil
@@ -294,6 +295,24 @@ def test_summary_and_report_of_a_run_whose_int8_model_the_gate_refused(tmp_path)
     write_export_metrics(results / "export" / "metrics.json", passed)
     shown = run_summary(results, **files_of(results))
     assert "refused" not in shown and f"(int8: {results}/export/model.int8.onnx)" in shown
+
+
+def test_summary_says_when_the_model_shown_was_exported_from_an_earlier_training(tmp_path):
+    """`snakemake train` after a change of settings trains again but leaves the export: the model
+    and figures shown are of the training before, and the summary says so with the command that
+    exports this one (and not once the export is newer)."""
+    results = tmp_path / "results" / "digits"
+    (results / "train").mkdir(parents=True)
+    (results / "export").mkdir()
+    write_export_metrics(results / "export" / "metrics.json", export_metrics({"accuracy": 0.98, "size_bytes": 100}))
+    write_run_summary(results / "train" / "metrics.json", train_summary())
+    os.utime(results / "export" / "metrics.json", (1e9, 1e9))  # exported long before this training
+    arguments = ["--config", "train={precision: bf16}"]
+    lines = run_summary(results, **files_of(results), run_arguments=arguments).splitlines()
+    assert ("  warning   the model and its figures above were exported from an earlier training; "
+            "`snakemake --cores all --config 'train={precision: bf16}'` exports this one") in lines
+    os.utime(results / "export" / "metrics.json")  # now: exported after it
+    assert "earlier training" not in run_summary(results, **files_of(results), run_arguments=arguments)
 
 
 def console_tail(stderr: str) -> list[str]:

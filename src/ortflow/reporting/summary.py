@@ -73,7 +73,9 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
         merged = read_merged(checkpoint)
         lines.append(f"  exported  the checkpoint of step {merged.step}, the {merged.chosen.shown()}")
     lines += [f"  warning   {warning}" for warning in [*(train.warnings if train else ()), not_beaten(train),
-                                                       *(export.warnings if export else ())] if warning]
+                                                       *(export.warnings if export else ()),
+                                                       earlier_export(train_metrics, export_metrics, run_arguments)]
+              if warning]
     if len(lines) == 1:
         lines.append("  nothing trained yet")
     lines.append(f"  report    {shlex.join(report_command(report, reported, targets, run_arguments))}")
@@ -125,6 +127,19 @@ def model_lines(description: ModelDescription) -> list[str]:
     if description.lora:
         lines.append(f"  trained   {lora_trained(description)}")
     return lines
+
+
+def earlier_export(train_metrics: str | Path, export_metrics: str | Path, run_arguments: Sequence[str]) -> str | None:
+    """What to say when the exported model is older than the training (as after `snakemake train`
+    with changed settings): the model and figures shown are of the training before. Snakemake
+    decides by the same times which stages to run again."""
+    train_metrics, export_metrics = Path(train_metrics), Path(export_metrics)
+    if not (train_metrics.is_file() and export_metrics.is_file()):
+        return None
+    if export_metrics.stat().st_mtime >= train_metrics.stat().st_mtime:
+        return None
+    command = shlex.join(["snakemake", "--cores", "all", *run_arguments])
+    return f"the model and its figures above were exported from an earlier training; `{command}` exports this one"
 
 
 def report_command(report: str | Path, reported: Iterable[str | Path], targets: Iterable[str],
