@@ -72,10 +72,9 @@ def run_summary(results: str | Path, *, train_metrics: str | Path, export_metric
     if (Path(checkpoint) / META).is_file():
         merged = read_merged(checkpoint)
         lines.append(f"  exported  the checkpoint of step {merged.step}, the {merged.chosen.shown()}")
-    lines += [f"  warning   {warning}" for warning in [*(train.warnings if train else ()), not_beaten(train),
-                                                       *(export.warnings if export else ()),
-                                                       earlier_export(train_metrics, export_metrics, run_arguments)]
-              if warning]
+    warnings = [*(train.warnings if train else ()), not_beaten(train), *(export.warnings if export else ()),
+                earlier_export(train_metrics, export_metrics, run_arguments)]
+    lines += [f"  warning   {warning}" for warning in warnings if warning]
     if len(lines) == 1:
         lines.append("  nothing trained yet")
     lines.append(f"  report    {shlex.join(report_command(report, reported, targets, run_arguments))}")
