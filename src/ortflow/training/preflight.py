@@ -306,7 +306,8 @@ def check_precision(precision: str, device: str, flags: set[str], speedup: float
     speed needs AVX512_BF16 or AMX (`flags`, cpu_flags'): without them oneDNN emulates bfloat16,
     and the operator measured 0.38x and 0.03x MLAS fp32. The units are not enough: an Intel Xeon
     with AVX512_BF16 but without AMX (a hypervisor hid it) multiplied bfloat16 at about half
-    float32's speed (bf16_speedup 0.52x; docs/benchmarks.md), so where they are, `speedup`
+    float32's speed (bf16_speedup 0.52x; its dot product instruction peaks at 0.49x float32 FMA's
+    rate: bench/bench_bf16_units.py, docs/benchmarks.md), so where they are, `speedup`
     (measured_speedup's) decides."""
     name, units = "precision", ", ".join(sorted(flags & BF16_FLAGS))
     measured = f"; bfloat16 products at {speedup:.2f}x float32's speed here" if speedup is not None else ""
