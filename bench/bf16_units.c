@@ -28,28 +28,32 @@ static void keep(__m512 s) {
     if (_mm512_reduce_add_ps(s) == -1.0f) puts("");
 }
 
+/* Into `seconds`, the time of n iterations of STEP on each of the 24 accumulators, which are
+ * then summed and kept. */
+#define TIME_CHAINS(STEP, n, seconds)                        \
+    do {                                                     \
+        __m512 s = _mm512_setzero_ps();                      \
+        REPEAT(DECLARE)                                      \
+        double start = now();                                \
+        for (long k = 0; k < (n); k++) { REPEAT(STEP) }      \
+        seconds = now() - start;                             \
+        REPEAT(SUM)                                          \
+        keep(s);                                             \
+    } while (0)
+
 static double fp32_macs(long n) {
-    __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f), s = _mm512_setzero_ps();
-    REPEAT(DECLARE)
-    double t = now();
-    for (long k = 0; k < n; k++) { REPEAT(FMA) }
-    t = now() - t;
-    REPEAT(SUM)
-    keep(s);
-    return n * (double)CHAINS * 16 / t;
+    __m512 b = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-3f);
+    double seconds;
+    TIME_CHAINS(FMA, n, seconds);
+    return n * (double)CHAINS * 16 / seconds;
 }
 
 static double bf16_macs(long n) {
     /* bfloat16 1.0 and 0.001 */
     __m512bh x = (__m512bh)_mm512_set1_epi16(0x3f80), y = (__m512bh)_mm512_set1_epi16(0x3a83);
-    __m512 s = _mm512_setzero_ps();
-    REPEAT(DECLARE)
-    double t = now();
-    for (long k = 0; k < n; k++) { REPEAT(DOT) }
-    t = now() - t;
-    REPEAT(SUM)
-    keep(s);
-    return n * (double)CHAINS * 32 / t;
+    double seconds;
+    TIME_CHAINS(DOT, n, seconds);
+    return n * (double)CHAINS * 32 / seconds;
 }
 
 int main(int argc, char **argv) {
