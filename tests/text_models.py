@@ -56,7 +56,7 @@ def train_wordpiece(path: Path, vocab_size: int = 300, texts: list[str] | None =
     tokenizer = Tokenizer(models.WordPiece({token: i for i, token in enumerate(vocab)}, unk_token="[UNK]"))
     tokenizer.normalizer, tokenizer.pre_tokenizer = normalizer, pre_tokenizer
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[(token, vocab.index(token)) for token in ("[CLS]", "[SEP]")])
     tokenizer.save(str(path))
     return tokenizer
 
